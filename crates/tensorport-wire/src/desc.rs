@@ -1,0 +1,362 @@
+//! Tensor descriptors: what a peer says about a tensor (raw), and what we have checked (checked).
+
+use serde::{Deserialize, Serialize};
+
+use crate::msg::{RawFence, RawLocation, RawTensorDesc, SlotRef};
+use crate::WireError;
+
+/// Most dimensions a tensor may have.
+pub const MAX_DIMS: usize = 8;
+
+/// Element types. The numbers are the wire encoding and never change.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
+#[repr(u8)]
+pub enum DType {
+    /// IEEE 754 binary32.
+    F32 = 0,
+    /// IEEE 754 binary16.
+    F16 = 1,
+    /// bfloat16.
+    BF16 = 2,
+    /// Unsigned byte.
+    U8 = 3,
+    /// Signed 32-bit integer.
+    I32 = 4,
+    /// Signed 64-bit integer.
+    I64 = 5,
+    /// IEEE 754 binary64.
+    F64 = 6,
+    /// Signed byte.
+    I8 = 7,
+}
+
+impl DType {
+    /// The dtype for a wire number, if known.
+    pub fn from_u8(v: u8) -> Option<DType> {
+        Some(match v {
+            0 => DType::F32,
+            1 => DType::F16,
+            2 => DType::BF16,
+            3 => DType::U8,
+            4 => DType::I32,
+            5 => DType::I64,
+            6 => DType::F64,
+            7 => DType::I8,
+            _ => return None,
+        })
+    }
+
+    /// Bytes per element.
+    pub fn size(self) -> u64 {
+        match self {
+            DType::U8 | DType::I8 => 1,
+            DType::F16 | DType::BF16 => 2,
+            DType::F32 | DType::I32 => 4,
+            DType::I64 | DType::F64 => 8,
+        }
+    }
+
+    /// Lower-case name, as used in docs and CLIs.
+    pub fn name(self) -> &'static str {
+        match self {
+            DType::F32 => "f32",
+            DType::F16 => "f16",
+            DType::BF16 => "bf16",
+            DType::U8 => "u8",
+            DType::I32 => "i32",
+            DType::I64 => "i64",
+            DType::F64 => "f64",
+            DType::I8 => "i8",
+        }
+    }
+}
+
+/// Where a checked tensor's bytes live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Location {
+    /// In a slot of the session's host pool.
+    HostSlot(SlotRef),
+}
+
+/// What the validator checks a descriptor against: the layout of the session's pool.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct PoolBounds {
+    /// Number of slots in the pool.
+    pub slot_count: u32,
+    /// Bytes per slot.
+    pub slot_size: u64,
+}
+
+/// A tensor descriptor that passed [`validate`]: every byte it describes lies inside its slot.
+///
+/// Fields are private so that no unchecked descriptor can be built outside this module.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TensorDesc {
+    dtype: DType,
+    rank: u8,
+    shape: [u64; MAX_DIMS],
+    strides: [u64; MAX_DIMS],
+    contiguous: bool,
+    offset: u64,
+    len: u64,
+    numel: u64,
+    location: Location,
+}
+
+impl TensorDesc {
+    /// Element type.
+    pub fn dtype(&self) -> DType {
+        self.dtype
+    }
+    /// Dimensions, outermost first.
+    pub fn shape(&self) -> &[u64] {
+        &self.shape[..self.rank as usize]
+    }
+    /// Strides in elements, one per dimension.
+    pub fn strides(&self) -> &[u64] {
+        &self.strides[..self.rank as usize]
+    }
+    /// Whether the strides are the row-major (C) strides of the shape.
+    pub fn is_contiguous(&self) -> bool {
+        self.contiguous
+    }
+    /// Byte offset of element 0 inside the slot.
+    pub fn offset(&self) -> u64 {
+        self.offset
+    }
+    /// Bytes the descriptor covers, from `offset`.
+    pub fn byte_len(&self) -> u64 {
+        self.len
+    }
+    /// Number of elements (product of the shape).
+    pub fn numel(&self) -> u64 {
+        self.numel
+    }
+    /// Where the bytes are.
+    pub fn location(&self) -> Location {
+        self.location
+    }
+    /// The slot, for a host-slot tensor.
+    pub fn slot(&self) -> SlotRef {
+        match self.location {
+            Location::HostSlot(s) => s,
+        }
+    }
+}
+
+/// Row-major strides (in elements) for `shape`, or `None` if they overflow.
+pub fn contiguous_strides(shape: &[u64]) -> Option<[u64; MAX_DIMS]> {
+    let mut strides = [0u64; MAX_DIMS];
+    let mut acc: u64 = 1;
+    for (i, &d) in shape.iter().enumerate().rev() {
+        strides[i] = acc;
+        acc = acc.checked_mul(d.max(1))?;
+    }
+    Some(strides)
+}
+
+/// Checks every field of a raw descriptor against the pool, and returns the checked descriptor.
+///
+/// This is the only way to make a [`TensorDesc`]. It refuses: an unknown dtype; more than
+/// [`MAX_DIMS`] dimensions; an element count or byte size that overflows `u64`; strides of the
+/// wrong length; an offset not aligned to the element size; a byte length smaller than the
+/// tensor's extent; `offset + len` past the end of the slot; a slot index outside the pool; and
+/// any location or fence this version does not support on the host path.
+pub fn validate(raw: &RawTensorDesc, pool: &PoolBounds) -> Result<TensorDesc, WireError> {
+    let dtype = DType::from_u8(raw.dtype).ok_or(WireError::UnknownDType(raw.dtype))?;
+    let rank = raw.shape.len();
+    if rank > MAX_DIMS {
+        return Err(WireError::BadRank(rank));
+    }
+    let elem = dtype.size();
+    let mut numel: u64 = 1;
+    for &d in &raw.shape {
+        numel = numel
+            .checked_mul(d)
+            .ok_or_else(|| WireError::ShapeOverflow(raw.shape.clone()))?;
+    }
+    numel
+        .checked_mul(elem)
+        .ok_or_else(|| WireError::ShapeOverflow(raw.shape.clone()))?;
+
+    let mut shape = [0u64; MAX_DIMS];
+    shape[..rank].copy_from_slice(&raw.shape);
+    let natural = contiguous_strides(&raw.shape)
+        .ok_or_else(|| WireError::ShapeOverflow(raw.shape.clone()))?;
+    let (strides, contiguous) = match &raw.strides {
+        None => (natural, true),
+        Some(s) => {
+            if s.len() != rank {
+                return Err(WireError::BadStrides(format!(
+                    "{} strides for {} dimensions",
+                    s.len(),
+                    rank
+                )));
+            }
+            let mut st = [0u64; MAX_DIMS];
+            st[..rank].copy_from_slice(s);
+            (st, st[..rank] == natural[..rank] || numel <= 1)
+        }
+    };
+
+    // Extent in bytes: (1 + sum((d_i - 1) * s_i)) * elem, or 0 for an empty tensor.
+    let extent = if numel == 0 {
+        0
+    } else {
+        let mut last: u64 = 0;
+        for i in 0..rank {
+            let span = (shape[i] - 1)
+                .checked_mul(strides[i])
+                .and_then(|x| last.checked_add(x))
+                .ok_or_else(|| WireError::BadStrides("strided extent overflows".into()))?;
+            last = span;
+        }
+        last.checked_add(1)
+            .and_then(|n| n.checked_mul(elem))
+            .ok_or_else(|| WireError::BadStrides("strided extent overflows".into()))?
+    };
+    if raw.len < extent {
+        return Err(WireError::OutOfBounds(format!(
+            "byte length {} is less than the tensor's extent {}",
+            raw.len, extent
+        )));
+    }
+    if raw.offset % elem != 0 {
+        return Err(WireError::Misaligned {
+            offset: raw.offset,
+            elem,
+        });
+    }
+    let end = raw
+        .offset
+        .checked_add(raw.len)
+        .ok_or_else(|| WireError::OutOfBounds("offset + length overflows".into()))?;
+    if end > pool.slot_size {
+        return Err(WireError::OutOfBounds(format!(
+            "bytes {}..{} leave the slot of {} bytes",
+            raw.offset, end, pool.slot_size
+        )));
+    }
+    let location = match &raw.location {
+        RawLocation::HostSlot(s) => {
+            if s.slot >= pool.slot_count {
+                return Err(WireError::OutOfBounds(format!(
+                    "slot {} of a pool of {} slots",
+                    s.slot, pool.slot_count
+                )));
+            }
+            Location::HostSlot(*s)
+        }
+    };
+    if let Some(f) = &raw.fence {
+        return Err(WireError::Unsupported(match f {
+            RawFence::CudaIpcEvent(_) => "a CUDA IPC event fence on a host slot".into(),
+            RawFence::Timeline { .. } => "a timeline fence on a host slot".into(),
+        }));
+    }
+    Ok(TensorDesc {
+        dtype,
+        rank: rank as u8,
+        shape,
+        strides,
+        contiguous,
+        offset: raw.offset,
+        len: raw.len,
+        numel,
+        location,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::ErrorCode;
+
+    const POOL: PoolBounds = PoolBounds {
+        slot_count: 4,
+        slot_size: 4096,
+    };
+
+    fn raw(dtype: u8, shape: &[u64], offset: u64, len: u64) -> RawTensorDesc {
+        RawTensorDesc {
+            dtype,
+            shape: shape.to_vec(),
+            strides: None,
+            offset,
+            len,
+            location: RawLocation::HostSlot(SlotRef {
+                slot: 1,
+                generation: 0,
+            }),
+            fence: None,
+        }
+    }
+
+    fn code(r: &RawTensorDesc) -> ErrorCode {
+        validate(r, &POOL).unwrap_err().code()
+    }
+
+    #[test]
+    fn accepts_a_plain_tensor() {
+        let d = validate(&raw(0, &[2, 3, 4], 64, 96), &POOL).unwrap();
+        assert_eq!(d.numel(), 24);
+        assert_eq!(d.strides(), &[12, 4, 1]);
+        assert!(d.is_contiguous());
+        assert_eq!(d.slot().slot, 1);
+    }
+
+    #[test]
+    fn refuses_each_bad_field() {
+        assert_eq!(code(&raw(99, &[4], 0, 16)), ErrorCode::UnknownDType);
+        assert_eq!(code(&raw(0, &[1; 9], 0, 4)), ErrorCode::BadRank);
+        assert_eq!(
+            code(&raw(0, &[u64::MAX, 2], 0, 16)),
+            ErrorCode::ShapeOverflow
+        );
+        assert_eq!(
+            code(&raw(0, &[1 << 62, 1], 0, 16)),
+            ErrorCode::ShapeOverflow,
+            "byte size overflows"
+        );
+        assert_eq!(code(&raw(0, &[4], 4088, 16)), ErrorCode::OutOfBounds);
+        assert_eq!(code(&raw(0, &[4], u64::MAX - 2, 16)), ErrorCode::Misaligned);
+        assert_eq!(code(&raw(0, &[4], u64::MAX - 7, 16)), ErrorCode::OutOfBounds);
+        assert_eq!(code(&raw(0, &[8], 0, 16)), ErrorCode::OutOfBounds, "len < extent");
+        assert_eq!(code(&raw(0, &[4], 2, 16)), ErrorCode::Misaligned);
+        let mut r = raw(0, &[4], 0, 16);
+        r.location = RawLocation::HostSlot(SlotRef {
+            slot: 4,
+            generation: 0,
+        });
+        assert_eq!(code(&r), ErrorCode::OutOfBounds, "slot past the pool");
+        let mut r = raw(0, &[4], 0, 16);
+        r.fence = Some(RawFence::Timeline {
+            semaphore: 0,
+            value: 1,
+        });
+        assert_eq!(code(&r), ErrorCode::Unsupported);
+    }
+
+    #[test]
+    fn strides_are_bounded() {
+        let mut r = raw(0, &[2, 2], 0, 16);
+        r.strides = Some(vec![2]);
+        assert_eq!(code(&r), ErrorCode::BadStrides);
+        // Transposed view of a 2x2: extent 4 elements, fits in 16 bytes.
+        r.strides = Some(vec![1, 2]);
+        let d = validate(&r, &POOL).unwrap();
+        assert!(!d.is_contiguous());
+        // A stride that reaches past the bytes given.
+        r.strides = Some(vec![100, 1]);
+        assert_eq!(code(&r), ErrorCode::OutOfBounds);
+        r.strides = Some(vec![u64::MAX, 1]);
+        assert_eq!(code(&r), ErrorCode::BadStrides);
+    }
+
+    #[test]
+    fn empty_tensor_is_fine() {
+        let d = validate(&raw(5, &[0, 7], 8, 0), &POOL).unwrap();
+        assert_eq!(d.numel(), 0);
+        assert_eq!(d.byte_len(), 0);
+    }
+}
