@@ -1,1 +1,742 @@
-fn main(){}
+//! Multi-process tests of the host transport: real producer and server processes, real SIGKILLs.
+//!
+//! The test binary re-runs itself as the child processes (see `support::main`), so every test
+//! here exercises the library across a real process boundary: fd passing, shared mappings,
+//! dead-peer detection by the kernel closing sockets.
+
+mod support;
+
+use std::collections::HashMap;
+use std::io::{BufRead, BufReader, Read, Write};
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::*;
+use tensorport::wire::{
+    decode_server, encode_frame, ClientMsg, ErrorCode, Hello, RawLocation, RawTensorDesc, Role,
+    ServerMsg, SlotRef, MAGIC,
+};
+use tensorport::{DType, Error, Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
+
+fn main() {
+    support::main(
+        &[
+            (
+                "four_producers_mixed_tensors_intact_no_leaks",
+                four_producers,
+            ),
+            (
+                "sigkilled_producer_is_reclaimed_others_served",
+                killed_producer,
+            ),
+            (
+                "sigkilled_server_unblocks_producers_within_1s",
+                killed_server,
+            ),
+            (
+                "bad_input_gets_error_frames_server_keeps_serving",
+                bad_input,
+            ),
+            ("pool_fd_is_sealed_against_truncation", sealed_pool),
+            ("handshake_timeout_and_session_limit", limits),
+            ("stale_socket_replaced_live_socket_kept", socket_file),
+        ],
+        child,
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tensors used by the tests: mixed shapes and dtypes, some with offsets and strides.
+
+fn spec_for(i: u64) -> TensorSpec {
+    match i % 7 {
+        0 => TensorSpec::new(DType::F32, &[3, 224, 224]),
+        1 => TensorSpec::new(DType::U8, &[1, 64, 64]),
+        2 => TensorSpec::new(DType::I64, &[7, 13]),
+        3 => TensorSpec::new(DType::F16, &[4, 4, 4, 4]).at_offset(64),
+        4 => TensorSpec::new(DType::BF16, &[2, 3, 32, 32]),
+        5 => TensorSpec::new(DType::I32, &[16, 8]).with_strides(&[1, 16]),
+        _ => TensorSpec::new(DType::F64, &[5, 5, 5]).at_offset(4096),
+    }
+}
+
+/// The result the test server sends: checksum of the bytes it saw, element count, dtype.
+fn encode_answer(sum: u64, numel: u64, dtype: DType) -> Vec<u8> {
+    let mut v = sum.to_le_bytes().to_vec();
+    v.extend_from_slice(&numel.to_le_bytes());
+    v.push(dtype as u8);
+    v
+}
+
+/// An in-process server whose consumer thread checks every tensor and answers with its checksum.
+struct CheckingServer {
+    server: Arc<Server>,
+    stop: Arc<AtomicBool>,
+    verified: Arc<AtomicU64>,
+    torn: Arc<AtomicU64>,
+    /// Requests to hold (not release) per producer name prefix, and the held ones.
+    held: Arc<Mutex<Vec<tensorport::Request>>>,
+    hold_from: Arc<Mutex<Option<(String, usize)>>>,
+    per_producer: Arc<Mutex<HashMap<String, u64>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl CheckingServer {
+    fn start(config: ServerConfig) -> CheckingServer {
+        let server = Arc::new(Server::bind(config).expect("bind"));
+        let stop = Arc::new(AtomicBool::new(false));
+        let verified = Arc::new(AtomicU64::new(0));
+        let torn = Arc::new(AtomicU64::new(0));
+        let held = Arc::new(Mutex::new(Vec::new()));
+        let hold_from: Arc<Mutex<Option<(String, usize)>>> = Arc::new(Mutex::new(None));
+        let per_producer = Arc::new(Mutex::new(HashMap::new()));
+        let (s, st, v, t, h, hf, pp) = (
+            server.clone(),
+            stop.clone(),
+            verified.clone(),
+            torn.clone(),
+            held.clone(),
+            hold_from.clone(),
+            per_producer.clone(),
+        );
+        let thread = std::thread::spawn(move || {
+            while !st.load(Ordering::SeqCst) {
+                let req = match s.recv_timeout(Duration::from_millis(50)) {
+                    Ok(Some(r)) => r,
+                    Ok(None) => continue,
+                    Err(_) => break,
+                };
+                let bytes = req.bytes();
+                if verify(bytes) {
+                    v.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    t.fetch_add(1, Ordering::SeqCst);
+                }
+                *pp.lock()
+                    .unwrap()
+                    .entry(req.producer().to_string())
+                    .or_default() += 1;
+                let answer = encode_answer(checksum(bytes), req.desc().numel(), req.desc().dtype());
+                let mut hold = hf.lock().unwrap();
+                if let Some((prefix, n)) = hold.as_mut() {
+                    if req.producer().starts_with(prefix.as_str()) && *n > 0 {
+                        *n -= 1;
+                        h.lock().unwrap().push(req);
+                        continue;
+                    }
+                }
+                drop(hold);
+                let _ = req.respond(&answer);
+            }
+        });
+        CheckingServer {
+            server,
+            stop,
+            verified,
+            torn,
+            held,
+            hold_from,
+            per_producer,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for CheckingServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Child processes.
+
+fn child(role: &str) {
+    let socket = std::env::var("TP_SOCKET").expect("TP_SOCKET");
+    match role {
+        "producer" => child_producer(&socket),
+        "slow-producer" => child_slow_producer(&socket),
+        "server-hold" => child_server_hold(&socket),
+        other => panic!("unknown child role {other}"),
+    }
+}
+
+fn child_producer(socket: &str) {
+    let id: u64 = env_or("TP_ID", "0").parse().unwrap();
+    let count: u64 = env_or("TP_COUNT", "100").parse().unwrap();
+    let mut p = Producer::connect(socket, ProducerConfig::new(format!("test-producer-{id}")))
+        .unwrap_or_else(|e| {
+            eprintln!("connect: {e}");
+            std::process::exit(3)
+        });
+    let mut expected: HashMap<u64, Vec<u8>> = HashMap::new();
+    let (mut sent, mut ok, mut bad) = (0u64, 0u64, 0u64);
+    let mut check = |c: tensorport::Completion, expected: &mut HashMap<u64, Vec<u8>>| match (
+        expected.remove(&c.request_id),
+        c.result,
+    ) {
+        (Some(want), Ok(got)) if want == got => ok += 1,
+        (want, got) => {
+            bad += 1;
+            eprintln!("request {}: want {:?} got {:?}", c.request_id, want, got);
+        }
+    };
+    while sent < count || p.in_flight() > 0 {
+        while let Some(c) = p.try_recv_result().expect("poll") {
+            check(c, &mut expected);
+        }
+        if sent < count {
+            let spec = spec_for(sent + id);
+            let extent = spec.extent().unwrap() as usize;
+            let off = spec.offset as usize;
+            let mut lease = p.lease(Duration::from_secs(20)).expect("lease");
+            let region = &mut lease.bytes_mut()[off..off + extent];
+            fill((id << 40) | sent, region);
+            let want = encode_answer(checksum(region), spec.shape.iter().product(), spec.dtype);
+            let rid = lease.submit(&spec).expect("submit");
+            expected.insert(rid, want);
+            sent += 1;
+        } else if p.in_flight() > 0 {
+            let c = p.recv_result(Duration::from_secs(20)).expect("result");
+            check(c, &mut expected);
+        }
+    }
+    p.close().ok();
+    println!("ok={ok} bad={bad} missing={}", expected.len());
+    std::process::exit(if ok == count && bad == 0 { 0 } else { 1 });
+}
+
+fn child_slow_producer(socket: &str) {
+    let mut p = Producer::connect(socket, ProducerConfig::new("slow-producer")).expect("connect");
+    let mut i = 0u64;
+    loop {
+        while p.try_recv_result().expect("poll").is_some() {}
+        let spec = TensorSpec::new(DType::F32, &[64, 1024]);
+        let n = spec.extent().unwrap() as usize;
+        let mut lease = p.lease(Duration::from_secs(20)).expect("lease");
+        let bytes = &mut lease.bytes_mut()[..n];
+        // Half of a fresh tensor, a pause (a SIGKILL likely lands here), then all of it.
+        let mut tmp = vec![0u8; n];
+        fill((7 << 40) | i, &mut tmp);
+        bytes[..n / 2].copy_from_slice(&tmp[..n / 2]);
+        std::thread::sleep(Duration::from_millis(15));
+        bytes.copy_from_slice(&tmp);
+        lease.submit(&spec).expect("submit");
+        println!("submitted {i}");
+        i += 1;
+    }
+}
+
+fn child_server_hold(socket: &str) {
+    let server = Server::bind(ServerConfig::new(socket)).expect("bind");
+    println!("ready");
+    std::io::stdout().flush().unwrap();
+    let mut held = Vec::new();
+    loop {
+        if let Ok(Some(r)) = server.recv_timeout(Duration::from_millis(100)) {
+            held.push(r);
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Tests.
+
+fn four_producers() {
+    let (_dir, sock) = socket_dir();
+    let fds0 = open_fds();
+    let maps0 = pool_mappings();
+    let srv = CheckingServer::start(ServerConfig::new(&sock));
+    let fds_listening = open_fds();
+    let mut kids: Vec<ChildGuard> = (0..4)
+        .map(|i| {
+            spawn_child(
+                "producer",
+                &[
+                    socket_env(&sock),
+                    ("TP_ID", i.to_string()),
+                    ("TP_COUNT", "1000".into()),
+                ],
+            )
+        })
+        .collect();
+    for (i, k) in kids.iter_mut().enumerate() {
+        let out = k.wait_ok(Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "producer {i} failed: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_eq!(srv.verified.load(Ordering::SeqCst), 4000);
+    assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
+    let st = srv.server.status();
+    assert_eq!(st.totals.submitted, 4000);
+    assert_eq!(st.totals.completed, 4000);
+    assert_eq!(st.totals.protocol_errors, 0);
+    // Every session, pool mapping and fd is gone again, with the server still up.
+    assert!(
+        eventually(Duration::from_secs(3), || srv
+            .server
+            .status()
+            .sessions
+            .is_empty()
+            && open_fds() == fds_listening
+            && pool_mappings() == maps0),
+        "leak: fds {} (listening {fds_listening}), pool mappings {} (start {maps0})",
+        open_fds(),
+        pool_mappings()
+    );
+    drop(srv);
+    assert!(eventually(Duration::from_secs(2), || open_fds() <= fds0));
+}
+
+fn killed_producer() {
+    let (_dir, sock) = socket_dir();
+    let maps0 = pool_mappings();
+    let srv = CheckingServer::start(ServerConfig::new(&sock));
+    let fds_listening = open_fds();
+    // Hold the first 3 tensors of the slow producer, so it dies with slots submitted to us.
+    *srv.hold_from.lock().unwrap() = Some(("slow-producer".into(), 3));
+    let mut slow = spawn_child("slow-producer", &[socket_env(&sock)]);
+    let mut kids: Vec<ChildGuard> = (0..3)
+        .map(|i| {
+            spawn_child(
+                "producer",
+                &[
+                    socket_env(&sock),
+                    ("TP_ID", i.to_string()),
+                    ("TP_COUNT", "300".into()),
+                ],
+            )
+        })
+        .collect();
+    // Let the slow producer get tensors in, then kill it, most likely mid-write.
+    assert!(eventually(Duration::from_secs(20), || srv
+        .per_producer
+        .lock()
+        .unwrap()
+        .get("slow-producer")
+        .copied()
+        .unwrap_or(0)
+        >= 6));
+    slow.kill9();
+    // The server notices at once and reclaims the session.
+    assert!(eventually(Duration::from_secs(2), || srv
+        .server
+        .status()
+        .totals
+        .sessions_reclaimed
+        == 1));
+    assert!(eventually(Duration::from_secs(2), || logs()
+        .contains("producer gone; reclaiming")));
+    // The tensors it submitted before dying are still whole and readable until released.
+    {
+        let held = srv.held.lock().unwrap();
+        assert_eq!(held.len(), 3);
+        for r in held.iter() {
+            assert!(
+                verify(r.bytes()),
+                "held tensor changed after its producer died"
+            );
+        }
+    }
+    srv.held.lock().unwrap().clear();
+    for (i, k) in kids.iter_mut().enumerate() {
+        let out = k.wait_ok(Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "producer {i} failed: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    assert_eq!(
+        srv.torn.load(Ordering::SeqCst),
+        0,
+        "a torn tensor was delivered"
+    );
+    assert!(srv.verified.load(Ordering::SeqCst) >= 900);
+    assert!(
+        eventually(Duration::from_secs(3), || srv
+            .server
+            .status()
+            .sessions
+            .is_empty()
+            && open_fds() == fds_listening
+            && pool_mappings() == maps0),
+        "leak after kill: fds {} (listening {fds_listening}), mappings {} (start {maps0})",
+        open_fds(),
+        pool_mappings()
+    );
+}
+
+fn killed_server() {
+    let (_dir, sock) = socket_dir();
+    let mut srv = spawn_child("server-hold", &[socket_env(&sock)]);
+    let mut line = String::new();
+    BufReader::new(srv.0.as_mut().unwrap().stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    assert_eq!(line.trim(), "ready");
+    let (tx, rx) = mpsc::channel::<&'static str>();
+    let spawn = |what: &'static str, tx: mpsc::Sender<&'static str>, sock: std::path::PathBuf| {
+        std::thread::spawn(move || -> (Error, Instant) {
+            let mut cfg = ProducerConfig::new(what);
+            cfg.slots = 2;
+            let mut p = Producer::connect(&sock, cfg).unwrap();
+            let spec = TensorSpec::new(DType::U8, &[64]);
+            let n = if what == "lease" { 2 } else { 1 };
+            for _ in 0..n {
+                let mut l = p.lease(Duration::from_secs(5)).unwrap();
+                fill(1, &mut l.bytes_mut()[..64]);
+                l.submit(&spec).unwrap();
+            }
+            tx.send(what).unwrap();
+            let err = if what == "lease" {
+                // Every slot is with the server, which holds them: this blocks.
+                p.lease(Duration::from_secs(30)).map(|_| ()).unwrap_err()
+            } else {
+                p.recv_result(Duration::from_secs(30))
+                    .map(|_| ())
+                    .unwrap_err()
+            };
+            (err, Instant::now())
+        })
+    };
+    let a = spawn("lease", tx.clone(), sock.clone());
+    let b = spawn("result", tx, sock.clone());
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    rx.recv_timeout(Duration::from_secs(10)).unwrap();
+    std::thread::sleep(Duration::from_millis(300));
+    let killed_at = Instant::now();
+    srv.kill9();
+    for t in [a, b] {
+        let (err, at) = t.join().unwrap();
+        let waited = at.duration_since(killed_at);
+        assert!(matches!(err, Error::ServerGone), "unexpected error: {err}");
+        assert!(waited < Duration::from_secs(1), "took {waited:?} to notice");
+        assert!(err.to_string().contains("closed the connection"));
+    }
+}
+
+/// A client that speaks the protocol by hand.
+struct Raw {
+    s: UnixStream,
+}
+
+impl Raw {
+    fn connect(sock: &std::path::Path) -> Raw {
+        let s = UnixStream::connect(sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        Raw { s }
+    }
+    fn send(&mut self, m: &ClientMsg) {
+        self.s.write_all(&encode_frame(m).unwrap()).unwrap();
+    }
+    fn send_bytes(&mut self, b: &[u8]) {
+        let _ = self.s.write_all(b);
+    }
+    /// The next message, or `None` at EOF.
+    fn recv(&mut self) -> Option<ServerMsg> {
+        let mut h = [0u8; 4];
+        match self.s.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return None,
+            Err(e) if e.kind() == std::io::ErrorKind::ConnectionReset => return None,
+            Err(e) => panic!("read: {e}"),
+        }
+        let mut p = vec![0u8; u32::from_le_bytes(h) as usize];
+        self.s.read_exact(&mut p).unwrap();
+        Some(decode_server(&p).unwrap())
+    }
+    fn hello_with(&mut self, min: u16, max: u16) {
+        self.send(&ClientMsg::Hello(Hello {
+            magic: MAGIC,
+            min_version: min,
+            max_version: max,
+            role: Role::Producer,
+            name: "hostile".into(),
+            want_slots: 4,
+            want_slot_size: 4096,
+        }));
+    }
+    /// Handshake; returns the slot size and the granted slots.
+    fn hello(&mut self) -> (u64, Vec<SlotRef>) {
+        self.hello_with(1, 1);
+        let size = match self.recv() {
+            Some(ServerMsg::Welcome(w)) => w.pool.slot_size,
+            other => panic!("expected Welcome, got {other:?}"),
+        };
+        match self.recv() {
+            Some(ServerMsg::Grant(g)) => (size, g),
+            other => panic!("expected Grant, got {other:?}"),
+        }
+    }
+    fn expect_error(&mut self, code: ErrorCode, fatal: bool) {
+        match self.recv() {
+            Some(ServerMsg::Error {
+                code: c, fatal: f, ..
+            }) => {
+                assert_eq!(ErrorCode::from_u16(c), code);
+                assert_eq!(f, fatal, "fatal flag for {code:?}");
+            }
+            other => panic!("expected {code:?}, got {other:?}"),
+        }
+        if fatal {
+            assert!(
+                self.recv().is_none(),
+                "connection stays open after a fatal error"
+            );
+        }
+    }
+}
+
+fn desc(dtype: u8, shape: &[u64], offset: u64, len: u64, slot: SlotRef) -> ClientMsg {
+    ClientMsg::Submit {
+        request_id: 77,
+        tensor: RawTensorDesc {
+            dtype,
+            shape: shape.to_vec(),
+            strides: None,
+            offset,
+            len,
+            location: RawLocation::HostSlot(slot),
+            fence: None,
+        },
+    }
+}
+
+fn bad_input() {
+    let (_dir, sock) = socket_dir();
+    let srv = CheckingServer::start(ServerConfig::new(&sock));
+    // A well-behaved producer keeps working the whole time.
+    let stop = Arc::new(AtomicBool::new(false));
+    let good_done = Arc::new(AtomicU64::new(0));
+    let good = {
+        let (sock, stop, done) = (sock.clone(), stop.clone(), good_done.clone());
+        std::thread::spawn(move || {
+            let mut p = Producer::connect(&sock, ProducerConfig::new("good")).unwrap();
+            let mut i = 0;
+            while !stop.load(Ordering::SeqCst) {
+                let spec = spec_for(i);
+                let n = spec.extent().unwrap() as usize;
+                let off = spec.offset as usize;
+                let mut l = p.lease(Duration::from_secs(5)).unwrap();
+                fill(i, &mut l.bytes_mut()[off..off + n]);
+                l.submit(&spec).unwrap();
+                let c = p.recv_result(Duration::from_secs(5)).unwrap();
+                assert!(c.result.is_ok());
+                done.fetch_add(1, Ordering::SeqCst);
+                i += 1;
+            }
+        })
+    };
+
+    // Non-fatal refusals on one session, which keeps working afterwards.
+    let mut r = Raw::connect(&sock);
+    let (slot_size, grant) = r.hello();
+    let s0 = grant[0];
+    r.send(&desc(0, &[4], slot_size - 4, 16, s0));
+    r.expect_error(ErrorCode::OutOfBounds, false);
+    r.send(&desc(0, &[u64::MAX, 2], 0, 16, s0));
+    r.expect_error(ErrorCode::ShapeOverflow, false);
+    r.send(&desc(200, &[4], 0, 16, s0));
+    r.expect_error(ErrorCode::UnknownDType, false);
+    r.send(&desc(
+        0,
+        &[4],
+        0,
+        16,
+        SlotRef {
+            slot: 99,
+            generation: 0,
+        },
+    ));
+    r.expect_error(ErrorCode::OutOfBounds, false);
+    r.send(&ClientMsg::Return(SlotRef {
+        slot: s0.slot,
+        generation: s0.generation + 5,
+    }));
+    r.expect_error(ErrorCode::SlotNotLeased, false);
+    // A real submit works; submitting the same (now stale) slot reference again does not.
+    r.send(&desc(0, &[2], 0, 8, s0));
+    loop {
+        match r.recv() {
+            Some(ServerMsg::Result { request_id: 77, .. }) => break,
+            Some(ServerMsg::Grant(_)) => {}
+            other => panic!("expected a result, got {other:?}"),
+        }
+    }
+    r.send(&desc(0, &[2], 0, 8, s0));
+    loop {
+        match r.recv() {
+            Some(ServerMsg::Grant(_)) => {}
+            Some(ServerMsg::Error { code, fatal, .. }) => {
+                assert_eq!(ErrorCode::from_u16(code), ErrorCode::SlotNotLeased);
+                assert!(!fatal);
+                break;
+            }
+            other => panic!("expected SlotNotLeased, got {other:?}"),
+        }
+    }
+    // Descriptors attached to a frame that carries none are closed and refused.
+    let frame = encode_frame(&ClientMsg::Status).unwrap();
+    let devnull = std::fs::File::open("/dev/null").unwrap();
+    let fds = [devnull.as_raw_fd()];
+    nix::sys::socket::sendmsg::<()>(
+        r.s.as_raw_fd(),
+        &[std::io::IoSlice::new(&frame)],
+        &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
+        nix::sys::socket::MsgFlags::empty(),
+        None,
+    )
+    .unwrap();
+    let (mut saw_err, mut saw_status) = (false, false);
+    while !(saw_err && saw_status) {
+        match r.recv() {
+            Some(ServerMsg::Error { code, fatal, .. }) => {
+                assert_eq!(ErrorCode::from_u16(code), ErrorCode::FdsNotExpected);
+                assert!(!fatal);
+                saw_err = true;
+            }
+            Some(ServerMsg::Status(_)) => saw_status = true,
+            other => panic!("unexpected {other:?}"),
+        }
+    }
+
+    // Fatal ones: the connection is closed after the error frame.
+    let mut r = Raw::connect(&sock);
+    r.hello();
+    r.send_bytes(&u32::MAX.to_le_bytes()); // 4 GiB frame: refused unread
+    r.expect_error(ErrorCode::FrameTooLarge, true);
+    let mut r = Raw::connect(&sock);
+    r.hello();
+    r.send_bytes(&[5, 0, 0, 0, 0xde, 0xad, 0xbe, 0xef, 0x99]);
+    r.expect_error(ErrorCode::Malformed, true);
+    let mut r = Raw::connect(&sock);
+    r.hello_with(7, 9);
+    r.expect_error(ErrorCode::VersionMismatch, true);
+    let mut r = Raw::connect(&sock);
+    r.send(&ClientMsg::Status);
+    r.expect_error(ErrorCode::HandshakeRequired, true);
+    let mut r = Raw::connect(&sock);
+    r.send_bytes(b"\x10\0\0\0GET / HTTP/1.1\r\n\r\n");
+    r.expect_error(ErrorCode::Malformed, true);
+
+    // The good producer kept going through all of it, and still does.
+    let before = good_done.load(Ordering::SeqCst);
+    assert!(eventually(Duration::from_secs(5), || good_done
+        .load(Ordering::SeqCst)
+        > before + 10));
+    stop.store(true, Ordering::SeqCst);
+    good.join().unwrap();
+    let st = srv.server.status();
+    assert!(st.totals.protocol_errors >= 9, "{:?}", st.totals);
+    assert!(st.totals.connections_refused >= 3, "{:?}", st.totals);
+    assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
+    let log = logs();
+    for needle in [
+        "refused",
+        "closing session",
+        "handshake refused",
+        "OutOfBounds",
+        "FdsNotExpected",
+    ] {
+        assert!(log.contains(needle), "no log line with {needle:?}");
+    }
+}
+
+fn sealed_pool() {
+    let (_dir, sock) = socket_dir();
+    let _srv = CheckingServer::start(ServerConfig::new(&sock));
+    let p = Producer::connect(&sock, ProducerConfig::new("sealed")).unwrap();
+    let len = p.layout().pool_len as i64;
+    assert_eq!(
+        nix::unistd::ftruncate(p.pool_fd(), 0),
+        Err(nix::Error::EPERM)
+    );
+    assert_eq!(
+        nix::unistd::ftruncate(p.pool_fd(), len / 2),
+        Err(nix::Error::EPERM)
+    );
+    assert_eq!(
+        nix::unistd::ftruncate(p.pool_fd(), len * 2),
+        Err(nix::Error::EPERM)
+    );
+    // Seals cannot be changed either.
+    assert_eq!(
+        nix::fcntl::fcntl(
+            p.pool_fd(),
+            nix::fcntl::FcntlArg::F_ADD_SEALS(nix::fcntl::SealFlag::F_SEAL_WRITE)
+        ),
+        Err(nix::Error::EPERM)
+    );
+}
+
+fn limits() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.max_sessions = 2;
+    cfg.handshake_timeout = Duration::from_millis(300);
+    let srv = CheckingServer::start(cfg);
+    // A connection that never says hello is dropped after the handshake timeout.
+    let mut idle = Raw::connect(&sock);
+    let t = Instant::now();
+    idle.expect_error(ErrorCode::HandshakeTimeout, true);
+    assert!(t.elapsed() < Duration::from_secs(2));
+    // Two producers fit; a third is refused with a clear error.
+    let a = Producer::connect(&sock, ProducerConfig::new("a")).unwrap();
+    let _b = Producer::connect(&sock, ProducerConfig::new("b")).unwrap();
+    let e = Producer::connect(&sock, ProducerConfig::new("c")).unwrap_err();
+    assert!(
+        matches!(
+            e,
+            Error::Refused {
+                code: ErrorCode::TooManySessions,
+                ..
+            }
+        ),
+        "{e}"
+    );
+    assert!(e.to_string().contains("maximum of 2 producers"));
+    // When one leaves, there is room again.
+    a.close().unwrap();
+    assert!(eventually(Duration::from_secs(2), || srv
+        .server
+        .status()
+        .sessions
+        .len()
+        == 1));
+    Producer::connect(&sock, ProducerConfig::new("d")).unwrap();
+}
+
+fn socket_file() {
+    let (_dir, sock) = socket_dir();
+    // A live server's socket is not taken over.
+    let s1 = Server::bind(ServerConfig::new(&sock)).unwrap();
+    let e = Server::bind(ServerConfig::new(&sock)).unwrap_err();
+    assert!(matches!(e, Error::AddrInUse(_)), "{e}");
+    // A server killed with SIGKILL leaves its socket file; the next server replaces it.
+    let mut hold = spawn_child("server-hold", &[socket_env(&sock.with_extension("2"))]);
+    let mut line = String::new();
+    BufReader::new(hold.0.as_mut().unwrap().stdout.as_mut().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    hold.kill9();
+    assert!(
+        sock.with_extension("2").exists(),
+        "socket file left behind by SIGKILL"
+    );
+    let s2 = Server::bind(ServerConfig::new(sock.with_extension("2"))).unwrap();
+    Producer::connect(sock.with_extension("2"), ProducerConfig::new("x")).unwrap();
+    drop(s2);
+    drop(s1);
+    assert!(!sock.exists(), "socket file removed on clean shutdown");
+}

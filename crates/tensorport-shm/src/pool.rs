@@ -83,20 +83,12 @@ impl HostPool {
             .checked_mul(slot_count as u64)
             .filter(|&l| l <= isize::MAX as u64)
             .ok_or_else(|| ShmError::BadLayout("pool size overflows".into()))?;
-        let fd = memfd_create(
-            name,
-            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING,
-        )
-        .map_err(sys("memfd_create"))?;
+        let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
+            .map_err(sys("memfd_create"))?;
         ftruncate(&fd, len as i64).map_err(sys("ftruncate"))?;
         // Reserve the pages now: on a full tmpfs or memory cgroup this fails here with ENOSPC
         // instead of killing a process with SIGBUS when it first touches the page.
-        match nix::fcntl::fallocate(
-            &fd,
-            nix::fcntl::FallocateFlags::empty(),
-            0,
-            len as i64,
-        ) {
+        match nix::fcntl::fallocate(&fd, nix::fcntl::FallocateFlags::empty(), 0, len as i64) {
             Ok(()) => {}
             Err(nix::Error::EOPNOTSUPP) => {}
             Err(source) => return Err(ShmError::NoSpace { bytes: len, source }),

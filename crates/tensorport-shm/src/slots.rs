@@ -84,7 +84,12 @@ impl SlotTable {
         self.states.get(slot as usize).copied()
     }
 
-    fn check(&mut self, slot: u32, generation: u32, expected: SlotState) -> Result<&mut (SlotState, u32), SlotError> {
+    fn check(
+        &mut self,
+        slot: u32,
+        generation: u32,
+        expected: SlotState,
+    ) -> Result<&mut (SlotState, u32), SlotError> {
         let count = self.len();
         let e = self
             .states
@@ -178,7 +183,10 @@ mod tests {
         assert!(t.release(0, 0).is_err());
         assert_eq!(t.grant(0).unwrap(), 1);
         // The old generation is stale now.
-        assert!(matches!(t.submit(0, 0), Err(SlotError::StaleGeneration { .. })));
+        assert!(matches!(
+            t.submit(0, 0),
+            Err(SlotError::StaleGeneration { .. })
+        ));
         t.submit(0, 1).unwrap();
         assert_eq!(t.give_back(1, 0).unwrap(), 1);
         assert!(t.give_back(1, 1).is_err());

@@ -320,8 +320,15 @@ mod tests {
         );
         assert_eq!(code(&raw(0, &[4], 4088, 16)), ErrorCode::OutOfBounds);
         assert_eq!(code(&raw(0, &[4], u64::MAX - 2, 16)), ErrorCode::Misaligned);
-        assert_eq!(code(&raw(0, &[4], u64::MAX - 7, 16)), ErrorCode::OutOfBounds);
-        assert_eq!(code(&raw(0, &[8], 0, 16)), ErrorCode::OutOfBounds, "len < extent");
+        assert_eq!(
+            code(&raw(0, &[4], u64::MAX - 7, 16)),
+            ErrorCode::OutOfBounds
+        );
+        assert_eq!(
+            code(&raw(0, &[8], 0, 16)),
+            ErrorCode::OutOfBounds,
+            "len < extent"
+        );
         assert_eq!(code(&raw(0, &[4], 2, 16)), ErrorCode::Misaligned);
         let mut r = raw(0, &[4], 0, 16);
         r.location = RawLocation::HostSlot(SlotRef {

@@ -167,7 +167,9 @@ mod tests {
 
     #[test]
     fn frames_survive_any_split() {
-        let payloads: Vec<Vec<u8>> = (1..40u32).map(|i| vec![i as u8; (i * 997) as usize]).collect();
+        let payloads: Vec<Vec<u8>> = (1..40u32)
+            .map(|i| vec![i as u8; (i * 997) as usize])
+            .collect();
         let mut stream = Vec::new();
         for p in &payloads {
             stream.extend_from_slice(&(p.len() as u32).to_le_bytes());

@@ -22,7 +22,7 @@ pub mod msg;
 
 pub use desc::{validate, DType, Location, PoolBounds, TensorDesc, MAX_DIMS};
 pub use error::{ErrorCode, WireError};
-pub use frame::{encode_frame, FrameBuffer, FRAME_HEADER_LEN};
+pub use frame::{encode_frame, encode_frame_into, parse_header, FrameBuffer, FRAME_HEADER_LEN};
 pub use msg::*;
 
 /// The protocol version this crate speaks. A peer negotiates it in the handshake.

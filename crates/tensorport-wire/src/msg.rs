@@ -293,7 +293,9 @@ pub fn decode_server(payload: &[u8]) -> Result<ServerMsg, WireError> {
     let msg: ServerMsg = decode(payload)?;
     match &msg {
         ServerMsg::Grant(g) => check_len("grant", g.len(), MAX_GRANT)?,
-        ServerMsg::Error { message, .. } => check_len("error message", message.len(), MAX_MESSAGE_LEN)?,
+        ServerMsg::Error { message, .. } => {
+            check_len("error message", message.len(), MAX_MESSAGE_LEN)?
+        }
         ServerMsg::Result {
             outcome: Outcome::Err { message, .. },
             ..
@@ -389,7 +391,10 @@ mod tests {
         // Variant 0, magic, versions 1..=1, role 0, name "p", 0, 0: if this changes, old and new
         // peers can no longer negotiate.
         let f = encode_frame(&ClientMsg::Hello(hello())).unwrap();
-        assert_eq!(&f[4..], &[0, b'T', b'P', b'R', b'T', 1, 1, 0, 1, b'p', 0, 0]);
+        assert_eq!(
+            &f[4..],
+            &[0, b'T', b'P', b'R', b'T', 1, 1, 0, 1, b'p', 0, 0]
+        );
     }
 
     #[test]
@@ -398,7 +403,10 @@ mod tests {
         let mut h = hello();
         h.min_version = 2;
         h.max_version = 5;
-        assert_eq!(negotiate(&h).unwrap_err().code(), ErrorCode::VersionMismatch);
+        assert_eq!(
+            negotiate(&h).unwrap_err().code(),
+            ErrorCode::VersionMismatch
+        );
         h = hello();
         h.magic = *b"HTTP";
         assert_eq!(negotiate(&h).unwrap_err(), WireError::BadMagic);
@@ -409,14 +417,20 @@ mod tests {
         let mut h = hello();
         h.name = "x".repeat(MAX_NAME_LEN + 1);
         let f = encode_frame(&ClientMsg::Hello(h)).unwrap();
-        assert_eq!(decode_client(&f[4..]).unwrap_err().code(), ErrorCode::TooLong);
+        assert_eq!(
+            decode_client(&f[4..]).unwrap_err().code(),
+            ErrorCode::TooLong
+        );
     }
 
     #[test]
     fn trailing_bytes_are_refused() {
         let mut f = encode_frame(&ClientMsg::Status).unwrap();
         f.push(0);
-        assert_eq!(decode_client(&f[4..]).unwrap_err().code(), ErrorCode::Malformed);
+        assert_eq!(
+            decode_client(&f[4..]).unwrap_err().code(),
+            ErrorCode::Malformed
+        );
     }
 
     #[test]

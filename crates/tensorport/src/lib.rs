@@ -1,1 +1,26 @@
-//! placeholder
+//! tensorport: zero-copy tensor hand-off between processes on one machine.
+//!
+//! An inference process runs a [`Server`]; producer processes connect with a [`Producer`].
+//! Each producer gets its own sealed shared-memory pool (a memfd passed over the control
+//! socket), leases a slot, writes a tensor into it in place, and submits it. The server sees the
+//! tensor as a zero-copy view ([`Request`]), releases the slot when done with the bytes, and
+//! sends a result back to the producer that asked. A closed socket is a dead peer: its pool and
+//! slots are reclaimed at once.
+//!
+//! See `docs/architecture.md` for the data flow and `docs/protocol.md` for the wire protocol.
+#![warn(missing_docs)]
+
+mod client;
+mod conn;
+mod control;
+mod error;
+pub mod path;
+mod producer;
+mod server;
+
+pub use control::Control;
+pub use error::{Error, Result};
+pub use producer::{Completion, Producer, ProducerConfig, RemoteError, SlotLease, TensorSpec};
+pub use server::{protocol_version, Request, Responder, Server, ServerConfig};
+pub use tensorport_shm::{HostPool, PinHook, PinRegistration};
+pub use tensorport_wire::{self as wire, DType, StatusReport, TensorDesc};

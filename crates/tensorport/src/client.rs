@@ -1,0 +1,104 @@
+//! What producer and control clients share: connecting and the handshake.
+
+use std::os::fd::OwnedFd;
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tensorport_wire::{
+    decode_server, ClientMsg, ErrorCode, Hello, Role, ServerMsg, Welcome, MAGIC, MAX_FRAME_LEN,
+    MIN_PROTOCOL_VERSION, PROTOCOL_VERSION,
+};
+
+use crate::conn::{FrameReader, FrameWriter};
+use crate::{path, Error, Result};
+
+/// A connected, greeted client.
+pub(crate) struct Connected {
+    pub reader: FrameReader,
+    pub writer: FrameWriter,
+    pub welcome: Welcome,
+    pub pool_fd: Option<OwnedFd>,
+}
+
+/// Reads the next message, waiting until `deadline` (`None`: forever). `Ok(None)` on timeout;
+/// [`Error::ServerGone`] when the server closed the connection.
+pub(crate) fn next_msg(
+    reader: &mut FrameReader,
+    deadline: Option<Instant>,
+) -> Result<Option<ServerMsg>> {
+    loop {
+        if let Some(p) = reader.next_payload()? {
+            return Ok(Some(decode_server(p)?));
+        }
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        if !reader.wait(left)? {
+            return Ok(None);
+        }
+        let info = reader.fill()?;
+        if info.bytes == 0 {
+            return Err(Error::ServerGone);
+        }
+    }
+}
+
+/// Connects to `socket`, sends `Hello`, and waits (at most `timeout`) for `Welcome`.
+pub(crate) fn connect(
+    socket: &Path,
+    role: Role,
+    name: &str,
+    want_slots: u32,
+    want_slot_size: u64,
+    timeout: Duration,
+) -> Result<Connected> {
+    let stream = path::connect(socket)?;
+    let wstream = stream.try_clone().map_err(Error::io("clone socket"))?;
+    let mut writer = FrameWriter::new(wstream);
+    let mut reader = FrameReader::new(stream, MAX_FRAME_LEN);
+    let mut name = name.to_owned();
+    name.truncate(tensorport_wire::MAX_NAME_LEN);
+    while !name.is_char_boundary(name.len()) {
+        name.pop();
+    }
+    writer.send(
+        &ClientMsg::Hello(Hello {
+            magic: MAGIC,
+            min_version: MIN_PROTOCOL_VERSION,
+            max_version: PROTOCOL_VERSION,
+            role,
+            name,
+            want_slots,
+            want_slot_size,
+        }),
+        &[],
+    )?;
+    let deadline = Instant::now() + timeout;
+    match next_msg(&mut reader, Some(deadline))? {
+        Some(ServerMsg::Welcome(welcome)) => {
+            let mut pool_fd = None;
+            if welcome.fds > 0 {
+                pool_fd = reader.take_fd();
+                if pool_fd.is_none() {
+                    return Err(Error::Refused {
+                        code: ErrorCode::Malformed,
+                        message: "Welcome announced a pool fd but none arrived (was it dropped at the fd limit? check `ulimit -n`)".into(),
+                    });
+                }
+            }
+            Ok(Connected {
+                reader,
+                writer,
+                welcome,
+                pool_fd,
+            })
+        }
+        Some(ServerMsg::Error { code, message, .. }) => Err(Error::Refused {
+            code: ErrorCode::from_u16(code),
+            message,
+        }),
+        Some(_) => Err(Error::Refused {
+            code: ErrorCode::Malformed,
+            message: "the server's first message was not Welcome".into(),
+        }),
+        None => Err(Error::Timeout(timeout, "the server's Welcome")),
+    }
+}

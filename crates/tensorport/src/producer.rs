@@ -1,0 +1,511 @@
+//! The producer side: lease a slot, write the tensor into it, submit, collect the result.
+//!
+//! ```no_run
+//! # use tensorport::{Producer, ProducerConfig, TensorSpec};
+//! # use tensorport_wire::DType;
+//! # use std::time::Duration;
+//! let mut p = Producer::connect("/run/user/1000/tensorport/tensorport.sock", ProducerConfig::new("prep-0"))?;
+//! let mut lease = p.lease(Duration::from_secs(5))?;       // a slot of the shared pool, ours alone
+//! lease.write_pod(0, &[0.5f32; 3 * 224 * 224]);           // fill it in place
+//! let id = lease.submit(&TensorSpec::new(DType::F32, &[3, 224, 224]))?; // the lease is gone now
+//! let done = p.recv_result(Duration::from_secs(5))?;      // the server's answer
+//! assert_eq!(done.request_id, id);
+//! # Ok::<(), tensorport::Error>(())
+//! ```
+//!
+//! A lease borrows the producer mutably and `submit` consumes it, so a slot cannot be written
+//! after it was handed over. A lease dropped without `submit` goes back to the free list.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::Path;
+use std::time::{Duration, Instant};
+
+use tensorport_shm::HostPool;
+use tensorport_wire::{
+    validate, ClientMsg, DType, ErrorCode, Outcome, PoolBounds, PoolLayout, RawLocation,
+    RawTensorDesc, Role, ServerMsg, SlotRef, StatusReport, MAX_DIMS,
+};
+
+use crate::client::{self, next_msg};
+use crate::conn::{FrameReader, FrameWriter};
+use crate::{Error, Result};
+
+/// How a producer connects.
+#[derive(Debug, Clone)]
+pub struct ProducerConfig {
+    /// A name for the server's logs and status.
+    pub name: String,
+    /// Slots to ask for (0: the server's default).
+    pub slots: u32,
+    /// Bytes per slot to ask for (0: the server's default).
+    pub slot_size: u64,
+    /// How long to wait for the server's `Welcome`.
+    pub connect_timeout: Duration,
+}
+
+impl ProducerConfig {
+    /// Server defaults for the pool, 5 s to connect.
+    pub fn new(name: impl Into<String>) -> ProducerConfig {
+        ProducerConfig {
+            name: name.into(),
+            slots: 0,
+            slot_size: 0,
+            connect_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+/// Shape, dtype and placement of a tensor inside a slot.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorSpec {
+    /// Element type.
+    pub dtype: DType,
+    /// Dimensions, outermost first.
+    pub shape: Vec<u64>,
+    /// Strides in elements (`None`: row-major contiguous).
+    pub strides: Option<Vec<u64>>,
+    /// Byte offset of element 0 in the slot.
+    pub offset: u64,
+}
+
+impl TensorSpec {
+    /// A contiguous tensor at the start of the slot.
+    pub fn new(dtype: DType, shape: &[u64]) -> TensorSpec {
+        TensorSpec {
+            dtype,
+            shape: shape.to_vec(),
+            strides: None,
+            offset: 0,
+        }
+    }
+
+    /// Places element 0 at `offset` bytes into the slot.
+    pub fn at_offset(mut self, offset: u64) -> TensorSpec {
+        self.offset = offset;
+        self
+    }
+
+    /// Uses these strides (in elements).
+    pub fn with_strides(mut self, strides: &[u64]) -> TensorSpec {
+        self.strides = Some(strides.to_vec());
+        self
+    }
+
+    /// Bytes the tensor spans from its offset, or `None` on overflow.
+    pub fn extent(&self) -> Option<u64> {
+        let elem = self.dtype.size();
+        if self.shape.contains(&0) {
+            return Some(0);
+        }
+        let strides = match &self.strides {
+            Some(s) => s.clone(),
+            None => {
+                tensorport_wire::desc::contiguous_strides(&self.shape)?[..self.shape.len()].to_vec()
+            }
+        };
+        let mut last: u64 = 0;
+        for (d, s) in self.shape.iter().zip(strides.iter()) {
+            last = last.checked_add((d - 1).checked_mul(*s)?)?;
+        }
+        last.checked_add(1)?.checked_mul(elem)
+    }
+
+    fn to_raw(&self, slot: SlotRef) -> Result<RawTensorDesc> {
+        if self.shape.len() > MAX_DIMS {
+            return Err(Error::InvalidTensor(format!(
+                "{} dimensions, at most {MAX_DIMS}",
+                self.shape.len()
+            )));
+        }
+        let len = self
+            .extent()
+            .ok_or_else(|| Error::InvalidTensor(format!("shape {:?} overflows", self.shape)))?;
+        Ok(RawTensorDesc {
+            dtype: self.dtype as u8,
+            shape: self.shape.clone(),
+            strides: self.strides.clone(),
+            offset: self.offset,
+            len,
+            location: RawLocation::HostSlot(slot),
+            fence: None,
+        })
+    }
+}
+
+/// A failure the server reported for one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RemoteError {
+    /// Protocol code.
+    pub code: ErrorCode,
+    /// The server's explanation.
+    pub message: String,
+}
+
+impl std::fmt::Display for RemoteError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        write!(f, "{:?}: {}", self.code, self.message)
+    }
+}
+
+/// The answer to one request.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Completion {
+    /// The request's id, as returned by `submit`.
+    pub request_id: u64,
+    /// The result bytes, or why there are none.
+    pub result: std::result::Result<Vec<u8>, RemoteError>,
+}
+
+/// A connected producer session with its own pool.
+pub struct Producer {
+    reader: FrameReader,
+    writer: FrameWriter,
+    pool: HostPool,
+    layout: PoolLayout,
+    session_id: u64,
+    max_in_flight: u32,
+    free: VecDeque<SlotRef>,
+    in_flight: HashMap<u64, SlotRef>,
+    done: VecDeque<Completion>,
+    status: Option<StatusReport>,
+    draining: bool,
+    next_id: u64,
+}
+
+impl std::fmt::Debug for Producer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Producer")
+            .field("session_id", &self.session_id)
+            .field("layout", &self.layout)
+            .field("free", &self.free.len())
+            .field("in_flight", &self.in_flight.len())
+            .finish()
+    }
+}
+
+impl Producer {
+    /// Connects to the server at `socket`, receives and maps the session's pool.
+    pub fn connect(socket: impl AsRef<Path>, config: ProducerConfig) -> Result<Producer> {
+        let c = client::connect(
+            socket.as_ref(),
+            Role::Producer,
+            &config.name,
+            config.slots,
+            config.slot_size,
+            config.connect_timeout,
+        )?;
+        let layout = c.welcome.pool;
+        let fd = c.pool_fd.ok_or_else(|| Error::Refused {
+            code: ErrorCode::Malformed,
+            message: "a producer Welcome without a pool".into(),
+        })?;
+        let pool = HostPool::open(fd, layout.slot_count, layout.slot_size)?;
+        Ok(Producer {
+            reader: c.reader,
+            writer: c.writer,
+            pool,
+            layout,
+            session_id: c.welcome.session_id,
+            max_in_flight: c.welcome.max_in_flight.max(1),
+            free: VecDeque::new(),
+            in_flight: HashMap::new(),
+            done: VecDeque::new(),
+            status: None,
+            draining: false,
+            next_id: 1,
+        })
+    }
+
+    /// The session id the server gave us.
+    pub fn session_id(&self) -> u64 {
+        self.session_id
+    }
+
+    /// The pool's layout.
+    pub fn layout(&self) -> PoolLayout {
+        self.layout
+    }
+
+    /// Bytes per slot.
+    pub fn slot_size(&self) -> u64 {
+        self.layout.slot_size
+    }
+
+    /// The pool's memfd (sealed: it can be neither shrunk nor grown).
+    pub fn pool_fd(&self) -> BorrowedFd<'_> {
+        self.pool.fd()
+    }
+
+    /// Requests submitted whose result has not been taken.
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len()
+    }
+
+    /// Results received and not yet taken.
+    pub fn ready(&self) -> usize {
+        self.done.len()
+    }
+
+    /// Slots granted to us and not leased.
+    pub fn free_slots(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Whether the server told us it drains.
+    pub fn is_draining(&self) -> bool {
+        self.draining
+    }
+
+    /// Most requests in flight the server allows this session.
+    pub fn max_in_flight(&self) -> u32 {
+        self.max_in_flight
+    }
+
+    fn handle(&mut self, msg: ServerMsg) -> Result<()> {
+        match msg {
+            ServerMsg::Grant(slots) => self.free.extend(slots),
+            ServerMsg::Result {
+                request_id,
+                outcome,
+            } => {
+                if self.in_flight.remove(&request_id).is_some() {
+                    self.done.push_back(Completion {
+                        request_id,
+                        result: match outcome {
+                            Outcome::Ok(b) => Ok(b),
+                            Outcome::Err { code, message } => Err(RemoteError {
+                                code: ErrorCode::from_u16(code),
+                                message,
+                            }),
+                        },
+                    });
+                }
+            }
+            ServerMsg::Error {
+                code,
+                request_id,
+                fatal,
+                message,
+            } => {
+                let code = ErrorCode::from_u16(code);
+                if let Some(id) = request_id.filter(|_| !fatal) {
+                    // The submit was refused before the server took the slot: it is still ours.
+                    if let Some(slot) = self.in_flight.remove(&id) {
+                        self.free.push_front(slot);
+                        self.done.push_back(Completion {
+                            request_id: id,
+                            result: Err(RemoteError { code, message }),
+                        });
+                    }
+                } else {
+                    return Err(Error::Refused { code, message });
+                }
+            }
+            ServerMsg::Status(s) => self.status = Some(s),
+            ServerMsg::Draining => self.draining = true,
+            ServerMsg::Welcome(_) => {
+                return Err(Error::Refused {
+                    code: ErrorCode::Malformed,
+                    message: "a second Welcome".into(),
+                })
+            }
+        }
+        Ok(())
+    }
+
+    /// Reads and handles messages until one arrives or `deadline`; returns whether one did.
+    fn pump(&mut self, deadline: Option<Instant>) -> Result<bool> {
+        match next_msg(&mut self.reader, deadline)? {
+            Some(m) => {
+                self.handle(m)?;
+                Ok(true)
+            }
+            None => Ok(false),
+        }
+    }
+
+    /// Handles everything already received, without waiting.
+    pub fn poll(&mut self) -> Result<()> {
+        while self.pump(Some(Instant::now()))? {}
+        Ok(())
+    }
+
+    /// A free slot to write, waiting up to `timeout` for one (backpressure: all slots are in
+    /// flight, or the session has its maximum of requests in flight).
+    pub fn lease(&mut self, timeout: Duration) -> Result<SlotLease<'_>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if self.draining {
+                return Err(Error::Draining);
+            }
+            if self.in_flight.len() < self.max_in_flight as usize {
+                if let Some(slot) = self.free.pop_front() {
+                    return Ok(SlotLease {
+                        producer: self,
+                        slot: Some(slot),
+                    });
+                }
+            }
+            if !self.pump(Some(deadline))? && Instant::now() >= deadline {
+                return Err(Error::Timeout(
+                    timeout,
+                    "a free slot (every slot is in flight: wait for results, or ask for more slots)",
+                ));
+            }
+        }
+    }
+
+    /// The next result, waiting up to `timeout`.
+    pub fn recv_result(&mut self, timeout: Duration) -> Result<Completion> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(c) = self.done.pop_front() {
+                return Ok(c);
+            }
+            if self.in_flight.is_empty() {
+                return Err(Error::NothingInFlight);
+            }
+            if !self.pump(Some(deadline))? && Instant::now() >= deadline {
+                return Err(Error::Timeout(timeout, "a result"));
+            }
+        }
+    }
+
+    /// A result if one is ready, without waiting for the server.
+    pub fn try_recv_result(&mut self) -> Result<Option<Completion>> {
+        if self.done.is_empty() {
+            self.poll()?;
+        }
+        Ok(self.done.pop_front())
+    }
+
+    /// The server's status.
+    pub fn status(&mut self, timeout: Duration) -> Result<StatusReport> {
+        self.status = None;
+        self.writer.send(&ClientMsg::Status, &[])?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.status.take() {
+                return Ok(s);
+            }
+            if !self.pump(Some(deadline))? && Instant::now() >= deadline {
+                return Err(Error::Timeout(timeout, "the server's status"));
+            }
+        }
+    }
+
+    /// Ends the session cleanly. Results not yet received are lost.
+    pub fn close(mut self) -> Result<()> {
+        self.writer.send(&ClientMsg::Goodbye, &[])
+    }
+
+    fn submit_slot(&mut self, slot: SlotRef, request_id: u64, spec: &TensorSpec) -> Result<()> {
+        let raw = spec.to_raw(slot)?;
+        // Check locally with the server's own rules, so a bad spec fails here, clearly.
+        validate(
+            &raw,
+            &PoolBounds {
+                slot_count: self.layout.slot_count,
+                slot_size: self.layout.slot_size,
+            },
+        )
+        .map_err(|e| Error::InvalidTensor(e.to_string()))?;
+        if self.in_flight.contains_key(&request_id) {
+            return Err(Error::InvalidTensor(format!(
+                "request id {request_id} is already in flight"
+            )));
+        }
+        self.writer.send(
+            &ClientMsg::Submit {
+                request_id,
+                tensor: raw,
+            },
+            &[],
+        )?;
+        self.in_flight.insert(request_id, slot);
+        Ok(())
+    }
+}
+
+/// A slot of the pool, ours to write until [`SlotLease::submit`]. Dropped unsubmitted, it goes
+/// back to the producer's free list.
+pub struct SlotLease<'p> {
+    producer: &'p mut Producer,
+    slot: Option<SlotRef>,
+}
+
+impl std::fmt::Debug for SlotLease<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("SlotLease")
+            .field("slot", &self.slot)
+            .finish()
+    }
+}
+
+impl SlotLease<'_> {
+    /// The slot's bytes, to write in place.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        let slot = self.slot.expect("slot present until submit");
+        // SAFETY: the server granted this slot to us and we have not submitted it, so no one
+        // else (honest) reads or writes it; `&mut self` makes this the only view in this process.
+        unsafe { self.producer.pool.slot_bytes_mut(slot.slot) }
+            .expect("granted slot is in the pool")
+    }
+
+    /// Bytes in the slot.
+    pub fn len(&self) -> usize {
+        self.producer.layout.slot_size as usize
+    }
+
+    /// Whether the slot has no bytes (never).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Which slot (and generation) this is.
+    pub fn slot(&self) -> SlotRef {
+        self.slot.expect("slot present until submit")
+    }
+
+    /// Copies `data` into the slot at byte `offset`. Panics if it does not fit.
+    pub fn write_pod<T: bytemuck::Pod>(&mut self, offset: usize, data: &[T]) {
+        let src: &[u8] = bytemuck::cast_slice(data);
+        self.bytes_mut()[offset..offset + src.len()].copy_from_slice(src);
+    }
+
+    /// Hands the slot to the server as the tensor `spec`; returns the request id.
+    pub fn submit(self, spec: &TensorSpec) -> Result<u64> {
+        let id = self.producer.next_id;
+        self.producer.next_id += 1;
+        self.submit_as(id, spec)?;
+        Ok(id)
+    }
+
+    /// Like [`SlotLease::submit`] with a request id of the caller's choosing (unique among its
+    /// requests in flight).
+    pub fn submit_as(mut self, request_id: u64, spec: &TensorSpec) -> Result<()> {
+        let slot = self.slot.take().expect("slot present until submit");
+        match self.producer.submit_slot(slot, request_id, spec) {
+            Ok(()) => Ok(()),
+            Err(e) => {
+                self.producer.free.push_front(slot);
+                Err(e)
+            }
+        }
+    }
+}
+
+impl Drop for SlotLease<'_> {
+    fn drop(&mut self) {
+        if let Some(slot) = self.slot.take() {
+            self.producer.free.push_front(slot);
+        }
+    }
+}
+
+impl AsFd for Producer {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.reader.stream().as_fd()
+    }
+}

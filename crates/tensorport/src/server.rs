@@ -1,0 +1,1132 @@
+//! The inference side: accepts producer sessions, hands their tensors to the caller as zero-copy
+//! views, and sends each result back to the producer that asked.
+//!
+//! Threads: one acceptor, one reader per connection. Requests from every session arrive on one
+//! channel that the caller drains with [`Server::recv_timeout`]. Results, grants and errors are
+//! written by whichever thread produces them, under a per-session lock, with a write timeout: a
+//! producer that stops reading is disconnected rather than allowed to make the server buffer.
+
+use std::collections::{HashMap, HashSet};
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tensorport_shm::{HostPool, PinHook, SlotState, SlotTable};
+use tensorport_wire::{
+    clip_message, decode_client, negotiate, validate, ClientMsg, Counters, ErrorCode, Hello,
+    Outcome, PoolBounds, PoolLayout, Role, ServerMsg, SessionStatus, SlotRef, StatusReport,
+    TensorDesc, Welcome, WireError, MAX_FRAME_LEN, PROTOCOL_VERSION,
+};
+
+use crate::conn::{peer_credentials, FrameReader, FrameWriter};
+use crate::{path, Error, Result};
+
+/// How a server is set up. [`ServerConfig::new`] gives sensible defaults.
+#[derive(Clone)]
+pub struct ServerConfig {
+    /// Where to listen.
+    pub socket: PathBuf,
+    /// Slots in each producer's pool, unless the producer asks for fewer (or more, up to
+    /// `max_slots_per_session`).
+    pub slots_per_session: u32,
+    /// Bytes per slot unless the producer asks otherwise (rounded up to the page size).
+    pub slot_size: u64,
+    /// Most slots a producer may ask for.
+    pub max_slots_per_session: u32,
+    /// Largest slot a producer may ask for.
+    pub max_slot_size: u64,
+    /// Most requests a session may have in flight; 0 means twice its slot count.
+    pub max_in_flight: u32,
+    /// Most producer sessions at once.
+    pub max_sessions: u32,
+    /// Time a new connection has to send `Hello`.
+    pub handshake_timeout: Duration,
+    /// Time a write to a producer may block before the producer is dropped as stalled.
+    pub write_timeout: Duration,
+    /// Uids allowed to connect besides the server's own.
+    pub allowed_uids: Vec<u32>,
+    /// Pins each pool (the CUDA build registers it with `cuMemHostRegister`).
+    pub pin: Option<Arc<dyn PinHook>>,
+}
+
+impl std::fmt::Debug for ServerConfig {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerConfig")
+            .field("socket", &self.socket)
+            .field("slots_per_session", &self.slots_per_session)
+            .field("slot_size", &self.slot_size)
+            .field("max_sessions", &self.max_sessions)
+            .field("pinned", &self.pin.is_some())
+            .finish_non_exhaustive()
+    }
+}
+
+impl ServerConfig {
+    /// Defaults: 8 slots of 1 MiB per producer (at most 256 slots of 256 MiB), 64 producers,
+    /// 2 s to say hello, 5 s write timeout, own uid only, no pinning.
+    pub fn new(socket: impl Into<PathBuf>) -> ServerConfig {
+        ServerConfig {
+            socket: socket.into(),
+            slots_per_session: 8,
+            slot_size: 1 << 20,
+            max_slots_per_session: 256,
+            max_slot_size: 256 << 20,
+            max_in_flight: 0,
+            max_sessions: 64,
+            handshake_timeout: Duration::from_secs(2),
+            write_timeout: Duration::from_secs(5),
+            allowed_uids: Vec::new(),
+            pin: None,
+        }
+    }
+}
+
+#[derive(Default)]
+struct AtomicCounters {
+    submitted: AtomicU64,
+    completed: AtomicU64,
+    bytes: AtomicU64,
+    protocol_errors: AtomicU64,
+    sessions_opened: AtomicU64,
+    sessions_reclaimed: AtomicU64,
+    connections_refused: AtomicU64,
+}
+
+impl AtomicCounters {
+    fn snapshot(&self) -> Counters {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Counters {
+            submitted: l(&self.submitted),
+            completed: l(&self.completed),
+            bytes: l(&self.bytes),
+            protocol_errors: l(&self.protocol_errors),
+            sessions_opened: l(&self.sessions_opened),
+            sessions_reclaimed: l(&self.sessions_reclaimed),
+            connections_refused: l(&self.connections_refused),
+        }
+    }
+}
+
+struct Shared {
+    config: ServerConfig,
+    started: Instant,
+    next_session: AtomicU64,
+    sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    connections: AtomicU32,
+    producers: AtomicU32,
+    counters: AtomicCounters,
+    draining: AtomicBool,
+    stopping: AtomicBool,
+    tx: Sender<Request>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // A panic while holding one of these locks leaves plain bookkeeping behind, still usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+impl Shared {
+    fn status(&self) -> StatusReport {
+        let sessions = lock(&self.sessions);
+        let mut list: Vec<SessionStatus> =
+            sessions.values().take(256).map(|s| s.status()).collect();
+        list.sort_by_key(|s| s.session_id);
+        StatusReport {
+            pid: std::process::id(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            draining: self.draining.load(Ordering::SeqCst),
+            sessions: list,
+            totals: self.counters.snapshot(),
+        }
+    }
+}
+
+struct SessionState {
+    slots: SlotTable,
+    in_flight: HashSet<u64>,
+    submitted: u64,
+    completed: u64,
+    errors: u64,
+}
+
+struct Session {
+    id: u64,
+    name: String,
+    pid: u32,
+    pool: Arc<HostPool>,
+    bounds: PoolBounds,
+    max_in_flight: u32,
+    state: Mutex<SessionState>,
+    writer: Mutex<FrameWriter>,
+    alive: AtomicBool,
+}
+
+impl Session {
+    fn status(&self) -> SessionStatus {
+        let st = lock(&self.state);
+        SessionStatus {
+            session_id: self.id,
+            name: self.name.clone(),
+            pid: self.pid,
+            slots: st.slots.len(),
+            granted: st.slots.count(SlotState::Granted),
+            in_flight: st.in_flight.len() as u32,
+            submitted: st.submitted,
+            completed: st.completed,
+            errors: st.errors,
+        }
+    }
+
+    fn send(&self, msg: &ServerMsg) -> Result<()> {
+        if !self.alive.load(Ordering::SeqCst) {
+            return Err(Error::SessionGone);
+        }
+        let r = lock(&self.writer).send(msg, &[]);
+        if let Err(e) = &r {
+            tracing::warn!(session = self.id, producer = %self.name, "dropping session: {e}");
+            self.kill();
+        }
+        r
+    }
+
+    /// Marks the session dead and closes its socket; its reader thread then reclaims it.
+    fn kill(&self) {
+        self.alive.store(false, Ordering::SeqCst);
+        lock(&self.writer).shutdown();
+    }
+
+    fn send_error(
+        &self,
+        shared: &Shared,
+        code: ErrorCode,
+        request_id: Option<u64>,
+        message: String,
+    ) {
+        shared
+            .counters
+            .protocol_errors
+            .fetch_add(1, Ordering::Relaxed);
+        lock(&self.state).errors += 1;
+        tracing::warn!(session = self.id, producer = %self.name, ?code, request_id, "refused: {message}");
+        let _ = self.send(&ServerMsg::Error {
+            code: code.as_u16(),
+            request_id,
+            fatal: false,
+            message: clip_message(message),
+        });
+    }
+
+    /// Takes a submitted slot back and, unless the server drains, grants it again at once.
+    fn release_slot(&self, shared: &Shared, slot: SlotRef) {
+        let regrant = {
+            let mut st = lock(&self.state);
+            if let Err(e) = st.slots.release(slot.slot, slot.generation) {
+                tracing::error!(session = self.id, "internal: releasing {slot:?}: {e}");
+                return;
+            }
+            if self.alive.load(Ordering::SeqCst) && !shared.draining.load(Ordering::SeqCst) {
+                st.slots.grant(slot.slot).ok().map(|generation| SlotRef {
+                    slot: slot.slot,
+                    generation,
+                })
+            } else {
+                None
+            }
+        };
+        if let Some(g) = regrant {
+            let _ = self.send(&ServerMsg::Grant(vec![g]));
+        }
+    }
+}
+
+/// A tensor a producer submitted: a zero-copy view into its pool, valid until released.
+///
+/// Dropping a `Request` releases its slot (the producer may reuse it) and, if no result was
+/// sent, sends the producer a `HandlerFailed` result, so every request gets exactly one answer.
+pub struct Request {
+    desc: TensorDesc,
+    responder: Option<Responder>,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request").field("desc", &self.desc).finish()
+    }
+}
+
+impl Request {
+    fn session(&self) -> &Arc<Session> {
+        &self
+            .responder
+            .as_ref()
+            .expect("responder present until drop")
+            .session
+    }
+
+    /// The checked descriptor.
+    pub fn desc(&self) -> &TensorDesc {
+        &self.desc
+    }
+
+    /// The producer's id for this request.
+    pub fn request_id(&self) -> u64 {
+        self.responder.as_ref().map(|r| r.request_id).unwrap_or(0)
+    }
+
+    /// The session it came from.
+    pub fn session_id(&self) -> u64 {
+        self.session().id
+    }
+
+    /// The producer's name (from its `Hello`).
+    pub fn producer(&self) -> &str {
+        &self.session().name
+    }
+
+    /// The tensor's bytes, in place in the producer's pool (no copy was made).
+    pub fn bytes(&self) -> &[u8] {
+        let s = self.session();
+        let slot = self.desc.slot();
+        // SAFETY: the slot is in state Submitted in the session's table until this request
+        // releases it (in `release` or `drop`), so the honest producer does not write it; the
+        // descriptor was validated against this pool's bounds; the `Arc<HostPool>` held through
+        // the session keeps the mapping alive for the borrow of `self`.
+        unsafe {
+            s.pool
+                .slot_bytes(slot.slot, self.desc.offset(), self.desc.byte_len())
+        }
+        .expect("validated descriptor lies inside the pool")
+    }
+
+    /// The tensor's elements as `T`, if it is contiguous and `T` has the dtype's size.
+    pub fn as_slice<T: bytemuck::Pod>(&self) -> Option<&[T]> {
+        if !self.desc.is_contiguous() || std::mem::size_of::<T>() as u64 != self.desc.dtype().size()
+        {
+            return None;
+        }
+        let bytes = &self.bytes()[..(self.desc.numel() * self.desc.dtype().size()) as usize];
+        bytemuck::try_cast_slice(bytes).ok()
+    }
+
+    /// Releases the slot now (the producer gets it back) and returns what answers the request.
+    pub fn release(mut self) -> Responder {
+        let r = self.responder.take().expect("responder present until drop");
+        r.session.release_slot(&r.shared, self.desc.slot());
+        r
+    }
+
+    /// Releases the slot and sends `payload` as the result.
+    pub fn respond(self, payload: &[u8]) -> Result<()> {
+        self.release().respond(payload)
+    }
+
+    /// Releases the slot and sends a failure as the result.
+    pub fn fail(self, message: impl Into<String>) -> Result<()> {
+        self.release().fail(message)
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if let Some(r) = self.responder.take() {
+            r.session.release_slot(&r.shared, self.desc.slot());
+        }
+    }
+}
+
+/// Answers one request, after its slot was released. Dropping it unanswered sends a failure.
+pub struct Responder {
+    session: Arc<Session>,
+    shared: Arc<Shared>,
+    request_id: u64,
+    answered: bool,
+}
+
+impl std::fmt::Debug for Responder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Responder")
+            .field("session", &self.session.id)
+            .field("request_id", &self.request_id)
+            .finish()
+    }
+}
+
+impl Responder {
+    /// The producer's id for this request.
+    pub fn request_id(&self) -> u64 {
+        self.request_id
+    }
+
+    /// The session it came from.
+    pub fn session_id(&self) -> u64 {
+        self.session.id
+    }
+
+    /// Whether the producer is still connected.
+    pub fn is_alive(&self) -> bool {
+        self.session.alive.load(Ordering::SeqCst)
+    }
+
+    fn finish(&mut self, outcome: Outcome) -> Result<()> {
+        self.answered = true;
+        {
+            let mut st = lock(&self.session.state);
+            if !st.in_flight.remove(&self.request_id) {
+                return Ok(());
+            }
+            st.completed += 1;
+        }
+        self.shared
+            .counters
+            .completed
+            .fetch_add(1, Ordering::Relaxed);
+        self.session.send(&ServerMsg::Result {
+            request_id: self.request_id,
+            outcome,
+        })
+    }
+
+    /// Sends `payload` as the result. Fails with [`Error::SessionGone`] if the producer left.
+    pub fn respond(mut self, payload: &[u8]) -> Result<()> {
+        if payload.len() > MAX_FRAME_LEN as usize - 64 {
+            let n = payload.len();
+            self.finish(Outcome::Err {
+                code: ErrorCode::HandlerFailed.as_u16(),
+                message: format!("result of {n} bytes is over the frame limit"),
+            })?;
+            return Err(Error::ResultTooLarge(n));
+        }
+        self.finish(Outcome::Ok(payload.to_vec()))
+    }
+
+    /// Sends a failure as the result.
+    pub fn fail(mut self, message: impl Into<String>) -> Result<()> {
+        self.finish(Outcome::Err {
+            code: ErrorCode::HandlerFailed.as_u16(),
+            message: clip_message(message.into()),
+        })
+    }
+}
+
+impl Drop for Responder {
+    fn drop(&mut self) {
+        if !self.answered {
+            let _ = self.finish(Outcome::Err {
+                code: ErrorCode::HandlerFailed.as_u16(),
+                message: "the server dropped the request without a result".into(),
+            });
+        }
+    }
+}
+
+/// A running server. Dropping it stops accepting, disconnects every session and removes the
+/// socket file.
+pub struct Server {
+    shared: Arc<Shared>,
+    rx: Mutex<Receiver<Request>>,
+    acceptor: Option<JoinHandle<()>>,
+    socket: PathBuf,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("socket", &self.socket)
+            .finish()
+    }
+}
+
+impl Server {
+    /// Binds the socket (see [`crate::path::bind_listener`]) and starts accepting producers.
+    pub fn bind(config: ServerConfig) -> Result<Server> {
+        let listener = path::bind_listener(&config.socket)?;
+        listener
+            .set_nonblocking(true)
+            .map_err(Error::io("set listener non-blocking"))?;
+        let (tx, rx) = mpsc::channel();
+        let socket = config.socket.clone();
+        let shared = Arc::new(Shared {
+            config,
+            started: Instant::now(),
+            next_session: AtomicU64::new(1),
+            sessions: Mutex::new(HashMap::new()),
+            connections: AtomicU32::new(0),
+            producers: AtomicU32::new(0),
+            counters: AtomicCounters::default(),
+            draining: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+            tx,
+        });
+        let sh = shared.clone();
+        let acceptor = std::thread::Builder::new()
+            .name("tensorport-accept".into())
+            .spawn(move || accept_loop(sh, listener))
+            .map_err(Error::io("spawn acceptor thread"))?;
+        tracing::info!(socket = %socket.display(), "tensorport server listening");
+        Ok(Server {
+            shared,
+            rx: Mutex::new(rx),
+            acceptor: Some(acceptor),
+            socket,
+        })
+    }
+
+    /// The socket path.
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The next request, waiting at most `timeout`. `Ok(None)` on timeout;
+    /// `Err(Error::Stopped)` once the server drains and every producer has left.
+    ///
+    /// Requests from producers that died after submitting are skipped (and their slots freed).
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Request>> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            let now = Instant::now();
+            let step = deadline
+                .saturating_duration_since(now)
+                .min(Duration::from_millis(50));
+            let got = lock(&self.rx).recv_timeout(step);
+            match got {
+                Ok(req) => {
+                    if req.session().alive.load(Ordering::SeqCst) {
+                        return Ok(Some(req));
+                    }
+                }
+                Err(RecvTimeoutError::Timeout) => {
+                    if self.is_finished() {
+                        return Err(Error::Stopped);
+                    }
+                    if Instant::now() >= deadline {
+                        return Ok(None);
+                    }
+                }
+                Err(RecvTimeoutError::Disconnected) => return Err(Error::Stopped),
+            }
+        }
+    }
+
+    /// Everything queued now, at most `max`, waiting up to `timeout` for the first one only.
+    pub fn recv_batch(&self, max: usize, timeout: Duration) -> Result<Vec<Request>> {
+        let mut out = Vec::new();
+        if let Some(first) = self.recv_timeout(timeout)? {
+            out.push(first);
+        }
+        let rx = lock(&self.rx);
+        while out.len() < max {
+            match rx.try_recv() {
+                Ok(r) if r.session().alive.load(Ordering::SeqCst) => out.push(r),
+                Ok(_) => {}
+                Err(_) => break,
+            }
+        }
+        Ok(out)
+    }
+
+    fn is_finished(&self) -> bool {
+        self.shared.stopping.load(Ordering::SeqCst)
+            || (self.shared.draining.load(Ordering::SeqCst)
+                && lock(&self.shared.sessions).is_empty())
+    }
+
+    /// Figures for `tensorport ctl status`.
+    pub fn status(&self) -> StatusReport {
+        self.shared.status()
+    }
+
+    /// Stops taking new work: new producers are refused, open sessions are told to finish, and
+    /// [`Server::recv_timeout`] returns [`Error::Stopped`] once they have all left.
+    pub fn drain(&self) {
+        drain(&self.shared);
+    }
+
+    /// Whether [`Server::drain`] was called (here or by a control client).
+    pub fn is_draining(&self) -> bool {
+        self.shared.draining.load(Ordering::SeqCst)
+    }
+}
+
+fn drain(shared: &Shared) {
+    if !shared.draining.swap(true, Ordering::SeqCst) {
+        tracing::info!("draining: finishing work in flight, refusing new producers");
+        let sessions: Vec<_> = lock(&shared.sessions).values().cloned().collect();
+        for s in sessions {
+            let _ = s.send(&ServerMsg::Draining);
+        }
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        if let Some(a) = self.acceptor.take() {
+            let _ = a.join();
+        }
+        let sessions: Vec<_> = lock(&self.shared.sessions)
+            .drain()
+            .map(|(_, s)| s)
+            .collect();
+        for s in sessions {
+            s.kill();
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    while !shared.stopping.load(Ordering::SeqCst) {
+        let mut pfd = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        if let Ok(0) | Err(_) = poll(&mut pfd, PollTimeout::from(100u16)) {
+            continue;
+        }
+        let stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => {
+                tracing::warn!("accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_write_timeout(Some(shared.config.write_timeout));
+        // Connections in handshake count too, so a flood of idle connections is bounded.
+        let limit = shared.config.max_sessions.saturating_add(16);
+        if shared.connections.load(Ordering::SeqCst) >= limit {
+            shared
+                .counters
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("refusing connection: {limit} connections open");
+            refuse(
+                &stream,
+                ErrorCode::TooManySessions,
+                "too many connections".into(),
+            );
+            continue;
+        }
+        shared.connections.fetch_add(1, Ordering::SeqCst);
+        let sh = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tensorport-session".into())
+            .spawn(move || {
+                serve_connection(&sh, stream);
+                sh.connections.fetch_sub(1, Ordering::SeqCst);
+            });
+        if let Err(e) = spawned {
+            shared.connections.fetch_sub(1, Ordering::SeqCst);
+            tracing::error!("cannot spawn session thread: {e}");
+        }
+    }
+}
+
+fn refuse(stream: &UnixStream, code: ErrorCode, message: String) {
+    if let Ok(s) = stream.try_clone() {
+        let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+        let mut w = FrameWriter::new(s);
+        let _ = w.send(
+            &ServerMsg::Error {
+                code: code.as_u16(),
+                request_id: None,
+                fatal: true,
+                message: clip_message(message),
+            },
+            &[],
+        );
+        w.shutdown();
+    }
+}
+
+enum Handshake {
+    Hello(Hello),
+    Refused(ErrorCode, String),
+    Gone,
+}
+
+fn read_hello(reader: &mut FrameReader, timeout: Duration) -> Handshake {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match reader.next_payload() {
+            Ok(Some(p)) => {
+                return match decode_client(p) {
+                    Ok(ClientMsg::Hello(h)) => Handshake::Hello(h),
+                    Ok(other) => Handshake::Refused(
+                        ErrorCode::HandshakeRequired,
+                        format!("first message must be Hello, got {}", msg_name(&other)),
+                    ),
+                    Err(e) => Handshake::Refused(e.code(), e.to_string()),
+                };
+            }
+            Ok(None) => {}
+            Err(e) => return Handshake::Refused(e.code(), e.to_string()),
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match reader.wait(Some(left)) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Handshake::Refused(
+                    ErrorCode::HandshakeTimeout,
+                    format!("no Hello within {timeout:?}"),
+                )
+            }
+            Err(_) => return Handshake::Gone,
+        }
+        match reader.fill() {
+            Ok(info) if info.bytes == 0 => return Handshake::Gone,
+            Ok(info) if info.fds > 0 || info.truncated => {
+                reader.drop_fds();
+                return Handshake::Refused(
+                    ErrorCode::FdsNotExpected,
+                    "file descriptors attached to the handshake".into(),
+                );
+            }
+            Ok(_) => {}
+            Err(_) => return Handshake::Gone,
+        }
+    }
+}
+
+fn msg_name(m: &ClientMsg) -> &'static str {
+    match m {
+        ClientMsg::Hello(_) => "Hello",
+        ClientMsg::Submit { .. } => "Submit",
+        ClientMsg::Return(_) => "Return",
+        ClientMsg::Status => "Status",
+        ClientMsg::Drain => "Drain",
+        ClientMsg::Goodbye => "Goodbye",
+    }
+}
+
+fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) {
+    let creds = match peer_credentials(&stream) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("no peer credentials: {e}");
+            return;
+        }
+    };
+    let me = nix::unistd::geteuid().as_raw();
+    if creds.uid() != me && !shared.config.allowed_uids.contains(&creds.uid()) {
+        shared
+            .counters
+            .connections_refused
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            pid = creds.pid(),
+            uid = creds.uid(),
+            "refusing connection from another user"
+        );
+        refuse(
+            &stream,
+            ErrorCode::PermissionDenied,
+            format!("uid {} may not use this server", creds.uid()),
+        );
+        return;
+    }
+    let Ok(wstream) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = FrameReader::new(stream, MAX_FRAME_LEN);
+    let hello = match read_hello(&mut reader, shared.config.handshake_timeout) {
+        Handshake::Hello(h) => h,
+        Handshake::Gone => return,
+        Handshake::Refused(code, message) => {
+            shared
+                .counters
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(pid = creds.pid(), ?code, "handshake refused: {message}");
+            refuse(reader.stream(), code, message);
+            return;
+        }
+    };
+    let version = match negotiate(&hello) {
+        Ok(v) => v,
+        Err(e) => {
+            shared
+                .counters
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(pid = creds.pid(), "handshake refused: {e}");
+            refuse(reader.stream(), e.code(), e.to_string());
+            return;
+        }
+    };
+    let writer = FrameWriter::new(wstream);
+    match hello.role {
+        Role::Control => serve_control(shared, reader, writer, version),
+        Role::Producer => {
+            let session = match open_session(shared, &hello, creds.pid() as u32, version, writer) {
+                Ok(s) => s,
+                Err((code, message)) => {
+                    shared
+                        .counters
+                        .connections_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(pid = creds.pid(), ?code, "session refused: {message}");
+                    refuse(reader.stream(), code, message);
+                    return;
+                }
+            };
+            let clean = serve_producer(shared, &session, &mut reader);
+            close_session(shared, &session, clean);
+        }
+    }
+}
+
+/// Releases a reservation in `Shared::producers` when dropped, unless disarmed.
+struct Reservation<'a>(&'a AtomicU32, bool);
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if self.1 {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Creates the pool, registers the session, sends `Welcome` (with the fd) and the first grant.
+fn open_session(
+    shared: &Arc<Shared>,
+    hello: &Hello,
+    pid: u32,
+    version: u16,
+    mut writer: FrameWriter,
+) -> std::result::Result<Arc<Session>, (ErrorCode, String)> {
+    let cfg = &shared.config;
+    if shared.draining.load(Ordering::SeqCst) {
+        return Err((ErrorCode::Draining, "the server is draining".into()));
+    }
+    // Reserve a place among the producers before building anything.
+    let max = cfg.max_sessions;
+    if shared
+        .producers
+        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+            (n < max).then_some(n + 1)
+        })
+        .is_err()
+    {
+        return Err((
+            ErrorCode::TooManySessions,
+            format!("the server has its maximum of {max} producers; try again later or raise --max-sessions"),
+        ));
+    }
+    let mut reservation = Reservation(&shared.producers, true);
+    let slots = match hello.want_slots {
+        0 => cfg.slots_per_session,
+        n => n.min(cfg.max_slots_per_session),
+    }
+    .max(1);
+    let slot_size = match hello.want_slot_size {
+        0 => cfg.slot_size,
+        n => n.min(cfg.max_slot_size),
+    };
+    let id = shared.next_session.fetch_add(1, Ordering::SeqCst);
+    let mut pool = HostPool::create("tensorport-pool", slots, slot_size)
+        .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
+    if let Some(pin) = &cfg.pin {
+        pool.pin_with(pin.as_ref())
+            .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
+    }
+    let layout = PoolLayout {
+        slot_count: pool.slot_count(),
+        slot_size: pool.slot_size(),
+        pool_len: pool.len(),
+    };
+    let max_in_flight = match cfg.max_in_flight {
+        0 => slots.saturating_mul(2),
+        n => n,
+    };
+    let mut table = SlotTable::new(slots);
+    let grant: Vec<SlotRef> = table
+        .grant_free()
+        .into_iter()
+        .map(|(slot, generation)| SlotRef { slot, generation })
+        .collect();
+    let welcome = ServerMsg::Welcome(Welcome {
+        version,
+        session_id: id,
+        pool: layout,
+        max_in_flight,
+        fds: 1,
+    });
+    writer
+        .send(&welcome, &[pool.fd()])
+        .map_err(|e| (ErrorCode::Internal, format!("sending Welcome: {e}")))?;
+    // The slot table is not shared until registration below, so the grant cannot race a submit.
+    for chunk in grant.chunks(tensorport_wire::MAX_GRANT) {
+        writer
+            .send(&ServerMsg::Grant(chunk.to_vec()), &[])
+            .map_err(|e| (ErrorCode::Internal, format!("sending Grant: {e}")))?;
+    }
+    let session = Arc::new(Session {
+        id,
+        name: hello.name.clone(),
+        pid,
+        bounds: PoolBounds {
+            slot_count: layout.slot_count,
+            slot_size: layout.slot_size,
+        },
+        pool: Arc::new(pool),
+        max_in_flight,
+        state: Mutex::new(SessionState {
+            slots: table,
+            in_flight: HashSet::new(),
+            submitted: 0,
+            completed: 0,
+            errors: 0,
+        }),
+        writer: Mutex::new(writer),
+        alive: AtomicBool::new(true),
+    });
+    lock(&shared.sessions).insert(id, session.clone());
+    // From here the reservation is released by `close_session`.
+    reservation.1 = false;
+    shared
+        .counters
+        .sessions_opened
+        .fetch_add(1, Ordering::Relaxed);
+    tracing::info!(
+        session = id,
+        producer = %hello.name,
+        pid,
+        slots,
+        slot_size = layout.slot_size,
+        "producer connected"
+    );
+    Ok(session)
+}
+
+/// Reads a producer's messages until it leaves. Returns whether it left cleanly (`Goodbye`).
+fn serve_producer(shared: &Arc<Shared>, session: &Arc<Session>, reader: &mut FrameReader) -> bool {
+    loop {
+        loop {
+            let msg = match reader.next_payload() {
+                Ok(Some(p)) => decode_client(p),
+                Ok(None) => break,
+                Err(e) => {
+                    fatal(shared, session, e);
+                    return false;
+                }
+            };
+            let msg = match msg {
+                Ok(m) => m,
+                Err(e) if e.is_fatal() => {
+                    fatal(shared, session, e);
+                    return false;
+                }
+                Err(e) => {
+                    session.send_error(shared, e.code(), None, e.to_string());
+                    continue;
+                }
+            };
+            match msg {
+                ClientMsg::Submit { request_id, tensor } => {
+                    if let Err((code, message)) = submit(shared, session, request_id, &tensor) {
+                        session.send_error(shared, code, Some(request_id), message);
+                    }
+                }
+                ClientMsg::Return(s) => {
+                    let r = lock(&session.state).slots.give_back(s.slot, s.generation);
+                    if let Err(e) = r {
+                        session.send_error(shared, ErrorCode::SlotNotLeased, None, e.to_string());
+                    }
+                }
+                ClientMsg::Status => {
+                    let _ = session.send(&ServerMsg::Status(shared.status()));
+                }
+                ClientMsg::Drain => drain(shared),
+                ClientMsg::Goodbye => return true,
+                ClientMsg::Hello(_) => session.send_error(
+                    shared,
+                    ErrorCode::HandshakeRequired,
+                    None,
+                    "Hello sent twice".into(),
+                ),
+            }
+        }
+        if !session.alive.load(Ordering::SeqCst) || shared.stopping.load(Ordering::SeqCst) {
+            return false;
+        }
+        match reader.fill() {
+            Ok(info) if info.bytes == 0 && info.fds == 0 => return false,
+            Ok(info) => {
+                if info.fds > 0 || info.truncated {
+                    let n = reader.drop_fds();
+                    session.send_error(
+                        shared,
+                        ErrorCode::FdsNotExpected,
+                        None,
+                        format!("{n} file descriptor(s) attached to a message that carries none; closed them"),
+                    );
+                }
+                if info.bytes == 0 {
+                    return false;
+                }
+            }
+            Err(e) => {
+                tracing::debug!(session = session.id, "read failed: {e}");
+                return false;
+            }
+        }
+    }
+}
+
+fn fatal(shared: &Shared, session: &Session, e: WireError) {
+    shared
+        .counters
+        .protocol_errors
+        .fetch_add(1, Ordering::Relaxed);
+    tracing::warn!(session = session.id, producer = %session.name, code = ?e.code(), "closing session: {e}");
+    let _ = session.send(&ServerMsg::Error {
+        code: e.code().as_u16(),
+        request_id: None,
+        fatal: true,
+        message: clip_message(e.to_string()),
+    });
+}
+
+fn submit(
+    shared: &Arc<Shared>,
+    session: &Arc<Session>,
+    request_id: u64,
+    tensor: &tensorport_wire::RawTensorDesc,
+) -> std::result::Result<(), (ErrorCode, String)> {
+    if shared.draining.load(Ordering::SeqCst) {
+        return Err((ErrorCode::Draining, "the server is draining".into()));
+    }
+    let desc = validate(tensor, &session.bounds).map_err(|e| (e.code(), e.to_string()))?;
+    let slot = desc.slot();
+    {
+        let mut st = lock(&session.state);
+        if st.in_flight.contains(&request_id) {
+            return Err((
+                ErrorCode::DuplicateRequest,
+                format!("request {request_id} is already in flight"),
+            ));
+        }
+        if st.in_flight.len() >= session.max_in_flight as usize {
+            return Err((
+                ErrorCode::TooManyInFlight,
+                format!("{} requests already in flight", st.in_flight.len()),
+            ));
+        }
+        st.slots
+            .submit(slot.slot, slot.generation)
+            .map_err(|e| (ErrorCode::SlotNotLeased, e.to_string()))?;
+        st.in_flight.insert(request_id);
+        st.submitted += 1;
+    }
+    shared.counters.submitted.fetch_add(1, Ordering::Relaxed);
+    shared
+        .counters
+        .bytes
+        .fetch_add(desc.byte_len(), Ordering::Relaxed);
+    let req = Request {
+        desc,
+        responder: Some(Responder {
+            session: session.clone(),
+            shared: shared.clone(),
+            request_id,
+            answered: false,
+        }),
+    };
+    // The receiver lives as long as the Server, which outlives this thread's use of `shared`
+    // unless the server is being dropped, in which case the request is dropped (and released).
+    let _ = shared.tx.send(req);
+    Ok(())
+}
+
+fn close_session(shared: &Shared, session: &Arc<Session>, clean: bool) {
+    let was_alive = session.alive.swap(false, Ordering::SeqCst);
+    if lock(&shared.sessions).remove(&session.id).is_some() {
+        shared.producers.fetch_sub(1, Ordering::SeqCst);
+    }
+    lock(&session.writer).shutdown();
+    let st = session.status();
+    if clean {
+        tracing::info!(session = session.id, producer = %session.name, "producer left");
+    } else {
+        shared
+            .counters
+            .sessions_reclaimed
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            session = session.id,
+            producer = %session.name,
+            pid = session.pid,
+            granted = st.granted,
+            in_flight = st.in_flight,
+            killed_by_server = !was_alive,
+            "producer gone; reclaiming its pool and slots"
+        );
+    }
+}
+
+fn serve_control(
+    shared: &Arc<Shared>,
+    mut reader: FrameReader,
+    mut writer: FrameWriter,
+    version: u16,
+) {
+    let welcome = ServerMsg::Welcome(Welcome {
+        version,
+        session_id: 0,
+        pool: PoolLayout {
+            slot_count: 0,
+            slot_size: 0,
+            pool_len: 0,
+        },
+        max_in_flight: 0,
+        fds: 0,
+    });
+    if writer.send(&welcome, &[]).is_err() {
+        return;
+    }
+    loop {
+        let msg = match reader.next_payload() {
+            Ok(Some(p)) => decode_client(p),
+            Ok(None) => match reader.fill() {
+                Ok(info) if info.bytes > 0 && info.fds == 0 => continue,
+                _ => return,
+            },
+            Err(_) => return,
+        };
+        let reply = match msg {
+            Ok(ClientMsg::Status) => ServerMsg::Status(shared.status()),
+            Ok(ClientMsg::Drain) => {
+                drain(shared);
+                ServerMsg::Draining
+            }
+            Ok(ClientMsg::Goodbye) => return,
+            Ok(other) => ServerMsg::Error {
+                code: ErrorCode::Unsupported.as_u16(),
+                request_id: None,
+                fatal: false,
+                message: format!("{} is not for control sessions", msg_name(&other)),
+            },
+            Err(e) => ServerMsg::Error {
+                code: e.code().as_u16(),
+                request_id: None,
+                fatal: true,
+                message: clip_message(e.to_string()),
+            },
+        };
+        let fatal = matches!(reply, ServerMsg::Error { fatal: true, .. });
+        if writer.send(&reply, &[]).is_err() || fatal {
+            return;
+        }
+    }
+}
+
+/// The version this server speaks (for logs and `--version`).
+pub fn protocol_version() -> u16 {
+    PROTOCOL_VERSION
+}

@@ -1,0 +1,243 @@
+//! Shared helpers for the multi-process tests: a tiny harness (so the test binary can re-run
+//! itself as a child process), self-verifying tensor contents, process guards, and fd/mapping
+//! counters for leak checks.
+#![allow(dead_code)]
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::sync::{Arc, Mutex, OnceLock};
+use std::time::{Duration, Instant};
+
+/// Environment variable naming the role a re-executed test binary plays.
+pub const CHILD_ENV: &str = "TP_TEST_CHILD";
+
+/// A test: name and body. A body fails by panicking.
+pub type TestFn = fn();
+
+/// Runs `tests` (or the ones whose name contains the first non-flag argument), or dispatches to
+/// `child` when this process was started as a child. Prints one line per test and the
+/// `N passed, N failed` summary; exits non-zero on any failure.
+pub fn main(tests: &[(&str, TestFn)], child: fn(&str)) {
+    if let Ok(role) = std::env::var(CHILD_ENV) {
+        child(&role);
+        return;
+    }
+    install_log_capture();
+    let filter: Option<String> = std::env::args().skip(1).find(|a| !a.starts_with('-'));
+    let list = std::env::args().any(|a| a == "--list");
+    let (mut passed, mut failed) = (0, 0);
+    for (name, f) in tests {
+        if filter.as_deref().is_some_and(|flt| !name.contains(flt)) {
+            continue;
+        }
+        if list {
+            println!("{name}: test");
+            continue;
+        }
+        print!("test {name} ... ");
+        std::io::stdout().flush().ok();
+        let t = Instant::now();
+        match std::panic::catch_unwind(f) {
+            Ok(()) => {
+                passed += 1;
+                println!("ok ({:.1}s)", t.elapsed().as_secs_f64());
+            }
+            Err(e) => {
+                failed += 1;
+                let msg = e
+                    .downcast_ref::<String>()
+                    .cloned()
+                    .or_else(|| e.downcast_ref::<&str>().map(|s| s.to_string()))
+                    .unwrap_or_default();
+                println!("FAILED: {msg}");
+            }
+        }
+    }
+    if list {
+        return;
+    }
+    println!("\n{passed} passed, {failed} failed");
+    if failed > 0 {
+        std::process::exit(1);
+    }
+}
+
+static LOG: OnceLock<Arc<Mutex<Vec<u8>>>> = OnceLock::new();
+
+struct LogWriter(Arc<Mutex<Vec<u8>>>);
+impl Write for LogWriter {
+    fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+        self.0.lock().unwrap().extend_from_slice(b);
+        if std::env::var_os("TP_TEST_LOG").is_some() {
+            std::io::stderr().write_all(b)?;
+        }
+        Ok(b.len())
+    }
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
+    }
+}
+
+/// Captures this process's tracing output, so tests can check that a log line was written.
+pub fn install_log_capture() {
+    let buf = LOG.get_or_init(|| Arc::new(Mutex::new(Vec::new()))).clone();
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::new("info"))
+        .with_ansi(false)
+        .with_writer(move || LogWriter(buf.clone()))
+        .try_init();
+}
+
+/// Everything logged so far.
+pub fn logs() -> String {
+    LOG.get()
+        .map(|b| String::from_utf8_lossy(&b.lock().unwrap()).into_owned())
+        .unwrap_or_default()
+}
+
+/// A child process that is killed (SIGKILL) and reaped when dropped.
+pub struct ChildGuard(pub Option<Child>);
+
+impl ChildGuard {
+    pub fn pid(&self) -> i32 {
+        self.0.as_ref().unwrap().id() as i32
+    }
+    pub fn kill9(&mut self) {
+        if let Some(c) = self.0.as_mut() {
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(c.id() as i32),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            let _ = c.wait();
+        }
+        self.0 = None;
+    }
+    /// Waits for exit; panics after `timeout`.
+    pub fn wait_ok(&mut self, timeout: Duration) -> std::process::Output {
+        let mut c = self.0.take().expect("child present");
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(_st) = c.try_wait().unwrap() {
+                return c.wait_with_output().unwrap();
+            }
+            if Instant::now() > deadline {
+                let _ = c.kill();
+                let out = c.wait_with_output().unwrap();
+                panic!(
+                    "child did not finish in {timeout:?}; stderr:\n{}",
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+            std::thread::sleep(Duration::from_millis(20));
+        }
+    }
+}
+
+impl Drop for ChildGuard {
+    fn drop(&mut self) {
+        self.kill9();
+    }
+}
+
+/// Starts this test binary again as a child with `role` and extra environment.
+pub fn spawn_child(role: &str, env: &[(&str, String)]) -> ChildGuard {
+    let mut cmd = Command::new(std::env::current_exe().unwrap());
+    cmd.env(CHILD_ENV, role)
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped());
+    for (k, v) in env {
+        cmd.env(k, v);
+    }
+    ChildGuard(Some(cmd.spawn().expect("spawn child")))
+}
+
+/// A fresh private directory for a socket, removed on drop.
+pub fn socket_dir() -> (tempfile::TempDir, PathBuf) {
+    let d = tempfile::Builder::new()
+        .prefix("tp-test-")
+        .tempdir()
+        .unwrap();
+    let p = d.path().join("tp.sock");
+    (d, p)
+}
+
+/// Open file descriptors of this process.
+pub fn open_fds() -> usize {
+    std::fs::read_dir("/proc/self/fd").unwrap().count()
+}
+
+/// Mappings of tensorport pools in this process.
+pub fn pool_mappings() -> usize {
+    std::fs::read_to_string("/proc/self/maps")
+        .unwrap()
+        .lines()
+        .filter(|l| l.contains("memfd:tensorport-pool"))
+        .count()
+}
+
+/// Polls `f` until it is true or `timeout` passes; returns its last value.
+pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
+    let deadline = Instant::now() + timeout;
+    loop {
+        if f() {
+            return true;
+        }
+        if Instant::now() > deadline {
+            return false;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}
+
+/// Fills `buf` with a stream determined by `seed`, which it stores in its first 8 bytes. A buffer
+/// filled this way can be checked on its own by [`verify`]: a torn or stale tail shows.
+pub fn fill(seed: u64, buf: &mut [u8]) {
+    assert!(buf.len() >= 8);
+    buf[..8].copy_from_slice(&seed.to_le_bytes());
+    let mut x = seed | 1;
+    for chunk in buf[8..].chunks_mut(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        let b = x.to_le_bytes();
+        chunk.copy_from_slice(&b[..chunk.len()]);
+    }
+}
+
+/// Whether `buf` is exactly what [`fill`] wrote for the seed in its first 8 bytes.
+pub fn verify(buf: &[u8]) -> bool {
+    if buf.len() < 8 {
+        return false;
+    }
+    let seed = u64::from_le_bytes(buf[..8].try_into().unwrap());
+    let mut x = seed | 1;
+    for chunk in buf[8..].chunks(8) {
+        x ^= x << 13;
+        x ^= x >> 7;
+        x ^= x << 17;
+        if chunk != &x.to_le_bytes()[..chunk.len()] {
+            return false;
+        }
+    }
+    true
+}
+
+/// FNV-1a 64 of `bytes`.
+pub fn checksum(bytes: &[u8]) -> u64 {
+    let mut h: u64 = 0xcbf29ce484222325;
+    for &b in bytes {
+        h ^= b as u64;
+        h = h.wrapping_mul(0x100000001b3);
+    }
+    h
+}
+
+pub fn env_or(name: &str, default: &str) -> String {
+    std::env::var(name).unwrap_or_else(|_| default.to_string())
+}
+
+pub fn socket_env(p: &Path) -> (&'static str, String) {
+    ("TP_SOCKET", p.display().to_string())
+}
