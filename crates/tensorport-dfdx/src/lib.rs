@@ -1,0 +1,130 @@
+//! tensorport requests as dfdx 0.13 tensors.
+//!
+//! - [`stack_images`]: a batch of received `[C, H, W]` f32 requests → one `[B, C, H, W]` tensor.
+//!   Reading the slots into the batch is the only copy on the CPU path (on `Cuda` it is the
+//!   host-to-device DMA, from pinned pools).
+//! - [`ImageClassifier`]: a small ResNet-style CNN (conv stem, two residual stages, global
+//!   average pool, linear head). dfdx 0.13 gates its `conv2d`/`pool2d` ops and `Conv2D` module
+//!   behind its `nightly` feature, so the convolutions here are built from stable ops: patch
+//!   convolutions as reshape → permute → matmul, 3×3 convolutions as nine shifted matmuls.
+//!   Weights come from a safetensors file (PyTorch layouts) or a fixed seed.
+//!
+//! Determinism: dfdx's CPU conv runs image by image and the head runs row by row, so an image's
+//! scores are bitwise the same whatever batch it was in.
+#![warn(missing_docs)]
+
+mod model;
+
+pub use dfdx;
+pub use model::{ImageClassifier, ModelConfig};
+
+use dfdx::prelude::*;
+use tensorport::{DType, Request};
+use thiserror::Error;
+
+/// Errors of this crate.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// A request does not fit the model's input.
+    #[error("request {request_id} from {producer}: {problem}")]
+    BadInput {
+        /// The request.
+        request_id: u64,
+        /// Its producer's name.
+        producer: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// The weights file is missing, unreadable or does not match the model.
+    #[error("weights {path}: {problem}")]
+    Weights {
+        /// The file.
+        path: String,
+        /// What is wrong.
+        problem: String,
+    },
+    /// A model configuration that cannot be built.
+    #[error("model configuration: {0}")]
+    Config(String),
+    /// The device failed.
+    #[error("device error: {0}")]
+    Device(String),
+}
+
+/// Results of this crate.
+pub type Result<T> = std::result::Result<T, Error>;
+
+/// A 4-d f32 tensor with runtime dimensions.
+pub type Tensor4<D> = Tensor<(usize, usize, usize, usize), f32, D>;
+
+/// Checks that `req` is a contiguous f32 tensor of exactly `shape`.
+pub fn check_image(req: &Request, shape: [usize; 3]) -> Result<&[f32]> {
+    let d = req.desc();
+    let bad = |problem: String| Error::BadInput {
+        request_id: req.request_id(),
+        producer: req.producer().to_string(),
+        problem,
+    };
+    if d.dtype() != DType::F32 {
+        return Err(bad(format!(
+            "dtype {} (the model takes f32)",
+            d.dtype().name()
+        )));
+    }
+    let want: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
+    if d.shape() != want.as_slice() {
+        return Err(bad(format!(
+            "shape {:?} (the model takes {:?}; match the server's --image-size)",
+            d.shape(),
+            shape
+        )));
+    }
+    req.as_slice::<f32>()
+        .ok_or_else(|| bad("not contiguous (the model takes row-major images)".into()))
+}
+
+/// Stacks images (each checked by [`check_image`]) into one `[B, C, H, W]` tensor on `dev`.
+/// Requests that do not fit are returned separately with the reason, so the caller can fail
+/// just those.
+pub fn stack_images<'r, D: Device<f32>>(
+    dev: &D,
+    reqs: &'r [Request],
+    shape: [usize; 3],
+) -> (Option<Tensor4<D>>, Vec<usize>, Vec<(usize, Error)>) {
+    let per = shape.iter().product::<usize>();
+    let mut data = Vec::with_capacity(per * reqs.len());
+    let mut used = Vec::with_capacity(reqs.len());
+    let mut bad = Vec::new();
+    for (i, r) in reqs.iter().enumerate() {
+        match check_image(r, shape) {
+            Ok(px) => {
+                data.extend_from_slice(px);
+                used.push(i);
+            }
+            Err(e) => bad.push((i, e)),
+        }
+    }
+    if used.is_empty() {
+        return (None, used, bad);
+    }
+    let t = dev.tensor_from_vec(data, (used.len(), shape[0], shape[1], shape[2]));
+    (Some(t), used, bad)
+}
+
+/// Row `i` of a `[B, N]` score tensor's data as little-endian bytes (the result payload).
+pub fn scores_to_bytes(scores: &[f32]) -> Vec<u8> {
+    bytemuck::cast_slice(scores).to_vec()
+}
+
+/// The inverse of [`scores_to_bytes`]; `None` if the length is not a multiple of 4.
+pub fn scores_from_bytes(bytes: &[u8]) -> Option<Vec<f32>> {
+    if bytes.len() % 4 != 0 {
+        return None;
+    }
+    Some(
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    )
+}

@@ -1,0 +1,616 @@
+//! A small ResNet-style image classifier on dfdx tensors with runtime dimensions.
+
+use std::collections::HashMap;
+use std::path::Path;
+
+use dfdx::prelude::*;
+use safetensors::tensor::{Dtype as StDtype, TensorView};
+use safetensors::SafeTensors;
+
+use crate::{Error, Result, Tensor4};
+
+/// Shape of the classifier.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ModelConfig {
+    /// Input images are `[3, image_size, image_size]`.
+    pub image_size: usize,
+    /// Number of output classes.
+    pub classes: usize,
+    /// Channels of the first stage (the second has twice as many).
+    pub width: usize,
+}
+
+impl Default for ModelConfig {
+    fn default() -> Self {
+        ModelConfig {
+            image_size: 224,
+            classes: 10,
+            width: 16,
+        }
+    }
+}
+
+impl ModelConfig {
+    /// The input shape `[3, S, S]`.
+    pub fn input_shape(&self) -> [usize; 3] {
+        [3, self.image_size, self.image_size]
+    }
+}
+
+/// Channel-last activations `[B, H, W, C]`.
+type Act<D> = Tensor<(usize, usize, usize, usize), f32, D>;
+type Mat<D> = Tensor<(usize, usize), f32, D>;
+type Vector<D> = Tensor<(usize,), f32, D>;
+
+/// A 3×3, stride-1, zero-padded convolution, as nine shifted 1×1 convolutions (matmuls over
+/// channels). dfdx 0.13's own `conv2d` op is nightly-only; this uses only stable ops.
+struct Conv3<D: Device<f32>> {
+    /// `w[k]` is `[C_in, C_out]` for kernel position `k = 3·ky + kx`.
+    w: Vec<Mat<D>>,
+    b: Vector<D>,
+}
+
+impl<D: Device<f32>> Conv3<D> {
+    fn forward(&self, dev: &D, x: Act<D>) -> Act<D> {
+        let (b, h, w, c) = *x.shape();
+        let cout = self.b.shape().0;
+        // Zero-pad H and W by one on each side.
+        let zr = dev.zeros_like(&(b, 1usize, w, c));
+        let x = (zr.clone(), x).concat_along(Axis::<1>);
+        let x = (x, zr).concat_along(Axis::<1>);
+        let zc = dev.zeros_like(&(b, h + 2, 1usize, c));
+        let x = (zc.clone(), x).concat_along(Axis::<2>);
+        let x = (x, zc).concat_along(Axis::<2>);
+        let m = b * h * w;
+        let mut acc: Option<Mat<D>> = None;
+        for ky in 0..3 {
+            for kx in 0..3 {
+                let win = x
+                    .clone()
+                    .slice((.., ky..ky + h, kx..kx + w, ..))
+                    .reshape_like(&(m, c));
+                let t = win.matmul(self.w[3 * ky + kx].clone());
+                acc = Some(match acc {
+                    None => t,
+                    Some(a) => a + t,
+                });
+            }
+        }
+        let y = acc.expect("nine terms") + self.b.clone().broadcast_like::<_, Axis<0>>(&(m, cout));
+        y.reshape_like(&(b, h, w, cout))
+    }
+}
+
+/// A `p×p`, stride-`p` convolution (a patch embedding / downsampling layer) as
+/// reshape → permute → matmul.
+struct Patchify<D: Device<f32>> {
+    /// `[p·p·C_in, C_out]`, rows in `(py, px, c)` order.
+    w: Mat<D>,
+    b: Vector<D>,
+    p: usize,
+}
+
+impl<D: Device<f32>> Patchify<D> {
+    /// `x` is `[B, H, W, C]` channel-last.
+    fn forward(&self, x: Act<D>) -> Act<D> {
+        let (b, h, w, c) = *x.shape();
+        let (p, cout) = (self.p, self.b.shape().0);
+        let (hp, wp) = (h / p, w / p);
+        let t = x
+            .reshape_like(&(b, hp, p, wp, p, c))
+            .permute::<(usize, usize, usize, usize, usize, usize), Axes6<0, 1, 3, 2, 4, 5>>()
+            .reshape_like(&(b * hp * wp, c * p * p));
+        let y = t.matmul(self.w.clone())
+            + self
+                .b
+                .clone()
+                .broadcast_like::<_, Axis<0>>(&(b * hp * wp, cout));
+        y.reshape_like(&(b, hp, wp, cout))
+    }
+}
+
+/// The classifier: `patchify 4×4 (3→w) → res(w) → patchify 2×2 (w→2w) → res(2w) → mean → linear`,
+/// each residual block being `relu(x + conv3(relu(conv3(x))))`.
+pub struct ImageClassifier<D: Device<f32>> {
+    dev: D,
+    config: ModelConfig,
+    stem: Patchify<D>,
+    res1: [Conv3<D>; 2],
+    down: Patchify<D>,
+    res2: [Conv3<D>; 2],
+    /// `[2w, classes]`.
+    head_w: Mat<D>,
+    head_b: Vector<D>,
+}
+
+/// Names and shapes of every parameter, in PyTorch's layouts (conv `[out, in, kh, kw]`, linear
+/// `[out, in]`), which are also the safetensors names and shapes.
+fn param_shapes(c: &ModelConfig) -> Vec<(&'static str, Vec<usize>)> {
+    let (w, w2) = (c.width, c.width * 2);
+    vec![
+        ("stem.weight", vec![w, 3, 4, 4]),
+        ("stem.bias", vec![w]),
+        ("res1.0.weight", vec![w, w, 3, 3]),
+        ("res1.0.bias", vec![w]),
+        ("res1.1.weight", vec![w, w, 3, 3]),
+        ("res1.1.bias", vec![w]),
+        ("down.weight", vec![w2, w, 2, 2]),
+        ("down.bias", vec![w2]),
+        ("res2.0.weight", vec![w2, w2, 3, 3]),
+        ("res2.0.bias", vec![w2]),
+        ("res2.1.weight", vec![w2, w2, 3, 3]),
+        ("res2.1.bias", vec![w2]),
+        ("head.weight", vec![c.classes, w2]),
+        ("head.bias", vec![c.classes]),
+    ]
+}
+
+/// A deterministic He-style initialisation from `seed` (splitmix64 + Box-Muller), independent of
+/// dfdx's RNG so the same seed gives the same weights in any build.
+fn seeded_params(c: &ModelConfig, seed: u64) -> HashMap<&'static str, Vec<f32>> {
+    let mut state = seed;
+    let mut next = move || {
+        state = state.wrapping_add(0x9E3779B97F4A7C15);
+        let mut z = state;
+        z = (z ^ (z >> 30)).wrapping_mul(0xBF58476D1CE4E5B9);
+        z = (z ^ (z >> 27)).wrapping_mul(0x94D049BB133111EB);
+        z ^ (z >> 31)
+    };
+    let mut out = HashMap::new();
+    for (name, shape) in param_shapes(c) {
+        let n: usize = shape.iter().product();
+        let fan_in: usize = shape[1..].iter().product::<usize>().max(1);
+        let scale = if name.ends_with("bias") {
+            0.01
+        } else {
+            (2.0 / fan_in as f64).sqrt()
+        };
+        let v = (0..n)
+            .map(|_| {
+                let u1 = ((next() >> 11) as f64 + 1.0) / (1u64 << 53) as f64;
+                let u2 = (next() >> 11) as f64 / (1u64 << 53) as f64;
+                let g = (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos();
+                (g * scale) as f32
+            })
+            .collect();
+        out.insert(name, v);
+    }
+    out
+}
+
+/// `[out, in, kh, kw]` → for each `(ky, kx)`, `[in, out]`.
+fn conv3_taps(v: &[f32], cout: usize, cin: usize) -> Vec<Vec<f32>> {
+    (0..9)
+        .map(|k| {
+            let mut m = vec![0.0; cin * cout];
+            for o in 0..cout {
+                for i in 0..cin {
+                    m[i * cout + o] = v[(o * cin + i) * 9 + k];
+                }
+            }
+            m
+        })
+        .collect()
+}
+
+/// `[out, in, p, p]` → `[(py, px, in), out]`, matching the patch layout built in
+/// [`Patchify::forward`] (channel-last input, permuted to `(py, px, c)`).
+fn patch_matrix(v: &[f32], cout: usize, cin: usize, p: usize) -> Vec<f32> {
+    let mut m = vec![0.0; cin * p * p * cout];
+    for o in 0..cout {
+        for i in 0..cin {
+            for py in 0..p {
+                for px in 0..p {
+                    let row = (py * p + px) * cin + i;
+                    m[row * cout + o] = v[((o * cin + i) * p + py) * p + px];
+                }
+            }
+        }
+    }
+    m
+}
+
+/// `[out, in]` → `[in, out]`.
+fn transpose(v: &[f32], rows: usize, cols: usize) -> Vec<f32> {
+    let mut t = vec![0.0; v.len()];
+    for r in 0..rows {
+        for c in 0..cols {
+            t[c * rows + r] = v[r * cols + c];
+        }
+    }
+    t
+}
+
+impl<D: Device<f32>> ImageClassifier<D> {
+    /// A model with weights drawn from `seed`.
+    pub fn from_seed(dev: &D, config: ModelConfig, seed: u64) -> Result<Self> {
+        config.check()?;
+        Ok(Self::from_params(dev, config, seeded_params(&config, seed)))
+    }
+
+    /// A model with weights from a safetensors file (f32 tensors named and shaped as
+    /// PyTorch would: `stem.weight [w,3,4,4]`, …, `head.weight [classes, 2w]`; see
+    /// `docs/model.md`).
+    pub fn load(dev: &D, config: ModelConfig, path: &Path) -> Result<Self> {
+        config.check()?;
+        let werr = |problem: String| Error::Weights {
+            path: path.display().to_string(),
+            problem,
+        };
+        let bytes = std::fs::read(path).map_err(|e| {
+            werr(format!(
+                "{e}; pass an existing file to --weights, or leave it out to use --seed"
+            ))
+        })?;
+        let st = SafeTensors::deserialize(&bytes)
+            .map_err(|e| werr(format!("not a safetensors file: {e}")))?;
+        let mut params = HashMap::new();
+        for (name, shape) in param_shapes(&config) {
+            let t = st
+                .tensor(name)
+                .map_err(|_| werr(format!("has no tensor {name:?}")))?;
+            if t.dtype() != StDtype::F32 {
+                return Err(werr(format!("{name} is {:?}, expected F32", t.dtype())));
+            }
+            if t.shape() != shape.as_slice() {
+                return Err(werr(format!(
+                    "{name} has shape {:?}, the model (--classes {}, width {}) needs {:?}",
+                    t.shape(),
+                    config.classes,
+                    config.width,
+                    shape
+                )));
+            }
+            let v: Vec<f32> = t
+                .data()
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+                .collect();
+            params.insert(name, v);
+        }
+        Ok(Self::from_params(dev, config, params))
+    }
+
+    /// Writes `seed`'s weights as a safetensors file (a starting point, or a fixture).
+    pub fn save_seeded(config: ModelConfig, seed: u64, path: &Path) -> Result<()> {
+        config.check()?;
+        let params = seeded_params(&config, seed);
+        let named: Vec<(String, Vec<usize>, Vec<u8>)> = param_shapes(&config)
+            .into_iter()
+            .map(|(n, s)| (n.to_string(), s, bytemuck::cast_slice(&params[n]).to_vec()))
+            .collect();
+        let views: Vec<(String, TensorView<'_>)> = named
+            .iter()
+            .map(|(n, s, d)| {
+                (
+                    n.clone(),
+                    TensorView::new(StDtype::F32, s.clone(), d).expect("sizes match"),
+                )
+            })
+            .collect();
+        let werr = |e: String| Error::Weights {
+            path: path.display().to_string(),
+            problem: e,
+        };
+        let bytes = safetensors::serialize(views, None).map_err(|e| werr(e.to_string()))?;
+        std::fs::write(path, bytes).map_err(|e| werr(e.to_string()))
+    }
+
+    fn from_params(dev: &D, config: ModelConfig, p: HashMap<&'static str, Vec<f32>>) -> Self {
+        let (w, w2, k) = (config.width, config.width * 2, config.classes);
+        let vec1 = |name: &str, n: usize| dev.tensor_from_vec(p[name].clone(), (n,));
+        let conv3 = |name: &str, bias: &str, cin: usize, cout: usize| Conv3 {
+            w: conv3_taps(&p[name], cout, cin)
+                .into_iter()
+                .map(|m| dev.tensor_from_vec(m, (cin, cout)))
+                .collect(),
+            b: vec1(bias, cout),
+        };
+        let patch = |name: &str, bias: &str, cin: usize, cout: usize, pp: usize| Patchify {
+            w: dev.tensor_from_vec(patch_matrix(&p[name], cout, cin, pp), (cin * pp * pp, cout)),
+            b: vec1(bias, cout),
+            p: pp,
+        };
+        ImageClassifier {
+            dev: dev.clone(),
+            config,
+            stem: patch("stem.weight", "stem.bias", 3, w, 4),
+            res1: [
+                conv3("res1.0.weight", "res1.0.bias", w, w),
+                conv3("res1.1.weight", "res1.1.bias", w, w),
+            ],
+            down: patch("down.weight", "down.bias", w, w2, 2),
+            res2: [
+                conv3("res2.0.weight", "res2.0.bias", w2, w2),
+                conv3("res2.1.weight", "res2.1.bias", w2, w2),
+            ],
+            head_w: dev.tensor_from_vec(transpose(&p["head.weight"], k, w2), (w2, k)),
+            head_b: vec1("head.bias", k),
+        }
+    }
+
+    /// The model's configuration.
+    pub fn config(&self) -> ModelConfig {
+        self.config
+    }
+
+    /// Class scores (logits) for images `[B, 3, S, S]` (NCHW, as producers write them), one row
+    /// per image.
+    pub fn forward(&self, x: Tensor4<D>) -> Vec<Vec<f32>> {
+        let dev = &self.dev;
+        // NCHW → NHWC (one copy), the layout the matmul-based convolutions use.
+        let (b, c, h, w) = *x.shape();
+        let x: Act<D> = x
+            .permute::<(usize, usize, usize, usize), Axes4<0, 2, 3, 1>>()
+            .reshape_like(&(b, h, w, c));
+        let x = self.stem.forward(x).relu();
+        let y = self.res1[0].forward(dev, x.clone()).relu();
+        let x = (self.res1[1].forward(dev, y) + x).relu();
+        let x = self.down.forward(x).relu();
+        let y = self.res2[0].forward(dev, x.clone()).relu();
+        let x = (self.res2[1].forward(dev, y) + x).relu();
+        let (b, h, w, c) = *x.shape();
+        let pooled: Mat<D> = x
+            .reshape_like(&(b, h * w, c))
+            .mean::<(usize, usize), Axis<1>>();
+        let feats = pooled.as_vec();
+        let k = self.config.classes;
+        // The head runs row by row, so a row's result does not depend on the batch size.
+        (0..b)
+            .map(|i| {
+                let row = dev.tensor_from_vec(feats[i * c..(i + 1) * c].to_vec(), (1usize, c));
+                let out = row.matmul(self.head_w.clone())
+                    + self
+                        .head_b
+                        .clone()
+                        .broadcast_like::<_, Axis<0>>(&(1usize, k));
+                out.as_vec()
+            })
+            .collect()
+    }
+
+    /// Scores for a batch given as one flat NCHW buffer `[B·3·S·S]` (for in-process runs).
+    pub fn forward_flat(&self, data: Vec<f32>, batch: usize) -> Vec<Vec<f32>> {
+        let s = self.config.image_size;
+        self.forward(self.dev.tensor_from_vec(data, (batch, 3, s, s)))
+    }
+}
+
+impl ModelConfig {
+    /// Refuses shapes the model cannot take.
+    pub fn check(&self) -> Result<()> {
+        if self.image_size == 0 || self.image_size % 8 != 0 {
+            return Err(Error::Config(format!(
+                "image size {} must be a positive multiple of 8",
+                self.image_size
+            )));
+        }
+        if self.classes == 0 || self.width == 0 {
+            return Err(Error::Config("classes and width must be positive".into()));
+        }
+        Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> ModelConfig {
+        ModelConfig {
+            image_size: 16,
+            classes: 5,
+            width: 4,
+        }
+    }
+
+    fn image(seed: u32, n: usize) -> Vec<f32> {
+        (0..n)
+            .map(|i| (((i as u32).wrapping_mul(2654435761) ^ seed) % 1000) as f32 / 500.0 - 1.0)
+            .collect()
+    }
+
+    #[test]
+    fn batch_and_single_agree_bitwise() {
+        let dev = Cpu::default();
+        let m = ImageClassifier::from_seed(&dev, small(), 7).unwrap();
+        let n = 3 * 16 * 16;
+        let imgs: Vec<Vec<f32>> = (0..5).map(|i| image(i, n)).collect();
+        let batch = m.forward_flat(imgs.concat(), 5);
+        for (i, img) in imgs.iter().enumerate() {
+            let single = m.forward_flat(img.clone(), 1);
+            let a: Vec<u32> = batch[i].iter().map(|x| x.to_bits()).collect();
+            let b: Vec<u32> = single[0].iter().map(|x| x.to_bits()).collect();
+            assert_eq!(a, b, "image {i}");
+        }
+        assert_eq!(batch[0].len(), 5);
+        assert!(batch[0].iter().all(|x| x.is_finite()));
+        assert_ne!(batch[0], batch[1]);
+    }
+
+    #[test]
+    fn save_load_roundtrip_and_clear_errors() {
+        let dev = Cpu::default();
+        let m = ImageClassifier::from_seed(&dev, small(), 3).unwrap();
+        let dir = std::env::temp_dir().join(format!("tp-w-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let p = dir.join("w.safetensors");
+        ImageClassifier::<Cpu>::save_seeded(small(), 3, &p).unwrap();
+        let m2 = ImageClassifier::load(&dev, small(), &p).unwrap();
+        let x = image(1, 3 * 16 * 16);
+        assert_eq!(m.forward_flat(x.clone(), 1), m2.forward_flat(x, 1));
+        let mut other = small();
+        other.classes = 7;
+        let e = ImageClassifier::load(&dev, other, &p).err().unwrap();
+        assert!(e.to_string().contains("head.weight has shape"), "{e}");
+        let mut odd = small();
+        odd.image_size = 12;
+        assert!(ImageClassifier::from_seed(&dev, odd, 1).is_err());
+        let e = ImageClassifier::load(&dev, small(), &dir.join("missing"))
+            .err()
+            .unwrap();
+        assert!(e.to_string().contains("--weights"), "{e}");
+        std::fs::remove_dir_all(&dir).ok();
+    }
+
+    #[test]
+    fn same_seed_same_weights_different_seed_differs() {
+        let dev = Cpu::default();
+        let x = image(9, 3 * 16 * 16);
+        let a = ImageClassifier::from_seed(&dev, small(), 1)
+            .unwrap()
+            .forward_flat(x.clone(), 1);
+        let b = ImageClassifier::from_seed(&dev, small(), 1)
+            .unwrap()
+            .forward_flat(x.clone(), 1);
+        let c = ImageClassifier::from_seed(&dev, small(), 2)
+            .unwrap()
+            .forward_flat(x, 1);
+        assert_eq!(a, b);
+        assert_ne!(a, c);
+    }
+
+    /// Direct-loop NCHW reference of the same network, from the PyTorch-layout parameters.
+    fn naive(c: &ModelConfig, p: &HashMap<&'static str, Vec<f32>>, x: &[f32]) -> Vec<f32> {
+        fn conv(
+            x: &[f32],
+            cin: usize,
+            h: usize,
+            w: usize,
+            wt: &[f32],
+            b: &[f32],
+            cout: usize,
+            k: usize,
+            stride: usize,
+            pad: usize,
+        ) -> (Vec<f32>, usize, usize) {
+            let (ho, wo) = (
+                (h + 2 * pad - k) / stride + 1,
+                (w + 2 * pad - k) / stride + 1,
+            );
+            let mut y = vec![0f32; cout * ho * wo];
+            for o in 0..cout {
+                for oy in 0..ho {
+                    for ox in 0..wo {
+                        let mut acc = b[o] as f64;
+                        for i in 0..cin {
+                            for ky in 0..k {
+                                for kx in 0..k {
+                                    let iy = (oy * stride + ky) as isize - pad as isize;
+                                    let ix = (ox * stride + kx) as isize - pad as isize;
+                                    if iy < 0 || ix < 0 || iy >= h as isize || ix >= w as isize {
+                                        continue;
+                                    }
+                                    acc += wt[((o * cin + i) * k + ky) * k + kx] as f64
+                                        * x[(i * h + iy as usize) * w + ix as usize] as f64;
+                                }
+                            }
+                        }
+                        y[(o * ho + oy) * wo + ox] = acc as f32;
+                    }
+                }
+            }
+            (y, ho, wo)
+        }
+        let relu = |v: Vec<f32>| v.into_iter().map(|a| a.max(0.0)).collect::<Vec<_>>();
+        let add = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x + y).collect::<Vec<_>>();
+        let (w, w2, s) = (c.width, c.width * 2, c.image_size);
+        let (x, h, ww) = conv(x, 3, s, s, &p["stem.weight"], &p["stem.bias"], w, 4, 4, 0);
+        let x = relu(x);
+        let (y, _, _) = conv(
+            &x,
+            w,
+            h,
+            ww,
+            &p["res1.0.weight"],
+            &p["res1.0.bias"],
+            w,
+            3,
+            1,
+            1,
+        );
+        let (y, _, _) = conv(
+            &relu(y),
+            w,
+            h,
+            ww,
+            &p["res1.1.weight"],
+            &p["res1.1.bias"],
+            w,
+            3,
+            1,
+            1,
+        );
+        let x = relu(add(&y, &x));
+        let (x, h, ww) = conv(
+            &x,
+            w,
+            h,
+            ww,
+            &p["down.weight"],
+            &p["down.bias"],
+            w2,
+            2,
+            2,
+            0,
+        );
+        let x = relu(x);
+        let (y, _, _) = conv(
+            &x,
+            w2,
+            h,
+            ww,
+            &p["res2.0.weight"],
+            &p["res2.0.bias"],
+            w2,
+            3,
+            1,
+            1,
+        );
+        let (y, _, _) = conv(
+            &relu(y),
+            w2,
+            h,
+            ww,
+            &p["res2.1.weight"],
+            &p["res2.1.bias"],
+            w2,
+            3,
+            1,
+            1,
+        );
+        let x = relu(add(&y, &x));
+        let pooled: Vec<f32> = (0..w2)
+            .map(|ch| x[ch * h * ww..(ch + 1) * h * ww].iter().sum::<f32>() / (h * ww) as f32)
+            .collect();
+        (0..c.classes)
+            .map(|k| {
+                p["head.bias"][k]
+                    + (0..w2)
+                        .map(|i| p["head.weight"][k * w2 + i] * pooled[i])
+                        .sum::<f32>()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn matches_a_direct_convolution_reference() {
+        let dev = Cpu::default();
+        let c = ModelConfig {
+            image_size: 24,
+            classes: 6,
+            width: 4,
+        };
+        let m = ImageClassifier::from_seed(&dev, c, 11).unwrap();
+        let params = seeded_params(&c, 11);
+        let x = image(5, 3 * 24 * 24);
+        let got = &m.forward_flat(x.clone(), 1)[0];
+        let want = naive(&c, &params, &x);
+        for (g, w) in got.iter().zip(&want) {
+            assert!(
+                (g - w).abs() <= 1e-4 * (1.0 + w.abs()),
+                "got {got:?}\nwant {want:?}"
+            );
+        }
+    }
+}
