@@ -1,1 +1,64 @@
-fn main() {}
+//! `tensorport`: the inference server, the producer, the farm that runs both, and a control tool.
+
+mod common;
+mod ctl;
+mod farm;
+mod produce;
+mod serve;
+mod tools;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Zero-copy tensor hand-off between processes on one machine.
+///
+/// Producers prepare tensors straight into shared memory that the inference process reads in
+/// place; one process owns the model (and the GPU), many feed it. Start with `tensorport farm
+/// --synthetic 512`, which runs a server and producers together and prints a summary.
+#[derive(Parser, Debug)]
+#[command(name = "tensorport", version, about, long_about = None, propagate_version = true)]
+struct Cli {
+    /// Log level for messages on stderr: error, warn, info, debug, trace (or a tracing filter).
+    #[arg(long, global = true, env = "TENSORPORT_LOG", default_value = "info")]
+    log: String,
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run the inference server: serve a dfdx image classifier to producers over the socket.
+    Serve(serve::Args),
+    /// Run one producer: preprocess images into shared memory, submit them, write the scores.
+    Produce(produce::Args),
+    /// Run a server and N supervised producers over a set of images; print progress and a summary.
+    Farm(farm::Args),
+    /// Ask a running server for its status, or tell it to drain.
+    Ctl(ctl::Args),
+    /// Write a weights file for the model (safetensors), from a seed.
+    Weights(tools::WeightsArgs),
+    /// Write sample PNG and JPEG images (a small input set to try things on).
+    Images(tools::ImagesArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    common::init_logging(&cli.log);
+    common::die_with_farm();
+    let r = match cli.command {
+        Command::Serve(a) => serve::run(a),
+        Command::Produce(a) => produce::run(a),
+        Command::Farm(a) => farm::run(a),
+        Command::Ctl(a) => ctl::run(a),
+        Command::Weights(a) => tools::weights(a),
+        Command::Images(a) => tools::images(a),
+    };
+    match r {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::from(e.exit_code())
+        }
+    }
+}

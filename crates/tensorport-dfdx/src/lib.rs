@@ -83,14 +83,20 @@ pub fn check_image(req: &Request, shape: [usize; 3]) -> Result<&[f32]> {
         .ok_or_else(|| bad("not contiguous (the model takes row-major images)".into()))
 }
 
+/// A batch stacked from requests.
+pub struct Stacked<D: Device<f32>> {
+    /// `[B, C, H, W]`, the images of `used` in order; `None` if no request fit.
+    pub input: Option<Tensor4<D>>,
+    /// Indices (into the requests given) of the images in `input`, row by row.
+    pub used: Vec<usize>,
+    /// Indices of requests that do not fit the model, and why.
+    pub rejected: Vec<(usize, Error)>,
+}
+
 /// Stacks images (each checked by [`check_image`]) into one `[B, C, H, W]` tensor on `dev`.
-/// Requests that do not fit are returned separately with the reason, so the caller can fail
+/// Requests that do not fit are listed separately with the reason, so the caller can fail
 /// just those.
-pub fn stack_images<'r, D: Device<f32>>(
-    dev: &D,
-    reqs: &'r [Request],
-    shape: [usize; 3],
-) -> (Option<Tensor4<D>>, Vec<usize>, Vec<(usize, Error)>) {
+pub fn stack_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3]) -> Stacked<D> {
     let per = shape.iter().product::<usize>();
     let mut data = Vec::with_capacity(per * reqs.len());
     let mut used = Vec::with_capacity(reqs.len());
@@ -104,11 +110,13 @@ pub fn stack_images<'r, D: Device<f32>>(
             Err(e) => bad.push((i, e)),
         }
     }
-    if used.is_empty() {
-        return (None, used, bad);
+    let input = (!used.is_empty())
+        .then(|| dev.tensor_from_vec(data, (used.len(), shape[0], shape[1], shape[2])));
+    Stacked {
+        input,
+        used,
+        rejected: bad,
     }
-    let t = dev.tensor_from_vec(data, (used.len(), shape[0], shape[1], shape[2]));
-    (Some(t), used, bad)
 }
 
 /// Row `i` of a `[B, N]` score tensor's data as little-endian bytes (the result payload).

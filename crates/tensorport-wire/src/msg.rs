@@ -191,6 +191,10 @@ pub struct Counters {
     pub sessions_reclaimed: u64,
     /// Connections refused (limit, uid, handshake).
     pub connections_refused: u64,
+    /// Batches handed to the consumer by `recv_batch`.
+    pub batches: u64,
+    /// Requests in those batches (mean fill = `batched / batches`).
+    pub batched: u64,
 }
 
 /// The answer to `Status`.

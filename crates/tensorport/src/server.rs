@@ -95,6 +95,8 @@ struct AtomicCounters {
     sessions_opened: AtomicU64,
     sessions_reclaimed: AtomicU64,
     connections_refused: AtomicU64,
+    batches: AtomicU64,
+    batched: AtomicU64,
 }
 
 impl AtomicCounters {
@@ -108,6 +110,8 @@ impl AtomicCounters {
             sessions_opened: l(&self.sessions_opened),
             sessions_reclaimed: l(&self.sessions_reclaimed),
             connections_refused: l(&self.connections_refused),
+            batches: l(&self.batches),
+            batched: l(&self.batched),
         }
     }
 }
@@ -512,20 +516,39 @@ impl Server {
         }
     }
 
-    /// Everything queued now, at most `max`, waiting up to `timeout` for the first one only.
-    pub fn recv_batch(&self, max: usize, timeout: Duration) -> Result<Vec<Request>> {
-        let mut out = Vec::new();
-        if let Some(first) = self.recv_timeout(timeout)? {
-            out.push(first);
-        }
+    /// A batch: waits up to `timeout` for a first request, then collects more until there are
+    /// `max` or `max_wait` has passed since the first arrived (like `ready_chunks(max)` with a
+    /// deadline). Empty on timeout; `Err(Error::Stopped)` as for [`Server::recv_timeout`].
+    pub fn recv_batch(
+        &self,
+        max: usize,
+        timeout: Duration,
+        max_wait: Duration,
+    ) -> Result<Vec<Request>> {
+        let mut out = Vec::with_capacity(max);
+        let Some(first) = self.recv_timeout(timeout)? else {
+            return Ok(out);
+        };
+        out.push(first);
+        let deadline = Instant::now() + max_wait;
         let rx = lock(&self.rx);
         while out.len() < max {
-            match rx.try_recv() {
+            let left = deadline.saturating_duration_since(Instant::now());
+            let got = if left.is_zero() {
+                rx.try_recv().map_err(|_| ())
+            } else {
+                rx.recv_timeout(left).map_err(|_| ())
+            };
+            match got {
                 Ok(r) if r.session().alive.load(Ordering::SeqCst) => out.push(r),
                 Ok(_) => {}
-                Err(_) => break,
+                Err(()) => break,
             }
         }
+        drop(rx);
+        let c = &self.shared.counters;
+        c.batches.fetch_add(1, Ordering::Relaxed);
+        c.batched.fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(out)
     }
 

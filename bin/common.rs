@@ -1,0 +1,204 @@
+//! What the subcommands share: errors, logging, the socket option, model options, result lines.
+
+use std::path::PathBuf;
+
+use serde::{Deserialize, Serialize};
+
+/// A command's failure: a message for the user and an exit code.
+#[derive(Debug)]
+pub struct CliError {
+    pub message: String,
+    pub code: u8,
+}
+
+impl CliError {
+    /// Exit code 1: the command failed.
+    pub fn new(message: impl Into<String>) -> CliError {
+        CliError {
+            message: message.into(),
+            code: 1,
+        }
+    }
+    /// Exit code 2: usage or input errors.
+    pub fn usage(message: impl Into<String>) -> CliError {
+        CliError {
+            message: message.into(),
+            code: 2,
+        }
+    }
+    pub fn exit_code(&self) -> u8 {
+        self.code
+    }
+}
+
+impl std::fmt::Display for CliError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<tensorport::Error> for CliError {
+    fn from(e: tensorport::Error) -> CliError {
+        CliError::new(e.to_string())
+    }
+}
+impl From<tensorport_dfdx::Error> for CliError {
+    fn from(e: tensorport_dfdx::Error) -> CliError {
+        CliError::usage(e.to_string())
+    }
+}
+impl From<tensorport_vision::Error> for CliError {
+    fn from(e: tensorport_vision::Error) -> CliError {
+        CliError::usage(e.to_string())
+    }
+}
+impl From<std::io::Error> for CliError {
+    fn from(e: std::io::Error) -> CliError {
+        CliError::new(e.to_string())
+    }
+}
+
+pub type CliResult<T> = Result<T, CliError>;
+
+pub fn init_logging(filter: &str) {
+    let filter = tracing_subscriber::EnvFilter::try_new(filter)
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
+        .with_target(false)
+        .try_init();
+}
+
+/// The socket option every subcommand takes.
+#[derive(clap::Args, Debug, Clone)]
+pub struct SocketArg {
+    /// Path of the server's Unix socket [default: $XDG_RUNTIME_DIR/tensorport/tensorport.sock,
+    /// or /tmp/tensorport-<uid>/tensorport.sock].
+    #[arg(long, env = "TENSORPORT_SOCKET")]
+    pub socket: Option<PathBuf>,
+}
+
+impl SocketArg {
+    pub fn path(&self) -> PathBuf {
+        self.socket
+            .clone()
+            .unwrap_or_else(tensorport::path::default_socket_path)
+    }
+}
+
+/// The model's shape; server and producers must agree on the image size.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ModelArgs {
+    /// Side of the square input images, in pixels (a multiple of 8).
+    #[arg(long, default_value_t = 224)]
+    pub image_size: usize,
+    /// Number of output classes.
+    #[arg(long, default_value_t = 10)]
+    pub classes: usize,
+    /// Channels of the model's first stage (the second has twice as many).
+    #[arg(long, default_value_t = 16)]
+    pub width: usize,
+    /// Weights file (safetensors, PyTorch layouts; see docs/model.md). Without it, weights come
+    /// from --seed.
+    #[arg(long)]
+    pub weights: Option<PathBuf>,
+    /// Seed for the weights when no --weights file is given.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+}
+
+impl ModelArgs {
+    pub fn config(&self) -> tensorport_dfdx::ModelConfig {
+        tensorport_dfdx::ModelConfig {
+            image_size: self.image_size,
+            classes: self.classes,
+            width: self.width,
+        }
+    }
+
+    /// The same options as command-line arguments, to pass to a child process.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = vec![
+            "--image-size".into(),
+            self.image_size.to_string(),
+            "--classes".into(),
+            self.classes.to_string(),
+            "--width".into(),
+            self.width.to_string(),
+            "--seed".into(),
+            self.seed.to_string(),
+        ];
+        if let Some(w) = &self.weights {
+            v.push("--weights".into());
+            v.push(w.display().to_string());
+        }
+        v
+    }
+}
+
+/// One line of a producer's output: the answer for one input.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
+pub struct ResultLine {
+    /// Position of the input in the input list.
+    pub index: u64,
+    /// The file, or `synthetic:N`.
+    pub input: String,
+    /// Index of the highest score (absent on error).
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub class: Option<usize>,
+    /// Class scores (logits), exactly as the model computed them.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub scores: Option<Vec<f32>>,
+    /// What went wrong for this input, if anything.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub error: Option<String>,
+    /// From lease to result, in milliseconds.
+    pub latency_ms: f64,
+    /// Which producer did it.
+    pub producer: String,
+}
+
+/// Index of the largest score.
+pub fn argmax(v: &[f32]) -> Option<usize> {
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i)
+}
+
+/// Installs SIGINT/SIGTERM handlers: the first sets the returned flag (drain), a second one
+/// exits the process at once with status 130.
+pub fn stop_flag() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    use signal_hook::flag;
+    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    for sig in [SIGINT, SIGTERM] {
+        // Registered first, so it sees the flag as it was before this signal.
+        let r = flag::register_conditional_shutdown(sig, 130, stop.clone())
+            .and_then(|_| flag::register(sig, stop.clone()));
+        if let Err(e) = r {
+            tracing::warn!("cannot install a handler for signal {sig}: {e}");
+        }
+    }
+    stop
+}
+
+/// When started by a farm (`TENSORPORT_FARM_PID` set), ask the kernel to send us SIGTERM if the
+/// farm dies, so no producer or server outlives it.
+pub fn die_with_farm() {
+    let Some(pid) = std::env::var("TENSORPORT_FARM_PID")
+        .ok()
+        .and_then(|p| p.parse::<i32>().ok())
+    else {
+        return;
+    };
+    if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM) {
+        tracing::warn!("cannot set the parent-death signal: {e}");
+    }
+    // The farm may have died before the line above took effect.
+    if nix::unistd::getppid().as_raw() != pid {
+        std::process::exit(1);
+    }
+}

@@ -1,0 +1,124 @@
+//! `tensorport ctl`: status and drain of a running server.
+
+use std::process::ExitCode;
+use std::time::Duration;
+
+use tensorport::{Control, StatusReport};
+
+use crate::common::{CliResult, SocketArg};
+
+/// Talk to a running server.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// Seconds to wait for the server's answer.
+    #[arg(long, default_value_t = 5)]
+    pub timeout: u64,
+    #[command(subcommand)]
+    pub what: What,
+}
+
+#[derive(clap::Subcommand, Debug)]
+pub enum What {
+    /// Sessions, slots, requests in flight, throughput and error counts.
+    Status {
+        /// Print the raw report as JSON.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Finish the work in flight, refuse new producers, and exit once the producers have left.
+    Drain,
+}
+
+pub fn run(a: Args) -> CliResult<ExitCode> {
+    let mut c = Control::connect(a.socket.path(), Duration::from_secs(a.timeout.max(1)))?;
+    match a.what {
+        What::Status { json } => {
+            let s = c.status()?;
+            if json {
+                println!("{}", status_json(&s));
+            } else {
+                print!("{}", render(&s));
+            }
+        }
+        What::Drain => {
+            c.drain()?;
+            println!("draining: the server exits once its producers have left");
+        }
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn status_json(s: &StatusReport) -> serde_json::Value {
+    serde_json::json!({
+        "pid": s.pid,
+        "uptime_ms": s.uptime_ms,
+        "draining": s.draining,
+        "totals": {
+            "submitted": s.totals.submitted,
+            "completed": s.totals.completed,
+            "bytes": s.totals.bytes,
+            "protocol_errors": s.totals.protocol_errors,
+            "sessions_opened": s.totals.sessions_opened,
+            "sessions_reclaimed": s.totals.sessions_reclaimed,
+            "connections_refused": s.totals.connections_refused,
+            "batches": s.totals.batches,
+            "batched": s.totals.batched,
+        },
+        "sessions": s.sessions.iter().map(|x| serde_json::json!({
+            "session_id": x.session_id, "name": x.name, "pid": x.pid, "slots": x.slots,
+            "granted": x.granted, "in_flight": x.in_flight, "submitted": x.submitted,
+            "completed": x.completed, "errors": x.errors,
+        })).collect::<Vec<_>>(),
+    })
+}
+
+/// The human-readable status.
+pub fn render(s: &StatusReport) -> String {
+    let t = &s.totals;
+    let secs = (s.uptime_ms as f64 / 1e3).max(1e-3);
+    let fill = if t.batches > 0 {
+        t.batched as f64 / t.batches as f64
+    } else {
+        0.0
+    };
+    let mut out = format!(
+        "server pid {}  up {:.1}s{}\n\
+         requests  {} submitted, {} completed ({:.1}/s), {:.1} MB handed over\n\
+         batches   {} (mean fill {:.1})\n\
+         sessions  {} open, {} opened, {} reclaimed after a crash; {} connections refused, {} protocol errors\n",
+        s.pid,
+        secs,
+        if s.draining { "  DRAINING" } else { "" },
+        t.submitted,
+        t.completed,
+        t.completed as f64 / secs,
+        t.bytes as f64 / 1e6,
+        t.batches,
+        fill,
+        s.sessions.len(),
+        t.sessions_opened,
+        t.sessions_reclaimed,
+        t.connections_refused,
+        t.protocol_errors,
+    );
+    if !s.sessions.is_empty() {
+        out.push_str("  id  name                 pid      slots granted in-flight submitted completed errors\n");
+        for x in &s.sessions {
+            out.push_str(&format!(
+                "  {:<3} {:<20} {:<8} {:>5} {:>7} {:>9} {:>9} {:>9} {:>6}\n",
+                x.session_id,
+                x.name,
+                x.pid,
+                x.slots,
+                x.granted,
+                x.in_flight,
+                x.submitted,
+                x.completed,
+                x.errors
+            ));
+        }
+    }
+    out
+}

@@ -1,0 +1,715 @@
+//! `tensorport farm`: one inference server and N supervised producers over a set of inputs.
+
+use std::collections::{BTreeSet, VecDeque};
+use std::io::{BufRead, BufReader, IsTerminal, Write};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, ExitCode, ExitStatus, Stdio};
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tensorport_vision::{list_images, Source};
+
+use crate::common::{CliError, CliResult, ModelArgs, ResultLine};
+
+/// Classify a set of images with one inference server and N producer processes. The farm starts
+/// the server and the producers, hands inputs to producers as they have room, restarts a
+/// producer (or the server) that dies — with back-off — and redoes its unfinished inputs, so
+/// every input gets exactly one line in --output. Ctrl-C finishes the work in flight and stops;
+/// a second Ctrl-C stops at once. Shows live progress on a terminal, stays quiet otherwise, and
+/// ends with a summary.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Folder of PNG/JPEG images to classify.
+    #[arg(long, conflicts_with = "synthetic")]
+    pub input: Option<PathBuf>,
+    /// Classify N generated images instead of files.
+    #[arg(long, value_name = "N")]
+    pub synthetic: Option<u64>,
+    /// Number of producer processes.
+    #[arg(long, short = 'p', default_value_t = 3)]
+    pub producers: usize,
+    /// Where to write the results, one JSON line per input.
+    #[arg(long, short, default_value = "results.jsonl")]
+    pub output: PathBuf,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Run the model on this device. `cuda` needs a build with `--features cuda`.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
+    /// Largest batch the model runs.
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
+    /// How long a batch waits for more requests after its first, in milliseconds.
+    #[arg(long, default_value_t = 5)]
+    pub max_wait_ms: u64,
+    /// Requests each producer keeps in flight.
+    #[arg(long, default_value_t = 8)]
+    pub in_flight: u32,
+    /// Threads for the server's model [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Socket path [default: a fresh private directory, removed afterwards].
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Live progress: auto (on a terminal), always, never.
+    #[arg(long, default_value = "auto", value_parser = ["auto", "always", "never"])]
+    pub progress: String,
+    /// Restarts of one producer in a row without a result before the farm gives up on it.
+    #[arg(long, default_value_t = 8)]
+    pub max_restarts: u32,
+    /// Log level of the server and producers (their stderr is shown prefixed with their name).
+    #[arg(long, default_value = "warn")]
+    pub child_log: String,
+}
+
+/// Prints log lines and the progress block without tearing each other.
+struct Console {
+    tty: bool,
+    drawn: Mutex<usize>,
+}
+
+impl Console {
+    fn log(&self, line: &str) {
+        let mut drawn = self.drawn.lock().unwrap();
+        let mut err = std::io::stderr().lock();
+        if self.tty && *drawn > 0 {
+            let _ = write!(err, "\x1b[{}A\x1b[J", *drawn);
+            *drawn = 0;
+        }
+        let _ = writeln!(err, "{line}");
+    }
+    fn draw(&self, lines: &[String]) {
+        if !self.tty {
+            return;
+        }
+        let mut drawn = self.drawn.lock().unwrap();
+        let mut err = std::io::stderr().lock();
+        if *drawn > 0 {
+            let _ = write!(err, "\x1b[{}A\x1b[J", *drawn);
+        }
+        for l in lines {
+            let _ = writeln!(err, "{l}");
+        }
+        *drawn = lines.len();
+    }
+}
+
+enum Ev {
+    Line { slot: usize, line: String },
+    Eof { slot: usize, generation: u64 },
+    ServerReady { generation: u64 },
+    ServerEof { generation: u64 },
+}
+
+/// `slot` of `usize::MAX` is the server.
+const SERVER: usize = usize::MAX;
+
+enum State {
+    Running {
+        child: Child,
+        stdin: Option<ChildStdin>,
+    },
+    Waiting {
+        until: Instant,
+    },
+    GaveUp,
+}
+
+struct Worker {
+    name: String,
+    state: State,
+    generation: u64,
+    assigned: BTreeSet<u64>,
+    done: u64,
+    restarts: u32,
+    failures_in_row: u32,
+    last_exit: Option<String>,
+}
+
+fn describe(st: ExitStatus) -> String {
+    match (st.code(), st.signal()) {
+        (Some(c), _) => format!("exit {c}"),
+        (_, Some(9)) => "killed by SIGKILL".into(),
+        (_, Some(s)) => format!("killed by signal {s}"),
+        _ => "ended".into(),
+    }
+}
+
+fn backoff(failures: u32) -> Duration {
+    Duration::from_millis((100u64 << failures.min(6)).min(5_000))
+}
+
+/// Sends each line of `r` as an event, then EOF.
+fn pump_lines(
+    r: impl std::io::Read + Send + 'static,
+    tx: Sender<Ev>,
+    slot: usize,
+    generation: u64,
+) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(r).lines() {
+            let Ok(line) = line else { break };
+            let ev = if slot == SERVER {
+                if line.starts_with("ready") {
+                    Ev::ServerReady { generation }
+                } else {
+                    continue;
+                }
+            } else {
+                Ev::Line { slot, line }
+            };
+            if tx.send(ev).is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(if slot == SERVER {
+            Ev::ServerEof { generation }
+        } else {
+            Ev::Eof { slot, generation }
+        });
+    });
+}
+
+/// Shows a child's stderr lines on the console, prefixed with its name.
+fn forward_stderr(r: impl std::io::Read + Send + 'static, name: String, console: Arc<Console>) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(r).lines() {
+            let Ok(line) = line else { break };
+            console.log(&format!("[{name}] {line}"));
+        }
+    });
+}
+
+struct Farm {
+    exe: PathBuf,
+    args: Args,
+    socket: PathBuf,
+    console: Arc<Console>,
+    tx: Sender<Ev>,
+}
+
+impl Farm {
+    fn command(&self, sub: &str) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.arg("--log")
+            .arg(&self.args.child_log)
+            .arg(sub)
+            .arg("--socket")
+            .arg(&self.socket)
+            .env("TENSORPORT_FARM_PID", std::process::id().to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Their own process group: a terminal's Ctrl-C reaches only the farm, which drains.
+            .process_group(0);
+        c
+    }
+
+    fn start_server(&self, generation: u64) -> CliResult<Child> {
+        let a = &self.args;
+        let mut c = self.command("serve");
+        c.args(a.model.to_args())
+            .arg("--device")
+            .arg(&a.device)
+            .arg("--max-batch")
+            .arg(a.max_batch.to_string())
+            .arg("--max-wait-ms")
+            .arg(a.max_wait_ms.to_string())
+            .arg("--slots")
+            .arg(a.in_flight.to_string())
+            .arg("--max-sessions")
+            .arg((a.producers + 4).to_string());
+        if let Some(t) = a.threads {
+            c.arg("--threads").arg(t.to_string());
+        }
+        let mut child = c
+            .spawn()
+            .map_err(|e| CliError::new(format!("cannot start the server: {e}")))?;
+        pump_lines(
+            child.stdout.take().expect("piped"),
+            self.tx.clone(),
+            SERVER,
+            generation,
+        );
+        forward_stderr(
+            child.stderr.take().expect("piped"),
+            "server".into(),
+            self.console.clone(),
+        );
+        Ok(child)
+    }
+
+    fn start_producer(&self, slot: usize, w: &mut Worker) -> CliResult<()> {
+        let a = &self.args;
+        let mut c = self.command("produce");
+        c.arg("--worklist")
+            .arg("--name")
+            .arg(&w.name)
+            .arg("--image-size")
+            .arg(a.model.image_size.to_string())
+            .arg("--in-flight")
+            .arg(a.in_flight.to_string())
+            .stdin(Stdio::piped());
+        let mut child = c
+            .spawn()
+            .map_err(|e| CliError::new(format!("cannot start {}: {e}", w.name)))?;
+        w.generation += 1;
+        pump_lines(
+            child.stdout.take().expect("piped"),
+            self.tx.clone(),
+            slot,
+            w.generation,
+        );
+        forward_stderr(
+            child.stderr.take().expect("piped"),
+            w.name.clone(),
+            self.console.clone(),
+        );
+        let stdin = child.stdin.take();
+        w.state = State::Running { child, stdin };
+        Ok(())
+    }
+}
+
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
+}
+
+pub fn run(args: Args) -> CliResult<ExitCode> {
+    if args.producers == 0 {
+        return Err(CliError::usage("--producers must be at least 1"));
+    }
+    args.model.config().check()?;
+    let inputs: Vec<Source> = match (&args.input, args.synthetic) {
+        (Some(dir), _) => list_images(dir)?.into_iter().map(Source::File).collect(),
+        (None, Some(n)) => (0..n).map(Source::Synthetic).collect(),
+        (None, None) => {
+            return Err(CliError::usage(
+                "say what to classify: --input DIR (PNG/JPEG files) or --synthetic N",
+            ))
+        }
+    };
+    if let Some(w) = &args.model.weights {
+        if !w.is_file() {
+            return Err(CliError::usage(format!(
+                "weights file {} does not exist; write one with `tensorport weights --out FILE`, or leave --weights out to use --seed",
+                w.display()
+            )));
+        }
+    }
+    let n = inputs.len() as u64;
+    let mut out =
+        std::io::BufWriter::new(std::fs::File::create(&args.output).map_err(|e| {
+            CliError::usage(format!("cannot create {}: {e}", args.output.display()))
+        })?);
+    let tty = match args.progress.as_str() {
+        "always" => true,
+        "never" => false,
+        _ => std::io::stderr().is_terminal(),
+    };
+    let console = Arc::new(Console {
+        tty,
+        drawn: Mutex::new(0),
+    });
+    // A private directory for the socket, unless one was given.
+    let tmp;
+    let socket = match &args.socket {
+        Some(s) => s.clone(),
+        None => {
+            let base = std::env::var_os("XDG_RUNTIME_DIR")
+                .map(PathBuf::from)
+                .filter(|p| p.is_dir())
+                .unwrap_or_else(std::env::temp_dir);
+            tmp = tempfile::Builder::new()
+                .prefix("tensorport-farm-")
+                .tempdir_in(base)?;
+            tmp.path().join("tensorport.sock")
+        }
+    };
+    let (tx, rx): (Sender<Ev>, Receiver<Ev>) = mpsc::channel();
+    let exe = std::env::current_exe()?;
+    let farm = Farm {
+        exe,
+        args,
+        socket,
+        console: console.clone(),
+        tx,
+    };
+    let stop = crate::common::stop_flag();
+    let started = Instant::now();
+
+    let mut server_gen = 1u64;
+    let mut server = Some(farm.start_server(server_gen)?);
+    let mut server_ready = false;
+    let mut server_restarts = 0u32;
+    let mut server_wait_until: Option<Instant> = None;
+    let mut workers: Vec<Worker> = (0..farm.args.producers)
+        .map(|i| Worker {
+            name: format!("producer-{i}"),
+            state: State::Waiting {
+                until: Instant::now(),
+            },
+            generation: 0,
+            assigned: BTreeSet::new(),
+            done: 0,
+            restarts: 0,
+            failures_in_row: 0,
+            last_exit: None,
+        })
+        .collect();
+
+    let depth = (farm.args.in_flight.max(1) * 2) as usize;
+    let mut pending: VecDeque<u64> = (0..n).collect();
+    let mut done = vec![false; n as usize];
+    let mut done_count = 0u64;
+    let mut errors = 0u64;
+    let mut latencies: Vec<f64> = Vec::with_capacity(n as usize);
+    let mut stopping: Option<Instant> = None;
+    let mut last_draw = Instant::now() - Duration::from_secs(1);
+    let mut last_batches = (0u64, 0u64);
+    let mut failure: Option<String> = None;
+
+    loop {
+        let now = Instant::now();
+        if stop.load(Ordering::SeqCst) && stopping.is_none() {
+            stopping = Some(now + Duration::from_secs(15));
+            console.log("stopping: finishing the work in flight (Ctrl-C again to quit at once)");
+        }
+        // Restart the server if it died.
+        if server.is_none() && stopping.is_none() {
+            if let Some(t) = server_wait_until {
+                if now >= t {
+                    server_gen += 1;
+                    server = Some(farm.start_server(server_gen)?);
+                    server_wait_until = None;
+                }
+            }
+        }
+        // Start or restart producers once the server listens.
+        if server_ready && stopping.is_none() {
+            for (slot, w) in workers.iter_mut().enumerate() {
+                if let State::Waiting { until } = w.state {
+                    if now >= until && done_count < n {
+                        farm.start_producer(slot, w)?;
+                    }
+                }
+            }
+        }
+        // Hand out work.
+        if stopping.is_none() {
+            for w in workers.iter_mut() {
+                if let State::Running {
+                    stdin: Some(stdin), ..
+                } = &mut w.state
+                {
+                    let mut batch = String::new();
+                    let mut given = Vec::new();
+                    while w.assigned.len() + given.len() < depth {
+                        let Some(i) = pending.pop_front() else { break };
+                        if done[i as usize] {
+                            continue;
+                        }
+                        batch.push_str(&format!("{i}\t{}\n", inputs[i as usize]));
+                        given.push(i);
+                    }
+                    if given.is_empty() {
+                        continue;
+                    }
+                    if stdin
+                        .write_all(batch.as_bytes())
+                        .and_then(|_| stdin.flush())
+                        .is_ok()
+                    {
+                        w.assigned.extend(given);
+                    } else {
+                        // It is dying; its EOF will come. Keep the inputs for someone else.
+                        for i in given.into_iter().rev() {
+                            pending.push_front(i);
+                        }
+                    }
+                }
+            }
+        }
+        // Events.
+        let mut first = true;
+        loop {
+            let ev = if first {
+                first = false;
+                match rx.recv_timeout(Duration::from_millis(50)) {
+                    Ok(e) => e,
+                    Err(_) => break,
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok(e) => e,
+                    Err(_) => break,
+                }
+            };
+            match ev {
+                Ev::Line { slot, line } => {
+                    let Ok(r) = serde_json::from_str::<ResultLine>(&line) else {
+                        continue; // a line torn by a kill: the input is redone
+                    };
+                    for w in workers.iter_mut() {
+                        w.assigned.remove(&r.index);
+                    }
+                    if r.index >= n || done[r.index as usize] {
+                        continue;
+                    }
+                    done[r.index as usize] = true;
+                    done_count += 1;
+                    if r.error.is_some() {
+                        errors += 1;
+                    }
+                    latencies.push(r.latency_ms);
+                    writeln!(out, "{line}")?;
+                    let w = &mut workers[slot];
+                    w.done += 1;
+                    w.failures_in_row = 0;
+                }
+                Ev::Eof { slot, generation } => {
+                    let w = &mut workers[slot];
+                    if generation != w.generation {
+                        continue;
+                    }
+                    let status = match std::mem::replace(&mut w.state, State::GaveUp) {
+                        State::Running { mut child, stdin } => {
+                            drop(stdin);
+                            child.wait().map(describe).unwrap_or_else(|e| e.to_string())
+                        }
+                        _ => "ended".into(),
+                    };
+                    // Its unfinished inputs go back to the front of the queue.
+                    for i in std::mem::take(&mut w.assigned).into_iter().rev() {
+                        if !done[i as usize] {
+                            pending.push_front(i);
+                        }
+                    }
+                    w.last_exit = Some(status.clone());
+                    if done_count >= n || stopping.is_some() {
+                        w.state = State::Waiting {
+                            until: Instant::now() + Duration::from_secs(3600),
+                        };
+                        continue;
+                    }
+                    w.failures_in_row += 1;
+                    w.restarts += 1;
+                    if w.failures_in_row > farm.args.max_restarts {
+                        console.log(&format!(
+                            "{} failed {} times in a row ({status}); giving up on it",
+                            w.name, w.failures_in_row
+                        ));
+                        w.state = State::GaveUp;
+                    } else {
+                        let d = backoff(w.failures_in_row - 1);
+                        console.log(&format!(
+                            "{} ended ({status}); restarting in {:.1}s, its unfinished inputs are redone",
+                            w.name,
+                            d.as_secs_f64()
+                        ));
+                        w.state = State::Waiting {
+                            until: Instant::now() + d,
+                        };
+                    }
+                }
+                Ev::ServerReady { generation } => {
+                    if generation == server_gen {
+                        server_ready = true;
+                    }
+                }
+                Ev::ServerEof { generation } => {
+                    if generation != server_gen {
+                        continue;
+                    }
+                    server_ready = false;
+                    let status = server
+                        .take()
+                        .and_then(|mut c| c.wait().ok())
+                        .map(describe)
+                        .unwrap_or_else(|| "ended".into());
+                    if done_count < n && stopping.is_none() {
+                        server_restarts += 1;
+                        if server_restarts > farm.args.max_restarts {
+                            failure = Some(format!(
+                                "the server failed {server_restarts} times ({status}); see its messages above"
+                            ));
+                        } else {
+                            let d = backoff(server_restarts - 1);
+                            console.log(&format!(
+                                "server ended ({status}); restarting in {:.1}s, producers reconnect and redo their inputs",
+                                d.as_secs_f64()
+                            ));
+                            server_wait_until = Some(Instant::now() + d);
+                        }
+                    }
+                }
+            }
+        }
+        if failure.is_some() {
+            break;
+        }
+        if workers.iter().all(|w| matches!(w.state, State::GaveUp)) && done_count < n {
+            failure = Some("every producer failed repeatedly; see their messages above".into());
+            break;
+        }
+        let in_flight: usize = workers.iter().map(|w| w.assigned.len()).sum();
+        if done_count >= n {
+            break;
+        }
+        if let Some(deadline) = stopping {
+            if in_flight == 0 || Instant::now() >= deadline {
+                break;
+            }
+        }
+        if Instant::now().duration_since(last_draw) >= Duration::from_millis(250) {
+            last_draw = Instant::now();
+            if tty {
+                if server_ready {
+                    if let Ok(mut c) =
+                        tensorport::Control::connect(&farm.socket, Duration::from_millis(200))
+                    {
+                        if let Ok(s) = c.status() {
+                            last_batches = (s.totals.batches, s.totals.batched);
+                        }
+                    }
+                }
+                let secs = started.elapsed().as_secs_f64();
+                let mut lines = vec![format!(
+                    "tensorport farm  {done_count}/{n} done ({:.1}%)  {:.1} images/s  in flight {in_flight}  errors {errors}  batches {} (mean {:.1})  {:.1}s",
+                    100.0 * done_count as f64 / n.max(1) as f64,
+                    done_count as f64 / secs.max(1e-3),
+                    last_batches.0,
+                    if last_batches.0 > 0 { last_batches.1 as f64 / last_batches.0 as f64 } else { 0.0 },
+                    secs
+                )];
+                lines.push(format!(
+                    "  server      {}  restarts {server_restarts}",
+                    match (&server, server_ready) {
+                        (Some(c), true) => format!("running, pid {}", c.id()),
+                        (Some(c), false) => format!("starting, pid {}", c.id()),
+                        (None, _) => "restarting".into(),
+                    }
+                ));
+                for w in &workers {
+                    let state = match &w.state {
+                        State::Running { child, .. } => format!("running, pid {}", child.id()),
+                        State::Waiting { until } if w.generation == 0 => {
+                            let _ = until;
+                            "starting".into()
+                        }
+                        State::Waiting { until } => format!(
+                            "restarting in {:.1}s ({})",
+                            until
+                                .saturating_duration_since(Instant::now())
+                                .as_secs_f64(),
+                            w.last_exit.as_deref().unwrap_or("?")
+                        ),
+                        State::GaveUp => {
+                            format!("gave up ({})", w.last_exit.as_deref().unwrap_or("?"))
+                        }
+                    };
+                    lines.push(format!(
+                        "  {:<11} {state:<40} done {:<6} in flight {:<3} restarts {}",
+                        w.name,
+                        w.done,
+                        w.assigned.len(),
+                        w.restarts
+                    ));
+                }
+                console.draw(&lines);
+            }
+        }
+    }
+    out.flush()?;
+    console.draw(&[]);
+
+    // Shut down: producers first (end of their worklist), then drain the server.
+    for w in workers.iter_mut() {
+        if let State::Running { stdin, .. } = &mut w.state {
+            stdin.take();
+        }
+    }
+    let deadline = Instant::now() + Duration::from_secs(10);
+    for w in workers.iter_mut() {
+        if let State::Running { child, .. } = &mut w.state {
+            while Instant::now() < deadline {
+                if let Ok(Some(_)) = child.try_wait() {
+                    break;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+    }
+    if let Ok(mut c) = tensorport::Control::connect(&farm.socket, Duration::from_secs(2)) {
+        if let Ok(s) = c.status() {
+            last_batches = (s.totals.batches, s.totals.batched);
+        }
+        let _ = c.drain();
+    }
+    if let Some(mut s) = server.take() {
+        let deadline = Instant::now() + Duration::from_secs(10);
+        loop {
+            match s.try_wait() {
+                Ok(Some(_)) => break,
+                _ if Instant::now() >= deadline => {
+                    let _ = s.kill();
+                    let _ = s.wait();
+                    break;
+                }
+                _ => std::thread::sleep(Duration::from_millis(20)),
+            }
+        }
+    }
+
+    let secs = started.elapsed().as_secs_f64();
+    latencies.sort_by(f64::total_cmp);
+    let restarts: u32 = workers.iter().map(|w| w.restarts).sum();
+    let fill = if last_batches.0 > 0 {
+        last_batches.1 as f64 / last_batches.0 as f64
+    } else {
+        0.0
+    };
+    println!(
+        "inputs      {n}\n\
+         done        {done_count} ({errors} with errors){}\n\
+         time        {secs:.2} s\n\
+         throughput  {:.1} images/s\n\
+         latency     p50 {:.1} ms, p99 {:.1} ms (lease to result)\n\
+         batches     {} (mean fill {fill:.1} of {}){}\n\
+         producers   {} ({restarts} restarts), server restarts {server_restarts}\n\
+         results     {}",
+        if done_count < n { "  INCOMPLETE" } else { "" },
+        done_count as f64 / secs.max(1e-9),
+        percentile(&latencies, 0.5),
+        percentile(&latencies, 0.99),
+        last_batches.0,
+        farm.args.max_batch,
+        if server_restarts > 0 {
+            " since the last server start"
+        } else {
+            ""
+        },
+        farm.args.producers,
+        farm.args.output.display()
+    );
+    if let Some(f) = failure {
+        return Err(CliError::new(f));
+    }
+    if done_count < n {
+        return Ok(ExitCode::from(if stop.load(Ordering::SeqCst) {
+            130
+        } else {
+            1
+        }));
+    }
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,225 @@
+//! `tensorport produce`: one producer process.
+
+use std::collections::HashMap;
+use std::io::{BufRead, Write};
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::mpsc;
+use std::time::{Duration, Instant};
+
+use tensorport::{DType, Producer, ProducerConfig, TensorSpec};
+use tensorport_dfdx::scores_from_bytes;
+use tensorport_vision::{list_images, prepare, Source};
+
+use crate::common::{argmax, CliError, CliResult, ResultLine, SocketArg};
+
+/// Preprocess images into shared memory and have the server classify them. Each image is decoded,
+/// resized to --image-size and normalised straight into a slot of this producer's pool (no copy),
+/// then submitted; up to --in-flight requests are outstanding at once. Writes one JSON line per
+/// input: {"index", "input", "class", "scores", "latency_ms", "producer"} (or "error").
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    /// Folder of PNG/JPEG images to classify.
+    #[arg(long, conflicts_with_all = ["synthetic", "worklist"])]
+    pub input: Option<PathBuf>,
+    /// Classify N generated images instead of files.
+    #[arg(long, value_name = "N", conflicts_with = "worklist")]
+    pub synthetic: Option<u64>,
+    /// Read inputs from stdin, one `INDEX<TAB>SOURCE` per line (SOURCE: a path or synthetic:N),
+    /// until end of input. This is how `tensorport farm` drives producers.
+    #[arg(long)]
+    pub worklist: bool,
+    /// Where to write the JSON lines (`-` for stdout).
+    #[arg(long, short, default_value = "-")]
+    pub output: PathBuf,
+    /// Side of the square images the server's model takes, in pixels.
+    #[arg(long, default_value_t = 224)]
+    pub image_size: usize,
+    /// Requests outstanding at once (also the number of slots asked for).
+    #[arg(long, default_value_t = 4)]
+    pub in_flight: u32,
+    /// Name shown in the server's logs and status.
+    #[arg(long, default_value = "producer")]
+    pub name: String,
+    /// How long to wait for a free slot or a result before giving up, in seconds.
+    #[arg(long, default_value_t = 60)]
+    pub timeout: u64,
+}
+
+enum Work {
+    Item(u64, Source),
+    Wait,
+    Done,
+}
+
+pub fn run(a: Args) -> CliResult<ExitCode> {
+    let size = a.image_size;
+    if size == 0 {
+        return Err(CliError::usage("--image-size must be positive"));
+    }
+    let items: Option<Vec<(u64, Source)>> = match (&a.input, a.synthetic, a.worklist) {
+        (Some(dir), _, _) => Some(
+            list_images(dir)?
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| (i as u64, Source::File(p)))
+                .collect(),
+        ),
+        (None, Some(n), _) => Some((0..n).map(|i| (i, Source::Synthetic(i))).collect()),
+        (None, None, true) => None,
+        (None, None, false) => {
+            return Err(CliError::usage(
+                "say what to classify: --input DIR, --synthetic N, or --worklist",
+            ))
+        }
+    };
+    let mut out: Box<dyn Write> = if a.output.as_os_str() == "-" {
+        Box::new(std::io::stdout().lock())
+    } else {
+        Box::new(std::io::BufWriter::new(
+            std::fs::File::create(&a.output).map_err(|e| {
+                CliError::usage(format!("cannot create {}: {e}", a.output.display()))
+            })?,
+        ))
+    };
+    // Inputs arrive on a channel, from the list or from stdin, so results keep flowing while
+    // the producer waits for more work.
+    let (tx, rx) = mpsc::sync_channel::<(u64, Source)>(64);
+    match items {
+        Some(list) => {
+            std::thread::spawn(move || {
+                for it in list {
+                    if tx.send(it).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        None => {
+            std::thread::spawn(move || {
+                for line in std::io::stdin().lock().lines() {
+                    let Ok(line) = line else { break };
+                    let Some((idx, src)) = line.split_once('\t') else {
+                        tracing::warn!("ignoring worklist line without a tab: {line:?}");
+                        continue;
+                    };
+                    let Ok(idx) = idx.trim().parse::<u64>() else {
+                        tracing::warn!("ignoring worklist line with a bad index: {line:?}");
+                        continue;
+                    };
+                    let src: Source = src.trim().parse().expect("infallible");
+                    if tx.send((idx, src)).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    }
+    let image_bytes = (3 * size * size * 4) as u64;
+    let mut cfg = ProducerConfig::new(a.name.clone());
+    cfg.slots = a.in_flight.max(1);
+    cfg.slot_size = image_bytes;
+    let mut p = Producer::connect(a.socket.path(), cfg)?;
+    if p.slot_size() < image_bytes {
+        return Err(CliError::new(format!(
+            "the server gives slots of {} bytes, an image of {size}×{size} needs {image_bytes}; start the server with a larger --slot-size",
+            p.slot_size()
+        )));
+    }
+    let spec = TensorSpec::new(DType::F32, &[3, size as u64, size as u64]);
+    let timeout = Duration::from_secs(a.timeout.max(1));
+    let depth = (a.in_flight.max(1) as usize).min(p.max_in_flight() as usize);
+    let mut pending: HashMap<u64, (u64, String, Instant)> = HashMap::new();
+    let mut eof = false;
+    let mut written = 0u64;
+    let mut emit = |out: &mut Box<dyn Write>, line: ResultLine| -> CliResult<()> {
+        let s = serde_json::to_string(&line).expect("serializable");
+        writeln!(out, "{s}")?;
+        out.flush()?;
+        written += 1;
+        Ok(())
+    };
+    loop {
+        // Keep the pipeline full.
+        while !eof && pending.len() < depth {
+            let work = if pending.is_empty() {
+                match rx.recv_timeout(Duration::from_millis(200)) {
+                    Ok((i, s)) => Work::Item(i, s),
+                    Err(mpsc::RecvTimeoutError::Timeout) => Work::Wait,
+                    Err(mpsc::RecvTimeoutError::Disconnected) => Work::Done,
+                }
+            } else {
+                match rx.try_recv() {
+                    Ok((i, s)) => Work::Item(i, s),
+                    Err(mpsc::TryRecvError::Empty) => Work::Wait,
+                    Err(mpsc::TryRecvError::Disconnected) => Work::Done,
+                }
+            };
+            let (index, source) = match work {
+                Work::Item(i, s) => (i, s),
+                Work::Wait => break,
+                Work::Done => {
+                    eof = true;
+                    break;
+                }
+            };
+            let t0 = Instant::now();
+            let mut lease = p.lease(timeout)?;
+            let bytes = &mut lease.bytes_mut()[..image_bytes as usize];
+            let pixels: &mut [f32] = bytemuck::try_cast_slice_mut(bytes)
+                .map_err(|e| CliError::new(format!("slot is not f32-aligned: {e}")))?;
+            if let Err(e) = prepare(&source, size as u32, pixels) {
+                drop(lease);
+                emit(
+                    &mut out,
+                    ResultLine {
+                        index,
+                        input: source.to_string(),
+                        class: None,
+                        scores: None,
+                        error: Some(e.to_string()),
+                        latency_ms: t0.elapsed().as_secs_f64() * 1e3,
+                        producer: a.name.clone(),
+                    },
+                )?;
+                continue;
+            }
+            let id = lease.submit(&spec)?;
+            pending.insert(id, (index, source.to_string(), t0));
+        }
+        if pending.is_empty() {
+            if eof {
+                break;
+            }
+            continue;
+        }
+        let c = p.recv_result(timeout)?;
+        let Some((index, input, t0)) = pending.remove(&c.request_id) else {
+            continue;
+        };
+        let (scores, error) = match c.result {
+            Ok(b) => match scores_from_bytes(&b) {
+                Some(s) => (Some(s), None),
+                None => (None, Some("the server sent a malformed result".to_string())),
+            },
+            Err(e) => (None, Some(e.to_string())),
+        };
+        emit(
+            &mut out,
+            ResultLine {
+                index,
+                input,
+                class: scores.as_deref().and_then(argmax),
+                scores,
+                error,
+                latency_ms: t0.elapsed().as_secs_f64() * 1e3,
+                producer: a.name.clone(),
+            },
+        )?;
+    }
+    let _ = p.close();
+    tracing::info!(results = written, "producer done");
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,138 @@
+//! `tensorport serve`: the inference process.
+
+use std::io::Write;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use tensorport::{Server, ServerConfig};
+use tensorport_dfdx::dfdx::prelude::Cpu;
+use tensorport_dfdx::{scores_to_bytes, stack_images, ImageClassifier};
+
+use crate::common::{CliError, CliResult, ModelArgs, SocketArg};
+
+/// Serve a dfdx image classifier. Producers connect to the socket, write [3, S, S] f32 images
+/// into shared memory, and get the class scores back. Requests are batched: up to --max-batch, or
+/// whatever arrived within --max-wait-ms of the first. SIGINT/SIGTERM drains (finishes the work in
+/// flight, refuses new producers, exits once they have left); a second signal exits at once.
+/// Prints `ready <socket>` on stdout once it listens.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    #[command(flatten)]
+    pub socket: SocketArg,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Run the model on this device. `cuda` needs a build with `--features cuda`.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
+    /// Largest batch the model runs.
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
+    /// How long a batch waits for more requests after its first, in milliseconds.
+    #[arg(long, default_value_t = 5)]
+    pub max_wait_ms: u64,
+    /// Slots per producer, unless the producer asks otherwise.
+    #[arg(long, default_value_t = 8)]
+    pub slots: u32,
+    /// Bytes per slot, unless the producer asks otherwise [default: one input image].
+    #[arg(long)]
+    pub slot_size: Option<u64>,
+    /// Most producers at once.
+    #[arg(long, default_value_t = 64)]
+    pub max_sessions: u32,
+    /// Threads for the model's matrix products [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+}
+
+pub fn run(a: Args) -> CliResult<ExitCode> {
+    if a.device == "cuda" {
+        return Err(CliError::usage(
+            "this tensorport was built without CUDA; rebuild with `--features cuda` (see docs/operations.md), or use --device cpu",
+        ));
+    }
+    if let Some(n) = a.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+            .map_err(|e| CliError::new(format!("cannot size the thread pool: {e}")))?;
+    }
+    if a.max_batch == 0 {
+        return Err(CliError::usage("--max-batch must be at least 1"));
+    }
+    let cfg = a.model.config();
+    let dev = Cpu::default();
+    let model = match &a.model.weights {
+        Some(p) => ImageClassifier::load(&dev, cfg, p)?,
+        None => ImageClassifier::from_seed(&dev, cfg, a.model.seed)?,
+    };
+    let shape = cfg.input_shape();
+    let image_bytes = (shape.iter().product::<usize>() * 4) as u64;
+    let path = a.socket.path();
+    let mut sc = ServerConfig::new(&path);
+    sc.slots_per_session = a.slots.max(1);
+    sc.slot_size = a.slot_size.unwrap_or(image_bytes);
+    sc.max_sessions = a.max_sessions;
+    let server = Server::bind(sc)?;
+    let stop = crate::common::stop_flag();
+    println!("ready {}", path.display());
+    std::io::stdout().flush().ok();
+    tracing::info!(
+        image_size = cfg.image_size,
+        classes = cfg.classes,
+        max_batch = a.max_batch,
+        "serving the model"
+    );
+    let max_wait = Duration::from_millis(a.max_wait_ms);
+    let started = Instant::now();
+    let mut images = 0u64;
+    let mut draining = false;
+    loop {
+        if stop.load(Ordering::SeqCst) && !draining {
+            draining = true;
+            server.drain();
+        }
+        let batch = match server.recv_batch(a.max_batch, Duration::from_millis(100), max_wait) {
+            Ok(b) => b,
+            Err(tensorport::Error::Stopped) => break,
+            Err(e) => return Err(e.into()),
+        };
+        if batch.is_empty() {
+            continue;
+        }
+        let stacked = stack_images(&dev, &batch, shape);
+        // The batch owns a copy of the pixels now: give the slots back before the model runs.
+        let mut responders: Vec<Option<tensorport::Responder>> =
+            batch.into_iter().map(|r| Some(r.release())).collect();
+        for (i, e) in stacked.rejected {
+            tracing::warn!("{e}");
+            if let Some(r) = responders[i].take() {
+                let _ = r.fail(e.to_string());
+            }
+        }
+        if let Some(x) = stacked.input {
+            let scores = model.forward(x);
+            for (row, i) in scores.iter().zip(stacked.used) {
+                if let Some(r) = responders[i].take() {
+                    let _ = r.respond(&scores_to_bytes(row));
+                }
+                images += 1;
+            }
+        }
+    }
+    let secs = started.elapsed().as_secs_f64();
+    let st = server.status();
+    let fill = if st.totals.batches > 0 {
+        st.totals.batched as f64 / st.totals.batches as f64
+    } else {
+        0.0
+    };
+    tracing::info!(
+        images,
+        batches = st.totals.batches,
+        mean_batch = format!("{fill:.1}"),
+        seconds = format!("{secs:.1}"),
+        "drained; exiting"
+    );
+    Ok(ExitCode::SUCCESS)
+}

@@ -1,0 +1,367 @@
+//! End-to-end: the real `tensorport` binary running a farm, checked against the same model run
+//! in-process, with and without a producer killed by SIGKILL mid-run.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+use tensorport_dfdx::dfdx::prelude::Cpu;
+use tensorport_dfdx::{ImageClassifier, ModelConfig};
+use tensorport_vision::{prepare, Source};
+
+const EXE: &str = env!("CARGO_BIN_EXE_tensorport");
+const SIZE: usize = 32;
+
+fn config() -> ModelConfig {
+    ModelConfig {
+        image_size: SIZE,
+        classes: 10,
+        width: 16,
+    }
+}
+
+#[derive(serde::Deserialize)]
+struct Line {
+    index: u64,
+    input: String,
+    scores: Option<Vec<f32>>,
+    error: Option<String>,
+}
+
+fn read_results(path: &Path) -> Vec<Line> {
+    std::fs::read_to_string(path)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap_or_else(|e| panic!("bad line {l:?}: {e}")))
+        .collect()
+}
+
+/// Every index 0..n exactly once, and every score bitwise equal to the model run in-process on
+/// the same preprocessed tensor.
+fn check_results(path: &Path, n: u64) {
+    let lines = read_results(path);
+    assert_eq!(lines.len() as u64, n, "one line per input");
+    let mut seen = HashMap::new();
+    for l in &lines {
+        assert!(
+            seen.insert(l.index, ()).is_none(),
+            "index {} twice",
+            l.index
+        );
+    }
+    assert!(
+        (0..n).all(|i| seen.contains_key(&i)),
+        "an input has no line"
+    );
+    let dev = Cpu::default();
+    let model = ImageClassifier::from_seed(&dev, config(), 0).unwrap();
+    let mut px = vec![0f32; 3 * SIZE * SIZE];
+    for l in &lines {
+        assert!(l.error.is_none(), "input {}: {:?}", l.index, l.error);
+        let src: Source = l.input.parse().unwrap();
+        prepare(&src, SIZE as u32, &mut px).unwrap();
+        let want = &model.forward_flat(px.clone(), 1)[0];
+        let got = l.scores.as_ref().unwrap();
+        let wb: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
+        let gb: Vec<u32> = got.iter().map(|x| x.to_bits()).collect();
+        assert_eq!(
+            gb, wb,
+            "input {} ({}) differs from the in-process model",
+            l.index, l.input
+        );
+    }
+}
+
+fn farm_cmd(out: &Path, n: u64, producers: usize) -> Command {
+    let mut c = Command::new(EXE);
+    c.args([
+        "farm",
+        "--synthetic",
+        &n.to_string(),
+        "--image-size",
+        &SIZE.to_string(),
+    ])
+    .args([
+        "--producers",
+        &producers.to_string(),
+        "--in-flight",
+        "4",
+        "--progress",
+        "never",
+    ])
+    .arg("--output")
+    .arg(out)
+    .stdin(Stdio::null())
+    .stdout(Stdio::piped())
+    .stderr(Stdio::piped());
+    c
+}
+
+fn tmp() -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix("tp-farm-test-")
+        .tempdir()
+        .unwrap()
+}
+
+#[test]
+fn farm_results_match_the_in_process_model_bitwise() {
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let o = farm_cmd(&out, 300, 3).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "farm failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("done        300 (0 with errors)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("images/s") && stdout.contains("p99"),
+        "{stdout}"
+    );
+    // Not a terminal: no progress drawing, no escape codes.
+    assert!(
+        !stderr.contains('\x1b') && !stderr.contains("tensorport farm"),
+        "{stderr}"
+    );
+    check_results(&out, 300);
+}
+
+/// Pids of the processes whose parent is `ppid` and whose command line contains `needle`.
+fn children(ppid: u32, needle: &str) -> Vec<i32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<i32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        // Field 4 (after the command in parentheses) is the parent pid.
+        let Some(rest) = stat.rsplit_once(')').map(|x| x.1) else {
+            continue;
+        };
+        let parent: u32 = rest
+            .split_whitespace()
+            .nth(1)
+            .and_then(|x| x.parse().ok())
+            .unwrap_or(0);
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if parent == ppid && String::from_utf8_lossy(&cmd).contains(needle) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+fn count_lines(p: &Path) -> usize {
+    std::fs::read_to_string(p)
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+#[test]
+fn farm_survives_a_sigkilled_producer_every_input_once() {
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let n = 600;
+    let child = farm_cmd(&out, n, 3).spawn().unwrap();
+    let farm_pid = child.id();
+    // Wait until work is flowing, then kill one producer.
+    let t = Instant::now();
+    let victim = loop {
+        let kids = children(farm_pid, "produce");
+        if kids.len() == 3 && count_lines(&out) >= 40 {
+            break kids[1];
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "farm made no progress"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let o = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "farm failed:\n{stdout}\n{stderr}");
+    assert!(
+        stderr.contains("killed by SIGKILL"),
+        "the farm did not notice: {stderr}"
+    );
+    assert!(stdout.contains("(1 restarts)"), "{stdout}");
+    check_results(&out, n);
+}
+
+fn run(args: &[&str]) -> (bool, String, String) {
+    let o = Command::new(EXE)
+        .args(args)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    (
+        o.status.success(),
+        String::from_utf8_lossy(&o.stdout).into_owned(),
+        String::from_utf8_lossy(&o.stderr).into_owned(),
+    )
+}
+
+/// A failure is one line on stderr, starting with `error:`, that contains `hint`.
+fn assert_one_line_error(args: &[&str], hint: &str) {
+    let (ok, _out, err) = run(args);
+    assert!(!ok, "{args:?} succeeded");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{args:?}: expected one line, got:\n{err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    assert!(lines[0].contains(hint), "{args:?}: {err} lacks {hint:?}");
+}
+
+#[test]
+fn help_explains_every_subcommand() {
+    for (sub, needles) in [
+        (vec![], vec!["serve", "produce", "farm", "ctl", "--log"]),
+        (
+            vec!["serve"],
+            vec![
+                "--socket",
+                "--weights",
+                "--seed",
+                "--max-batch",
+                "--max-wait-ms",
+                "--slots",
+                "--slot-size",
+                "--threads",
+                "--image-size",
+                "--device",
+            ],
+        ),
+        (
+            vec!["produce"],
+            vec![
+                "--input",
+                "--synthetic",
+                "--worklist",
+                "--output",
+                "--in-flight",
+                "--image-size",
+            ],
+        ),
+        (
+            vec!["farm"],
+            vec![
+                "--producers",
+                "--input",
+                "--synthetic",
+                "--output",
+                "--progress",
+                "--max-restarts",
+                "--in-flight",
+            ],
+        ),
+        (vec!["ctl"], vec!["status", "drain", "--socket"]),
+        (vec!["weights"], vec!["--out", "--seed"]),
+    ] {
+        let mut args: Vec<&str> = sub.clone();
+        args.push("--help");
+        let (ok, out, _) = run(&args);
+        assert!(ok, "{args:?}");
+        for n in needles {
+            assert!(
+                out.contains(n),
+                "`{}` --help does not mention {n}",
+                sub.join(" ")
+            );
+        }
+    }
+}
+
+#[test]
+fn errors_are_one_line_and_say_what_to_do() {
+    let dir = tmp();
+    let sock = dir.path().join("s.sock");
+    let s = sock.to_str().unwrap();
+    assert_one_line_error(
+        &["produce", "--socket", s, "--input", "/nonexistent/images"],
+        "--synthetic",
+    );
+    assert_one_line_error(&["farm", "--input", "/nonexistent/images"], "pass a folder");
+    assert_one_line_error(
+        &[
+            "serve",
+            "--socket",
+            s,
+            "--weights",
+            "/nonexistent.safetensors",
+        ],
+        "--weights",
+    );
+    assert_one_line_error(
+        &[
+            "farm",
+            "--synthetic",
+            "4",
+            "--weights",
+            "/nonexistent.safetensors",
+        ],
+        "tensorport weights",
+    );
+    assert_one_line_error(&["ctl", "--socket", s, "status"], "tensorport serve");
+    assert_one_line_error(
+        &["produce", "--socket", s, "--synthetic", "3"],
+        "start one with `tensorport serve`",
+    );
+    assert_one_line_error(&["produce", "--socket", s], "--synthetic N");
+    // A socket already in use by a live server.
+    let mut server = Command::new(EXE)
+        .args(["serve", "--socket", s, "--image-size", "32"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(server.stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.starts_with("ready"), "{line}");
+    assert_one_line_error(
+        &["serve", "--socket", s, "--image-size", "32"],
+        "already listening",
+    );
+    // A producer whose images do not match the server's model gets an error per input, not a hang.
+    let (ok, out, err) = run(&[
+        "produce",
+        "--socket",
+        s,
+        "--synthetic",
+        "2",
+        "--image-size",
+        "16",
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().count(), 2);
+    assert!(out.contains("--image-size"), "{out}");
+    // ctl status and drain work, and drain makes the server exit.
+    let (ok, out, err) = run(&["ctl", "--socket", s, "status"]);
+    assert!(ok && out.contains("requests"), "{out}{err}");
+    let (ok, _, err) = run(&["ctl", "--socket", s, "drain"]);
+    assert!(ok, "{err}");
+    let t = Instant::now();
+    while server.try_wait().unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(10),
+            "server did not exit after drain"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(server.wait().unwrap().success());
+    let _: PathBuf = sock;
+}
