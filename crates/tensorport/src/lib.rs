@@ -17,6 +17,8 @@ mod error;
 pub mod path;
 mod producer;
 mod server;
+#[cfg(feature = "tokio")]
+pub mod stream;
 
 pub use control::Control;
 pub use error::{Error, Result};

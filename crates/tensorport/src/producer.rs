@@ -148,6 +148,8 @@ impl std::fmt::Display for RemoteError {
     }
 }
 
+impl std::error::Error for RemoteError {}
+
 /// The answer to one request.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Completion {

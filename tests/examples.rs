@@ -1,0 +1,42 @@
+//! The examples run and do what they say (cargo builds them before the tests).
+
+use std::path::PathBuf;
+use std::process::Command;
+
+fn example(name: &str) -> PathBuf {
+    // target/<profile>/deps/<this test> → target/<profile>/examples/<name>
+    let exe = std::env::current_exe().unwrap();
+    exe.parent().unwrap().parent().unwrap().join("examples").join(name)
+}
+
+fn run(name: &str, args: &[&str]) -> String {
+    let path = example(name);
+    assert!(path.exists(), "{} not built", path.display());
+    let o = Command::new(&path).args(args).output().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(o.status.success(), "{name} failed:\n{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    out
+}
+
+#[test]
+fn minimal_pair_sums_ten_tensors() {
+    let out = run("minimal", &[]);
+    assert_eq!(out.lines().count(), 10, "{out}");
+    // 32x32 tensor of 9s sums to 9216.
+    assert!(out.contains("of 9s = 9216"), "{out}");
+}
+
+#[test]
+fn pipeline_classifies_every_image_once() {
+    let out = run("pipeline", &["3", "48"]);
+    let classified = out.lines().filter(|l| l.starts_with("image")).count();
+    assert_eq!(classified, 48, "{out}");
+    assert!(out.contains("48 images from 3 producer processes"), "{out}");
+}
+
+#[test]
+fn async_batches_serves_all() {
+    let out = run("async_batches", &["2", "40"]);
+    assert!(out.contains("served 80 images"), "{out}");
+    assert_eq!(out.matches(": 40 answers").count(), 2, "{out}");
+}
