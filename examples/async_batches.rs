@@ -26,7 +26,8 @@ fn producer(socket: &Path, id: u64, count: u64) -> Result<(), Box<dyn std::error
     let mut answered = 0;
     for n in 0..count {
         let mut lease = p.lease(Duration::from_secs(10))?;
-        let px: &mut [f32] = bytemuck::cast_slice_mut(&mut lease.bytes_mut()[..3 * SIZE * SIZE * 4]);
+        let px: &mut [f32] =
+            bytemuck::cast_slice_mut(&mut lease.bytes_mut()[..3 * SIZE * SIZE * 4]);
         prepare(&Source::Synthetic(id * 1000 + n), SIZE as u32, px)?;
         lease.submit(&spec)?;
         while let Some(c) = p.try_recv_result()? {
@@ -52,21 +53,31 @@ async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let images: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(64);
     let dir = std::env::temp_dir().join(format!("tensorport-async-{}", std::process::id()));
     let socket = dir.join("tp.sock");
-    let config = ModelConfig { image_size: SIZE, ..ModelConfig::default() };
+    let config = ModelConfig {
+        image_size: SIZE,
+        ..ModelConfig::default()
+    };
     let model = Arc::new(ImageClassifier::from_seed(&Cpu::default(), config, 0)?);
     let server = Server::bind(ServerConfig::new(&socket))?;
     let mut children = Vec::new();
     for id in 0..producers {
         children.push(
             Command::new(std::env::current_exe()?)
-                .args(["producer", socket.to_str().unwrap(), &id.to_string(), &images.to_string()])
+                .args([
+                    "producer",
+                    socket.to_str().unwrap(),
+                    &id.to_string(),
+                    &images.to_string(),
+                ])
                 .spawn()?,
         );
     }
     let mut batches = RequestStream::new(server, 64).ready_chunks(32);
     let (mut served, mut count) = (0u64, 0u64);
     while served < producers * images {
-        let Some(batch) = batches.next().await else { break };
+        let Some(batch) = batches.next().await else {
+            break;
+        };
         served += batch.len() as u64;
         count += 1;
         let model = model.clone();

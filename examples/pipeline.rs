@@ -12,12 +12,19 @@ use std::time::{Duration, Instant};
 
 use tensorport::{DType, Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
 use tensorport_dfdx::dfdx::prelude::Cpu;
-use tensorport_dfdx::{scores_from_bytes, scores_to_bytes, stack_images, ImageClassifier, ModelConfig};
+use tensorport_dfdx::{
+    scores_from_bytes, scores_to_bytes, stack_images, ImageClassifier, ModelConfig,
+};
 use tensorport_vision::{prepare, Source};
 
 const SIZE: usize = 64;
 
-fn producer(socket: &Path, id: u64, count: u64, stride: u64) -> Result<(), Box<dyn std::error::Error>> {
+fn producer(
+    socket: &Path,
+    id: u64,
+    count: u64,
+    stride: u64,
+) -> Result<(), Box<dyn std::error::Error>> {
     let mut cfg = ProducerConfig::new(format!("producer-{id}"));
     cfg.slots = 4;
     cfg.slot_size = (3 * SIZE * SIZE * 4) as u64;
@@ -31,7 +38,8 @@ fn producer(socket: &Path, id: u64, count: u64, stride: u64) -> Result<(), Box<d
         while p.in_flight() < 4 {
             let Some(&n) = next.next() else { break };
             let mut lease = p.lease(Duration::from_secs(10))?;
-            let px: &mut [f32] = bytemuck::cast_slice_mut(&mut lease.bytes_mut()[..3 * SIZE * SIZE * 4]);
+            let px: &mut [f32] =
+                bytemuck::cast_slice_mut(&mut lease.bytes_mut()[..3 * SIZE * SIZE * 4]);
             prepare(&Source::Synthetic(n), SIZE as u32, px)?; // straight into shared memory
             inputs.insert(lease.submit(&spec)?, n);
         }
@@ -45,7 +53,11 @@ fn producer(socket: &Path, id: u64, count: u64, stride: u64) -> Result<(), Box<d
             .enumerate()
             .max_by(|a, b| a.1.total_cmp(b.1))
             .map(|(i, _)| i);
-        println!("image {:>3} -> class {:?} (producer {id})", inputs[&done.request_id], best.unwrap_or(0));
+        println!(
+            "image {:>3} -> class {:?} (producer {id})",
+            inputs[&done.request_id],
+            best.unwrap_or(0)
+        );
     }
     Ok(p.close()?)
 }
@@ -60,7 +72,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let images: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(96);
     let dir = std::env::temp_dir().join(format!("tensorport-pipeline-{}", std::process::id()));
     let socket = dir.join("tp.sock");
-    let config = ModelConfig { image_size: SIZE, ..ModelConfig::default() };
+    let config = ModelConfig {
+        image_size: SIZE,
+        ..ModelConfig::default()
+    };
     let dev = Cpu::default();
     let model = ImageClassifier::from_seed(&dev, config, 0)?;
     let server = Server::bind(ServerConfig::new(&socket))?;
@@ -80,14 +95,17 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         served += batch.len() as u64;
         batches += 1;
         let stacked = stack_images(&dev, &batch, config.input_shape()); // the one copy
-        // The batch holds its own copy now: give the slots back before the model runs.
+                                                                        // The batch holds its own copy now: give the slots back before the model runs.
         let mut responders: Vec<_> = batch.into_iter().map(|r| Some(r.release())).collect();
         for (i, e) in stacked.rejected {
             responders[i].take().unwrap().fail(e.to_string())?;
         }
         if let Some(x) = stacked.input {
             for (row, &i) in model.forward(x).iter().zip(&stacked.used) {
-                responders[i].take().unwrap().respond(&scores_to_bytes(row))?;
+                responders[i]
+                    .take()
+                    .unwrap()
+                    .respond(&scores_to_bytes(row))?;
             }
         }
     }

@@ -6,7 +6,12 @@ use std::process::Command;
 fn example(name: &str) -> PathBuf {
     // target/<profile>/deps/<this test> → target/<profile>/examples/<name>
     let exe = std::env::current_exe().unwrap();
-    exe.parent().unwrap().parent().unwrap().join("examples").join(name)
+    exe.parent()
+        .unwrap()
+        .parent()
+        .unwrap()
+        .join("examples")
+        .join(name)
 }
 
 fn run(name: &str, args: &[&str]) -> String {
@@ -14,7 +19,11 @@ fn run(name: &str, args: &[&str]) -> String {
     assert!(path.exists(), "{} not built", path.display());
     let o = Command::new(&path).args(args).output().unwrap();
     let out = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert!(o.status.success(), "{name} failed:\n{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "{name} failed:\n{out}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     out
 }
 

@@ -241,3 +241,106 @@ pub fn env_or(name: &str, default: &str) -> String {
 pub fn socket_env(p: &Path) -> (&'static str, String) {
     ("TP_SOCKET", p.display().to_string())
 }
+
+/// A client that speaks the protocol by hand, for hostile-peer tests.
+pub struct Raw {
+    pub s: std::os::unix::net::UnixStream,
+}
+
+impl Raw {
+    pub fn connect(sock: &Path) -> Raw {
+        let s = std::os::unix::net::UnixStream::connect(sock).unwrap();
+        s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+        Raw { s }
+    }
+
+    pub fn send(&mut self, m: &tensorport::wire::ClientMsg) {
+        self.s
+            .write_all(&tensorport::wire::encode_frame(m).unwrap())
+            .unwrap();
+    }
+
+    /// Writes bytes as they are; errors (a closed peer) are ignored.
+    pub fn send_bytes(&mut self, b: &[u8]) {
+        let _ = self.s.write_all(b);
+    }
+
+    /// The next message, or `None` at EOF.
+    pub fn recv(&mut self) -> Option<tensorport::wire::ServerMsg> {
+        use std::io::Read;
+        let mut h = [0u8; 4];
+        match self.s.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(e)
+                if e.kind() == std::io::ErrorKind::UnexpectedEof
+                    || e.kind() == std::io::ErrorKind::ConnectionReset =>
+            {
+                return None
+            }
+            Err(e) => panic!("read: {e}"),
+        }
+        let mut p = vec![0u8; u32::from_le_bytes(h) as usize];
+        self.s.read_exact(&mut p).unwrap();
+        Some(tensorport::wire::decode_server(&p).unwrap())
+    }
+
+    pub fn hello_with(&mut self, min: u16, max: u16, slots: u32) {
+        self.send(&tensorport::wire::ClientMsg::Hello(
+            tensorport::wire::Hello {
+                magic: tensorport::wire::MAGIC,
+                min_version: min,
+                max_version: max,
+                role: tensorport::wire::Role::Producer,
+                name: "hostile".into(),
+                want_slots: slots,
+                want_slot_size: 4096,
+            },
+        ));
+    }
+
+    /// Handshake asking for `slots`; returns the slot size and the granted slots.
+    pub fn hello(&mut self, slots: u32) -> (u64, Vec<tensorport::wire::SlotRef>) {
+        use tensorport::wire::ServerMsg;
+        self.hello_with(1, 1, slots);
+        let size = match self.recv() {
+            Some(ServerMsg::Welcome(w)) => w.pool.slot_size,
+            other => panic!("expected Welcome, got {other:?}"),
+        };
+        match self.recv() {
+            Some(ServerMsg::Grant(g)) => (size, g),
+            other => panic!("expected Grant, got {other:?}"),
+        }
+    }
+
+    /// The next message must be an error with `code` and `fatal`; a fatal one closes the socket.
+    pub fn expect_error(&mut self, code: tensorport::wire::ErrorCode, fatal: bool) {
+        use tensorport::wire::{ErrorCode, ServerMsg};
+        match self.recv() {
+            Some(ServerMsg::Error {
+                code: c, fatal: f, ..
+            }) => {
+                assert_eq!(ErrorCode::from_u16(c), code);
+                assert_eq!(f, fatal, "fatal flag for {code:?}");
+            }
+            other => panic!("expected {code:?}, got {other:?}"),
+        }
+        if fatal {
+            assert!(
+                self.recv().is_none(),
+                "connection stays open after a fatal error"
+            );
+        }
+    }
+
+    /// Reads until an error frame and returns its code (grants and results are skipped).
+    pub fn next_error(&mut self) -> tensorport::wire::ErrorCode {
+        use tensorport::wire::{ErrorCode, ServerMsg};
+        loop {
+            match self.recv() {
+                Some(ServerMsg::Error { code, .. }) => return ErrorCode::from_u16(code),
+                Some(_) => {}
+                None => panic!("connection closed before an error frame"),
+            }
+        }
+    }
+}

@@ -59,7 +59,7 @@ pub(crate) fn connect(
     while !name.is_char_boundary(name.len()) {
         name.pop();
     }
-    writer.send(
+    let sent = writer.send(
         &ClientMsg::Hello(Hello {
             magic: MAGIC,
             min_version: MIN_PROTOCOL_VERSION,
@@ -70,9 +70,16 @@ pub(crate) fn connect(
             want_slot_size,
         }),
         &[],
-    )?;
+    );
     let deadline = Instant::now() + timeout;
-    match next_msg(&mut reader, Some(deadline))? {
+    // A server that refuses at once (uid, limits) may close before our Hello is written: its
+    // error frame is still readable, and says more than EPIPE.
+    let answer = match (sent, next_msg(&mut reader, Some(deadline))) {
+        (_, Ok(Some(m))) => Some(m),
+        (Err(e), _) => return Err(e),
+        (Ok(()), r) => r?,
+    };
+    match answer {
         Some(ServerMsg::Welcome(welcome)) => {
             let mut pool_fd = None;
             if welcome.fds > 0 {

@@ -1,0 +1,555 @@
+//! Reliability and hostile-peer tests with real processes: a chaos run of hundreds of SIGKILLs,
+//! hand-written protocol abuse, another uid, connection floods, in-flight limits, and a producer
+//! that stops reading its results.
+
+mod support;
+
+use std::io::Write;
+use std::os::fd::AsRawFd;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use support::*;
+use tensorport::wire::{
+    encode_frame, ClientMsg, ErrorCode, RawLocation, RawTensorDesc, ServerMsg, SlotRef,
+};
+use tensorport::{DType, Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
+
+fn main() {
+    support::main(
+        &[
+            ("chaos_200_sigkills_at_random_moments", chaos),
+            ("hostile_slot_abuse_and_fd_floods", hostile_slots),
+            ("another_uid_is_refused", other_uid),
+            ("connection_flood_is_bounded", flood),
+            ("in_flight_limit_holds", in_flight_limit),
+            ("stalled_reader_is_dropped_memory_flat", stalled_reader),
+        ],
+        child,
+    );
+}
+
+fn child(role: &str) {
+    let socket = std::env::var("TP_SOCKET").expect("TP_SOCKET");
+    match role {
+        "chaos-producer" => chaos_producer(&socket),
+        "other-uid" => other_uid_client(&socket),
+        r => panic!("unknown role {r}"),
+    }
+}
+
+/// Loops forever with random pauses in every phase, so a kill can land anywhere: connecting,
+/// leasing, half-way through writing, right after submitting, waiting for a result.
+fn chaos_producer(socket: &str) {
+    let mut rng = (std::process::id() as u64).wrapping_mul(0x9E3779B97F4A7C15) | 1;
+    let mut rand = move |n: u64| {
+        rng ^= rng << 13;
+        rng ^= rng >> 7;
+        rng ^= rng << 17;
+        rng % n
+    };
+    let mut cfg = ProducerConfig::new("chaos");
+    cfg.slots = 1 + rand(4) as u32;
+    cfg.slot_size = 64 * 1024;
+    let mut p = Producer::connect(socket, cfg).expect("connect");
+    println!("connected");
+    std::io::stdout().flush().unwrap();
+    for i in 0.. {
+        let len = 16 + rand(60_000) as usize;
+        let mut lease = p.lease(Duration::from_secs(10)).expect("lease");
+        let mut tmp = vec![0u8; len];
+        fill(((std::process::id() as u64) << 32) | i, &mut tmp);
+        let bytes = lease.bytes_mut();
+        bytes[..len / 2].copy_from_slice(&tmp[..len / 2]);
+        if rand(2) == 0 {
+            std::thread::sleep(Duration::from_micros(rand(3000)));
+        }
+        bytes[..len].copy_from_slice(&tmp);
+        lease
+            .submit(&TensorSpec::new(DType::U8, &[len as u64]))
+            .expect("submit");
+        if rand(3) == 0 {
+            let _ = p.recv_result(Duration::from_secs(10));
+        }
+        while p.try_recv_result().expect("poll").is_some() {}
+    }
+}
+
+fn rss_kib() -> u64 {
+    std::fs::read_to_string("/proc/self/status")
+        .unwrap()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A server whose consumer verifies every tensor and answers with its checksum.
+fn checking_server(
+    cfg: ServerConfig,
+) -> (Arc<Server>, Arc<AtomicU64>, Arc<AtomicU64>, Arc<AtomicBool>) {
+    let server = Arc::new(Server::bind(cfg).unwrap());
+    let (ok, torn, stop) = (
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicU64::new(0)),
+        Arc::new(AtomicBool::new(false)),
+    );
+    let (s, o, t, st) = (server.clone(), ok.clone(), torn.clone(), stop.clone());
+    std::thread::spawn(move || {
+        while !st.load(Ordering::SeqCst) {
+            match s.recv_timeout(Duration::from_millis(50)) {
+                Ok(Some(r)) => {
+                    if verify(r.bytes()) {
+                        o.fetch_add(1, Ordering::SeqCst);
+                    } else {
+                        t.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let sum = checksum(r.bytes());
+                    let _ = r.respond(&sum.to_le_bytes());
+                }
+                Ok(None) => {}
+                Err(_) => break,
+            }
+        }
+    });
+    (server, ok, torn, stop)
+}
+
+fn chaos() {
+    let (_dir, sock) = socket_dir();
+    let maps0 = pool_mappings();
+    let (server, ok, torn, stop) = checking_server(ServerConfig::new(&sock));
+    // A steady producer in this process checks that service never stops.
+    let steady_done = Arc::new(AtomicU64::new(0));
+    let steady_stop = Arc::new(AtomicBool::new(false));
+    let steady = {
+        let (sock, done, st) = (sock.clone(), steady_done.clone(), steady_stop.clone());
+        std::thread::spawn(move || {
+            let mut p = Producer::connect(&sock, ProducerConfig::new("steady")).unwrap();
+            let mut i = 0u64;
+            while !st.load(Ordering::SeqCst) {
+                let mut l = p.lease(Duration::from_secs(5)).expect("steady lease");
+                fill(i, &mut l.bytes_mut()[..4096]);
+                let want = checksum(&l.bytes_mut()[..4096]);
+                l.submit(&TensorSpec::new(DType::U8, &[4096])).unwrap();
+                let c = p
+                    .recv_result(Duration::from_secs(5))
+                    .expect("steady result");
+                assert_eq!(c.result.unwrap(), want.to_le_bytes());
+                done.fetch_add(1, Ordering::SeqCst);
+                i += 1;
+            }
+        })
+    };
+    // Warm up, then measure the baseline.
+    std::thread::sleep(Duration::from_millis(200));
+    let fds0 = open_fds();
+    let rss0 = rss_kib();
+    let t0 = Instant::now();
+    let mut kills = 0;
+    let mut before_connect = 0;
+    let mut seed = 12345u64;
+    let mut rand = move |n: u64| {
+        seed ^= seed << 13;
+        seed ^= seed >> 7;
+        seed ^= seed << 17;
+        seed % n
+    };
+    // Each child: (guard, when it connected (set by a reader thread), kill delay after connecting,
+    // or an absolute kill time for the ones killed while still connecting).
+    type Connected = Arc<Mutex<Option<Instant>>>;
+    let mut live: Vec<(ChildGuard, Connected, Duration, Option<Instant>)> = Vec::new();
+    while kills < 200 {
+        assert!(t0.elapsed() < Duration::from_secs(90), "chaos run too slow");
+        while live.len() < 4 {
+            let mut c = spawn_child("chaos-producer", &[socket_env(&sock)]);
+            let connected: Connected = Arc::new(Mutex::new(None));
+            let (out, flag) = (
+                c.0.as_mut().unwrap().stdout.take().unwrap(),
+                connected.clone(),
+            );
+            std::thread::spawn(move || {
+                let mut line = String::new();
+                if std::io::BufRead::read_line(&mut std::io::BufReader::new(out), &mut line).is_ok()
+                    && line.starts_with("connected")
+                {
+                    *flag.lock().unwrap() = Some(Instant::now());
+                }
+            });
+            // One in ten dies while connecting; the rest 0-40 ms into their work.
+            let early = (rand(10) == 0).then(|| Instant::now() + Duration::from_millis(rand(30)));
+            live.push((c, connected, Duration::from_micros(rand(40_000)), early));
+        }
+        let now = Instant::now();
+        for (c, ..) in live.iter_mut() {
+            // A child must only ever end by our SIGKILL.
+            if let Ok(Some(st)) = c.0.as_mut().unwrap().try_wait() {
+                let mut err = String::new();
+                let _ = std::io::Read::read_to_string(
+                    c.0.as_mut().unwrap().stderr.as_mut().unwrap(),
+                    &mut err,
+                );
+                panic!("a chaos producer died by itself ({st}): {err}");
+            }
+        }
+        for (c, connected, after, early) in live.iter_mut() {
+            let due = match (*early, *connected.lock().unwrap()) {
+                (Some(t), None) => now >= t,
+                (_, Some(t)) => now >= t + *after,
+                (None, None) => false,
+            };
+            if due {
+                if connected.lock().unwrap().is_none() {
+                    before_connect += 1;
+                }
+                c.kill9();
+                kills += 1;
+            }
+        }
+        live.retain(|(c, ..)| c.0.is_some());
+        std::thread::sleep(Duration::from_micros(500));
+    }
+    drop(live);
+    let steady_before = steady_done.load(Ordering::SeqCst);
+    assert!(eventually(Duration::from_secs(5), || steady_done
+        .load(Ordering::SeqCst)
+        > steady_before + 20));
+    steady_stop.store(true, Ordering::SeqCst);
+    steady.join().unwrap();
+    let st = server.status();
+    println!(
+        "  {kills} kills ({before_connect} while connecting) in {:.1}s; {} tensors verified; {} sessions reclaimed; steady producer {} round trips",
+        t0.elapsed().as_secs_f64(),
+        ok.load(Ordering::SeqCst),
+        st.totals.sessions_reclaimed,
+        steady_done.load(Ordering::SeqCst)
+    );
+    assert_eq!(
+        torn.load(Ordering::SeqCst),
+        0,
+        "a torn tensor was delivered"
+    );
+    assert!(st.totals.sessions_reclaimed >= 150, "{:?}", st.totals);
+    assert!(
+        eventually(Duration::from_secs(5), || server
+            .status()
+            .sessions
+            .is_empty()
+            && open_fds() <= fds0
+            && pool_mappings() == maps0),
+        "leak: fds {} (baseline {fds0}), pool mappings {} (baseline {maps0}), sessions {}",
+        open_fds(),
+        pool_mappings(),
+        server.status().sessions.len()
+    );
+    let rss1 = rss_kib();
+    println!(
+        "  server fds {fds0} -> {}, RSS {rss0} -> {rss1} KiB",
+        open_fds()
+    );
+    assert!(
+        rss1 < rss0 + 32 * 1024,
+        "RSS grew from {rss0} to {rss1} KiB"
+    );
+    stop.store(true, Ordering::SeqCst);
+}
+
+fn submit(slot: SlotRef, id: u64) -> ClientMsg {
+    ClientMsg::Submit {
+        request_id: id,
+        tensor: RawTensorDesc {
+            dtype: DType::U8 as u8,
+            shape: vec![64],
+            strides: None,
+            offset: 0,
+            len: 64,
+            location: RawLocation::HostSlot(slot),
+            fence: None,
+        },
+    }
+}
+
+fn hostile_slots() {
+    let (_dir, sock) = socket_dir();
+    let (server, _ok, _torn, stop) = checking_server(ServerConfig::new(&sock));
+    let mut r = Raw::connect(&sock);
+    let (_, g) = r.hello(4);
+    // Returning a slot twice: the second is refused.
+    r.send(&ClientMsg::Return(g[0]));
+    r.send(&ClientMsg::Return(g[0]));
+    assert_eq!(r.next_error(), ErrorCode::SlotNotLeased);
+    // Submitting a slot after giving it back: refused.
+    r.send(&submit(g[0], 1));
+    assert_eq!(r.next_error(), ErrorCode::SlotNotLeased);
+    // A slot id and generation we were never granted.
+    r.send(&submit(
+        SlotRef {
+            slot: g[1].slot,
+            generation: 41,
+        },
+        2,
+    ));
+    assert_eq!(r.next_error(), ErrorCode::SlotNotLeased);
+    // Ten descriptors on one message: more than the server reads; all closed, refused.
+    let frame = encode_frame(&ClientMsg::Status).unwrap();
+    let files: Vec<std::fs::File> = (0..10)
+        .map(|_| std::fs::File::open("/dev/null").unwrap())
+        .collect();
+    let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
+    nix::sys::socket::sendmsg::<()>(
+        r.s.as_raw_fd(),
+        &[std::io::IoSlice::new(&frame)],
+        &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
+        nix::sys::socket::MsgFlags::empty(),
+        None,
+    )
+    .unwrap();
+    assert_eq!(r.next_error(), ErrorCode::FdsNotExpected);
+    // The session still works after all of that.
+    r.send(&ClientMsg::Status);
+    loop {
+        match r.recv() {
+            Some(ServerMsg::Status(s)) => {
+                assert!(s.totals.protocol_errors >= 4, "{:?}", s.totals);
+                break;
+            }
+            Some(_) => {}
+            None => panic!("session closed"),
+        }
+    }
+    // And others are served.
+    let mut p = Producer::connect(&sock, ProducerConfig::new("good")).unwrap();
+    let mut l = p.lease(Duration::from_secs(2)).unwrap();
+    fill(1, &mut l.bytes_mut()[..64]);
+    l.submit(&TensorSpec::new(DType::U8, &[64])).unwrap();
+    assert!(p
+        .recv_result(Duration::from_secs(2))
+        .unwrap()
+        .result
+        .is_ok());
+    // Asking for more slots than allowed gets the maximum, not more.
+    let mut cfg = ProducerConfig::new("greedy");
+    cfg.slots = 1_000_000;
+    let g = Producer::connect(&sock, cfg).unwrap();
+    assert_eq!(
+        g.layout().slot_count,
+        ServerConfig::new(&sock).max_slots_per_session
+    );
+    drop(server);
+    stop.store(true, Ordering::SeqCst);
+}
+
+fn other_uid_client(socket: &str) {
+    // Drop to nobody, then connect.
+    nix::unistd::setgid(nix::unistd::Gid::from_raw(65534)).unwrap();
+    nix::unistd::setuid(nix::unistd::Uid::from_raw(65534)).unwrap();
+    match Producer::connect(socket, ProducerConfig::new("intruder")) {
+        Ok(_) => println!("connected"),
+        Err(tensorport::Error::Refused { code, .. }) => println!("refused {code:?}"),
+        Err(e) => println!("error {e}"),
+    }
+}
+
+fn other_uid() {
+    if !nix::unistd::geteuid().is_root() {
+        println!("  skipped: needs root to run a client under another uid (CI runs as root)");
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("tp-uid-")
+        .tempdir()
+        .unwrap();
+    let sock = dir.path().join("tp.sock");
+    let (server, _ok, _torn, stop) = checking_server(ServerConfig::new(&sock));
+    // With the default permissions another user cannot even reach the socket.
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o711),
+    )
+    .unwrap();
+    let out = spawn_child("other-uid", &[socket_env(&sock)]).wait_ok(Duration::from_secs(10));
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        s.contains("Permission denied") || s.contains("os error 13"),
+        "{s}"
+    );
+    // Even with the socket opened up, the server checks the peer's uid.
+    std::fs::set_permissions(&sock, std::os::unix::fs::PermissionsExt::from_mode(0o666)).unwrap();
+    let out = spawn_child("other-uid", &[socket_env(&sock)]).wait_ok(Duration::from_secs(10));
+    let s = String::from_utf8_lossy(&out.stdout);
+    assert!(s.contains("refused PermissionDenied"), "{s}");
+    assert!(server.status().totals.connections_refused >= 1);
+    assert!(logs().contains("refusing connection from another user"));
+    stop.store(true, Ordering::SeqCst);
+}
+
+fn flood() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.max_sessions = 4;
+    cfg.handshake_timeout = Duration::from_millis(500);
+    let (server, _ok, _torn, stop) = checking_server(cfg);
+    let mut good = Producer::connect(&sock, ProducerConfig::new("good")).unwrap();
+    // 200 connections that never say hello.
+    let conns: Vec<UnixStream> = (0..200)
+        .filter_map(|_| UnixStream::connect(&sock).ok())
+        .collect();
+    // The good producer is still served while the flood sits there.
+    for i in 0..20 {
+        let mut l = good.lease(Duration::from_secs(2)).unwrap();
+        fill(i, &mut l.bytes_mut()[..128]);
+        l.submit(&TensorSpec::new(DType::U8, &[128])).unwrap();
+        assert!(good
+            .recv_result(Duration::from_secs(2))
+            .unwrap()
+            .result
+            .is_ok());
+    }
+    assert!(
+        eventually(Duration::from_secs(3), || server
+            .status()
+            .totals
+            .connections_refused
+            >= 170),
+        "only {} refused",
+        server.status().totals.connections_refused
+    );
+    drop(conns);
+    // After the handshake timeout everything is cleaned up and new producers get in.
+    assert!(eventually(Duration::from_secs(3), || Producer::connect(
+        &sock,
+        ProducerConfig::new("late")
+    )
+    .is_ok()));
+    stop.store(true, Ordering::SeqCst);
+}
+
+fn in_flight_limit() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.max_in_flight = 3;
+    let server = Arc::new(Server::bind(cfg).unwrap());
+    // A consumer that releases slots at once but never answers: requests stay in flight.
+    let held = Arc::new(Mutex::new(Vec::new()));
+    let (s, h) = (server.clone(), held.clone());
+    let stop = Arc::new(AtomicBool::new(false));
+    let st = stop.clone();
+    std::thread::spawn(move || {
+        while !st.load(Ordering::SeqCst) {
+            if let Ok(Some(r)) = s.recv_timeout(Duration::from_millis(20)) {
+                h.lock().unwrap().push(r.release());
+            }
+        }
+    });
+    let mut r = Raw::connect(&sock);
+    let (_, g) = r.hello(2);
+    // One request at a time: an accepted one is released at once (a Grant comes back), a
+    // refused one leaves its slot with us.
+    let mut free = std::collections::VecDeque::from(g);
+    let mut id = 0;
+    let (code, slot) = 'outer: loop {
+        let slot = free.pop_front().expect("a free slot");
+        id += 1;
+        assert!(id < 10, "the in-flight limit did not hold");
+        r.send(&submit(slot, id));
+        loop {
+            match r.recv() {
+                Some(ServerMsg::Grant(g)) => {
+                    free.extend(g);
+                    break;
+                }
+                Some(ServerMsg::Error { code, .. }) => {
+                    break 'outer (ErrorCode::from_u16(code), slot)
+                }
+                o => panic!("unexpected {o:?}"),
+            }
+        }
+    };
+    assert_eq!(code, ErrorCode::TooManyInFlight);
+    assert_eq!(id, 4);
+    assert!(eventually(Duration::from_secs(2), || held
+        .lock()
+        .unwrap()
+        .len()
+        == 3));
+    // Request 1 is still in flight (never answered): reusing its id is refused, before the
+    // in-flight limit is even looked at.
+    r.send(&submit(slot, 1));
+    assert_eq!(r.next_error(), ErrorCode::DuplicateRequest);
+    stop.store(true, Ordering::SeqCst);
+}
+
+fn stalled_reader() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.write_timeout = Duration::from_millis(300);
+    let server = Arc::new(Server::bind(cfg).unwrap());
+    // The consumer answers every request with 256 KiB: a client that does not read fills its
+    // socket buffer quickly.
+    let (s, stop) = (server.clone(), Arc::new(AtomicBool::new(false)));
+    let st = stop.clone();
+    let answer = vec![7u8; 256 * 1024];
+    std::thread::spawn(move || {
+        while !st.load(Ordering::SeqCst) {
+            if let Ok(Some(r)) = s.recv_timeout(Duration::from_millis(20)) {
+                let _ = r.respond(&answer);
+            }
+        }
+    });
+    let mut r = Raw::connect(&sock);
+    let (_, g) = r.hello(2);
+    let rss0 = rss_kib();
+    // Submit, never read a result: grants come back on the same socket, so keep submitting on
+    // the two slots' known generations for as long as the server accepts.
+    let t = Instant::now();
+    let mut gens = [g[0].generation, g[1].generation];
+    let mut id = 0u64;
+    while t.elapsed() < Duration::from_secs(3) {
+        for (k, gen) in gens.iter_mut().enumerate() {
+            id += 1;
+            let msg = submit(
+                SlotRef {
+                    slot: g[k].slot,
+                    generation: *gen,
+                },
+                id,
+            );
+            if r.s.write_all(&encode_frame(&msg).unwrap()).is_err() {
+                break;
+            }
+            *gen += 1;
+        }
+        std::thread::sleep(Duration::from_millis(5));
+        if server.status().totals.sessions_reclaimed > 0 {
+            break;
+        }
+    }
+    assert!(
+        eventually(Duration::from_secs(3), || server
+            .status()
+            .totals
+            .sessions_reclaimed
+            == 1),
+        "the stalled producer was not dropped"
+    );
+    assert!(logs().contains("dropping session"));
+    let rss1 = rss_kib();
+    assert!(
+        rss1 < rss0 + 16 * 1024,
+        "server memory grew from {rss0} to {rss1} KiB"
+    );
+    // Others are still served.
+    let mut p = Producer::connect(&sock, ProducerConfig::new("after")).unwrap();
+    let mut l = p.lease(Duration::from_secs(2)).unwrap();
+    fill(3, &mut l.bytes_mut()[..64]);
+    l.submit(&TensorSpec::new(DType::U8, &[64])).unwrap();
+    assert!(p
+        .recv_result(Duration::from_secs(2))
+        .unwrap()
+        .result
+        .is_ok());
+    stop.store(true, Ordering::SeqCst);
+}
