@@ -450,22 +450,15 @@ fn in_flight_limit() {
     // refused one leaves its slot with us.
     let mut free = std::collections::VecDeque::from(g);
     let mut id = 0;
-    let (code, slot) = 'outer: loop {
+    let (code, slot) = loop {
         let slot = free.pop_front().expect("a free slot");
         id += 1;
         assert!(id < 10, "the in-flight limit did not hold");
         r.send(&submit(slot, id));
-        loop {
-            match r.recv() {
-                Some(ServerMsg::Grant(g)) => {
-                    free.extend(g);
-                    break;
-                }
-                Some(ServerMsg::Error { code, .. }) => {
-                    break 'outer (ErrorCode::from_u16(code), slot)
-                }
-                o => panic!("unexpected {o:?}"),
-            }
+        match r.recv() {
+            Some(ServerMsg::Grant(g)) => free.extend(g),
+            Some(ServerMsg::Error { code, .. }) => break (ErrorCode::from_u16(code), slot),
+            o => panic!("unexpected {o:?}"),
         }
     };
     assert_eq!(code, ErrorCode::TooManyInFlight);
