@@ -5,6 +5,7 @@ mod ctl;
 mod farm;
 mod produce;
 mod serve;
+mod soak;
 mod tools;
 
 use std::process::ExitCode;
@@ -36,6 +37,8 @@ enum Command {
     Farm(farm::Args),
     /// Ask a running server for its status, or tell it to drain.
     Ctl(ctl::Args),
+    /// Long load with random producer kills, checking the server for leaks (not for CI).
+    Soak(soak::Args),
     /// Write a weights file for the model (safetensors), from a seed.
     Weights(tools::WeightsArgs),
     /// Write sample PNG and JPEG images (a small input set to try things on).
@@ -51,6 +54,7 @@ fn main() -> ExitCode {
         Command::Produce(a) => produce::run(a),
         Command::Farm(a) => farm::run(a),
         Command::Ctl(a) => ctl::run(a),
+        Command::Soak(a) => soak::run(a),
         Command::Weights(a) => tools::weights(a),
         Command::Images(a) => tools::images(a),
     };

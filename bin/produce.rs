@@ -59,22 +59,23 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     if size == 0 {
         return Err(CliError::usage("--image-size must be positive"));
     }
-    let items: Option<Vec<(u64, Source)>> = match (&a.input, a.synthetic, a.worklist) {
-        (Some(dir), _, _) => Some(
-            list_images(dir)?
-                .into_iter()
-                .enumerate()
-                .map(|(i, p)| (i as u64, Source::File(p)))
-                .collect(),
-        ),
-        (None, Some(n), _) => Some((0..n).map(|i| (i, Source::Synthetic(i))).collect()),
-        (None, None, true) => None,
-        (None, None, false) => {
-            return Err(CliError::usage(
-                "say what to classify: --input DIR, --synthetic N, or --worklist",
-            ))
-        }
-    };
+    let items: Option<Box<dyn Iterator<Item = (u64, Source)> + Send>> =
+        match (&a.input, a.synthetic, a.worklist) {
+            (Some(dir), _, _) => Some(Box::new(
+                list_images(dir)?
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, p)| (i as u64, Source::File(p))),
+            )),
+            // Lazy: `--synthetic` may be huge (the soak test runs producers that never finish).
+            (None, Some(n), _) => Some(Box::new((0..n).map(|i| (i, Source::Synthetic(i))))),
+            (None, None, true) => None,
+            (None, None, false) => {
+                return Err(CliError::usage(
+                    "say what to classify: --input DIR, --synthetic N, or --worklist",
+                ))
+            }
+        };
     let mut out: Box<dyn Write> = if a.output.as_os_str() == "-" {
         Box::new(std::io::stdout().lock())
     } else {

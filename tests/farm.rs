@@ -379,16 +379,25 @@ fn farm_survives_a_sigkilled_server_every_input_once() {
         if s.len() == 1 && count_lines(&out) >= 40 {
             break s[0];
         }
-        assert!(t.elapsed() < Duration::from_secs(60), "farm made no progress");
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "farm made no progress"
+        );
         std::thread::sleep(Duration::from_millis(10));
     };
-    nix::sys::signal::kill(nix::unistd::Pid::from_raw(server), nix::sys::signal::Signal::SIGKILL)
-        .unwrap();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(server),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
     let o = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
     let stderr = String::from_utf8_lossy(&o.stderr);
     assert!(o.status.success(), "farm failed:\n{stdout}\n{stderr}");
-    assert!(stderr.contains("server ended (killed by SIGKILL)"), "{stderr}");
+    assert!(
+        stderr.contains("server ended (killed by SIGKILL)"),
+        "{stderr}"
+    );
     assert!(stdout.contains("server restarts 1"), "{stdout}");
     check_results(&out, n);
 }

@@ -1,0 +1,46 @@
+//! Arbitrary bytes as a client (or server) byte stream: framing, decoding, and validation of any
+//! descriptor that decodes must return errors, never panic, and never allocate past the limit.
+#![no_main]
+
+use libfuzzer_sys::fuzz_target;
+use tensorport_wire::{
+    decode_client, decode_server, validate, ClientMsg, FrameBuffer, PoolBounds, MAX_FRAME_LEN,
+};
+
+fuzz_target!(|data: &[u8]| {
+    // The first byte picks the read size, so every split of the stream gets exercised.
+    let (chunk, rest) = match data.split_first() {
+        Some((c, r)) => ((*c as usize % 64) + 1, r),
+        None => return,
+    };
+    let pool = PoolBounds {
+        slot_count: 8,
+        slot_size: 1 << 20,
+    };
+    let mut fb = FrameBuffer::new(MAX_FRAME_LEN);
+    let mut input = rest;
+    'stream: while !input.is_empty() {
+        let spare = fb.spare();
+        assert!(!spare.is_empty());
+        let n = chunk.min(spare.len()).min(input.len());
+        spare[..n].copy_from_slice(&input[..n]);
+        fb.commit(n);
+        input = &input[n..];
+        loop {
+            match fb.next_frame() {
+                Ok(Some(payload)) => {
+                    assert!(payload.len() <= MAX_FRAME_LEN as usize);
+                    if let Ok(ClientMsg::Submit { tensor, .. }) = decode_client(payload) {
+                        if let Ok(d) = validate(&tensor, &pool) {
+                            assert!(d.offset() + d.byte_len() <= pool.slot_size);
+                            assert!(d.slot().slot < pool.slot_count);
+                        }
+                    }
+                    let _ = decode_server(payload);
+                }
+                Ok(None) => break,
+                Err(_) => break 'stream,
+            }
+        }
+    }
+});
