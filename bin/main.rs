@@ -3,6 +3,7 @@
 mod common;
 mod ctl;
 mod farm;
+mod gpu;
 mod produce;
 mod serve;
 mod soak;
@@ -37,6 +38,8 @@ enum Command {
     Farm(farm::Args),
     /// Ask a running server for its status, or tell it to drain.
     Ctl(ctl::Args),
+    /// What this machine's CUDA can do, and host-to-device bandwidth from pinned pools.
+    Gpu(gpu::Args),
     /// Long load with random producer kills, checking the server for leaks (not for CI).
     Soak(soak::Args),
     /// Write a weights file for the model (safetensors), from a seed.
@@ -55,6 +58,7 @@ fn main() -> ExitCode {
         Command::Farm(a) => farm::run(a),
         Command::Ctl(a) => ctl::run(a),
         Command::Soak(a) => soak::run(a),
+        Command::Gpu(a) => gpu::run(a),
         Command::Weights(a) => tools::weights(a),
         Command::Images(a) => tools::images(a),
     };

@@ -46,29 +46,6 @@ fn main() {
     );
 }
 
-// ---------------------------------------------------------------------------------------------
-// Tensors used by the tests: mixed shapes and dtypes, some with offsets and strides.
-
-fn spec_for(i: u64) -> TensorSpec {
-    match i % 7 {
-        0 => TensorSpec::new(DType::F32, &[3, 224, 224]),
-        1 => TensorSpec::new(DType::U8, &[1, 64, 64]),
-        2 => TensorSpec::new(DType::I64, &[7, 13]),
-        3 => TensorSpec::new(DType::F16, &[4, 4, 4, 4]).at_offset(64),
-        4 => TensorSpec::new(DType::BF16, &[2, 3, 32, 32]),
-        5 => TensorSpec::new(DType::I32, &[16, 8]).with_strides(&[1, 16]),
-        _ => TensorSpec::new(DType::F64, &[5, 5, 5]).at_offset(4096),
-    }
-}
-
-/// The result the test server sends: checksum of the bytes it saw, element count, dtype.
-fn encode_answer(sum: u64, numel: u64, dtype: DType) -> Vec<u8> {
-    let mut v = sum.to_le_bytes().to_vec();
-    v.extend_from_slice(&numel.to_le_bytes());
-    v.push(dtype as u8);
-    v
-}
-
 /// An in-process server whose consumer thread checks every tensor and answers with its checksum.
 struct CheckingServer {
     server: Arc<Server>,
@@ -158,56 +135,11 @@ impl Drop for CheckingServer {
 fn child(role: &str) {
     let socket = std::env::var("TP_SOCKET").expect("TP_SOCKET");
     match role {
-        "producer" => child_producer(&socket),
+        "producer" => checked_producer(&socket),
         "slow-producer" => child_slow_producer(&socket),
         "server-hold" => child_server_hold(&socket),
         other => panic!("unknown child role {other}"),
     }
-}
-
-fn child_producer(socket: &str) {
-    let id: u64 = env_or("TP_ID", "0").parse().unwrap();
-    let count: u64 = env_or("TP_COUNT", "100").parse().unwrap();
-    let mut p = Producer::connect(socket, ProducerConfig::new(format!("test-producer-{id}")))
-        .unwrap_or_else(|e| {
-            eprintln!("connect: {e}");
-            std::process::exit(3)
-        });
-    let mut expected: HashMap<u64, Vec<u8>> = HashMap::new();
-    let (mut sent, mut ok, mut bad) = (0u64, 0u64, 0u64);
-    let mut check = |c: tensorport::Completion, expected: &mut HashMap<u64, Vec<u8>>| match (
-        expected.remove(&c.request_id),
-        c.result,
-    ) {
-        (Some(want), Ok(got)) if want == got => ok += 1,
-        (want, got) => {
-            bad += 1;
-            eprintln!("request {}: want {:?} got {:?}", c.request_id, want, got);
-        }
-    };
-    while sent < count || p.in_flight() > 0 {
-        while let Some(c) = p.try_recv_result().expect("poll") {
-            check(c, &mut expected);
-        }
-        if sent < count {
-            let spec = spec_for(sent + id);
-            let extent = spec.extent().unwrap() as usize;
-            let off = spec.offset as usize;
-            let mut lease = p.lease(Duration::from_secs(20)).expect("lease");
-            let region = &mut lease.bytes_mut()[off..off + extent];
-            fill((id << 40) | sent, region);
-            let want = encode_answer(checksum(region), spec.shape.iter().product(), spec.dtype);
-            let rid = lease.submit(&spec).expect("submit");
-            expected.insert(rid, want);
-            sent += 1;
-        } else if p.in_flight() > 0 {
-            let c = p.recv_result(Duration::from_secs(20)).expect("result");
-            check(c, &mut expected);
-        }
-    }
-    p.close().ok();
-    println!("ok={ok} bad={bad} missing={}", expected.len());
-    std::process::exit(if ok == count && bad == 0 { 0 } else { 1 });
 }
 
 fn child_slow_producer(socket: &str) {

@@ -344,3 +344,76 @@ impl Raw {
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------
+// Tensors used by the tests: mixed shapes and dtypes, some with offsets and strides.
+
+pub fn spec_for(i: u64) -> tensorport::TensorSpec {
+    match i % 7 {
+        0 => tensorport::TensorSpec::new(tensorport::DType::F32, &[3, 224, 224]),
+        1 => tensorport::TensorSpec::new(tensorport::DType::U8, &[1, 64, 64]),
+        2 => tensorport::TensorSpec::new(tensorport::DType::I64, &[7, 13]),
+        3 => tensorport::TensorSpec::new(tensorport::DType::F16, &[4, 4, 4, 4]).at_offset(64),
+        4 => tensorport::TensorSpec::new(tensorport::DType::BF16, &[2, 3, 32, 32]),
+        5 => tensorport::TensorSpec::new(tensorport::DType::I32, &[16, 8]).with_strides(&[1, 16]),
+        _ => tensorport::TensorSpec::new(tensorport::DType::F64, &[5, 5, 5]).at_offset(4096),
+    }
+}
+
+/// The result the test server sends: checksum of the bytes it saw, element count, dtype.
+pub fn encode_answer(sum: u64, numel: u64, dtype: tensorport::DType) -> Vec<u8> {
+    let mut v = sum.to_le_bytes().to_vec();
+    v.extend_from_slice(&numel.to_le_bytes());
+    v.push(dtype as u8);
+    v
+}
+
+/// A producer process: `TP_COUNT` tensors of mixed shapes (see [`spec_for`]) with self-checking
+/// contents; every answer must be the checksum [`encode_answer`] computes. Exits 0 if all match.
+pub fn checked_producer(socket: &str) {
+    let id: u64 = env_or("TP_ID", "0").parse().unwrap();
+    let count: u64 = env_or("TP_COUNT", "100").parse().unwrap();
+    let mut p = tensorport::Producer::connect(
+        socket,
+        tensorport::ProducerConfig::new(format!("test-producer-{id}")),
+    )
+    .unwrap_or_else(|e| {
+        eprintln!("connect: {e}");
+        std::process::exit(3)
+    });
+    let mut expected: std::collections::HashMap<u64, Vec<u8>> = Default::default();
+    let (mut sent, mut ok, mut bad) = (0u64, 0u64, 0u64);
+    let mut check = |c: tensorport::Completion,
+                     expected: &mut std::collections::HashMap<u64, Vec<u8>>| {
+        match (expected.remove(&c.request_id), c.result) {
+            (Some(want), Ok(got)) if want == got => ok += 1,
+            (want, got) => {
+                bad += 1;
+                eprintln!("request {}: want {:?} got {:?}", c.request_id, want, got);
+            }
+        }
+    };
+    while sent < count || p.in_flight() > 0 {
+        while let Some(c) = p.try_recv_result().expect("poll") {
+            check(c, &mut expected);
+        }
+        if sent < count {
+            let spec = spec_for(sent + id);
+            let extent = spec.extent().unwrap() as usize;
+            let off = spec.offset as usize;
+            let mut lease = p.lease(Duration::from_secs(20)).expect("lease");
+            let region = &mut lease.bytes_mut()[off..off + extent];
+            fill((id << 40) | sent, region);
+            let want = encode_answer(checksum(region), spec.shape.iter().product(), spec.dtype);
+            let rid = lease.submit(&spec).expect("submit");
+            expected.insert(rid, want);
+            sent += 1;
+        } else if p.in_flight() > 0 {
+            let c = p.recv_result(Duration::from_secs(20)).expect("result");
+            check(c, &mut expected);
+        }
+    }
+    p.close().ok();
+    println!("ok={ok} bad={bad} missing={}", expected.len());
+    std::process::exit(if ok == count && bad == 0 { 0 } else { 1 });
+}

@@ -34,7 +34,11 @@ pub fn page_size() -> u64 {
 pub trait PinHook: Send + Sync {
     /// Registers `len` bytes at `ptr`. The returned registration is dropped (and must unregister)
     /// before the memory is unmapped.
-    fn pin(&self, ptr: *mut u8, len: usize) -> std::result::Result<PinRegistration, String>;
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be a live mapping that stays mapped until the returned registration
+    /// has been dropped. [`HostPool::pin_with`] guarantees this.
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> std::result::Result<PinRegistration, String>;
 }
 
 /// A live pinning of a pool; dropping it unpins.
@@ -144,9 +148,10 @@ impl HostPool {
     /// Pins the pool with `hook` (once; later calls are no-ops).
     pub fn pin_with(&mut self, hook: &dyn PinHook) -> Result<()> {
         if self.pin.is_none() {
-            let reg = hook
-                .pin(self.map.as_ptr(), self.map.len())
-                .map_err(ShmError::Pin)?;
+            // SAFETY: the whole mapping is live, and `pin` is declared before `map` in HostPool,
+            // so the registration is dropped before the mapping is unmapped.
+            let reg =
+                unsafe { hook.pin(self.map.as_ptr(), self.map.len()) }.map_err(ShmError::Pin)?;
             self.pin = Some(reg);
         }
         Ok(())
@@ -294,7 +299,11 @@ mod tests {
             }
         }
         impl PinHook for Hook {
-            fn pin(&self, _p: *mut u8, len: usize) -> std::result::Result<PinRegistration, String> {
+            unsafe fn pin(
+                &self,
+                _p: *mut u8,
+                len: usize,
+            ) -> std::result::Result<PinRegistration, String> {
                 assert!(len > 0);
                 self.0.fetch_add(1, Ordering::SeqCst);
                 Ok(PinRegistration::new(Unpin(self.0.clone())))

@@ -1,0 +1,305 @@
+//! The "result" floor: one small function per CUDA driver call, each returning a `Result` whose
+//! error names the call. All FFI of this crate is here; functions that take raw handles or
+//! pointers are `unsafe fn` with their contract, which the RAII types in `gpu.rs` uphold.
+//!
+//! cudarc loads libcuda lazily and panics if it cannot; a [`Driver`] can only be made after
+//! checking that the library loads and `cuInit` succeeds, and every call takes `&Driver`, so no
+//! call can reach that panic.
+
+use std::ffi::{c_void, CStr};
+
+use cudarc::driver::sys;
+
+use crate::{Error, Result};
+
+/// Proof that libcuda is loaded and initialised.
+#[derive(Debug, Clone, Copy)]
+pub struct Driver(());
+
+fn check(call: &'static str, r: sys::CUresult) -> Result<()> {
+    if r == sys::CUresult::CUDA_SUCCESS {
+        return Ok(());
+    }
+    let mut s: *const std::ffi::c_char = std::ptr::null();
+    // SAFETY: cuGetErrorString writes a pointer to a static string (or leaves it null).
+    let msg = unsafe {
+        if sys::cuGetErrorString(r, &mut s) == sys::CUresult::CUDA_SUCCESS && !s.is_null() {
+            CStr::from_ptr(s).to_string_lossy().into_owned()
+        } else {
+            format!("{r:?}")
+        }
+    };
+    Err(Error::Call {
+        call,
+        code: r as i32,
+        message: msg,
+    })
+}
+
+impl Driver {
+    /// Loads libcuda and calls `cuInit`. Fails with [`Error::NoDriver`] where there is none.
+    pub fn load() -> Result<Driver> {
+        // SAFETY: only tries to dlopen the library; no CUDA call is made.
+        if !unsafe { sys::is_culib_present() } {
+            return Err(Error::NoDriver);
+        }
+        // SAFETY: the library is present; cuInit has no preconditions.
+        check("cuInit", unsafe { sys::cuInit(0) })?;
+        Ok(Driver(()))
+    }
+
+    /// `cuDriverGetVersion` (e.g. 13000 for CUDA 13.0).
+    pub fn version(&self) -> Result<i32> {
+        let mut v = 0;
+        // SAFETY: writes one int.
+        check("cuDriverGetVersion", unsafe {
+            sys::cuDriverGetVersion(&mut v)
+        })?;
+        Ok(v)
+    }
+
+    /// `cuDeviceGetCount`.
+    pub fn device_count(&self) -> Result<i32> {
+        let mut n = 0;
+        // SAFETY: writes one int.
+        check("cuDeviceGetCount", unsafe { sys::cuDeviceGetCount(&mut n) })?;
+        Ok(n)
+    }
+
+    /// `cuDeviceGet`.
+    pub fn device(&self, ordinal: i32) -> Result<sys::CUdevice> {
+        let mut d = 0;
+        // SAFETY: writes one handle.
+        check("cuDeviceGet", unsafe { sys::cuDeviceGet(&mut d, ordinal) })?;
+        Ok(d)
+    }
+
+    /// `cuDeviceGetName`.
+    pub fn device_name(&self, dev: sys::CUdevice) -> Result<String> {
+        let mut buf = [0 as std::ffi::c_char; 256];
+        // SAFETY: the buffer holds 256 chars, as we say.
+        check("cuDeviceGetName", unsafe {
+            sys::cuDeviceGetName(buf.as_mut_ptr(), buf.len() as i32, dev)
+        })?;
+        // SAFETY: the driver NUL-terminates within the length given.
+        Ok(unsafe { CStr::from_ptr(buf.as_ptr()) }
+            .to_string_lossy()
+            .into_owned())
+    }
+
+    /// `cuDeviceGetAttribute`.
+    pub fn attribute(&self, dev: sys::CUdevice, attr: sys::CUdevice_attribute) -> Result<i32> {
+        let mut v = 0;
+        // SAFETY: writes one int.
+        check("cuDeviceGetAttribute", unsafe {
+            sys::cuDeviceGetAttribute(&mut v, attr, dev)
+        })?;
+        Ok(v)
+    }
+
+    /// `cuDeviceTotalMem`.
+    pub fn total_mem(&self, dev: sys::CUdevice) -> Result<usize> {
+        let mut v = 0;
+        // SAFETY: writes one size.
+        check("cuDeviceTotalMem", unsafe {
+            sys::cuDeviceTotalMem_v2(&mut v, dev)
+        })?;
+        Ok(v)
+    }
+
+    /// `cuDevicePrimaryCtxRetain`.
+    pub fn primary_ctx_retain(&self, dev: sys::CUdevice) -> Result<sys::CUcontext> {
+        let mut c = std::ptr::null_mut();
+        // SAFETY: writes one handle.
+        check("cuDevicePrimaryCtxRetain", unsafe {
+            sys::cuDevicePrimaryCtxRetain(&mut c, dev)
+        })?;
+        Ok(c)
+    }
+
+    /// `cuDevicePrimaryCtxRelease`.
+    pub fn primary_ctx_release(&self, dev: sys::CUdevice) -> Result<()> {
+        // SAFETY: balanced with a retain by the caller.
+        check("cuDevicePrimaryCtxRelease", unsafe {
+            sys::cuDevicePrimaryCtxRelease_v2(dev)
+        })
+    }
+
+    /// `cuCtxSetCurrent`: makes `ctx` current on the calling thread.
+    ///
+    /// # Safety
+    /// `ctx` must be a context retained (and not yet released) by the caller.
+    pub unsafe fn ctx_set_current(&self, ctx: sys::CUcontext) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuCtxSetCurrent", unsafe { sys::cuCtxSetCurrent(ctx) })
+    }
+
+    /// `cuMemHostRegister` (portable): pins `len` bytes at `ptr` for fast device copies.
+    ///
+    /// # Safety
+    /// `ptr..ptr+len` must be a live mapping that outlives the registration, and
+    /// [`Driver::host_unregister`] must be called before it is unmapped.
+    pub unsafe fn host_register(&self, ptr: *mut u8, len: usize) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemHostRegister", unsafe {
+            sys::cuMemHostRegister_v2(ptr.cast(), len, sys::CU_MEMHOSTREGISTER_PORTABLE)
+        })
+    }
+
+    /// `cuMemHostUnregister`.
+    ///
+    /// # Safety
+    /// `ptr` must have been registered with [`Driver::host_register`].
+    pub unsafe fn host_unregister(&self, ptr: *mut u8) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemHostUnregister", unsafe {
+            sys::cuMemHostUnregister(ptr.cast())
+        })
+    }
+
+    /// `cuMemAlloc`.
+    pub fn mem_alloc(&self, len: usize) -> Result<sys::CUdeviceptr> {
+        let mut p = 0;
+        // SAFETY: writes one device pointer.
+        check("cuMemAlloc", unsafe { sys::cuMemAlloc_v2(&mut p, len) })?;
+        Ok(p)
+    }
+
+    /// `cuMemFree`.
+    ///
+    /// # Safety
+    /// `p` must come from [`Driver::mem_alloc`] and not be in use by pending work.
+    pub unsafe fn mem_free(&self, p: sys::CUdeviceptr) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemFree", unsafe { sys::cuMemFree_v2(p) })
+    }
+
+    /// `cuMemAllocHost`: page-locked host memory.
+    pub fn mem_alloc_host(&self, len: usize) -> Result<*mut u8> {
+        let mut p: *mut c_void = std::ptr::null_mut();
+        // SAFETY: writes one pointer.
+        check("cuMemAllocHost", unsafe {
+            sys::cuMemAllocHost_v2(&mut p, len)
+        })?;
+        Ok(p.cast())
+    }
+
+    /// `cuMemFreeHost`.
+    ///
+    /// # Safety
+    /// `p` must come from [`Driver::mem_alloc_host`] and no view of it may remain.
+    pub unsafe fn mem_free_host(&self, p: *mut u8) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemFreeHost", unsafe { sys::cuMemFreeHost(p.cast()) })
+    }
+
+    /// `cuStreamCreate` (non-blocking with respect to the legacy default stream).
+    pub fn stream_create(&self) -> Result<sys::CUstream> {
+        let mut s = std::ptr::null_mut();
+        // SAFETY: writes one handle. Flag 1 = CU_STREAM_NON_BLOCKING.
+        check("cuStreamCreate", unsafe { sys::cuStreamCreate(&mut s, 1) })?;
+        Ok(s)
+    }
+
+    /// `cuStreamSynchronize`.
+    ///
+    /// # Safety
+    /// `s` must be a live stream of the current context.
+    pub unsafe fn stream_sync(&self, s: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuStreamSynchronize", unsafe {
+            sys::cuStreamSynchronize(s)
+        })
+    }
+
+    /// `cuStreamDestroy`.
+    ///
+    /// # Safety
+    /// `s` must be a live stream not used afterwards.
+    pub unsafe fn stream_destroy(&self, s: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuStreamDestroy", unsafe { sys::cuStreamDestroy_v2(s) })
+    }
+
+    /// `cuMemcpyHtoDAsync`.
+    ///
+    /// # Safety
+    /// `src..src+len` must stay valid and unchanged until the copy completes on `s`, and
+    /// `dst..dst+len` must be device memory of this context.
+    pub unsafe fn memcpy_htod_async(
+        &self,
+        dst: sys::CUdeviceptr,
+        src: *const u8,
+        len: usize,
+        s: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemcpyHtoDAsync", unsafe {
+            sys::cuMemcpyHtoDAsync_v2(dst, src.cast(), len, s)
+        })
+    }
+
+    /// `cuMemcpyDtoH` (synchronous).
+    ///
+    /// # Safety
+    /// `dst..dst+len` must be writable host memory; `src..src+len` device memory.
+    pub unsafe fn memcpy_dtoh(
+        &self,
+        dst: *mut u8,
+        src: sys::CUdeviceptr,
+        len: usize,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemcpyDtoH", unsafe {
+            sys::cuMemcpyDtoH_v2(dst.cast(), src, len)
+        })
+    }
+
+    /// `cuEventCreate` (with timing).
+    pub fn event_create(&self) -> Result<sys::CUevent> {
+        let mut e = std::ptr::null_mut();
+        // SAFETY: writes one handle. Flag 0 = default (timing enabled).
+        check("cuEventCreate", unsafe { sys::cuEventCreate(&mut e, 0) })?;
+        Ok(e)
+    }
+
+    /// `cuEventRecord`.
+    ///
+    /// # Safety
+    /// `e` and `s` must be live handles of the current context.
+    pub unsafe fn event_record(&self, e: sys::CUevent, s: sys::CUstream) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuEventRecord", unsafe { sys::cuEventRecord(e, s) })
+    }
+
+    /// `cuEventSynchronize`.
+    ///
+    /// # Safety
+    /// `e` must be a live event.
+    pub unsafe fn event_sync(&self, e: sys::CUevent) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })
+    }
+
+    /// `cuEventElapsedTime`, in milliseconds.
+    ///
+    /// # Safety
+    /// Both must be live events, recorded and completed.
+    pub unsafe fn event_elapsed_ms(&self, start: sys::CUevent, end: sys::CUevent) -> Result<f32> {
+        let mut ms = 0.0f32;
+        // SAFETY: the caller's contract.
+        check("cuEventElapsedTime", unsafe {
+            sys::cuEventElapsedTime_v2(&mut ms, start, end)
+        })?;
+        Ok(ms)
+    }
+
+    /// `cuEventDestroy`.
+    ///
+    /// # Safety
+    /// `e` must be a live event not used afterwards.
+    pub unsafe fn event_destroy(&self, e: sys::CUevent) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(e) })
+    }
+}

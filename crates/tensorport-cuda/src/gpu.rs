@@ -1,0 +1,479 @@
+//! One type per resource: the device's primary context, device and pinned buffers, streams,
+//! events, pool registrations.
+
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use cudarc::driver::sys;
+use tensorport_shm::{HostPool, PinHook, PinRegistration};
+
+use crate::{Driver, Error, Result};
+
+/// A device and its retained primary context (the context dfdx/cudarc also use, so memory and
+/// registrations made here are valid there).
+#[derive(Debug)]
+pub struct Gpu {
+    driver: Driver,
+    dev: sys::CUdevice,
+    ctx: sys::CUcontext,
+    ordinal: i32,
+}
+
+// SAFETY: the CUDA driver API is thread-safe; a context handle may be made current on any thread
+// (every method here does so before use), and the handle itself is just an identifier.
+unsafe impl Send for Gpu {}
+// SAFETY: as above; `&Gpu` only allows calls that bind the context first.
+unsafe impl Sync for Gpu {}
+
+impl Gpu {
+    /// Loads the driver, retains device `ordinal`'s primary context and makes it current here.
+    pub fn open(ordinal: i32) -> Result<Arc<Gpu>> {
+        let driver = Driver::load()?;
+        let n = driver.device_count()?;
+        if ordinal < 0 || ordinal >= n {
+            return Err(Error::NoDevice(ordinal, n));
+        }
+        let dev = driver.device(ordinal)?;
+        let ctx = driver.primary_ctx_retain(dev)?;
+        let gpu = Gpu {
+            driver,
+            dev,
+            ctx,
+            ordinal,
+        };
+        gpu.bind()?;
+        Ok(Arc::new(gpu))
+    }
+
+    /// Makes the context current on the calling thread.
+    pub fn bind(&self) -> Result<()> {
+        // SAFETY: `ctx` was retained in `open` and is released only in `drop`.
+        unsafe { self.driver.ctx_set_current(self.ctx) }
+    }
+
+    /// The driver calls.
+    pub fn driver(&self) -> &Driver {
+        &self.driver
+    }
+
+    /// Device ordinal.
+    pub fn ordinal(&self) -> i32 {
+        self.ordinal
+    }
+}
+
+impl Drop for Gpu {
+    fn drop(&mut self) {
+        let _ = self.driver.primary_ctx_release(self.dev);
+    }
+}
+
+/// Device memory from `cuMemAlloc`, freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    gpu: Arc<Gpu>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes on `gpu`.
+    pub fn new(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceBuffer> {
+        gpu.bind()?;
+        let ptr = gpu.driver.mem_alloc(len.max(1))?;
+        Ok(DeviceBuffer {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+        })
+    }
+    /// Device address.
+    pub fn ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Copies `src` to the start of this buffer on `stream` (asynchronously). The borrow of
+    /// `src` ends when this returns, so the caller must keep the bytes alive and unchanged until
+    /// an event recorded after this call completes: [`Stream::copy_done`] does that.
+    pub fn copy_from_host_async(&self, src: &[u8], stream: &Stream) -> Result<()> {
+        assert!(src.len() <= self.len, "copy larger than the buffer");
+        self.gpu.bind()?;
+        // SAFETY: dst is this buffer (long enough, checked); src is valid now, and the caller
+        // keeps it valid until the stream passes this point (documented above).
+        unsafe {
+            self.gpu
+                .driver
+                .memcpy_htod_async(self.ptr, src.as_ptr(), src.len(), stream.raw)
+        }
+    }
+    /// Copies the first `dst.len()` bytes back to the host (synchronously).
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
+        assert!(dst.len() <= self.len, "copy larger than the buffer");
+        self.gpu.bind()?;
+        // SAFETY: both ranges are valid and sized as checked.
+        unsafe {
+            self.gpu
+                .driver
+                .memcpy_dtoh(dst.as_mut_ptr(), self.ptr, dst.len())
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: allocated by mem_alloc; callers synchronise streams before dropping buffers
+        // they are copying into (cuMemFree also synchronises the device).
+        let _ = unsafe { self.gpu.driver.mem_free(self.ptr) };
+    }
+}
+
+/// Page-locked host memory from `cuMemAllocHost` (the reference for pinned bandwidth).
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    gpu: Arc<Gpu>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain memory owned by this value.
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `len` page-locked bytes.
+    pub fn new(gpu: &Arc<Gpu>, len: usize) -> Result<PinnedBuffer> {
+        gpu.bind()?;
+        let ptr = gpu.driver.mem_alloc_host(len.max(1))?;
+        Ok(PinnedBuffer {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+        })
+    }
+    /// The bytes.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `len` bytes allocated by cuMemAllocHost, owned exclusively via `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: allocated by mem_alloc_host; no view outlives `self`.
+        let _ = unsafe { self.gpu.driver.mem_free_host(self.ptr) };
+    }
+}
+
+/// A CUDA stream.
+#[derive(Debug)]
+pub struct Stream {
+    gpu: Arc<Gpu>,
+    raw: sys::CUstream,
+}
+
+// SAFETY: stream handles may be used from any thread once the context is bound (we bind first).
+unsafe impl Send for Stream {}
+// SAFETY: as above.
+unsafe impl Sync for Stream {}
+
+impl Stream {
+    /// A new non-blocking stream.
+    pub fn new(gpu: &Arc<Gpu>) -> Result<Stream> {
+        gpu.bind()?;
+        Ok(Stream {
+            gpu: gpu.clone(),
+            raw: gpu.driver.stream_create()?,
+        })
+    }
+    /// Waits for all work on the stream.
+    pub fn synchronize(&self) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: `raw` lives until `drop`; its context is bound.
+        unsafe { self.gpu.driver.stream_sync(self.raw) }
+    }
+    /// Records an event now and returns it; [`Event::wait`] blocks until the work before it ran.
+    pub fn record(&self) -> Result<Event> {
+        self.gpu.bind()?;
+        let e = Event {
+            gpu: self.gpu.clone(),
+            raw: self.gpu.driver.event_create()?,
+        };
+        // SAFETY: both handles are live and belong to the bound context.
+        unsafe { self.gpu.driver.event_record(e.raw, self.raw)? };
+        Ok(e)
+    }
+    /// Alias of [`Stream::record`] for the copy-then-release pattern: release a slot only after
+    /// `copy_done()?.wait()?`.
+    pub fn copy_done(&self) -> Result<Event> {
+        self.record()
+    }
+}
+
+impl Drop for Stream {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: `raw` is live until the destroy below.
+        let _ = unsafe { self.gpu.driver.stream_sync(self.raw) };
+        // SAFETY: a live stream, synchronised above, not used again.
+        let _ = unsafe { self.gpu.driver.stream_destroy(self.raw) };
+    }
+}
+
+/// A recorded CUDA event.
+#[derive(Debug)]
+pub struct Event {
+    gpu: Arc<Gpu>,
+    raw: sys::CUevent,
+}
+
+// SAFETY: event handles may be used from any thread once the context is bound.
+unsafe impl Send for Event {}
+
+impl Event {
+    /// Blocks until the work recorded before this event has run.
+    pub fn wait(&self) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: `raw` lives until `drop`.
+        unsafe { self.gpu.driver.event_sync(self.raw) }
+    }
+    /// Milliseconds between `start` and this event (both completed).
+    /// Both events must have completed ([`Event::wait`] on the later one).
+    pub fn elapsed_since(&self, start: &Event) -> Result<f32> {
+        // SAFETY: both events are live; the driver reports an error (not UB) if one has not
+        // completed.
+        unsafe { self.gpu.driver.event_elapsed_ms(start.raw, self.raw) }
+    }
+}
+
+impl Drop for Event {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: a live event not used again.
+        let _ = unsafe { self.gpu.driver.event_destroy(self.raw) };
+    }
+}
+
+static LIVE_REGISTRATIONS: AtomicUsize = AtomicUsize::new(0);
+
+/// Pools currently registered with `cuMemHostRegister` by this process.
+pub fn live_registrations() -> usize {
+    LIVE_REGISTRATIONS.load(Ordering::SeqCst)
+}
+
+struct HostRegistration {
+    gpu: Arc<Gpu>,
+    ptr: *mut u8,
+}
+
+// SAFETY: the registration is an address and a context; unregistering works from any thread
+// once the context is bound.
+unsafe impl Send for HostRegistration {}
+// SAFETY: as above; it exposes nothing.
+unsafe impl Sync for HostRegistration {}
+
+impl Drop for HostRegistration {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: registered in `CudaPin::pin`; HostPool drops this before unmapping.
+        let _ = unsafe { self.gpu.driver.host_unregister(self.ptr) };
+        LIVE_REGISTRATIONS.fetch_sub(1, Ordering::SeqCst);
+    }
+}
+
+/// Registers producer pools with `cuMemHostRegister` (the server's [`PinHook`]).
+#[derive(Debug, Clone)]
+pub struct CudaPin {
+    gpu: Arc<Gpu>,
+}
+
+impl CudaPin {
+    /// Pins for `gpu`.
+    pub fn new(gpu: Arc<Gpu>) -> CudaPin {
+        CudaPin { gpu }
+    }
+}
+
+impl PinHook for CudaPin {
+    unsafe fn pin(&self, ptr: *mut u8, len: usize) -> std::result::Result<PinRegistration, String> {
+        self.gpu.bind().map_err(|e| e.to_string())?;
+        // SAFETY: the trait's contract: the mapping outlives the registration, which
+        // unregisters on drop.
+        unsafe { self.gpu.driver.host_register(ptr, len) }.map_err(|e| e.to_string())?;
+        LIVE_REGISTRATIONS.fetch_add(1, Ordering::SeqCst);
+        Ok(PinRegistration::new(HostRegistration {
+            gpu: self.gpu.clone(),
+            ptr,
+        }))
+    }
+}
+
+/// One device as the probe sees it.
+#[derive(Debug, Clone)]
+pub struct DeviceInfo {
+    /// Ordinal.
+    pub ordinal: i32,
+    /// Marketing name.
+    pub name: String,
+    /// Compute capability (major, minor).
+    pub compute_capability: (i32, i32),
+    /// Device memory in bytes.
+    pub total_mem: usize,
+    /// `cuMemHostRegister` supported.
+    pub host_register: bool,
+    /// Virtual memory management (`cuMemCreate` …) supported.
+    pub vmm: bool,
+    /// VMM allocations exportable as POSIX file descriptors.
+    pub posix_fd_handles: bool,
+    /// Legacy CUDA IPC (`cuIpcGetMemHandle`): Linux with unified addressing.
+    pub legacy_ipc: bool,
+}
+
+/// What the machine's CUDA can do.
+#[derive(Debug, Clone)]
+pub struct Capabilities {
+    /// `cuDriverGetVersion`.
+    pub driver_version: i32,
+    /// Every device.
+    pub devices: Vec<DeviceInfo>,
+}
+
+/// Probes the driver and every device. [`Error::NoDriver`] where libcuda cannot be loaded.
+pub fn probe() -> Result<Capabilities> {
+    use sys::CUdevice_attribute as A;
+    let d = Driver::load()?;
+    let n = d.device_count()?;
+    let mut devices = Vec::new();
+    for i in 0..n {
+        let dev = d.device(i)?;
+        let attr = |a| d.attribute(dev, a);
+        devices.push(DeviceInfo {
+            ordinal: i,
+            name: d.device_name(dev)?,
+            compute_capability: (
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR)?,
+                attr(A::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR)?,
+            ),
+            total_mem: d.total_mem(dev)?,
+            host_register: attr(A::CU_DEVICE_ATTRIBUTE_HOST_REGISTER_SUPPORTED)? != 0,
+            vmm: attr(A::CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED)? != 0,
+            posix_fd_handles: attr(
+                A::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+            )? != 0,
+            legacy_ipc: cfg!(target_os = "linux")
+                && attr(A::CU_DEVICE_ATTRIBUTE_UNIFIED_ADDRESSING)? != 0,
+        });
+    }
+    Ok(Capabilities {
+        driver_version: d.version()?,
+        devices,
+    })
+}
+
+/// Host-to-device bandwidth of three sources, measured in one run with CUDA events.
+#[derive(Debug, Clone)]
+pub struct H2dBench {
+    /// Bytes per copy.
+    pub bytes: usize,
+    /// Copies timed per source.
+    pub iters: usize,
+    /// From a sealed memfd pool registered with `cuMemHostRegister` (tensorport's host path).
+    pub registered_pool_gbps: f64,
+    /// From `cuMemAllocHost` memory (the pinned ceiling).
+    pub alloc_host_gbps: f64,
+    /// From ordinary pageable memory.
+    pub pageable_gbps: f64,
+    /// Time `cuMemHostRegister` took on the pool, in milliseconds.
+    pub register_ms: f64,
+}
+
+fn time_copies(gpu: &Arc<Gpu>, dst: &DeviceBuffer, src: &[u8], iters: usize) -> Result<f64> {
+    let stream = Stream::new(gpu)?;
+    // One warm-up copy.
+    dst.copy_from_host_async(src, &stream)?;
+    stream.synchronize()?;
+    let start = stream.record()?;
+    for _ in 0..iters {
+        dst.copy_from_host_async(src, &stream)?;
+    }
+    let end = stream.record()?;
+    end.wait()?;
+    let ms = end.elapsed_since(&start)? as f64;
+    Ok((src.len() * iters) as f64 / (ms / 1e3) / 1e9)
+}
+
+/// Measures host-to-device bandwidth from a registered pool, `cuMemAllocHost` memory and
+/// pageable memory, `iters` copies of `bytes` each, on device `gpu`.
+pub fn bench_h2d(gpu: &Arc<Gpu>, bytes: usize, iters: usize) -> Result<H2dBench> {
+    let dst = DeviceBuffer::new(gpu, bytes)?;
+    // The pool: one slot of `bytes`, created and sealed as the server does, then pinned.
+    let mut pool =
+        HostPool::create("tensorport-pool", 1, bytes as u64).map_err(|e| Error::Call {
+            call: "HostPool::create",
+            code: 0,
+            message: e.to_string(),
+        })?;
+    // SAFETY: we are the only user of the pool's single slot.
+    unsafe { pool.slot_bytes_mut(0) }
+        .expect("slot 0")
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, b)| *b = i as u8);
+    let t = Instant::now();
+    pool.pin_with(&CudaPin::new(gpu.clone()))
+        .map_err(|e| Error::Call {
+            call: "cuMemHostRegister",
+            code: 0,
+            message: e.to_string(),
+        })?;
+    let register_ms = t.elapsed().as_secs_f64() * 1e3;
+    // SAFETY: as above; nobody writes the slot while we copy from it.
+    let pool_src = unsafe { pool.slot_bytes(0, 0, bytes as u64) }.expect("slot 0");
+    let registered_pool_gbps = time_copies(gpu, &dst, pool_src, iters)?;
+    let mut pinned = PinnedBuffer::new(gpu, bytes)?;
+    pinned
+        .as_mut_slice()
+        .iter_mut()
+        .enumerate()
+        .for_each(|(i, b)| *b = i as u8);
+    let alloc_host_gbps = time_copies(gpu, &dst, &pinned.as_mut_slice()[..], iters)?;
+    let pageable: Vec<u8> = (0..bytes).map(|i| i as u8).collect();
+    let pageable_gbps = time_copies(gpu, &dst, &pageable, iters.clamp(1, 5))?;
+    Ok(H2dBench {
+        bytes,
+        iters,
+        registered_pool_gbps,
+        alloc_host_gbps,
+        pageable_gbps,
+        register_ms,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn probe_says_no_driver_cleanly_or_reports_devices() {
+        match super::probe() {
+            Err(crate::Error::NoDriver) => {
+                let msg = crate::Error::NoDriver.to_string();
+                assert!(msg.contains("--device cpu"), "{msg}");
+            }
+            Ok(c) => {
+                assert!(c.driver_version > 0);
+                for d in c.devices {
+                    assert!(!d.name.is_empty());
+                    assert!(d.compute_capability.0 > 0);
+                }
+            }
+            Err(e) => panic!("probe failed: {e}"),
+        }
+    }
+}

@@ -1,0 +1,50 @@
+//! tensorport's CUDA layer, on cudarc 0.19 loaded at run time (so it builds, and CI type-checks
+//! it, on machines without CUDA).
+//!
+//! Floors, as in cudarc: [`driver`] wraps each driver call in one small function returning a
+//! `Result` that names the call (all `unsafe` lives there); the types here own one resource each
+//! and release it on drop.
+//!
+//! - [`probe`]: what the machine can do (driver, devices, compute capability, host registration,
+//!   VMM with POSIX fds), or a clear [`Error::NoDriver`] where there is no usable driver.
+//! - [`CudaPin`]: a [`tensorport_shm::PinHook`] that registers each producer pool with
+//!   `cuMemHostRegister`, so copies from it to the device run at pinned (DMA) speed.
+//! - [`bench_h2d`]: host-to-device bandwidth from a registered memfd pool, from `cuMemAllocHost`
+//!   memory and from pageable memory, measured in one run.
+#![warn(missing_docs)]
+
+pub mod driver;
+mod gpu;
+
+pub use cudarc::driver::sys;
+pub use driver::Driver;
+pub use gpu::{
+    bench_h2d, live_registrations, probe, Capabilities, CudaPin, DeviceBuffer, DeviceInfo, Event,
+    Gpu, H2dBench, PinnedBuffer, Stream,
+};
+
+use thiserror::Error;
+
+/// Errors of this crate.
+#[derive(Debug, Error)]
+pub enum Error {
+    /// libcuda cannot be loaded.
+    #[error("no usable NVIDIA driver: libcuda.so could not be loaded (no GPU here, or the driver's libraries are not on LD_LIBRARY_PATH); run on a GPU machine or use --device cpu")]
+    NoDriver,
+    /// A driver call failed.
+    #[error("{call} failed: {message} (CUresult {code})")]
+    Call {
+        /// The driver function.
+        call: &'static str,
+        /// Its `CUresult`.
+        code: i32,
+        /// The driver's description.
+        message: String,
+    },
+    /// No device with that ordinal.
+    #[error("no CUDA device {0} (the machine has {1})")]
+    NoDevice(i32, i32),
+}
+
+/// Results of this crate.
+pub type Result<T> = std::result::Result<T, Error>;

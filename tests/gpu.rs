@@ -1,0 +1,194 @@
+//! GPU tests of the pinned host path. Without an NVIDIA driver they are skipped, and say so; on
+//! the GPU machine they run against the real device (see docs/benchmarks.md for the record).
+
+mod support;
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use support::*;
+use tensorport::{Server, ServerConfig};
+use tensorport_cuda::{live_registrations, CudaPin, DeviceBuffer, Gpu, Stream};
+
+fn main() {
+    if std::env::var(CHILD_ENV).is_err() {
+        if let Err(e) = tensorport_cuda::probe() {
+            println!("skipped: 3 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 3 skipped");
+            return;
+        }
+    }
+    support::main(
+        &[
+            ("probe_sees_the_device", probe),
+            (
+                "pinned_pools_four_producers_intact_through_the_gpu",
+                pinned_four_producers,
+            ),
+            (
+                "killed_producer_leaves_no_registration_or_mapping",
+                killed_producer,
+            ),
+        ],
+        child,
+    );
+}
+
+fn child(role: &str) {
+    let socket = std::env::var("TP_SOCKET").expect("TP_SOCKET");
+    match role {
+        "producer" => checked_producer(&socket),
+        r => panic!("unknown role {r}"),
+    }
+}
+
+fn probe() {
+    let c = tensorport_cuda::probe().unwrap();
+    println!("  driver {}; {:?}", c.driver_version, c.devices);
+    let d = &c.devices[0];
+    assert!(d.host_register, "cuMemHostRegister unsupported");
+    assert!(d.compute_capability.0 >= 7);
+}
+
+/// A server whose pools are registered with the GPU, and whose consumer copies every tensor to
+/// the device (async, on a stream), releases the slot only after that copy completed, copies it
+/// back and checks it: a slot released before its DMA finished would show as a torn tensor,
+/// since producers rewrite a slot as soon as it is granted again.
+struct GpuServer {
+    server: Arc<Server>,
+    stop: Arc<AtomicBool>,
+    verified: Arc<AtomicU64>,
+    torn: Arc<AtomicU64>,
+    thread: Option<std::thread::JoinHandle<()>>,
+}
+
+impl GpuServer {
+    fn start(sock: &std::path::Path) -> GpuServer {
+        let gpu = Gpu::open(0).unwrap();
+        let mut cfg = ServerConfig::new(sock);
+        cfg.pin = Some(Arc::new(CudaPin::new(gpu.clone())));
+        let server = Arc::new(Server::bind(cfg).unwrap());
+        let (stop, verified, torn) = (
+            Arc::new(AtomicBool::new(false)),
+            Arc::new(AtomicU64::new(0)),
+            Arc::new(AtomicU64::new(0)),
+        );
+        let (s, st, v, t) = (server.clone(), stop.clone(), verified.clone(), torn.clone());
+        let thread = std::thread::spawn(move || {
+            gpu.bind().unwrap();
+            let stream = Stream::new(&gpu).unwrap();
+            let dev = DeviceBuffer::new(&gpu, 1 << 20).unwrap();
+            let mut back = vec![0u8; 1 << 20];
+            while !st.load(Ordering::SeqCst) {
+                let req = match s.recv_timeout(Duration::from_millis(50)) {
+                    Ok(Some(r)) => r,
+                    Ok(None) => continue,
+                    Err(_) => break,
+                };
+                let n = req.bytes().len();
+                let answer = encode_answer(
+                    checksum(req.bytes()),
+                    req.desc().numel(),
+                    req.desc().dtype(),
+                );
+                dev.copy_from_host_async(req.bytes(), &stream).unwrap();
+                stream.copy_done().unwrap().wait().unwrap(); // the DMA has read the slot
+                                                             // Now the slot may be reused. A producer killed meanwhile: SessionGone, fine.
+                let _ = req.respond(&answer);
+                dev.copy_to_host(&mut back[..n]).unwrap();
+                if verify(&back[..n]) {
+                    v.fetch_add(1, Ordering::SeqCst);
+                } else {
+                    t.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        });
+        GpuServer {
+            server,
+            stop,
+            verified,
+            torn,
+            thread: Some(thread),
+        }
+    }
+}
+
+impl Drop for GpuServer {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::SeqCst);
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+fn pinned_four_producers() {
+    let (_dir, sock) = socket_dir();
+    let maps0 = pool_mappings();
+    let srv = GpuServer::start(&sock);
+    let mut kids: Vec<ChildGuard> = (0..4)
+        .map(|i| {
+            spawn_child(
+                "producer",
+                &[
+                    socket_env(&sock),
+                    ("TP_ID", i.to_string()),
+                    ("TP_COUNT", "1000".into()),
+                ],
+            )
+        })
+        .collect();
+    assert!(eventually(Duration::from_secs(10), || live_registrations() == 4));
+    for k in kids.iter_mut() {
+        let out = k.wait_ok(Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    println!(
+        "  {} tensors through the GPU, {} torn",
+        srv.verified.load(Ordering::SeqCst),
+        srv.torn.load(Ordering::SeqCst)
+    );
+    assert_eq!(srv.verified.load(Ordering::SeqCst), 4000);
+    assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
+    assert!(eventually(Duration::from_secs(3), || srv
+        .server
+        .status()
+        .sessions
+        .is_empty()
+        && live_registrations() == 0
+        && pool_mappings() == maps0));
+}
+
+fn killed_producer() {
+    let (_dir, sock) = socket_dir();
+    let maps0 = pool_mappings();
+    let srv = GpuServer::start(&sock);
+    let mut k = spawn_child(
+        "producer",
+        &[
+            socket_env(&sock),
+            ("TP_ID", "9".into()),
+            ("TP_COUNT", "100000".into()),
+        ],
+    );
+    assert!(eventually(Duration::from_secs(10), || srv
+        .verified
+        .load(Ordering::SeqCst)
+        > 200));
+    assert_eq!(live_registrations(), 1);
+    k.kill9();
+    assert!(
+        eventually(Duration::from_secs(3), || live_registrations() == 0
+            && pool_mappings() == maps0),
+        "registrations {} mappings {}",
+        live_registrations(),
+        pool_mappings()
+    );
+    assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
+    assert_eq!(srv.server.status().totals.sessions_reclaimed, 1);
+}
