@@ -3,11 +3,12 @@
 use std::io::Write;
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tensorport::{Server, ServerConfig};
-use tensorport_dfdx::dfdx::prelude::Cpu;
-use tensorport_dfdx::{scores_to_bytes, stack_images, ImageClassifier};
+use tensorport::{PinHook, Request, Server, ServerConfig};
+use tensorport_dfdx::dfdx::prelude::{Cpu, Device};
+use tensorport_dfdx::{scores_to_bytes, stack_images, ImageClassifier, Stacked};
 
 use crate::common::{CliError, CliResult, ModelArgs, SocketArg};
 
@@ -46,11 +47,6 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
-    if a.device == "cuda" {
-        return Err(CliError::usage(
-            "this tensorport was built without CUDA; rebuild with `--features cuda` (see docs/operations.md), or use --device cpu",
-        ));
-    }
     if let Some(n) = a.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))
@@ -60,8 +56,38 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     if a.max_batch == 0 {
         return Err(CliError::usage("--max-batch must be at least 1"));
     }
+    if a.device == "cuda" {
+        return run_cuda(a);
+    }
+    serve_on(Cpu::default(), a, None, stack_images)
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_a: Args) -> CliResult<ExitCode> {
+    Err(CliError::usage(
+        "this tensorport was built without CUDA; rebuild with `--features cuda` (see docs/operations.md), or use --device cpu",
+    ))
+}
+
+/// The GPU server: pools are registered with the device (pinned), each request's slot is copied
+/// by DMA into a device tensor, the batch is stacked on the device, and the model runs there.
+#[cfg(feature = "cuda")]
+fn run_cuda(a: Args) -> CliResult<ExitCode> {
+    use tensorport_dfdx::dfdx::prelude::Cuda;
+    let gpu = tensorport_cuda::Gpu::open(0).map_err(|e| CliError::new(e.to_string()))?;
+    let dev = Cuda::try_build(0, a.model.seed)
+        .map_err(|e| CliError::new(format!("cannot start dfdx on CUDA device 0: {e:?}")))?;
+    let pin: Arc<dyn PinHook> = Arc::new(tensorport_cuda::CudaPin::new(gpu));
+    serve_on(dev, a, Some(pin), tensorport_dfdx::upload_images)
+}
+
+fn serve_on<D: Device<f32>>(
+    dev: D,
+    a: Args,
+    pin: Option<Arc<dyn PinHook>>,
+    stack: fn(&D, &[Request], [usize; 3]) -> Stacked<D>,
+) -> CliResult<ExitCode> {
     let cfg = a.model.config();
-    let dev = Cpu::default();
     let model = match &a.model.weights {
         Some(p) => ImageClassifier::load(&dev, cfg, p)?,
         None => ImageClassifier::from_seed(&dev, cfg, a.model.seed)?,
@@ -73,6 +99,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     sc.slots_per_session = a.slots.max(1);
     sc.slot_size = a.slot_size.unwrap_or(image_bytes);
     sc.max_sessions = a.max_sessions;
+    sc.pin = pin;
     let server = Server::bind(sc)?;
     let stop = crate::common::stop_flag();
     println!("ready {}", path.display());
@@ -100,7 +127,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         if batch.is_empty() {
             continue;
         }
-        let stacked = stack_images(&dev, &batch, shape);
+        let stacked = stack(&dev, &batch, shape);
         // The batch owns a copy of the pixels now: give the slots back before the model runs.
         let mut responders: Vec<Option<tensorport::Responder>> =
             batch.into_iter().map(|r| Some(r.release())).collect();

@@ -14,8 +14,8 @@ use tensorport_cuda::{live_registrations, CudaPin, DeviceBuffer, Gpu, Stream};
 fn main() {
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 3 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 3 skipped");
+            println!("skipped: 4 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 4 skipped");
             return;
         }
     }
@@ -30,6 +30,7 @@ fn main() {
                 "killed_producer_leaves_no_registration_or_mapping",
                 killed_producer,
             ),
+            ("farm_on_cuda_matches_the_cpu_model", farm_on_cuda),
         ],
         child,
     );
@@ -191,4 +192,85 @@ fn killed_producer() {
     );
     assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
     assert_eq!(srv.server.status().totals.sessions_reclaimed, 1);
+}
+
+/// The farm with `--device cuda` (a dfdx `Cuda` model fed from pinned pools) gives the CPU
+/// model's scores, within 1e-3 (relative) — different kernels sum in different orders — and
+/// the same classes.
+fn farm_on_cuda() {
+    use tensorport_dfdx::dfdx::prelude::Cpu;
+    use tensorport_dfdx::{ImageClassifier, ModelConfig};
+    let exe =
+        std::env::var("TENSORPORT_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tensorport").into());
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("gpu.jsonl");
+    let n = 256;
+    let size = 64usize;
+    let o = std::process::Command::new(&exe)
+        .args(["farm", "--device", "cuda", "--synthetic", &n.to_string()])
+        .args([
+            "--image-size",
+            &size.to_string(),
+            "--producers",
+            "4",
+            "--progress",
+            "never",
+        ])
+        .arg("--output")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "farm --device cuda failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    println!(
+        "{}",
+        stdout
+            .lines()
+            .map(|l| format!("  {l}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let cfg = ModelConfig {
+        image_size: size,
+        classes: 10,
+        width: 16,
+    };
+    let model = ImageClassifier::from_seed(&Cpu::default(), cfg, 0).unwrap();
+    let mut px = vec![0f32; 3 * size * size];
+    let (mut worst, mut same_class, mut lines) = (0f32, 0, 0);
+    for line in std::fs::read_to_string(&out).unwrap().lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let src: tensorport_vision::Source = v["input"].as_str().unwrap().parse().unwrap();
+        tensorport_vision::prepare(&src, size as u32, &mut px).unwrap();
+        let want = &model.forward_flat(px.clone(), 1)[0];
+        let got: Vec<f32> = v["scores"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        for (g, w) in got.iter().zip(want) {
+            worst = worst.max((g - w).abs() / (1.0 + w.abs()));
+        }
+        let argmax = |s: &[f32]| {
+            s.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0
+        };
+        same_class += (argmax(&got) == argmax(want)) as usize;
+        lines += 1;
+    }
+    println!("  {lines} results; max relative difference from the CPU model {worst:.2e}; same class {same_class}/{lines}");
+    assert_eq!(lines, n);
+    assert!(
+        worst <= 1e-3,
+        "GPU scores differ from the CPU model by {worst}"
+    );
+    assert_eq!(same_class, n);
 }

@@ -119,6 +119,34 @@ pub fn stack_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3]
     }
 }
 
+/// Like [`stack_images`], but copies each request's slot straight into its own device tensor
+/// with `copy_from` and stacks those on the device. On `Cuda` with pools registered by
+/// `tensorport_cuda::CudaPin`, each copy is a DMA from the pinned slot, and no CPU copy is made;
+/// the copies are synchronous, so the slots may be released as soon as this returns.
+pub fn upload_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3]) -> Stacked<D> {
+    let mut images = Vec::with_capacity(reqs.len());
+    let mut used = Vec::with_capacity(reqs.len());
+    let mut bad = Vec::new();
+    for (i, r) in reqs.iter().enumerate() {
+        match check_image(r, shape) {
+            Ok(px) => {
+                let mut t: Tensor<(usize, usize, usize), f32, D> =
+                    dev.zeros_like(&(shape[0], shape[1], shape[2]));
+                t.copy_from(px);
+                images.push(t);
+                used.push(i);
+            }
+            Err(e) => bad.push((i, e)),
+        }
+    }
+    let input = (!images.is_empty()).then(|| images.stack());
+    Stacked {
+        input,
+        used,
+        rejected: bad,
+    }
+}
+
 /// Row `i` of a `[B, N]` score tensor's data as little-endian bytes (the result payload).
 pub fn scores_to_bytes(scores: &[f32]) -> Vec<u8> {
     bytemuck::cast_slice(scores).to_vec()
@@ -135,4 +163,45 @@ pub fn scores_from_bytes(bytes: &[u8]) -> Option<Vec<f32>> {
             .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
             .collect(),
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+    use tensorport::{Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
+
+    #[test]
+    fn per_request_upload_equals_host_stacking_and_rejects_misfits() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("s.sock");
+        let server = Server::bind(ServerConfig::new(&sock)).unwrap();
+        let mut p = Producer::connect(&sock, ProducerConfig::new("t")).unwrap();
+        let shape = [3usize, 4, 4];
+        for i in 0..3u64 {
+            let mut l = p.lease(Duration::from_secs(2)).unwrap();
+            let px: Vec<f32> = (0..48).map(|k| (k as f32) * 0.5 + i as f32).collect();
+            l.write_pod(0, &px);
+            l.submit(&TensorSpec::new(DType::F32, &[3, 4, 4])).unwrap();
+        }
+        let mut l = p.lease(Duration::from_secs(2)).unwrap();
+        l.write_pod(0, &[0u8; 16]);
+        l.submit(&TensorSpec::new(DType::U8, &[16])).unwrap();
+        let mut batch = Vec::new();
+        while batch.len() < 4 {
+            batch.extend(
+                server
+                    .recv_batch(4, Duration::from_secs(2), Duration::from_millis(50))
+                    .unwrap(),
+            );
+        }
+        let dev = dfdx::prelude::Cpu::default();
+        let a = stack_images(&dev, &batch, shape);
+        let b = upload_images(&dev, &batch, shape);
+        assert_eq!(a.used, vec![0, 1, 2]);
+        assert_eq!(b.used, a.used);
+        assert_eq!(b.rejected.len(), 1);
+        assert!(b.rejected[0].1.to_string().contains("dtype u8"));
+        assert_eq!(a.input.unwrap().as_vec(), b.input.unwrap().as_vec());
+    }
 }

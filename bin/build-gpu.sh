@@ -1,0 +1,46 @@
+#!/usr/bin/env bash
+# Builds the GPU binaries — `tensorport` with `--features cuda` and the GPU test binary — into
+# dist/gpu/, on any machine, GPU or not.
+#
+# dfdx 0.13's CUDA build needs a CUDA toolkit at build time (nvcc for its kernels, cuBLAS and
+# NVRTC to link). Point CUDA_ROOT at yours (e.g. /usr/local/cuda, 13.0). Without CUDA_ROOT, the
+# CUDA 13.0 toolchain from PyPI wheels is used (this project's build machines have no GPU and no
+# NVIDIA repository; ../shared/gpu/setup-cuda-toolchain.sh installs it).
+#
+# dfdx compiles a few kernels with NVRTC at run time, with two include folders whose paths are
+# baked in at build time. dist/gpu/install-nvrtc-paths.sh recreates them on the machine that runs
+# the binaries (it links the toolkit's include folder there, default /usr/local/cuda/include).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+if [[ -z "${CUDA_ROOT:-}" ]]; then
+  env_sh="$HOME/.cache/cuda13-wheels/env.sh"
+  if [[ ! -f "$env_sh" ]]; then
+    setup=../shared/gpu/setup-cuda-toolchain.sh
+    [[ -f "$setup" ]] || { echo "error: set CUDA_ROOT to a CUDA 13 toolkit" >&2; exit 2; }
+    bash "$setup"
+  fi
+  # shellcheck disable=SC1090
+  source "$env_sh"
+fi
+export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target/gpu}"
+cargo build --release --features cuda --bin tensorport
+test_bin=$(cargo test --release --features cuda --test gpu --no-run --message-format=json 2>/dev/null \
+  | grep '"name":"gpu"' | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
+out=dist/gpu
+rm -rf "$out" && mkdir -p "$out/nvrtc"
+cp "$CARGO_TARGET_DIR/release/tensorport" "$out/tensorport"
+cp "$test_bin" "$out/gpu-tests"
+strip "$out/tensorport" "$out/gpu-tests" 2>/dev/null || true
+dfdx_out=$(dirname "$(ls -d "$CARGO_TARGET_DIR"/release/build/dfdx-*/out/cuda_utils.cuh | head -1)")
+cp "$dfdx_out"/*.cuh "$out/nvrtc/"
+cat > "$out/install-nvrtc-paths.sh" <<SH
+#!/usr/bin/env bash
+# Recreates the include paths dfdx's run-time NVRTC kernels were built with.
+set -e
+here=\$(cd "\$(dirname "\$0")" && pwd)
+mkdir -p "$dfdx_out" && cp "\$here"/nvrtc/*.cuh "$dfdx_out/"
+inc="${CUDA_ROOT}/include"
+if [[ ! -d "\$inc" ]]; then mkdir -p "\$(dirname "\$inc")" && ln -sfn "\${CUDA_INCLUDE:-/usr/local/cuda/include}" "\$inc"; fi
+SH
+chmod +x "$out/install-nvrtc-paths.sh"
+echo "built into $out:"; ls -la "$out"
