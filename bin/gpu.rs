@@ -28,6 +28,21 @@ pub enum What {
         #[arg(long, default_value_t = 0)]
         device: i32,
     },
+    /// CUDA IPC hand-off, producer process to usable in the server's stream: a producer fills one
+    /// of 4 device buffers on its GPU stream and hands it over; the server waits on its event,
+    /// copies device-to-device, releases it (with an event), and synchronises. Measured like
+    /// PyTorch's torch.multiprocessing benchmark (../shared/bench/torch_ipc_bench.py cuda).
+    BenchIpc {
+        /// Hand-offs per size.
+        #[arg(long, default_value_t = 2000)]
+        handoffs: usize,
+        /// Tensor sizes in bytes (default: 4 KiB, and a [32,3,224,224] f32 batch).
+        #[arg(long, value_delimiter = ',', default_value = "4096,19267584")]
+        bytes: Vec<usize>,
+        /// (internal) run as the benchmark's producer on this socket.
+        #[arg(long, hide = true)]
+        producer_socket: Option<std::path::PathBuf>,
+    },
 }
 
 fn cuda(e: tensorport_cuda::Error) -> CliError {
@@ -83,8 +98,121 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                 r.pageable_gbps
             );
         }
+        What::BenchIpc {
+            handoffs,
+            bytes,
+            producer_socket,
+        } => {
+            let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
+            match producer_socket {
+                Some(sock) => ipc_producer(&gpu, &sock, handoffs, bytes[0])?,
+                None => {
+                    println!("CUDA IPC hand-off, producer process -> usable in the server's stream (pool of 4 buffers):");
+                    for b in bytes {
+                        ipc_server(&gpu, handoffs, b)?;
+                    }
+                }
+            }
+        }
     }
     Ok(ExitCode::SUCCESS)
+}
+
+fn ipc_producer(
+    gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
+    sock: &std::path::Path,
+    handoffs: usize,
+    bytes: usize,
+) -> CliResult<()> {
+    use std::time::Duration;
+    use tensorport::{DType, TensorSpec};
+    let mut p =
+        tensorport_cuda::GpuProducer::connect(sock, "bench-ipc", gpu, 4, bytes).map_err(cuda)?;
+    let spec = TensorSpec::new(DType::U8, &[bytes as u64]);
+    for i in 0..handoffs {
+        let b = p.acquire(Duration::from_secs(30)).map_err(cuda)?;
+        p.buffer(b)
+            .fill_u32_async(i as u32, p.stream())
+            .map_err(cuda)?;
+        p.submit(b, &spec).map_err(cuda)?;
+        while p.producer().try_recv_result()?.is_some() {}
+    }
+    while p.producer().in_flight() > 0 {
+        p.producer().recv_result(Duration::from_secs(30))?;
+    }
+    Ok(())
+}
+
+fn ipc_server(
+    gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
+    handoffs: usize,
+    bytes: usize,
+) -> CliResult<()> {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+    let tmp = tempfile::Builder::new()
+        .prefix("tensorport-bench-")
+        .tempdir()?;
+    let sock = tmp.path().join("tp.sock");
+    let mut cfg = tensorport::ServerConfig::new(&sock);
+    cfg.device = Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu.clone())));
+    let server = tensorport::Server::bind(cfg)?;
+    let mut child = std::process::Command::new(std::env::current_exe()?)
+        .args([
+            "--log",
+            "warn",
+            "gpu",
+            "bench-ipc",
+            "--handoffs",
+            &handoffs.to_string(),
+        ])
+        .args(["--bytes", &bytes.to_string(), "--producer-socket"])
+        .arg(&sock)
+        .spawn()?;
+    let stream = tensorport_cuda::Stream::new(gpu).map_err(cuda)?;
+    let dst = tensorport_cuda::DeviceBuffer::new(gpu, bytes).map_err(cuda)?;
+    let mut lat = Vec::with_capacity(handoffs);
+    let mut started: Option<Instant> = None;
+    for _ in 0..handoffs {
+        let t1 = Instant::now();
+        let req = server
+            .recv_timeout(Duration::from_secs(60))?
+            .ok_or_else(|| CliError::new("the benchmark producer sent nothing for 60 s"))?;
+        let dt = req
+            .device()
+            .cloned()
+            .ok_or_else(|| CliError::new("expected a device tensor"))?;
+        // SAFETY: our stream is live in the server's context; the tensor was bounds-checked
+        // against the registered buffer, and `dst` holds `bytes`.
+        unsafe {
+            dt.wait_ready(stream.raw()).map_err(CliError::new)?;
+            dst.copy_from_device_async(dt.ptr(), dt.len() as usize, &stream)
+                .map_err(cuda)?;
+            dt.record_release(stream.raw()).map_err(CliError::new)?;
+        }
+        let responder = req.release();
+        stream.synchronize().map_err(cuda)?;
+        lat.push(t1.elapsed().as_secs_f64() * 1e6);
+        let _ = responder.respond(&[]);
+        // The clock starts after the first hand-off: process start-up (cuInit, registration)
+        // is not a hand-off.
+        started.get_or_insert_with(Instant::now);
+    }
+    let secs = started.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+    let _ = child.wait();
+    let first = lat.remove(0);
+    lat.sort_by(f64::total_cmp);
+    let pct = |p: f64| lat[((lat.len() - 1) as f64 * p).round() as usize];
+    println!(
+        "  {bytes:>9} B: {:>8.0} hand-offs/s, {:>6.2} GB/s; latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us (first, with start-up: {:.0} us)",
+        (handoffs - 1) as f64 / secs,
+        (handoffs - 1) as f64 * bytes as f64 / secs / 1e9,
+        pct(0.5),
+        pct(0.99),
+        pct(0.999),
+        first
+    );
+    Ok(())
 }
 
 fn yes(b: bool) -> &'static str {

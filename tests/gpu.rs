@@ -8,14 +8,17 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use support::*;
+use tensorport::{DType, TensorSpec};
 use tensorport::{Server, ServerConfig};
-use tensorport_cuda::{live_registrations, CudaPin, DeviceBuffer, Gpu, Stream};
+use tensorport_cuda::{
+    live_imports, live_registrations, CudaImporter, CudaPin, DeviceBuffer, Gpu, GpuProducer, Stream,
+};
 
 fn main() {
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 4 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 4 skipped");
+            println!("skipped: 6 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 6 skipped");
             return;
         }
     }
@@ -31,6 +34,14 @@ fn main() {
                 killed_producer,
             ),
             ("farm_on_cuda_matches_the_cpu_model", farm_on_cuda),
+            (
+                "device_ipc_four_gpu_producers_intact_and_fenced",
+                device_four_producers,
+            ),
+            (
+                "device_ipc_killed_producer_frees_gpu_memory",
+                device_killed_producer,
+            ),
         ],
         child,
     );
@@ -40,6 +51,7 @@ fn child(role: &str) {
     let socket = std::env::var("TP_SOCKET").expect("TP_SOCKET");
     match role {
         "producer" => checked_producer(&socket),
+        "gpu-producer" => gpu_producer(&socket),
         r => panic!("unknown role {r}"),
     }
 }
@@ -69,6 +81,7 @@ impl GpuServer {
         let gpu = Gpu::open(0).unwrap();
         let mut cfg = ServerConfig::new(sock);
         cfg.pin = Some(Arc::new(CudaPin::new(gpu.clone())));
+        cfg.device = Some(Arc::new(CudaImporter::new(gpu.clone())));
         let server = Arc::new(Server::bind(cfg).unwrap());
         let (stop, verified, torn) = (
             Arc::new(AtomicBool::new(false)),
@@ -87,6 +100,32 @@ impl GpuServer {
                     Ok(None) => continue,
                     Err(_) => break,
                 };
+                if let Some(dt) = req.device().cloned() {
+                    // The device path: wait on the producer's "ready" event on our stream, copy,
+                    // record "released", give the buffer back; then check what we copied.
+                    let n = dt.len() as usize;
+                    // SAFETY: our stream is live and in the server's context; the tensor's
+                    // bounds were checked against the registered buffer.
+                    unsafe {
+                        dt.wait_ready(stream.raw()).unwrap();
+                        dev.copy_from_device_async(dt.ptr(), n, &stream).unwrap();
+                        dt.record_release(stream.raw()).unwrap();
+                    }
+                    let responder = req.release();
+                    stream.synchronize().unwrap();
+                    dev.copy_to_host(&mut back[..n]).unwrap();
+                    let first = [back[0], back[1], back[2], back[3]];
+                    let uniform = back[..n].chunks_exact(4).all(|c| c == first);
+                    if uniform {
+                        v.fetch_add(1, Ordering::SeqCst);
+                    } else {
+                        t.fetch_add(1, Ordering::SeqCst);
+                    }
+                    let mut answer = first.to_vec();
+                    answer.push(uniform as u8);
+                    let _ = responder.respond(&answer);
+                    continue;
+                }
                 let n = req.bytes().len();
                 let answer = encode_answer(
                     checksum(req.bytes()),
@@ -273,4 +312,134 @@ fn farm_on_cuda() {
         "GPU scores differ from the CPU model by {worst}"
     );
     assert_eq!(same_class, n);
+}
+
+/// A GPU producer process: two buffers of `TP_MIB` MiB, `TP_COUNT` hand-offs, each buffer
+/// filled on the GPU with a word unique to the hand-off and reused as soon as it is released.
+fn gpu_producer(socket: &str) {
+    let id: u32 = env_or("TP_ID", "0").parse().unwrap();
+    let count: u32 = env_or("TP_COUNT", "200").parse().unwrap();
+    let mib: usize = env_or("TP_MIB", "1").parse().unwrap();
+    let gpu = Gpu::open(0).unwrap();
+    let mut p =
+        GpuProducer::connect(socket, &format!("gpu-producer-{id}"), &gpu, 2, mib << 20).unwrap();
+    let words = (1u64 << 20) / 4; // 1 MiB tensors at the start of each buffer
+    let mut expected = std::collections::HashMap::new();
+    let (mut ok, mut bad) = (0u32, 0u32);
+    let mut check = |c: tensorport::Completion,
+                     expected: &mut std::collections::HashMap<u64, u32>| {
+        let want = expected.remove(&c.request_id);
+        match (want, c.result) {
+            (Some(w), Ok(b)) if b.len() == 5 && b[..4] == w.to_le_bytes() && b[4] == 1 => ok += 1,
+            (w, r) => {
+                bad += 1;
+                eprintln!("request {}: wanted {w:?}, got {r:?}", c.request_id);
+            }
+        }
+    };
+    for seq in 0..count {
+        let b = p.acquire(Duration::from_secs(20)).unwrap();
+        let value = (id << 24) | (seq & 0xff_ffff);
+        p.buffer(b).fill_u32_async(value, p.stream()).unwrap();
+        let rid = p.submit(b, &TensorSpec::new(DType::I32, &[words])).unwrap();
+        expected.insert(rid, value);
+        while let Some(c) = p.producer().try_recv_result().unwrap() {
+            check(c, &mut expected);
+        }
+    }
+    while p.producer().in_flight() > 0 {
+        let c = p.producer().recv_result(Duration::from_secs(20)).unwrap();
+        check(c, &mut expected);
+    }
+    println!("ok={ok} bad={bad}");
+    std::process::exit(if ok == count && bad == 0 { 0 } else { 1 });
+}
+
+fn device_four_producers() {
+    let (_dir, sock) = socket_dir();
+    let srv = GpuServer::start(&sock);
+    let mut kids: Vec<ChildGuard> = (0..4)
+        .map(|i| {
+            spawn_child(
+                "gpu-producer",
+                &[
+                    socket_env(&sock),
+                    ("TP_ID", i.to_string()),
+                    ("TP_COUNT", "500".into()),
+                ],
+            )
+        })
+        .collect();
+    assert!(
+        eventually(Duration::from_secs(20), || live_imports() == 8),
+        "imports {}",
+        live_imports()
+    );
+    for k in kids.iter_mut() {
+        let out = k.wait_ok(Duration::from_secs(120));
+        assert!(
+            out.status.success(),
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    println!(
+        "  {} device hand-offs copied and checked, {} torn or stale",
+        srv.verified.load(Ordering::SeqCst),
+        srv.torn.load(Ordering::SeqCst)
+    );
+    assert_eq!(srv.verified.load(Ordering::SeqCst), 2000);
+    assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
+    assert!(
+        eventually(Duration::from_secs(5), || live_imports() == 0),
+        "imports {}",
+        live_imports()
+    );
+}
+
+fn device_killed_producer() {
+    let (_dir, sock) = socket_dir();
+    let srv = GpuServer::start(&sock);
+    let gpu = Gpu::open(0).unwrap();
+    std::thread::sleep(Duration::from_millis(200));
+    let free0 = gpu.mem_info().unwrap().0;
+    let mut k = spawn_child(
+        "gpu-producer",
+        &[
+            socket_env(&sock),
+            ("TP_ID", "5".into()),
+            ("TP_COUNT", "1000000".into()),
+            ("TP_MIB", "512".into()),
+        ],
+    );
+    assert!(eventually(Duration::from_secs(30), || srv
+        .verified
+        .load(Ordering::SeqCst)
+        > 50));
+    let free_busy = gpu.mem_info().unwrap().0;
+    assert_eq!(live_imports(), 2);
+    k.kill9();
+    assert!(
+        eventually(Duration::from_secs(5), || live_imports() == 0
+            && srv.server.status().totals.sessions_reclaimed == 1),
+        "imports {}",
+        live_imports()
+    );
+    // The producer's memory (and context) return to the device once nothing maps them.
+    let mut free1 = 0;
+    assert!(
+        eventually(Duration::from_secs(5), || {
+            free1 = gpu.mem_info().unwrap().0;
+            free1 + (64 << 20) >= free0
+        }),
+        "free device memory {free0} before, {free1} after"
+    );
+    println!(
+        "  free device memory: {} MiB before, {} MiB with the producer's 2 x 512 MiB buffers, {} MiB after its SIGKILL",
+        free0 >> 20,
+        free_busy >> 20,
+        free1 >> 20
+    );
+    assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
 }

@@ -302,4 +302,135 @@ impl Driver {
         // SAFETY: the caller's contract.
         check("cuEventDestroy", unsafe { sys::cuEventDestroy_v2(e) })
     }
+
+    /// `cuMemGetInfo`: (free, total) bytes of the current context's device.
+    pub fn mem_get_info(&self) -> Result<(usize, usize)> {
+        let (mut f, mut t) = (0, 0);
+        // SAFETY: writes two sizes.
+        check("cuMemGetInfo", unsafe {
+            sys::cuMemGetInfo_v2(&mut f, &mut t)
+        })?;
+        Ok((f, t))
+    }
+
+    /// `cuEventCreate(DISABLE_TIMING | INTERPROCESS)`: an event another process can open.
+    pub fn event_create_interprocess(&self) -> Result<sys::CUevent> {
+        let mut e = std::ptr::null_mut();
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+            | sys::CUevent_flags::CU_EVENT_INTERPROCESS as u32;
+        // SAFETY: writes one handle.
+        check("cuEventCreate(INTERPROCESS)", unsafe {
+            sys::cuEventCreate(&mut e, flags)
+        })?;
+        Ok(e)
+    }
+
+    /// `cuIpcGetMemHandle` of an allocation from `cuMemAlloc`.
+    pub fn ipc_get_mem_handle(&self, p: sys::CUdeviceptr) -> Result<[u8; 64]> {
+        let mut h = sys::CUipcMemHandle { reserved: [0; 64] };
+        // SAFETY: writes one handle; the driver checks that `p` is an allocation of this context.
+        check("cuIpcGetMemHandle", unsafe {
+            sys::cuIpcGetMemHandle(&mut h, p)
+        })?;
+        Ok(h.reserved.map(|c| c as u8))
+    }
+
+    /// `cuIpcOpenMemHandle` (lazy peer access): maps another process's allocation here.
+    pub fn ipc_open_mem_handle(&self, handle: &[u8; 64]) -> Result<sys::CUdeviceptr> {
+        let h = sys::CUipcMemHandle {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut p = 0;
+        // SAFETY: writes one device pointer; the driver validates the handle's contents.
+        check("cuIpcOpenMemHandle", unsafe {
+            sys::cuIpcOpenMemHandle_v2(
+                &mut p,
+                h,
+                sys::CUipcMem_flags::CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS as u32,
+            )
+        })?;
+        Ok(p)
+    }
+
+    /// `cuIpcCloseMemHandle`.
+    ///
+    /// # Safety
+    /// `p` must come from [`Driver::ipc_open_mem_handle`], with no work pending on it.
+    pub unsafe fn ipc_close_mem_handle(&self, p: sys::CUdeviceptr) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuIpcCloseMemHandle", unsafe {
+            sys::cuIpcCloseMemHandle(p)
+        })
+    }
+
+    /// `cuIpcGetEventHandle` of an interprocess event.
+    ///
+    /// # Safety
+    /// `e` must be a live event created with [`Driver::event_create_interprocess`].
+    pub unsafe fn ipc_get_event_handle(&self, e: sys::CUevent) -> Result<[u8; 64]> {
+        let mut h = sys::CUipcEventHandle { reserved: [0; 64] };
+        // SAFETY: the caller's contract; writes one handle.
+        check("cuIpcGetEventHandle", unsafe {
+            sys::cuIpcGetEventHandle(&mut h, e)
+        })?;
+        Ok(h.reserved.map(|c| c as u8))
+    }
+
+    /// `cuIpcOpenEventHandle`: another process's interprocess event.
+    pub fn ipc_open_event_handle(&self, handle: &[u8; 64]) -> Result<sys::CUevent> {
+        let h = sys::CUipcEventHandle {
+            reserved: handle.map(|b| b as std::ffi::c_char),
+        };
+        let mut e = std::ptr::null_mut();
+        // SAFETY: writes one handle; the driver validates the handle's contents.
+        check("cuIpcOpenEventHandle", unsafe {
+            sys::cuIpcOpenEventHandle(&mut e, h)
+        })?;
+        Ok(e)
+    }
+
+    /// `cuStreamWaitEvent`: later work on `s` waits for `e`'s latest record.
+    ///
+    /// # Safety
+    /// Both must be live handles of the current context.
+    pub unsafe fn stream_wait_event(&self, s: sys::CUstream, e: sys::CUevent) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuStreamWaitEvent", unsafe {
+            sys::cuStreamWaitEvent(s, e, 0)
+        })
+    }
+
+    /// `cuMemcpyDtoDAsync`.
+    ///
+    /// # Safety
+    /// Both ranges must be device memory valid for `len` bytes until the copy runs; `s` live.
+    pub unsafe fn memcpy_dtod_async(
+        &self,
+        dst: sys::CUdeviceptr,
+        src: sys::CUdeviceptr,
+        len: usize,
+        s: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemcpyDtoDAsync", unsafe {
+            sys::cuMemcpyDtoDAsync_v2(dst, src, len, s)
+        })
+    }
+
+    /// `cuMemsetD32Async`: `n` 32-bit words of `value` at `dst`.
+    ///
+    /// # Safety
+    /// `dst` must be device memory valid for `4·n` bytes until the set runs; `s` live.
+    pub unsafe fn memset_d32_async(
+        &self,
+        dst: sys::CUdeviceptr,
+        value: u32,
+        n: usize,
+        s: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemsetD32Async", unsafe {
+            sys::cuMemsetD32Async(dst, value, n, s)
+        })
+    }
 }

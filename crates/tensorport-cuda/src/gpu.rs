@@ -46,6 +46,12 @@ impl Gpu {
         Ok(Arc::new(gpu))
     }
 
+    /// (free, total) bytes of device memory.
+    pub fn mem_info(&self) -> Result<(usize, usize)> {
+        self.bind()?;
+        self.driver.mem_get_info()
+    }
+
     /// Makes the context current on the calling thread.
     pub fn bind(&self) -> Result<()> {
         // SAFETY: `ctx` was retained in `open` and is released only in `drop`.
@@ -114,6 +120,38 @@ impl DeviceBuffer {
                 .memcpy_htod_async(self.ptr, src.as_ptr(), src.len(), stream.raw)
         }
     }
+    /// Fills the buffer with the 32-bit word `value` on `stream` (asynchronously).
+    pub fn fill_u32_async(&self, value: u32, stream: &Stream) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: the whole buffer, on a live stream of its context.
+        unsafe {
+            self.gpu
+                .driver
+                .memset_d32_async(self.ptr, value, self.len / 4, stream.raw)
+        }
+    }
+
+    /// Copies `len` bytes from device address `src` into the start of this buffer on `stream`.
+    ///
+    /// # Safety
+    /// `src..src+len` must be device memory of this context that stays valid (and is not
+    /// written) until the copy has run, e.g. a `tensorport::DeviceTensor` after `wait_ready`.
+    pub unsafe fn copy_from_device_async(
+        &self,
+        src: u64,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        assert!(len <= self.len, "copy larger than the buffer");
+        self.gpu.bind()?;
+        // SAFETY: dst is this buffer (checked); src is the caller's contract.
+        unsafe {
+            self.gpu
+                .driver
+                .memcpy_dtod_async(self.ptr, src, len, stream.raw)
+        }
+    }
+
     /// Copies the first `dst.len()` bytes back to the host (synchronously).
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
         assert!(dst.len() <= self.len, "copy larger than the buffer");
@@ -194,6 +232,11 @@ impl Stream {
             raw: gpu.driver.stream_create()?,
         })
     }
+    /// The raw `CUstream`, for `tensorport::DeviceTensor::wait_ready` and friends.
+    pub fn raw(&self) -> *mut std::ffi::c_void {
+        self.raw.cast()
+    }
+
     /// Waits for all work on the stream.
     pub fn synchronize(&self) -> Result<()> {
         self.gpu.bind()?;

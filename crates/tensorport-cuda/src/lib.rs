@@ -9,12 +9,15 @@
 //!   VMM with POSIX fds), or a clear [`Error::NoDriver`] where there is no usable driver.
 //! - [`CudaPin`]: a [`tensorport_shm::PinHook`] that registers each producer pool with
 //!   `cuMemHostRegister`, so copies from it to the device run at pinned (DMA) speed.
+//! - [`CudaImporter`] and [`GpuProducer`]: the device path, over legacy CUDA IPC, with an event
+//!   as the fence in each direction.
 //! - [`bench_h2d`]: host-to-device bandwidth from a registered memfd pool, from `cuMemAllocHost`
 //!   memory and from pageable memory, measured in one run.
 #![warn(missing_docs)]
 
 pub mod driver;
 mod gpu;
+mod ipc;
 
 pub use cudarc::driver::sys;
 pub use driver::Driver;
@@ -22,6 +25,7 @@ pub use gpu::{
     bench_h2d, live_registrations, probe, Capabilities, CudaPin, DeviceBuffer, DeviceInfo, Event,
     Gpu, H2dBench, PinnedBuffer, Stream,
 };
+pub use ipc::{live_imports, CudaImporter, GpuProducer};
 
 use thiserror::Error;
 
@@ -41,6 +45,9 @@ pub enum Error {
         /// The driver's description.
         message: String,
     },
+    /// The control connection failed.
+    #[error(transparent)]
+    Transport(#[from] tensorport::Error),
     /// No device with that ordinal.
     #[error("no CUDA device {0} (the machine has {1})")]
     NoDevice(i32, i32),

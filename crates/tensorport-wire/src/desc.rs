@@ -76,6 +76,8 @@ impl DType {
 pub enum Location {
     /// In a slot of the session's host pool.
     HostSlot(SlotRef),
+    /// In a device buffer the client registered.
+    DeviceBuffer(SlotRef),
 }
 
 /// What the validator checks a descriptor against: the layout of the session's pool.
@@ -136,11 +138,16 @@ impl TensorDesc {
     pub fn location(&self) -> Location {
         self.location
     }
-    /// The slot, for a host-slot tensor.
+    /// The slot (host) or buffer (device) and its generation.
     pub fn slot(&self) -> SlotRef {
         match self.location {
-            Location::HostSlot(s) => s,
+            Location::HostSlot(s) | Location::DeviceBuffer(s) => s,
         }
+    }
+
+    /// Whether the bytes are in device memory.
+    pub fn is_device(&self) -> bool {
+        matches!(self.location, Location::DeviceBuffer(_))
     }
 }
 
@@ -163,6 +170,16 @@ pub fn contiguous_strides(shape: &[u64]) -> Option<[u64; MAX_DIMS]> {
 /// tensor's extent; `offset + len` past the end of the slot; a slot index outside the pool; and
 /// any location or fence this version does not support on the host path.
 pub fn validate(raw: &RawTensorDesc, pool: &PoolBounds) -> Result<TensorDesc, WireError> {
+    validate_in(raw, pool, &|_| None)
+}
+
+/// [`validate`], where `device_len(buffer)` gives the length of each registered device buffer
+/// (`None`: not registered). A device descriptor must lie inside its buffer.
+pub fn validate_in(
+    raw: &RawTensorDesc,
+    pool: &PoolBounds,
+    device_len: &dyn Fn(u32) -> Option<u64>,
+) -> Result<TensorDesc, WireError> {
     let dtype = DType::from_u8(raw.dtype).ok_or(WireError::UnknownDType(raw.dtype))?;
     let rank = raw.shape.len();
     if rank > MAX_DIMS {
@@ -231,12 +248,6 @@ pub fn validate(raw: &RawTensorDesc, pool: &PoolBounds) -> Result<TensorDesc, Wi
         .offset
         .checked_add(raw.len)
         .ok_or_else(|| WireError::OutOfBounds("offset + length overflows".into()))?;
-    if end > pool.slot_size {
-        return Err(WireError::OutOfBounds(format!(
-            "bytes {}..{} leave the slot of {} bytes",
-            raw.offset, end, pool.slot_size
-        )));
-    }
     let location = match &raw.location {
         RawLocation::HostSlot(s) => {
             if s.slot >= pool.slot_count {
@@ -245,13 +256,32 @@ pub fn validate(raw: &RawTensorDesc, pool: &PoolBounds) -> Result<TensorDesc, Wi
                     s.slot, pool.slot_count
                 )));
             }
+            if end > pool.slot_size {
+                return Err(WireError::OutOfBounds(format!(
+                    "bytes {}..{} leave the slot of {} bytes",
+                    raw.offset, end, pool.slot_size
+                )));
+            }
             Location::HostSlot(*s)
+        }
+        RawLocation::DeviceBuffer(s) => {
+            let len = device_len(s.slot).ok_or_else(|| {
+                WireError::OutOfBounds(format!("device buffer {} is not registered", s.slot))
+            })?;
+            if end > len {
+                return Err(WireError::OutOfBounds(format!(
+                    "bytes {}..{} leave device buffer {} of {} bytes",
+                    raw.offset, end, s.slot, len
+                )));
+            }
+            Location::DeviceBuffer(*s)
         }
     };
     if let Some(f) = &raw.fence {
+        // Version 1 fences device buffers with the event registered with each buffer.
         return Err(WireError::Unsupported(match f {
-            RawFence::CudaIpcEvent(_) => "a CUDA IPC event fence on a host slot".into(),
-            RawFence::Timeline { .. } => "a timeline fence on a host slot".into(),
+            RawFence::CudaIpcEvent(_) => "a per-descriptor CUDA IPC event fence".into(),
+            RawFence::Timeline { .. } => "a timeline fence".into(),
         }));
     }
     Ok(TensorDesc {
@@ -358,6 +388,36 @@ mod tests {
         assert_eq!(code(&r), ErrorCode::OutOfBounds);
         r.strides = Some(vec![u64::MAX, 1]);
         assert_eq!(code(&r), ErrorCode::BadStrides);
+    }
+
+    #[test]
+    fn device_descriptors_are_bounded_by_their_buffer() {
+        let lens = |b: u32| (b == 3).then_some(1024u64);
+        let mut r = raw(0, &[256], 0, 1024);
+        r.location = RawLocation::DeviceBuffer(SlotRef {
+            slot: 3,
+            generation: 0,
+        });
+        let d = validate_in(&r, &POOL, &lens).unwrap();
+        assert!(d.is_device());
+        r.len = 1028;
+        r.shape = vec![257];
+        assert_eq!(
+            validate_in(&r, &POOL, &lens).unwrap_err().code(),
+            ErrorCode::OutOfBounds
+        );
+        r.location = RawLocation::DeviceBuffer(SlotRef {
+            slot: 4,
+            generation: 0,
+        });
+        r.len = 16;
+        r.shape = vec![4];
+        assert_eq!(
+            validate_in(&r, &POOL, &lens).unwrap_err().code(),
+            ErrorCode::OutOfBounds
+        );
+        // Without registered buffers (plain `validate`), device descriptors are refused.
+        assert!(validate(&r, &POOL).is_err());
     }
 
     #[test]

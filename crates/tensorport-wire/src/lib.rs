@@ -20,7 +20,7 @@ pub mod error;
 pub mod frame;
 pub mod msg;
 
-pub use desc::{validate, DType, Location, PoolBounds, TensorDesc, MAX_DIMS};
+pub use desc::{validate, validate_in, DType, Location, PoolBounds, TensorDesc, MAX_DIMS};
 pub use error::{ErrorCode, WireError};
 pub use frame::{encode_frame, encode_frame_into, parse_header, FrameBuffer, FRAME_HEADER_LEN};
 pub use msg::*;
@@ -40,3 +40,5 @@ pub const MAX_NAME_LEN: usize = 64;
 pub const MAX_MESSAGE_LEN: usize = 1024;
 /// Most slot references one `Grant` may carry.
 pub const MAX_GRANT: usize = 4096;
+/// Most device buffers one session may register.
+pub const MAX_DEVICE_BUFFERS: u32 = 64;

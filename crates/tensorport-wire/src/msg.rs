@@ -53,6 +53,23 @@ pub struct Hello {
 pub enum RawLocation {
     /// In a slot of the session's host pool.
     HostSlot(SlotRef),
+    /// In a device buffer the client registered (`RegisterDevice`), under the generation the
+    /// server last released it with (0 at first).
+    DeviceBuffer(SlotRef),
+}
+
+/// How a client shares a device buffer.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub enum RawDeviceHandle {
+    /// Legacy CUDA IPC: a `cuIpcGetMemHandle` of the buffer (from `cuMemAlloc`) and a
+    /// `cuIpcGetEventHandle` of an interprocess event the client records after writing the buffer
+    /// and before each `Submit` (64 bytes each).
+    LegacyIpc {
+        /// The memory handle.
+        memory: Vec<u8>,
+        /// The "ready" event handle.
+        event: Vec<u8>,
+    },
 }
 
 /// A GPU-side fence a consumer must wait on before reading (device path; refused on host slots).
@@ -109,6 +126,16 @@ pub enum ClientMsg {
     Drain,
     /// Ends the session cleanly.
     Goodbye,
+    /// Shares a device buffer of `len` bytes with the server, once; the server answers
+    /// `DeviceRegistered` (or an error).
+    RegisterDevice {
+        /// The client's number for the buffer (at most [`crate::MAX_DEVICE_BUFFERS`] per session).
+        buffer: u32,
+        /// Bytes in the buffer.
+        len: u64,
+        /// How to open it.
+        handle: RawDeviceHandle,
+    },
 }
 
 /// Layout of a session's pool, sent in `Welcome` with the pool's file descriptor.
@@ -241,6 +268,18 @@ pub enum ServerMsg {
     Status(StatusReport),
     /// The server drains: finish, submit nothing new.
     Draining,
+    /// A device buffer is open in the server. Before writing the buffer again after a
+    /// `DeviceReleased`, the client makes its stream wait on `release_event` (a
+    /// `cuIpcGetEventHandle`, 64 bytes), which the server records once it is done reading.
+    DeviceRegistered {
+        /// The client's buffer number.
+        buffer: u32,
+        /// The server's "released" event.
+        release_event: Vec<u8>,
+    },
+    /// The server has enqueued everything that reads this buffer (and recorded its release
+    /// event after it); the buffer is the client's again under the new generation.
+    DeviceReleased(SlotRef),
 }
 
 fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, WireError> {
@@ -261,6 +300,16 @@ fn check_len(what: &'static str, len: usize, max: usize) -> Result<(), WireError
     } else {
         Ok(())
     }
+}
+
+fn check_handle(what: &'static str, h: &[u8]) -> Result<(), WireError> {
+    if h.len() != 64 {
+        return Err(WireError::Malformed(format!(
+            "{what} of {} bytes, expected 64",
+            h.len()
+        )));
+    }
+    Ok(())
 }
 
 fn check_desc_sizes(t: &RawTensorDesc) -> Result<(), WireError> {
@@ -287,6 +336,13 @@ pub fn decode_client(payload: &[u8]) -> Result<ClientMsg, WireError> {
     match &msg {
         ClientMsg::Hello(h) => check_len("client name", h.name.len(), MAX_NAME_LEN)?,
         ClientMsg::Submit { tensor, .. } => check_desc_sizes(tensor)?,
+        ClientMsg::RegisterDevice {
+            handle: RawDeviceHandle::LegacyIpc { memory, event },
+            ..
+        } => {
+            check_handle("IPC memory handle", memory)?;
+            check_handle("IPC event handle", event)?;
+        }
         _ => {}
     }
     Ok(msg)

@@ -13,6 +13,7 @@
 mod client;
 mod conn;
 mod control;
+mod device;
 mod error;
 pub mod path;
 mod producer;
@@ -21,6 +22,7 @@ mod server;
 pub mod stream;
 
 pub use control::Control;
+pub use device::{DeviceImporter, DeviceTensor, ImportedDevice};
 pub use error::{Error, Result};
 pub use producer::{Completion, Producer, ProducerConfig, RemoteError, SlotLease, TensorSpec};
 pub use server::{protocol_version, Request, Responder, Server, ServerConfig};

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 
 use tensorport_shm::HostPool;
 use tensorport_wire::{
-    validate, ClientMsg, DType, ErrorCode, Outcome, PoolBounds, PoolLayout, RawLocation,
-    RawTensorDesc, Role, ServerMsg, SlotRef, StatusReport, MAX_DIMS,
+    validate_in, ClientMsg, DType, ErrorCode, Outcome, PoolBounds, PoolLayout, RawDeviceHandle,
+    RawLocation, RawTensorDesc, Role, ServerMsg, SlotRef, StatusReport, MAX_DIMS,
 };
 
 use crate::client::{self, next_msg};
@@ -111,7 +111,7 @@ impl TensorSpec {
         last.checked_add(1)?.checked_mul(elem)
     }
 
-    fn to_raw(&self, slot: SlotRef) -> Result<RawTensorDesc> {
+    fn to_raw(&self, location: RawLocation) -> Result<RawTensorDesc> {
         if self.shape.len() > MAX_DIMS {
             return Err(Error::InvalidTensor(format!(
                 "{} dimensions, at most {MAX_DIMS}",
@@ -127,10 +127,25 @@ impl TensorSpec {
             strides: self.strides.clone(),
             offset: self.offset,
             len,
-            location: RawLocation::HostSlot(slot),
+            location,
             fence: None,
         })
     }
+}
+
+/// What a request in flight holds until the server gives it back.
+#[derive(Debug, Clone, Copy)]
+enum Held {
+    Host(SlotRef),
+    Device(u32),
+}
+
+/// A device buffer this producer registered.
+#[derive(Debug, Clone)]
+struct DeviceState {
+    len: u64,
+    generation: u32,
+    in_flight: bool,
 }
 
 /// A failure the server reported for one request.
@@ -168,7 +183,9 @@ pub struct Producer {
     session_id: u64,
     max_in_flight: u32,
     free: VecDeque<SlotRef>,
-    in_flight: HashMap<u64, SlotRef>,
+    in_flight: HashMap<u64, Held>,
+    devices: HashMap<u32, DeviceState>,
+    registered: Option<(u32, Vec<u8>)>,
     done: VecDeque<Completion>,
     status: Option<StatusReport>,
     draining: bool,
@@ -212,6 +229,8 @@ impl Producer {
             max_in_flight: c.welcome.max_in_flight.max(1),
             free: VecDeque::new(),
             in_flight: HashMap::new(),
+            devices: HashMap::new(),
+            registered: None,
             done: VecDeque::new(),
             status: None,
             draining: false,
@@ -293,8 +312,15 @@ impl Producer {
                 let code = ErrorCode::from_u16(code);
                 if let Some(id) = request_id.filter(|_| !fatal) {
                     // The submit was refused before the server took the slot: it is still ours.
-                    if let Some(slot) = self.in_flight.remove(&id) {
-                        self.free.push_front(slot);
+                    if let Some(held) = self.in_flight.remove(&id) {
+                        match held {
+                            Held::Host(slot) => self.free.push_front(slot),
+                            Held::Device(b) => {
+                                if let Some(d) = self.devices.get_mut(&b) {
+                                    d.in_flight = false;
+                                }
+                            }
+                        }
                         self.done.push_back(Completion {
                             request_id: id,
                             result: Err(RemoteError { code, message }),
@@ -305,6 +331,16 @@ impl Producer {
                 }
             }
             ServerMsg::Status(s) => self.status = Some(s),
+            ServerMsg::DeviceRegistered {
+                buffer,
+                release_event,
+            } => self.registered = Some((buffer, release_event)),
+            ServerMsg::DeviceReleased(r) => {
+                if let Some(d) = self.devices.get_mut(&r.slot) {
+                    d.generation = r.generation;
+                    d.in_flight = false;
+                }
+            }
             ServerMsg::Draining => self.draining = true,
             ServerMsg::Welcome(_) => {
                 return Err(Error::Refused {
@@ -402,15 +438,119 @@ impl Producer {
         self.writer.send(&ClientMsg::Goodbye, &[])
     }
 
+    /// Shares a device buffer of `len` bytes with the server (once per buffer number), and
+    /// returns the handle of the server's "released" event (see `tensorport_cuda::GpuProducer`,
+    /// which does all of this).
+    pub fn register_device(
+        &mut self,
+        buffer: u32,
+        len: u64,
+        handle: RawDeviceHandle,
+        timeout: Duration,
+    ) -> Result<Vec<u8>> {
+        self.registered = None;
+        self.writer.send(
+            &ClientMsg::RegisterDevice {
+                buffer,
+                len,
+                handle,
+            },
+            &[],
+        )?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some((b, ev)) = self.registered.take() {
+                if b == buffer {
+                    self.devices.insert(
+                        buffer,
+                        DeviceState {
+                            len,
+                            generation: 0,
+                            in_flight: false,
+                        },
+                    );
+                    return Ok(ev);
+                }
+            }
+            if !self.pump(Some(deadline))? && Instant::now() >= deadline {
+                return Err(Error::Timeout(
+                    timeout,
+                    "the server to open a device buffer",
+                ));
+            }
+        }
+    }
+
+    /// Whether a registered device buffer is ours to write (not in flight).
+    pub fn device_free(&self, buffer: u32) -> bool {
+        self.devices.get(&buffer).is_some_and(|d| !d.in_flight)
+    }
+
+    /// Waits until the server releases device `buffer` and the session is below its in-flight
+    /// limit (the caller must then make its stream wait on the server's "released" event before
+    /// writing the buffer).
+    pub fn wait_device(&mut self, buffer: u32, timeout: Duration) -> Result<()> {
+        let deadline = Instant::now() + timeout;
+        loop {
+            match self.devices.get(&buffer) {
+                None => {
+                    return Err(Error::InvalidTensor(format!(
+                        "device buffer {buffer} is not registered"
+                    )))
+                }
+                Some(d) if !d.in_flight && self.in_flight.len() < self.max_in_flight as usize => {
+                    return Ok(())
+                }
+                Some(_) => {}
+            }
+            if !self.pump(Some(deadline))? && Instant::now() >= deadline {
+                return Err(Error::Timeout(
+                    timeout,
+                    "the server to release a device buffer",
+                ));
+            }
+        }
+    }
+
+    /// Submits the tensor `spec` in device `buffer`, which the caller has written and whose
+    /// "ready" event it has recorded after the writes. Returns the request id.
+    pub fn submit_device(&mut self, buffer: u32, spec: &TensorSpec) -> Result<u64> {
+        let d = self.devices.get(&buffer).cloned().ok_or_else(|| {
+            Error::InvalidTensor(format!("device buffer {buffer} is not registered"))
+        })?;
+        if d.in_flight {
+            return Err(Error::InvalidTensor(format!(
+                "device buffer {buffer} is in flight; wait_device first"
+            )));
+        }
+        let id = self.next_id;
+        self.next_id += 1;
+        let raw = spec.to_raw(RawLocation::DeviceBuffer(SlotRef {
+            slot: buffer,
+            generation: d.generation,
+        }))?;
+        self.check_and_send(id, raw, Held::Device(buffer))?;
+        if let Some(d) = self.devices.get_mut(&buffer) {
+            d.in_flight = true;
+        }
+        Ok(id)
+    }
+
     fn submit_slot(&mut self, slot: SlotRef, request_id: u64, spec: &TensorSpec) -> Result<()> {
-        let raw = spec.to_raw(slot)?;
+        let raw = spec.to_raw(RawLocation::HostSlot(slot))?;
+        self.check_and_send(request_id, raw, Held::Host(slot))
+    }
+
+    fn check_and_send(&mut self, request_id: u64, raw: RawTensorDesc, held: Held) -> Result<()> {
         // Check locally with the server's own rules, so a bad spec fails here, clearly.
-        validate(
+        let devices = &self.devices;
+        validate_in(
             &raw,
             &PoolBounds {
                 slot_count: self.layout.slot_count,
                 slot_size: self.layout.slot_size,
             },
+            &|b| devices.get(&b).map(|d| d.len),
         )
         .map_err(|e| Error::InvalidTensor(e.to_string()))?;
         if self.in_flight.contains_key(&request_id) {
@@ -425,7 +565,7 @@ impl Producer {
             },
             &[],
         )?;
-        self.in_flight.insert(request_id, slot);
+        self.in_flight.insert(request_id, held);
         Ok(())
     }
 }

@@ -18,10 +18,13 @@ use std::time::{Duration, Instant};
 
 use tensorport_shm::{HostPool, PinHook, SlotState, SlotTable};
 use tensorport_wire::{
-    clip_message, decode_client, negotiate, validate, ClientMsg, Counters, ErrorCode, Hello,
-    Outcome, PoolBounds, PoolLayout, Role, ServerMsg, SessionStatus, SlotRef, StatusReport,
-    TensorDesc, Welcome, WireError, MAX_FRAME_LEN, PROTOCOL_VERSION,
+    clip_message, decode_client, negotiate, validate_in, ClientMsg, Counters, ErrorCode, Hello,
+    Outcome, PoolBounds, PoolLayout, RawDeviceHandle, Role, ServerMsg, SessionStatus, SlotRef,
+    StatusReport, TensorDesc, Welcome, WireError, MAX_DEVICE_BUFFERS, MAX_FRAME_LEN,
+    PROTOCOL_VERSION,
 };
+
+use crate::device::{DeviceImporter, DeviceTensor, ImportedDevice};
 
 use crate::conn::{peer_credentials, FrameReader, FrameWriter};
 use crate::{path, Error, Result};
@@ -52,6 +55,8 @@ pub struct ServerConfig {
     pub allowed_uids: Vec<u32>,
     /// Pins each pool (the CUDA build registers it with `cuMemHostRegister`).
     pub pin: Option<Arc<dyn PinHook>>,
+    /// Opens device buffers producers register (the device path); `None` refuses them.
+    pub device: Option<Arc<dyn DeviceImporter>>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -62,6 +67,7 @@ impl std::fmt::Debug for ServerConfig {
             .field("slot_size", &self.slot_size)
             .field("max_sessions", &self.max_sessions)
             .field("pinned", &self.pin.is_some())
+            .field("device", &self.device.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -82,6 +88,7 @@ impl ServerConfig {
             write_timeout: Duration::from_secs(5),
             allowed_uids: Vec::new(),
             pin: None,
+            device: None,
         }
     }
 }
@@ -150,8 +157,16 @@ impl Shared {
     }
 }
 
+/// A registered device buffer: open in the server, generation, whether a request holds it.
+struct DeviceEntry {
+    imported: Arc<dyn ImportedDevice>,
+    generation: u32,
+    in_flight: bool,
+}
+
 struct SessionState {
     slots: SlotTable,
+    devices: HashMap<u32, DeviceEntry>,
     in_flight: HashSet<u64>,
     submitted: u64,
     completed: u64,
@@ -225,6 +240,40 @@ impl Session {
         });
     }
 
+    /// Gives a device buffer back to its producer under the next generation.
+    fn release_device(&self, buffer: SlotRef) {
+        let released = {
+            let mut st = lock(&self.state);
+            match st.devices.get_mut(&buffer.slot) {
+                Some(e) if e.in_flight && e.generation == buffer.generation => {
+                    e.in_flight = false;
+                    e.generation = e.generation.wrapping_add(1);
+                    Some(SlotRef {
+                        slot: buffer.slot,
+                        generation: e.generation,
+                    })
+                }
+                _ => {
+                    tracing::error!(session = self.id, "internal: releasing device {buffer:?}");
+                    None
+                }
+            }
+        };
+        if let Some(r) = released {
+            let _ = self.send(&ServerMsg::DeviceReleased(r));
+        }
+    }
+
+    /// Gives a request's bytes back: a host slot (granted again at once unless the server
+    /// drains) or a device buffer.
+    fn release(&self, shared: &Shared, desc: &TensorDesc) {
+        if desc.is_device() {
+            self.release_device(desc.slot());
+        } else {
+            self.release_slot(shared, desc.slot());
+        }
+    }
+
     /// Takes a submitted slot back and, unless the server drains, grants it again at once.
     fn release_slot(&self, shared: &Shared, slot: SlotRef) {
         let regrant = {
@@ -254,6 +303,7 @@ impl Session {
 /// sent, sends the producer a `HandlerFailed` result, so every request gets exactly one answer.
 pub struct Request {
     desc: TensorDesc,
+    device: Option<DeviceTensor>,
     responder: Option<Responder>,
 }
 
@@ -292,8 +342,18 @@ impl Request {
         &self.session().name
     }
 
-    /// The tensor's bytes, in place in the producer's pool (no copy was made).
+    /// For a tensor in a producer's device buffer (`desc().is_device()`): where it is, and the
+    /// events that order the GPU work around it.
+    pub fn device(&self) -> Option<&DeviceTensor> {
+        self.device.as_ref()
+    }
+
+    /// The tensor's bytes, in place in the producer's pool (no copy was made). Empty for a
+    /// device tensor (see [`Request::device`]).
     pub fn bytes(&self) -> &[u8] {
+        if self.desc.is_device() {
+            return &[];
+        }
         let s = self.session();
         let slot = self.desc.slot();
         // SAFETY: the slot is in state Submitted in the session's table until this request
@@ -309,7 +369,9 @@ impl Request {
 
     /// The tensor's elements as `T`, if it is contiguous and `T` has the dtype's size.
     pub fn as_slice<T: bytemuck::Pod>(&self) -> Option<&[T]> {
-        if !self.desc.is_contiguous() || std::mem::size_of::<T>() as u64 != self.desc.dtype().size()
+        if self.desc.is_device()
+            || !self.desc.is_contiguous()
+            || std::mem::size_of::<T>() as u64 != self.desc.dtype().size()
         {
             return None;
         }
@@ -320,7 +382,7 @@ impl Request {
     /// Releases the slot now (the producer gets it back) and returns what answers the request.
     pub fn release(mut self) -> Responder {
         let r = self.responder.take().expect("responder present until drop");
-        r.session.release_slot(&r.shared, self.desc.slot());
+        r.session.release(&r.shared, &self.desc);
         r
     }
 
@@ -338,7 +400,7 @@ impl Request {
 impl Drop for Request {
     fn drop(&mut self) {
         if let Some(r) = self.responder.take() {
-            r.session.release_slot(&r.shared, self.desc.slot());
+            r.session.release(&r.shared, &self.desc);
         }
     }
 }
@@ -724,6 +786,7 @@ fn msg_name(m: &ClientMsg) -> &'static str {
         ClientMsg::Status => "Status",
         ClientMsg::Drain => "Drain",
         ClientMsg::Goodbye => "Goodbye",
+        ClientMsg::RegisterDevice { .. } => "RegisterDevice",
     }
 }
 
@@ -901,6 +964,7 @@ fn open_session(
         max_in_flight,
         state: Mutex::new(SessionState {
             slots: table,
+            devices: HashMap::new(),
             in_flight: HashSet::new(),
             submitted: 0,
             completed: 0,
@@ -967,6 +1031,17 @@ fn serve_producer(shared: &Arc<Shared>, session: &Arc<Session>, reader: &mut Fra
                 }
                 ClientMsg::Drain => drain(shared),
                 ClientMsg::Goodbye => return true,
+                ClientMsg::RegisterDevice {
+                    buffer,
+                    len,
+                    handle,
+                } => {
+                    if let Err((code, message)) =
+                        register_device(shared, session, buffer, len, &handle)
+                    {
+                        session.send_error(shared, code, None, message);
+                    }
+                }
                 ClientMsg::Hello(_) => session.send_error(
                     shared,
                     ErrorCode::HandshakeRequired,
@@ -1025,10 +1100,17 @@ fn submit(
     if shared.draining.load(Ordering::SeqCst) {
         return Err((ErrorCode::Draining, "the server is draining".into()));
     }
-    let desc = validate(tensor, &session.bounds).map_err(|e| (e.code(), e.to_string()))?;
+    let mut st = lock(&session.state);
+    let desc = {
+        let devices = &st.devices;
+        validate_in(tensor, &session.bounds, &|b| {
+            devices.get(&b).map(|e| e.imported.len())
+        })
+        .map_err(|e| (e.code(), e.to_string()))?
+    };
     let slot = desc.slot();
+    let mut device = None;
     {
-        let mut st = lock(&session.state);
         if st.in_flight.contains(&request_id) {
             return Err((
                 ErrorCode::DuplicateRequest,
@@ -1041,12 +1123,38 @@ fn submit(
                 format!("{} requests already in flight", st.in_flight.len()),
             ));
         }
-        st.slots
-            .submit(slot.slot, slot.generation)
-            .map_err(|e| (ErrorCode::SlotNotLeased, e.to_string()))?;
+        if desc.is_device() {
+            let e = st
+                .devices
+                .get_mut(&slot.slot)
+                .expect("validated: registered");
+            if e.in_flight || e.generation != slot.generation {
+                return Err((
+                    ErrorCode::SlotNotLeased,
+                    format!(
+                        "device buffer {} is {} at generation {}, not free at {}",
+                        slot.slot,
+                        if e.in_flight { "in flight" } else { "free" },
+                        e.generation,
+                        slot.generation
+                    ),
+                ));
+            }
+            e.in_flight = true;
+            device = Some(DeviceTensor {
+                buffer: e.imported.clone(),
+                offset: desc.offset(),
+                len: desc.byte_len(),
+            });
+        } else {
+            st.slots
+                .submit(slot.slot, slot.generation)
+                .map_err(|e| (ErrorCode::SlotNotLeased, e.to_string()))?;
+        }
         st.in_flight.insert(request_id);
         st.submitted += 1;
     }
+    drop(st);
     shared.counters.submitted.fetch_add(1, Ordering::Relaxed);
     shared
         .counters
@@ -1054,6 +1162,7 @@ fn submit(
         .fetch_add(desc.byte_len(), Ordering::Relaxed);
     let req = Request {
         desc,
+        device,
         responder: Some(Responder {
             session: session.clone(),
             shared: shared.clone(),
@@ -1064,6 +1173,57 @@ fn submit(
     // The receiver lives as long as the Server, which outlives this thread's use of `shared`
     // unless the server is being dropped, in which case the request is dropped (and released).
     let _ = shared.tx.send(req);
+    Ok(())
+}
+
+fn register_device(
+    shared: &Arc<Shared>,
+    session: &Arc<Session>,
+    buffer: u32,
+    len: u64,
+    handle: &RawDeviceHandle,
+) -> std::result::Result<(), (ErrorCode, String)> {
+    let importer = shared.config.device.as_ref().ok_or((
+        ErrorCode::Unsupported,
+        "this server takes no device buffers (it was started without a GPU)".to_string(),
+    ))?;
+    if buffer >= MAX_DEVICE_BUFFERS || len == 0 {
+        return Err((
+            ErrorCode::OutOfBounds,
+            format!("device buffer {buffer} of {len} bytes (buffers 0..{MAX_DEVICE_BUFFERS}, non-empty)"),
+        ));
+    }
+    if lock(&session.state).devices.contains_key(&buffer) {
+        return Err((
+            ErrorCode::DuplicateRequest,
+            format!("device buffer {buffer} is already registered"),
+        ));
+    }
+    let imported = importer.import(len, handle).map_err(|e| {
+        (
+            ErrorCode::Internal,
+            format!("cannot open device buffer {buffer}: {e}"),
+        )
+    })?;
+    let release_event = imported.release_event_handle();
+    lock(&session.state).devices.insert(
+        buffer,
+        DeviceEntry {
+            imported,
+            generation: 0,
+            in_flight: false,
+        },
+    );
+    tracing::info!(
+        session = session.id,
+        buffer,
+        len,
+        "device buffer registered"
+    );
+    let _ = session.send(&ServerMsg::DeviceRegistered {
+        buffer,
+        release_event,
+    });
     Ok(())
 }
 

@@ -1,0 +1,99 @@
+//! Device buffers shared by GPU producers (the device path). The runtime knows no CUDA: the
+//! server's [`DeviceImporter`] (from `tensorport-cuda`) opens what producers register, and the
+//! consumer orders its GPU work with the two events each buffer carries:
+//!
+//! 1. The producer writes the buffer on its stream, records the buffer's "ready" event, submits.
+//! 2. The consumer makes its stream wait on "ready" ([`DeviceTensor::wait_ready`]), enqueues its
+//!    reads, records "released" ([`DeviceTensor::record_release`]) and releases the request; the
+//!    producer gets `DeviceReleased`.
+//! 3. The producer makes its stream wait on "released" before writing the buffer again.
+//!
+//! Nobody blocks on the host; the GPU orders the writes and reads.
+
+use std::ffi::c_void;
+use std::sync::Arc;
+
+use tensorport_wire::RawDeviceHandle;
+
+/// Opens device buffers that producers register (implemented by `tensorport_cuda::CudaImporter`).
+pub trait DeviceImporter: Send + Sync {
+    /// Opens a buffer of `len` bytes shared by `handle`.
+    fn import(
+        &self,
+        len: u64,
+        handle: &RawDeviceHandle,
+    ) -> std::result::Result<Arc<dyn ImportedDevice>, String>;
+}
+
+/// A producer's device buffer, open in the server. Dropping the last reference closes it.
+pub trait ImportedDevice: Send + Sync {
+    /// The buffer's device address in the server's context.
+    fn device_ptr(&self) -> u64;
+    /// Bytes in the buffer.
+    fn len(&self) -> u64;
+    /// Whether the buffer has no bytes.
+    fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+    /// The handle of the server's "released" event, for the producer (64 bytes).
+    fn release_event_handle(&self) -> Vec<u8>;
+    /// Makes `stream` wait for the producer's latest "ready" record.
+    ///
+    /// # Safety
+    /// `stream` must be a live CUDA stream of the context the buffer was imported into.
+    unsafe fn wait_ready(&self, stream: *mut c_void) -> std::result::Result<(), String>;
+    /// Records the "released" event on `stream`, after the work that reads the buffer.
+    ///
+    /// # Safety
+    /// As for [`ImportedDevice::wait_ready`].
+    unsafe fn record_release(&self, stream: *mut c_void) -> std::result::Result<(), String>;
+}
+
+/// A submitted tensor in a producer's device buffer, as the consumer sees it.
+#[derive(Clone)]
+pub struct DeviceTensor {
+    pub(crate) buffer: Arc<dyn ImportedDevice>,
+    pub(crate) offset: u64,
+    pub(crate) len: u64,
+}
+
+impl std::fmt::Debug for DeviceTensor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceTensor")
+            .field("ptr", &self.ptr())
+            .field("len", &self.len)
+            .finish()
+    }
+}
+
+impl DeviceTensor {
+    /// Device address of the tensor's first byte (checked to lie in the buffer).
+    pub fn ptr(&self) -> u64 {
+        self.buffer.device_ptr() + self.offset
+    }
+    /// Bytes from [`DeviceTensor::ptr`].
+    pub fn len(&self) -> u64 {
+        self.len
+    }
+    /// Whether it covers no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Makes `stream` wait until the producer's writes are done. Enqueue reads after this.
+    ///
+    /// # Safety
+    /// `stream` must be a live CUDA stream of the server's device context.
+    pub unsafe fn wait_ready(&self, stream: *mut c_void) -> std::result::Result<(), String> {
+        // SAFETY: the caller's contract.
+        unsafe { self.buffer.wait_ready(stream) }
+    }
+    /// Records, on `stream`, that the reads enqueued so far are all the server does with the
+    /// buffer. Call before releasing the request.
+    ///
+    /// # Safety
+    /// As for [`DeviceTensor::wait_ready`].
+    pub unsafe fn record_release(&self, stream: *mut c_void) -> std::result::Result<(), String> {
+        // SAFETY: the caller's contract.
+        unsafe { self.buffer.record_release(stream) }
+    }
+}
