@@ -39,6 +39,14 @@ pub enum What {
         /// Tensor sizes in bytes (default: 4 KiB, and a [32,3,224,224] f32 batch).
         #[arg(long, value_delimiter = ',', default_value = "4096,19267584")]
         bytes: Vec<usize>,
+        /// Fences to measure: event (interprocess CUDA events), timeline (semaphores in IPC
+        /// memory), or both.
+        #[arg(long, default_value = "both", value_parser = ["event", "timeline", "both"])]
+        fence: String,
+        /// What the producer's GPU does per hand-off: fill the tensor (as PyTorch's benchmark
+        /// does), or nothing (the tensor is ready; only the hand-off is measured).
+        #[arg(long, default_value = "fill", value_parser = ["fill", "none"])]
+        producer_work: String,
         /// (internal) run as the benchmark's producer on this socket.
         #[arg(long, hide = true)]
         producer_socket: Option<std::path::PathBuf>,
@@ -101,15 +109,25 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         What::BenchIpc {
             handoffs,
             bytes,
+            fence,
+            producer_work,
             producer_socket,
         } => {
             let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
             match producer_socket {
-                Some(sock) => ipc_producer(&gpu, &sock, handoffs, bytes[0])?,
+                Some(sock) => {
+                    ipc_producer(&gpu, &sock, handoffs, bytes[0], &fence, &producer_work)?
+                }
                 None => {
                     println!("CUDA IPC hand-off, producer process -> usable in the server's stream (pool of 4 buffers):");
-                    for b in bytes {
-                        ipc_server(&gpu, handoffs, b)?;
+                    let fences: Vec<&str> = match fence.as_str() {
+                        "both" => vec!["event", "timeline"],
+                        f => vec![f],
+                    };
+                    for f in fences {
+                        for &b in &bytes {
+                            ipc_server(&gpu, handoffs, b, f, &producer_work)?;
+                        }
                     }
                 }
             }
@@ -123,17 +141,27 @@ fn ipc_producer(
     sock: &std::path::Path,
     handoffs: usize,
     bytes: usize,
+    fence: &str,
+    work: &str,
 ) -> CliResult<()> {
     use std::time::Duration;
     use tensorport::{DType, TensorSpec};
-    let mut p =
-        tensorport_cuda::GpuProducer::connect(sock, "bench-ipc", gpu, 4, bytes).map_err(cuda)?;
+    use tensorport_cuda::{Fence, GpuProducer};
+    let fence = if fence == "timeline" {
+        Fence::Timeline
+    } else {
+        Fence::Event
+    };
+    let mut p = GpuProducer::connect_with(sock, "bench-ipc", gpu, 4, bytes, fence).map_err(cuda)?;
+    let words_bytes = bytes / 4 * 4;
     let spec = TensorSpec::new(DType::U8, &[bytes as u64]);
     for i in 0..handoffs {
         let b = p.acquire(Duration::from_secs(30)).map_err(cuda)?;
-        p.buffer(b)
-            .fill_u32_async(i as u32, p.stream())
-            .map_err(cuda)?;
+        if work == "fill" {
+            p.buffer(b)
+                .fill_u32_range_async(0, words_bytes, i as u32, p.stream())
+                .map_err(cuda)?;
+        }
         p.submit(b, &spec).map_err(cuda)?;
         while p.producer().try_recv_result()?.is_some() {}
     }
@@ -147,6 +175,8 @@ fn ipc_server(
     gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
     handoffs: usize,
     bytes: usize,
+    fence: &str,
+    work: &str,
 ) -> CliResult<()> {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -166,7 +196,15 @@ fn ipc_server(
             "--handoffs",
             &handoffs.to_string(),
         ])
-        .args(["--bytes", &bytes.to_string(), "--producer-socket"])
+        .args([
+            "--bytes",
+            &bytes.to_string(),
+            "--fence",
+            fence,
+            "--producer-work",
+            work,
+            "--producer-socket",
+        ])
         .arg(&sock)
         .spawn()?;
     let stream = tensorport_cuda::Stream::new(gpu).map_err(cuda)?;
@@ -204,7 +242,7 @@ fn ipc_server(
     lat.sort_by(f64::total_cmp);
     let pct = |p: f64| lat[((lat.len() - 1) as f64 * p).round() as usize];
     println!(
-        "  {bytes:>9} B: {:>8.0} hand-offs/s, {:>6.2} GB/s; latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us (first, with start-up: {:.0} us)",
+        "  {fence:>8} fence, producer {work:>4}, {bytes:>9} B: {:>8.0} hand-offs/s, {:>6.2} GB/s; latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us (first, with start-up: {:.0} us)",
         (handoffs - 1) as f64 / secs,
         (handoffs - 1) as f64 * bytes as f64 / secs / 1e9,
         pct(0.5),

@@ -11,14 +11,15 @@ use support::*;
 use tensorport::{DType, TensorSpec};
 use tensorport::{Server, ServerConfig};
 use tensorport_cuda::{
-    live_imports, live_registrations, CudaImporter, CudaPin, DeviceBuffer, Gpu, GpuProducer, Stream,
+    live_imports, live_registrations, CudaImporter, CudaPin, DeviceBuffer, Fence, Gpu, GpuProducer,
+    Stream,
 };
 
 fn main() {
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 6 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 6 skipped");
+            println!("skipped: 7 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 7 skipped");
             return;
         }
     }
@@ -37,6 +38,10 @@ fn main() {
             (
                 "device_ipc_four_gpu_producers_intact_and_fenced",
                 device_four_producers,
+            ),
+            (
+                "device_ipc_timeline_fenced_four_gpu_producers_intact",
+                device_four_producers_timeline,
             ),
             (
                 "device_ipc_killed_producer_frees_gpu_memory",
@@ -320,9 +325,13 @@ fn gpu_producer(socket: &str) {
     let id: u32 = env_or("TP_ID", "0").parse().unwrap();
     let count: u32 = env_or("TP_COUNT", "200").parse().unwrap();
     let mib: usize = env_or("TP_MIB", "1").parse().unwrap();
+    let fence = match env_or("TP_FENCE", "event").as_str() {
+        "timeline" => Fence::Timeline,
+        _ => Fence::Event,
+    };
     let gpu = Gpu::open(0).unwrap();
-    let mut p =
-        GpuProducer::connect(socket, &format!("gpu-producer-{id}"), &gpu, 2, mib << 20).unwrap();
+    let name = format!("gpu-producer-{id}");
+    let mut p = GpuProducer::connect_with(socket, &name, &gpu, 2, mib << 20, fence).unwrap();
     let words = (1u64 << 20) / 4; // 1 MiB tensors at the start of each buffer
     let mut expected = std::collections::HashMap::new();
     let (mut ok, mut bad) = (0u32, 0u32);
@@ -340,7 +349,9 @@ fn gpu_producer(socket: &str) {
     for seq in 0..count {
         let b = p.acquire(Duration::from_secs(20)).unwrap();
         let value = (id << 24) | (seq & 0xff_ffff);
-        p.buffer(b).fill_u32_async(value, p.stream()).unwrap();
+        p.buffer(b)
+            .fill_u32_range_async(0, 1 << 20, value, p.stream())
+            .unwrap();
         let rid = p.submit(b, &TensorSpec::new(DType::I32, &[words])).unwrap();
         expected.insert(rid, value);
         while let Some(c) = p.producer().try_recv_result().unwrap() {
@@ -356,6 +367,14 @@ fn gpu_producer(socket: &str) {
 }
 
 fn device_four_producers() {
+    four_gpu_producers("event");
+}
+
+fn device_four_producers_timeline() {
+    four_gpu_producers("timeline");
+}
+
+fn four_gpu_producers(fence: &str) {
     let (_dir, sock) = socket_dir();
     let srv = GpuServer::start(&sock);
     let mut kids: Vec<ChildGuard> = (0..4)
@@ -366,6 +385,7 @@ fn device_four_producers() {
                     socket_env(&sock),
                     ("TP_ID", i.to_string()),
                     ("TP_COUNT", "500".into()),
+                    ("TP_FENCE", fence.into()),
                 ],
             )
         })

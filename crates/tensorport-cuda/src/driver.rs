@@ -400,6 +400,51 @@ impl Driver {
         })
     }
 
+    /// `cuStreamWaitValue64(GEQ)`: later work on `s` waits until the 64-bit word at `addr` is
+    /// at least `value`.
+    ///
+    /// # Safety
+    /// `addr` must be 8-byte-aligned device memory of the current context (or imported into it)
+    /// that stays valid while the wait is pending; `s` live.
+    pub unsafe fn stream_wait_value64(
+        &self,
+        s: sys::CUstream,
+        addr: sys::CUdeviceptr,
+        value: u64,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuStreamWaitValue64", unsafe {
+            sys::cuStreamWaitValue64_v2(
+                s,
+                addr,
+                value,
+                sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32,
+            )
+        })
+    }
+
+    /// `cuStreamWriteValue64`: writes `value` to the 64-bit word at `addr` once earlier work on
+    /// `s` has run.
+    ///
+    /// # Safety
+    /// As for [`Driver::stream_wait_value64`].
+    pub unsafe fn stream_write_value64(
+        &self,
+        s: sys::CUstream,
+        addr: sys::CUdeviceptr,
+        value: u64,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuStreamWriteValue64", unsafe {
+            sys::cuStreamWriteValue64_v2(
+                s,
+                addr,
+                value,
+                sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
+            )
+        })
+    }
+
     /// `cuMemcpyDtoDAsync`.
     ///
     /// # Safety

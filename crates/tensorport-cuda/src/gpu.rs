@@ -131,6 +131,27 @@ impl DeviceBuffer {
         }
     }
 
+    /// Fills `bytes` bytes from byte `offset` with the 32-bit word `value` on `stream`.
+    pub fn fill_u32_range_async(
+        &self,
+        offset: usize,
+        bytes: usize,
+        value: u32,
+        stream: &Stream,
+    ) -> Result<()> {
+        assert!(
+            offset % 4 == 0 && offset + bytes <= self.len,
+            "range outside the buffer"
+        );
+        self.gpu.bind()?;
+        // SAFETY: the range lies in the buffer (checked), on a live stream of its context.
+        unsafe {
+            self.gpu
+                .driver
+                .memset_d32_async(self.ptr + offset as u64, value, bytes / 4, stream.raw)
+        }
+    }
+
     /// Copies `len` bytes from device address `src` into the start of this buffer on `stream`.
     ///
     /// # Safety

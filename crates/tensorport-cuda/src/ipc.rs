@@ -1,8 +1,9 @@
 //! The device path over legacy CUDA IPC: [`CudaImporter`] opens what producers register (server
 //! side), [`GpuProducer`] allocates exportable buffers and hands tensors in them over (producer
-//! side). Each buffer carries two interprocess events — "ready" (the producer's, recorded after
-//! its writes) and "released" (the server's, recorded after its reads) — so neither side ever
-//! blocks the host to order the GPU work. See `tensorport::DeviceTensor`.
+//! side). Each hand-off is fenced in both directions without blocking the host, by one of two
+//! [`Fence`]s: interprocess events ("ready" from the producer, "released" from the server), or
+//! two 64-bit semaphores after the buffer's bytes that each side's GPU writes and the other's
+//! waits on. See `tensorport::DeviceTensor`.
 
 use std::collections::VecDeque;
 use std::ffi::c_void;
@@ -30,6 +31,16 @@ fn handle64(v: &[u8]) -> std::result::Result<[u8; 64], String> {
         .map_err(|_| format!("handle of {} bytes, expected 64", v.len()))
 }
 
+/// How a buffer's hand-offs are fenced.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fence {
+    /// Interprocess CUDA events ("ready" from the producer, "released" from the server).
+    Event,
+    /// Two 64-bit semaphores after the buffer's bytes, written and waited on by the GPUs
+    /// (`cuStreamWriteValue64` / `cuStreamWaitValue64`).
+    Timeline,
+}
+
 /// Opens producers' device buffers in the server's context (the server's
 /// `ServerConfig::device`).
 #[derive(Debug, Clone)]
@@ -48,9 +59,13 @@ struct Imported {
     gpu: Arc<Gpu>,
     ptr: sys::CUdeviceptr,
     len: u64,
+    fence: Fence,
+    /// Event mode: the producer's "ready" event. Timeline mode: null.
     ready: sys::CUevent,
+    /// Event mode: our interprocess "released" event. Timeline mode: a plain event recorded
+    /// with each release, so closing the buffer can wait for the last read.
     release: sys::CUevent,
-    release_handle: [u8; 64],
+    release_handle: Vec<u8>,
 }
 
 // SAFETY: the handles are identifiers usable from any thread once the context is bound, which
@@ -65,8 +80,14 @@ impl DeviceImporter for CudaImporter {
         len: u64,
         handle: &RawDeviceHandle,
     ) -> std::result::Result<Arc<dyn ImportedDevice>, String> {
-        let RawDeviceHandle::LegacyIpc { memory, event } = handle;
-        let (memory, event) = (handle64(memory)?, handle64(event)?);
+        let (memory, event, fence) = match handle {
+            RawDeviceHandle::LegacyIpc { memory, event } => {
+                (handle64(memory)?, Some(handle64(event)?), Fence::Event)
+            }
+            RawDeviceHandle::LegacyIpcTimeline { memory } => {
+                (handle64(memory)?, None, Fence::Timeline)
+            }
+        };
         let d = self.gpu.driver();
         self.gpu.bind().map_err(|e| e.to_string())?;
         let ptr = d.ipc_open_mem_handle(&memory).map_err(|e| e.to_string())?;
@@ -74,17 +95,24 @@ impl DeviceImporter for CudaImporter {
             gpu: self.gpu.clone(),
             ptr,
             len,
+            fence,
             ready: std::ptr::null_mut(),
             release: std::ptr::null_mut(),
-            release_handle: [0; 64],
+            release_handle: Vec::new(),
         };
         LIVE_IMPORTS.fetch_add(1, Ordering::SeqCst);
         // From here `made` cleans up whatever was opened if a later step fails.
-        made.ready = d.ipc_open_event_handle(&event).map_err(|e| e.to_string())?;
-        made.release = d.event_create_interprocess().map_err(|e| e.to_string())?;
-        // SAFETY: `release` was just created as an interprocess event.
-        made.release_handle =
-            unsafe { d.ipc_get_event_handle(made.release) }.map_err(|e| e.to_string())?;
+        match event {
+            Some(event) => {
+                made.ready = d.ipc_open_event_handle(&event).map_err(|e| e.to_string())?;
+                made.release = d.event_create_interprocess().map_err(|e| e.to_string())?;
+                // SAFETY: `release` was just created as an interprocess event.
+                made.release_handle = unsafe { d.ipc_get_event_handle(made.release) }
+                    .map_err(|e| e.to_string())?
+                    .to_vec();
+            }
+            None => made.release = d.event_create().map_err(|e| e.to_string())?,
+        }
         Ok(Arc::new(made))
     }
 }
@@ -97,23 +125,50 @@ impl ImportedDevice for Imported {
         self.len
     }
     fn release_event_handle(&self) -> Vec<u8> {
-        self.release_handle.to_vec()
+        self.release_handle.clone()
     }
-    unsafe fn wait_ready(&self, stream: *mut c_void) -> std::result::Result<(), String> {
+    fn timeline(&self) -> bool {
+        self.fence == Fence::Timeline
+    }
+    unsafe fn wait_ready(
+        &self,
+        stream: *mut c_void,
+        value: Option<u64>,
+    ) -> std::result::Result<(), String> {
         self.gpu.bind().map_err(|e| e.to_string())?;
-        // SAFETY: the caller passes a live stream of this context; `ready` lives with `self`.
+        let d = self.gpu.driver();
+        // SAFETY: the caller passes a live stream of this context; `ready` lives with `self`;
+        // the "ready" semaphore is the 8 bytes right after the `len` bytes the producer
+        // registered, inside its allocation (descriptors were checked against `len` only).
         unsafe {
-            self.gpu
-                .driver()
-                .stream_wait_event(stream.cast(), self.ready)
+            match (self.fence, value) {
+                (Fence::Event, None) => d.stream_wait_event(stream.cast(), self.ready),
+                (Fence::Timeline, Some(v)) => {
+                    d.stream_wait_value64(stream.cast(), self.ptr + self.len, v)
+                }
+                _ => return Err("the fence does not match the buffer's kind".into()),
+            }
         }
         .map_err(|e| e.to_string())
     }
-    unsafe fn record_release(&self, stream: *mut c_void) -> std::result::Result<(), String> {
+    unsafe fn record_release(
+        &self,
+        stream: *mut c_void,
+        value: Option<u64>,
+    ) -> std::result::Result<(), String> {
         self.gpu.bind().map_err(|e| e.to_string())?;
-        // SAFETY: as above.
-        unsafe { self.gpu.driver().event_record(self.release, stream.cast()) }
-            .map_err(|e| e.to_string())
+        let d = self.gpu.driver();
+        // SAFETY: as above; the "released" semaphore follows the "ready" one.
+        unsafe {
+            match (self.fence, value) {
+                (Fence::Event, None) => d.event_record(self.release, stream.cast()),
+                (Fence::Timeline, Some(v)) => d
+                    .stream_write_value64(stream.cast(), self.ptr + self.len + 8, v)
+                    .and_then(|()| d.event_record(self.release, stream.cast())),
+                _ => return Err("the fence does not match the buffer's kind".into()),
+            }
+        }
+        .map_err(|e| e.to_string())
     }
 }
 
@@ -140,25 +195,33 @@ impl Drop for Imported {
 
 struct OwnBuffer {
     mem: DeviceBuffer,
+    /// Bytes of tensor data (in timeline mode the two semaphores follow them).
+    len: usize,
+    /// Event mode: our interprocess "ready" event. Timeline mode: null.
     ready: sys::CUevent,
+    /// Event mode: the server's "released" event. Timeline mode: null.
     released: sys::CUevent,
+    /// Timeline mode: the last value submitted with this buffer.
+    seq: u64,
 }
 
 /// A producer whose tensors live in device memory: it owns `count` exportable buffers, shared
-/// with the server once, and hands tensors in them over with an event as the fence.
+/// with the server once, and hands tensors in them over with a fence.
 ///
 /// ```no_run
 /// # fn f(gpu: std::sync::Arc<tensorport_cuda::Gpu>) -> tensorport_cuda::Result<()> {
 /// # use tensorport::{DType, TensorSpec};
-/// let mut p = tensorport_cuda::GpuProducer::connect("/run/tp.sock", "gpu-prep", &gpu, 4, 1 << 20)?;
+/// use tensorport_cuda::{Fence, GpuProducer};
+/// let mut p = GpuProducer::connect_with("/run/tp.sock", "gpu-prep", &gpu, 4, 1 << 20, Fence::Timeline)?;
 /// let b = p.acquire(std::time::Duration::from_secs(5))?; // a buffer the server is done with
-/// p.buffer(b).fill_u32_async(7, p.stream())?;            // GPU work on p.stream()
-/// let id = p.submit(b, &TensorSpec::new(DType::I32, &[1 << 18]))?; // records "ready", sends
+/// p.buffer(b).fill_u32_range_async(0, p.buffer_len(), 7, p.stream())?; // GPU work on p.stream()
+/// let id = p.submit(b, &TensorSpec::new(DType::I32, &[1 << 18]))?; // fences and sends
 /// # Ok(()) }
 /// ```
 pub struct GpuProducer {
     producer: Producer,
     gpu: Arc<Gpu>,
+    fence: Fence,
     stream: Stream,
     buffers: Vec<OwnBuffer>,
     order: VecDeque<usize>,
@@ -168,19 +231,33 @@ impl std::fmt::Debug for GpuProducer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("GpuProducer")
             .field("buffers", &self.buffers.len())
+            .field("fence", &self.fence)
             .finish()
     }
 }
 
 impl GpuProducer {
-    /// Connects, allocates `count` buffers of at least `len` bytes (rounded up to 2 MiB, so no
-    /// other allocation shares their IPC mapping), and registers them with the server.
+    /// [`GpuProducer::connect_with`] event fences.
     pub fn connect(
         socket: impl AsRef<Path>,
         name: &str,
         gpu: &Arc<Gpu>,
         count: usize,
         len: usize,
+    ) -> Result<GpuProducer> {
+        Self::connect_with(socket, name, gpu, count, len, Fence::Event)
+    }
+
+    /// Connects, allocates `count` buffers of at least `len` bytes of tensor data (each its own
+    /// allocation, rounded up to 2 MiB so no other allocation shares its IPC mapping), and
+    /// registers them with the server, fenced by `fence`.
+    pub fn connect_with(
+        socket: impl AsRef<Path>,
+        name: &str,
+        gpu: &Arc<Gpu>,
+        count: usize,
+        len: usize,
+        fence: Fence,
     ) -> Result<GpuProducer> {
         let mut cfg = ProducerConfig::new(name);
         // No host slots are used, but the session's in-flight limit (twice its slots) must
@@ -189,39 +266,59 @@ impl GpuProducer {
         cfg.slot_size = 4096;
         let mut producer = Producer::connect(socket, cfg)?;
         let stream = Stream::new(gpu)?;
-        let len = len.next_multiple_of(2 << 20);
+        // Event mode: the whole allocation is tensor data. Timeline mode: 16 bytes of
+        // semaphores follow the data, zeroed before the server sees them.
+        let alloc = (len + 16).next_multiple_of(2 << 20);
+        let len = match fence {
+            Fence::Event => alloc,
+            Fence::Timeline => alloc - 16,
+        };
         let d = gpu.driver();
         let mut buffers = Vec::with_capacity(count);
         for i in 0..count {
-            let mem = DeviceBuffer::new(gpu, len)?;
-            let ready = d.event_create_interprocess()?;
-            let memory = d.ipc_get_mem_handle(mem.ptr())?;
-            // SAFETY: `ready` was just created as an interprocess event.
-            let event = unsafe { d.ipc_get_event_handle(ready)? };
-            let rel = producer.register_device(
-                i as u32,
-                len as u64,
-                RawDeviceHandle::LegacyIpc {
-                    memory: memory.to_vec(),
-                    event: event.to_vec(),
-                },
-                Duration::from_secs(10),
-            )?;
-            let rel: [u8; 64] = rel.as_slice().try_into().map_err(|_| Error::Call {
-                call: "DeviceRegistered",
-                code: 0,
-                message: "release event handle is not 64 bytes".into(),
-            })?;
-            let released = d.ipc_open_event_handle(&rel)?;
+            let mem = DeviceBuffer::new(gpu, alloc)?;
+            let memory = d.ipc_get_mem_handle(mem.ptr())?.to_vec();
+            let (ready, handle) = match fence {
+                Fence::Event => {
+                    let ready = d.event_create_interprocess()?;
+                    // SAFETY: `ready` was just created as an interprocess event.
+                    let event = unsafe { d.ipc_get_event_handle(ready)? }.to_vec();
+                    (ready, RawDeviceHandle::LegacyIpc { memory, event })
+                }
+                Fence::Timeline => {
+                    mem.fill_u32_range_async(len, 16, 0, &stream)?;
+                    stream.synchronize()?;
+                    (
+                        std::ptr::null_mut(),
+                        RawDeviceHandle::LegacyIpcTimeline { memory },
+                    )
+                }
+            };
+            let rel =
+                producer.register_device(i as u32, len as u64, handle, Duration::from_secs(10))?;
+            let released = match fence {
+                Fence::Event => {
+                    let rel: [u8; 64] = rel.as_slice().try_into().map_err(|_| Error::Call {
+                        call: "DeviceRegistered",
+                        code: 0,
+                        message: "release event handle is not 64 bytes".into(),
+                    })?;
+                    d.ipc_open_event_handle(&rel)?
+                }
+                Fence::Timeline => std::ptr::null_mut(),
+            };
             buffers.push(OwnBuffer {
                 mem,
+                len,
                 ready,
                 released,
+                seq: 0,
             });
         }
         Ok(GpuProducer {
             producer,
             gpu: gpu.clone(),
+            fence,
             stream,
             order: (0..count).collect(),
             buffers,
@@ -235,18 +332,32 @@ impl GpuProducer {
         self.producer.wait_device(i as u32, timeout)?;
         self.order.rotate_left(1);
         self.gpu.bind()?;
-        // SAFETY: our stream and the server's release event (opened in `connect`) are live.
+        let b = &self.buffers[i];
+        let d = self.gpu.driver();
+        // SAFETY: our stream, the server's release event (opened in `connect_with`) and the
+        // buffer's "released" semaphore (inside our own allocation) are live.
         unsafe {
-            self.gpu
-                .driver()
-                .stream_wait_event(self.stream.raw().cast(), self.buffers[i].released)?
-        };
+            match self.fence {
+                Fence::Event => d.stream_wait_event(self.stream.raw().cast(), b.released)?,
+                Fence::Timeline if b.seq > 0 => d.stream_wait_value64(
+                    self.stream.raw().cast(),
+                    b.mem.ptr() + b.len as u64 + 8,
+                    b.seq,
+                )?,
+                Fence::Timeline => {}
+            }
+        }
         Ok(i)
     }
 
-    /// Buffer `i`.
+    /// Buffer `i` (its first [`GpuProducer::buffer_len`] bytes are tensor data).
     pub fn buffer(&self, i: usize) -> &DeviceBuffer {
         &self.buffers[i].mem
+    }
+
+    /// Bytes of tensor data in each buffer.
+    pub fn buffer_len(&self) -> usize {
+        self.buffers[0].len
     }
 
     /// The stream to write buffers on.
@@ -254,17 +365,27 @@ impl GpuProducer {
         &self.stream
     }
 
-    /// Records buffer `i`'s "ready" event after the work enqueued so far and submits `spec` in
-    /// it; returns the request id.
+    /// Fences buffer `i` after the work enqueued so far (records "ready", or writes the next
+    /// timeline value) and submits `spec` in it; returns the request id.
     pub fn submit(&mut self, i: usize, spec: &TensorSpec) -> Result<u64> {
         self.gpu.bind()?;
-        // SAFETY: both handles are live and belong to the bound context.
-        unsafe {
-            self.gpu
-                .driver()
-                .event_record(self.buffers[i].ready, self.stream.raw().cast())?
+        let d = self.gpu.driver();
+        let stream = self.stream.raw().cast();
+        let b = &mut self.buffers[i];
+        let timeline = match self.fence {
+            Fence::Event => {
+                // SAFETY: both handles are live and belong to the bound context.
+                unsafe { d.event_record(b.ready, stream)? };
+                None
+            }
+            Fence::Timeline => {
+                b.seq += 1;
+                // SAFETY: the semaphore is inside our own live allocation.
+                unsafe { d.stream_write_value64(stream, b.mem.ptr() + b.len as u64, b.seq)? };
+                Some(b.seq)
+            }
         };
-        Ok(self.producer.submit_device(i as u32, spec)?)
+        Ok(self.producer.submit_device(i as u32, spec, timeline)?)
     }
 
     /// The underlying producer (results, status).
@@ -278,10 +399,14 @@ impl Drop for GpuProducer {
         let _ = self.stream.synchronize();
         let d = self.gpu.driver();
         for b in &self.buffers {
-            // SAFETY: created/opened in `connect`, not used after this.
+            // SAFETY: created/opened in `connect_with` (or null), not used after this.
             unsafe {
-                let _ = d.event_destroy(b.ready);
-                let _ = d.event_destroy(b.released);
+                if !b.ready.is_null() {
+                    let _ = d.event_destroy(b.ready);
+                }
+                if !b.released.is_null() {
+                    let _ = d.event_destroy(b.released);
+                }
             }
         }
     }

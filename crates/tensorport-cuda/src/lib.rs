@@ -25,7 +25,7 @@ pub use gpu::{
     bench_h2d, live_registrations, probe, Capabilities, CudaPin, DeviceBuffer, DeviceInfo, Event,
     Gpu, H2dBench, PinnedBuffer, Stream,
 };
-pub use ipc::{live_imports, CudaImporter, GpuProducer};
+pub use ipc::{live_imports, CudaImporter, Fence, GpuProducer};
 
 use thiserror::Error;
 

@@ -103,6 +103,7 @@ pub struct TensorDesc {
     len: u64,
     numel: u64,
     location: Location,
+    timeline: Option<u64>,
 }
 
 impl TensorDesc {
@@ -143,6 +144,11 @@ impl TensorDesc {
         match self.location {
             Location::HostSlot(s) | Location::DeviceBuffer(s) => s,
         }
+    }
+
+    /// The `Timeline` fence value a device tensor carries, if any.
+    pub fn timeline(&self) -> Option<u64> {
+        self.timeline
     }
 
     /// Whether the bytes are in device memory.
@@ -277,13 +283,33 @@ pub fn validate_in(
             Location::DeviceBuffer(*s)
         }
     };
-    if let Some(f) = &raw.fence {
-        // Version 1 fences device buffers with the event registered with each buffer.
-        return Err(WireError::Unsupported(match f {
-            RawFence::CudaIpcEvent(_) => "a per-descriptor CUDA IPC event fence".into(),
-            RawFence::Timeline { .. } => "a timeline fence".into(),
-        }));
-    }
+    // Device buffers are fenced by the event registered with them, or by a timeline value on
+    // the buffer's own semaphore (semaphore 0); nothing else is supported.
+    let timeline = match (&raw.fence, location) {
+        (None, _) => None,
+        (
+            Some(RawFence::Timeline {
+                semaphore: 0,
+                value,
+            }),
+            Location::DeviceBuffer(_),
+        ) => Some(*value),
+        (Some(RawFence::Timeline { .. }), Location::DeviceBuffer(_)) => {
+            return Err(WireError::Unsupported(
+                "a timeline fence on a semaphore other than the buffer's own (0)".into(),
+            ))
+        }
+        (Some(RawFence::Timeline { .. }), Location::HostSlot(_)) => {
+            return Err(WireError::Unsupported(
+                "a timeline fence on a host slot".into(),
+            ))
+        }
+        (Some(RawFence::CudaIpcEvent(_)), _) => {
+            return Err(WireError::Unsupported(
+                "a per-descriptor CUDA IPC event fence".into(),
+            ))
+        }
+    };
     Ok(TensorDesc {
         dtype,
         rank: rank as u8,
@@ -294,6 +320,7 @@ pub fn validate_in(
         len: raw.len,
         numel,
         location,
+        timeline,
     })
 }
 

@@ -70,6 +70,15 @@ pub enum RawDeviceHandle {
         /// The "ready" event handle.
         event: Vec<u8>,
     },
+    /// Legacy CUDA IPC with timeline fences: a `cuIpcGetMemHandle` of an allocation that holds
+    /// the buffer's `len` bytes followed by two 64-bit semaphores, "ready" at byte `len` (the
+    /// client writes a growing value there on its stream after writing the buffer, and puts the
+    /// value in the descriptor's `Timeline` fence) and "released" at `len + 8` (the server writes
+    /// the same value there on its stream after its reads).
+    LegacyIpcTimeline {
+        /// The memory handle.
+        memory: Vec<u8>,
+    },
 }
 
 /// A GPU-side fence a consumer must wait on before reading (device path; refused on host slots).
@@ -270,7 +279,9 @@ pub enum ServerMsg {
     Draining,
     /// A device buffer is open in the server. Before writing the buffer again after a
     /// `DeviceReleased`, the client makes its stream wait on `release_event` (a
-    /// `cuIpcGetEventHandle`, 64 bytes), which the server records once it is done reading.
+    /// `cuIpcGetEventHandle`, 64 bytes), which the server records once it is done reading; for a
+    /// timeline buffer `release_event` is empty and the client waits on the "released"
+    /// semaphore instead.
     DeviceRegistered {
         /// The client's buffer number.
         buffer: u32,
@@ -343,6 +354,10 @@ pub fn decode_client(payload: &[u8]) -> Result<ClientMsg, WireError> {
             check_handle("IPC memory handle", memory)?;
             check_handle("IPC event handle", event)?;
         }
+        ClientMsg::RegisterDevice {
+            handle: RawDeviceHandle::LegacyIpcTimeline { memory },
+            ..
+        } => check_handle("IPC memory handle", memory)?,
         _ => {}
     }
     Ok(msg)
@@ -360,6 +375,9 @@ pub fn decode_server(payload: &[u8]) -> Result<ServerMsg, WireError> {
             outcome: Outcome::Err { message, .. },
             ..
         } => check_len("error message", message.len(), MAX_MESSAGE_LEN)?,
+        ServerMsg::DeviceRegistered { release_event, .. } if !release_event.is_empty() => {
+            check_handle("IPC event handle", release_event)?
+        }
         _ => {}
     }
     Ok(msg)

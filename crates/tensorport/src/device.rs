@@ -37,16 +37,29 @@ pub trait ImportedDevice: Send + Sync {
     }
     /// The handle of the server's "released" event, for the producer (64 bytes).
     fn release_event_handle(&self) -> Vec<u8>;
-    /// Makes `stream` wait for the producer's latest "ready" record.
+    /// Whether the buffer is fenced by timeline values (each submit must carry one) rather than
+    /// by its registered event (no submit may carry one).
+    fn timeline(&self) -> bool;
+    /// Makes `stream` wait for the producer's writes: its latest "ready" record, or the "ready"
+    /// semaphore reaching `value`.
     ///
     /// # Safety
     /// `stream` must be a live CUDA stream of the context the buffer was imported into.
-    unsafe fn wait_ready(&self, stream: *mut c_void) -> std::result::Result<(), String>;
-    /// Records the "released" event on `stream`, after the work that reads the buffer.
+    unsafe fn wait_ready(
+        &self,
+        stream: *mut c_void,
+        value: Option<u64>,
+    ) -> std::result::Result<(), String>;
+    /// Signals "released" on `stream` after the work that reads the buffer: records the event, or
+    /// writes `value` to the "released" semaphore.
     ///
     /// # Safety
     /// As for [`ImportedDevice::wait_ready`].
-    unsafe fn record_release(&self, stream: *mut c_void) -> std::result::Result<(), String>;
+    unsafe fn record_release(
+        &self,
+        stream: *mut c_void,
+        value: Option<u64>,
+    ) -> std::result::Result<(), String>;
 }
 
 /// A submitted tensor in a producer's device buffer, as the consumer sees it.
@@ -55,6 +68,7 @@ pub struct DeviceTensor {
     pub(crate) buffer: Arc<dyn ImportedDevice>,
     pub(crate) offset: u64,
     pub(crate) len: u64,
+    pub(crate) timeline: Option<u64>,
 }
 
 impl std::fmt::Debug for DeviceTensor {
@@ -85,7 +99,7 @@ impl DeviceTensor {
     /// `stream` must be a live CUDA stream of the server's device context.
     pub unsafe fn wait_ready(&self, stream: *mut c_void) -> std::result::Result<(), String> {
         // SAFETY: the caller's contract.
-        unsafe { self.buffer.wait_ready(stream) }
+        unsafe { self.buffer.wait_ready(stream, self.timeline) }
     }
     /// Records, on `stream`, that the reads enqueued so far are all the server does with the
     /// buffer. Call before releasing the request.
@@ -94,6 +108,6 @@ impl DeviceTensor {
     /// As for [`DeviceTensor::wait_ready`].
     pub unsafe fn record_release(&self, stream: *mut c_void) -> std::result::Result<(), String> {
         // SAFETY: the caller's contract.
-        unsafe { self.buffer.record_release(stream) }
+        unsafe { self.buffer.record_release(stream, self.timeline) }
     }
 }

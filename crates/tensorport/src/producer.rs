@@ -512,9 +512,15 @@ impl Producer {
         }
     }
 
-    /// Submits the tensor `spec` in device `buffer`, which the caller has written and whose
-    /// "ready" event it has recorded after the writes. Returns the request id.
-    pub fn submit_device(&mut self, buffer: u32, spec: &TensorSpec) -> Result<u64> {
+    /// Submits the tensor `spec` in device `buffer`, which the caller has written and fenced:
+    /// recorded its "ready" event after the writes (`timeline: None`), or written `timeline`'s
+    /// value to its "ready" semaphore (a timeline buffer). Returns the request id.
+    pub fn submit_device(
+        &mut self,
+        buffer: u32,
+        spec: &TensorSpec,
+        timeline: Option<u64>,
+    ) -> Result<u64> {
         let d = self.devices.get(&buffer).cloned().ok_or_else(|| {
             Error::InvalidTensor(format!("device buffer {buffer} is not registered"))
         })?;
@@ -525,10 +531,14 @@ impl Producer {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let raw = spec.to_raw(RawLocation::DeviceBuffer(SlotRef {
+        let mut raw = spec.to_raw(RawLocation::DeviceBuffer(SlotRef {
             slot: buffer,
             generation: d.generation,
         }))?;
+        raw.fence = timeline.map(|value| tensorport_wire::RawFence::Timeline {
+            semaphore: 0,
+            value,
+        });
         self.check_and_send(id, raw, Held::Device(buffer))?;
         if let Some(d) = self.devices.get_mut(&buffer) {
             d.in_flight = true;

@@ -1140,11 +1140,23 @@ fn submit(
                     ),
                 ));
             }
+            if e.imported.timeline() != desc.timeline().is_some() {
+                let why = if e.imported.timeline() {
+                    "is timeline-fenced: each submit needs a Timeline fence"
+                } else {
+                    "is event-fenced: submits carry no fence"
+                };
+                return Err((
+                    ErrorCode::Unsupported,
+                    format!("device buffer {} {why}", slot.slot),
+                ));
+            }
             e.in_flight = true;
             device = Some(DeviceTensor {
                 buffer: e.imported.clone(),
                 offset: desc.offset(),
                 len: desc.byte_len(),
+                timeline: desc.timeline(),
             });
         } else {
             st.slots
