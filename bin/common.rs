@@ -88,7 +88,7 @@ impl SocketArg {
     }
 }
 
-/// The model's shape; server and producers must agree on the image size.
+/// The model, and how the server runs it; server and producers must agree on the image size.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
     /// Side of the square input images, in pixels (a multiple of 8).
@@ -107,6 +107,15 @@ pub struct ModelArgs {
     /// Seed for the weights when no --weights file is given.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Run the model on this device. `cuda` needs a build with `--features cuda`.
+    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
+    pub device: String,
+    /// Largest batch the model runs.
+    #[arg(long, default_value_t = 32)]
+    pub max_batch: usize,
+    /// How long a batch waits for more requests after its first, in milliseconds.
+    #[arg(long, default_value_t = 5)]
+    pub max_wait_ms: u64,
 }
 
 impl ModelArgs {
@@ -129,6 +138,12 @@ impl ModelArgs {
             self.width.to_string(),
             "--seed".into(),
             self.seed.to_string(),
+            "--device".into(),
+            self.device.clone(),
+            "--max-batch".into(),
+            self.max_batch.to_string(),
+            "--max-wait-ms".into(),
+            self.max_wait_ms.to_string(),
         ];
         if let Some(w) = &self.weights {
             v.push("--weights".into());

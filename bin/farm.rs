@@ -36,15 +36,6 @@ pub struct Args {
     pub output: PathBuf,
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Run the model on this device. `cuda` needs a build with `--features cuda`.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
-    pub device: String,
-    /// Largest batch the model runs.
-    #[arg(long, default_value_t = 32)]
-    pub max_batch: usize,
-    /// How long a batch waits for more requests after its first, in milliseconds.
-    #[arg(long, default_value_t = 5)]
-    pub max_wait_ms: u64,
     /// Requests each producer keeps in flight.
     #[arg(long, default_value_t = 8)]
     pub in_flight: u32,
@@ -212,12 +203,6 @@ impl Farm {
         let a = &self.args;
         let mut c = self.command("serve");
         c.args(a.model.to_args())
-            .arg("--device")
-            .arg(&a.device)
-            .arg("--max-batch")
-            .arg(a.max_batch.to_string())
-            .arg("--max-wait-ms")
-            .arg(a.max_wait_ms.to_string())
             .arg("--slots")
             .arg(a.in_flight.to_string())
             .arg("--max-sessions")
@@ -692,7 +677,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         percentile(&latencies, 0.5),
         percentile(&latencies, 0.99),
         last_batches.0,
-        farm.args.max_batch,
+        farm.args.model.max_batch,
         if server_restarts > 0 {
             " since the last server start"
         } else {

@@ -23,15 +23,6 @@ pub struct Args {
     pub socket: SocketArg,
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Run the model on this device. `cuda` needs a build with `--features cuda`.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
-    pub device: String,
-    /// Largest batch the model runs.
-    #[arg(long, default_value_t = 32)]
-    pub max_batch: usize,
-    /// How long a batch waits for more requests after its first, in milliseconds.
-    #[arg(long, default_value_t = 5)]
-    pub max_wait_ms: u64,
     /// Slots per producer, unless the producer asks otherwise.
     #[arg(long, default_value_t = 8)]
     pub slots: u32,
@@ -53,10 +44,10 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             .build_global()
             .map_err(|e| CliError::new(format!("cannot size the thread pool: {e}")))?;
     }
-    if a.max_batch == 0 {
+    if a.model.max_batch == 0 {
         return Err(CliError::usage("--max-batch must be at least 1"));
     }
-    if a.device == "cuda" {
+    if a.model.device == "cuda" {
         return run_cuda(a);
     }
     serve_on(Cpu::default(), a, None, stack_images)
@@ -107,10 +98,10 @@ fn serve_on<D: Device<f32>>(
     tracing::info!(
         image_size = cfg.image_size,
         classes = cfg.classes,
-        max_batch = a.max_batch,
+        max_batch = a.model.max_batch,
         "serving the model"
     );
-    let max_wait = Duration::from_millis(a.max_wait_ms);
+    let max_wait = Duration::from_millis(a.model.max_wait_ms);
     let started = Instant::now();
     let mut images = 0u64;
     let mut draining = false;
@@ -119,7 +110,8 @@ fn serve_on<D: Device<f32>>(
             draining = true;
             server.drain();
         }
-        let batch = match server.recv_batch(a.max_batch, Duration::from_millis(100), max_wait) {
+        let batch = match server.recv_batch(a.model.max_batch, Duration::from_millis(100), max_wait)
+        {
             Ok(b) => b,
             Err(tensorport::Error::Stopped) => break,
             Err(e) => return Err(e.into()),

@@ -162,19 +162,20 @@ fn count_lines(p: &Path) -> usize {
         .unwrap_or(0)
 }
 
-#[test]
-fn farm_survives_a_sigkilled_producer_every_input_once() {
+/// Runs a farm over 600 inputs, SIGKILLs one of its `children_expected` children whose command line contains
+/// `needle` once results flow, and checks that every input still got exactly one right line.
+/// Returns the farm's stdout and stderr.
+fn farm_with_a_kill(needle: &str, children_expected: usize) -> (String, String) {
     let dir = tmp();
     let out = dir.path().join("r.jsonl");
     let n = 600;
     let child = farm_cmd(&out, n, 3).spawn().unwrap();
     let farm_pid = child.id();
-    // Wait until work is flowing, then kill one producer.
     let t = Instant::now();
     let victim = loop {
-        let kids = children(farm_pid, "produce");
-        if kids.len() == 3 && count_lines(&out) >= 40 {
-            break kids[1];
+        let kids = children(farm_pid, needle);
+        if kids.len() == children_expected && count_lines(&out) >= 40 {
+            break kids[children_expected / 2];
         }
         assert!(
             t.elapsed() < Duration::from_secs(60),
@@ -188,15 +189,21 @@ fn farm_survives_a_sigkilled_producer_every_input_once() {
     )
     .unwrap();
     let o = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let stderr = String::from_utf8_lossy(&o.stderr);
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "farm failed:\n{stdout}\n{stderr}");
+    check_results(&out, n);
+    (stdout, stderr)
+}
+
+#[test]
+fn farm_survives_a_sigkilled_producer_every_input_once() {
+    let (stdout, stderr) = farm_with_a_kill("produce", 3);
     assert!(
         stderr.contains("killed by SIGKILL"),
         "the farm did not notice: {stderr}"
     );
     assert!(stdout.contains("(1 restarts)"), "{stdout}");
-    check_results(&out, n);
 }
 
 fn run(args: &[&str]) -> (bool, String, String) {
@@ -368,36 +375,10 @@ fn errors_are_one_line_and_say_what_to_do() {
 
 #[test]
 fn farm_survives_a_sigkilled_server_every_input_once() {
-    let dir = tmp();
-    let out = dir.path().join("r.jsonl");
-    let n = 600;
-    let child = farm_cmd(&out, n, 3).spawn().unwrap();
-    let farm_pid = child.id();
-    let t = Instant::now();
-    let server = loop {
-        let s = children(farm_pid, "serve");
-        if s.len() == 1 && count_lines(&out) >= 40 {
-            break s[0];
-        }
-        assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "farm made no progress"
-        );
-        std::thread::sleep(Duration::from_millis(10));
-    };
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(server),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    let o = child.wait_with_output().unwrap();
-    let stdout = String::from_utf8_lossy(&o.stdout);
-    let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "farm failed:\n{stdout}\n{stderr}");
+    let (stdout, stderr) = farm_with_a_kill("serve", 1);
     assert!(
         stderr.contains("server ended (killed by SIGKILL)"),
         "{stderr}"
     );
     assert!(stdout.contains("server restarts 1"), "{stdout}");
-    check_results(&out, n);
 }

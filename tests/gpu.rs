@@ -172,27 +172,9 @@ fn pinned_four_producers() {
     let (_dir, sock) = socket_dir();
     let maps0 = pool_mappings();
     let srv = GpuServer::start(&sock);
-    let mut kids: Vec<ChildGuard> = (0..4)
-        .map(|i| {
-            spawn_child(
-                "producer",
-                &[
-                    socket_env(&sock),
-                    ("TP_ID", i.to_string()),
-                    ("TP_COUNT", "1000".into()),
-                ],
-            )
-        })
-        .collect();
+    let mut kids = spawn_checked_producers(&sock, 4, 1000);
     assert!(eventually(Duration::from_secs(10), || live_registrations() == 4));
-    for k in kids.iter_mut() {
-        let out = k.wait_ok(Duration::from_secs(120));
-        assert!(
-            out.status.success(),
-            "{}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    wait_all_ok(&mut kids, Duration::from_secs(120));
     println!(
         "  {} tensors through the GPU, {} torn",
         srv.verified.load(Ordering::SeqCst),
@@ -395,15 +377,7 @@ fn four_gpu_producers(fence: &str) {
         "imports {}",
         live_imports()
     );
-    for k in kids.iter_mut() {
-        let out = k.wait_ok(Duration::from_secs(120));
-        assert!(
-            out.status.success(),
-            "{}{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    wait_all_ok(&mut kids, Duration::from_secs(120));
     println!(
         "  {} device hand-offs copied and checked, {} torn or stale",
         srv.verified.load(Ordering::SeqCst),

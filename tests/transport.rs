@@ -184,27 +184,8 @@ fn four_producers() {
     let maps0 = pool_mappings();
     let srv = CheckingServer::start(ServerConfig::new(&sock));
     let fds_listening = open_fds();
-    let mut kids: Vec<ChildGuard> = (0..4)
-        .map(|i| {
-            spawn_child(
-                "producer",
-                &[
-                    socket_env(&sock),
-                    ("TP_ID", i.to_string()),
-                    ("TP_COUNT", "1000".into()),
-                ],
-            )
-        })
-        .collect();
-    for (i, k) in kids.iter_mut().enumerate() {
-        let out = k.wait_ok(Duration::from_secs(120));
-        assert!(
-            out.status.success(),
-            "producer {i} failed: {}\n{}",
-            String::from_utf8_lossy(&out.stdout),
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    let mut kids = spawn_checked_producers(&sock, 4, 1000);
+    wait_all_ok(&mut kids, Duration::from_secs(120));
     assert_eq!(srv.verified.load(Ordering::SeqCst), 4000);
     assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
     let st = srv.server.status();
@@ -236,18 +217,7 @@ fn killed_producer() {
     // Hold the first 3 tensors of the slow producer, so it dies with slots submitted to us.
     *srv.hold_from.lock().unwrap() = Some(("slow-producer".into(), 3));
     let mut slow = spawn_child("slow-producer", &[socket_env(&sock)]);
-    let mut kids: Vec<ChildGuard> = (0..3)
-        .map(|i| {
-            spawn_child(
-                "producer",
-                &[
-                    socket_env(&sock),
-                    ("TP_ID", i.to_string()),
-                    ("TP_COUNT", "300".into()),
-                ],
-            )
-        })
-        .collect();
+    let mut kids = spawn_checked_producers(&sock, 3, 300);
     // Let the slow producer get tensors in, then kill it, most likely mid-write.
     assert!(eventually(Duration::from_secs(20), || srv
         .per_producer
@@ -279,14 +249,7 @@ fn killed_producer() {
         }
     }
     srv.held.lock().unwrap().clear();
-    for (i, k) in kids.iter_mut().enumerate() {
-        let out = k.wait_ok(Duration::from_secs(120));
-        assert!(
-            out.status.success(),
-            "producer {i} failed: {}",
-            String::from_utf8_lossy(&out.stderr)
-        );
-    }
+    wait_all_ok(&mut kids, Duration::from_secs(120));
     assert_eq!(
         srv.torn.load(Ordering::SeqCst),
         0,

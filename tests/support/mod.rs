@@ -417,3 +417,32 @@ pub fn checked_producer(socket: &str) {
     println!("ok={ok} bad={bad} missing={}", expected.len());
     std::process::exit(if ok == count && bad == 0 { 0 } else { 1 });
 }
+
+/// Starts `n` [`checked_producer`] processes (ids 0..n) of `count` tensors each.
+pub fn spawn_checked_producers(sock: &Path, n: usize, count: u64) -> Vec<ChildGuard> {
+    (0..n)
+        .map(|i| {
+            spawn_child(
+                "producer",
+                &[
+                    socket_env(sock),
+                    ("TP_ID", i.to_string()),
+                    ("TP_COUNT", count.to_string()),
+                ],
+            )
+        })
+        .collect()
+}
+
+/// Waits for every child to exit successfully (each within `timeout`).
+pub fn wait_all_ok(kids: &mut [ChildGuard], timeout: Duration) {
+    for (i, k) in kids.iter_mut().enumerate() {
+        let out = k.wait_ok(timeout);
+        assert!(
+            out.status.success(),
+            "producer {i} failed: {}\n{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+}
