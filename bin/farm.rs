@@ -67,7 +67,7 @@ impl Console {
         let mut drawn = self.drawn.lock().unwrap();
         let mut err = std::io::stderr().lock();
         if self.tty && *drawn > 0 {
-            let _ = write!(err, "\x1b[{}A\x1b[J", *drawn);
+            let _ = write!(err, "\r\x1b[{}A\x1b[J", *drawn);
             *drawn = 0;
         }
         let _ = writeln!(err, "{line}");
@@ -79,7 +79,7 @@ impl Console {
         let mut drawn = self.drawn.lock().unwrap();
         let mut err = std::io::stderr().lock();
         if *drawn > 0 {
-            let _ = write!(err, "\x1b[{}A\x1b[J", *drawn);
+            let _ = write!(err, "\r\x1b[{}A\x1b[J", *drawn);
         }
         for l in lines {
             let _ = writeln!(err, "{l}");

@@ -22,6 +22,7 @@ fn main() {
         &[
             ("chaos_200_sigkills_at_random_moments", chaos),
             ("hostile_slot_abuse_and_fd_floods", hostile_slots),
+            ("truncated_and_lying_frames", lying_frames),
             ("another_uid_is_refused", other_uid),
             ("connection_flood_is_bounded", flood),
             ("in_flight_limit_holds", in_flight_limit),
@@ -544,5 +545,58 @@ fn stalled_reader() {
         .unwrap()
         .result
         .is_ok());
+    stop.store(true, Ordering::SeqCst);
+}
+
+fn lying_frames() {
+    let (_dir, sock) = socket_dir();
+    let (server, _ok, torn, stop) = checking_server(ServerConfig::new(&sock));
+    let submit_bytes = |slot: SlotRef| encode_frame(&submit(slot, 1)).unwrap()[4..].to_vec();
+    // A length that lies short: the payload ends mid-message.
+    let mut r = Raw::connect(&sock);
+    let (_, g) = r.hello(2);
+    let body = submit_bytes(g[0]);
+    let mut f = 3u32.to_le_bytes().to_vec();
+    f.extend(&body[..3]);
+    r.send_bytes(&f);
+    r.expect_error(ErrorCode::Malformed, true);
+    // A length that lies long: a whole message, then bytes that are not one.
+    let mut r = Raw::connect(&sock);
+    let (_, g) = r.hello(2);
+    let mut body = submit_bytes(g[0]);
+    body.extend([0xAA; 40]);
+    let mut f = (body.len() as u32).to_le_bytes().to_vec();
+    f.extend(&body);
+    r.send_bytes(&f);
+    r.expect_error(ErrorCode::Malformed, true);
+    // A frame cut off by the client going away: the server drops the session, and nothing else.
+    assert!(eventually(Duration::from_secs(2), || server
+        .status()
+        .sessions
+        .is_empty()));
+    let before = server.status().totals.sessions_reclaimed;
+    let mut r = Raw::connect(&sock);
+    r.hello(2);
+    let mut f = 100u32.to_le_bytes().to_vec();
+    f.extend([0u8; 10]);
+    r.send_bytes(&f);
+    drop(r);
+    assert!(eventually(Duration::from_secs(2), || server
+        .status()
+        .totals
+        .sessions_reclaimed
+        == before + 1));
+    // Others are served throughout.
+    let mut p = Producer::connect(&sock, ProducerConfig::new("after")).unwrap();
+    let mut l = p.lease(Duration::from_secs(2)).unwrap();
+    fill(9, &mut l.bytes_mut()[..64]);
+    l.submit(&TensorSpec::new(DType::U8, &[64])).unwrap();
+    assert!(p
+        .recv_result(Duration::from_secs(2))
+        .unwrap()
+        .result
+        .is_ok());
+    assert_eq!(torn.load(Ordering::SeqCst), 0);
+    assert!(server.status().totals.protocol_errors >= 2);
     stop.store(true, Ordering::SeqCst);
 }

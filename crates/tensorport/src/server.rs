@@ -1241,6 +1241,14 @@ fn register_device(
 
 fn close_session(shared: &Shared, session: &Arc<Session>, clean: bool) {
     let was_alive = session.alive.swap(false, Ordering::SeqCst);
+    // Counted before the socket closes and the session leaves the table, so whoever sees either
+    // also sees the count.
+    if !clean {
+        shared
+            .counters
+            .sessions_reclaimed
+            .fetch_add(1, Ordering::SeqCst);
+    }
     if lock(&shared.sessions).remove(&session.id).is_some() {
         shared.producers.fetch_sub(1, Ordering::SeqCst);
     }
@@ -1249,10 +1257,6 @@ fn close_session(shared: &Shared, session: &Arc<Session>, clean: bool) {
     if clean {
         tracing::info!(session = session.id, producer = %session.name, "producer left");
     } else {
-        shared
-            .counters
-            .sessions_reclaimed
-            .fetch_add(1, Ordering::Relaxed);
         tracing::warn!(
             session = session.id,
             producer = %session.name,
