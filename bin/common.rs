@@ -91,6 +91,10 @@ impl SocketArg {
 /// The model, and how the server runs it; server and producers must agree on the image size.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
+    /// What the server runs on each batch: the bundled image classifier, or none (the batch is
+    /// only moved onto the device: a transport benchmark, like PyTorch's DataLoader one).
+    #[arg(long, default_value = "classifier", value_parser = ["classifier", "none"])]
+    pub model: String,
     /// Side of the square input images, in pixels (a multiple of 8).
     #[arg(long, default_value_t = 224)]
     pub image_size: usize,
@@ -130,6 +134,8 @@ impl ModelArgs {
     /// The same options as command-line arguments, to pass to a child process.
     pub fn to_args(&self) -> Vec<String> {
         let mut v = vec![
+            "--model".into(),
+            self.model.clone(),
             "--image-size".into(),
             self.image_size.to_string(),
             "--classes".into(),

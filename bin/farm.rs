@@ -51,6 +51,10 @@ pub struct Args {
     /// Restarts of one producer in a row without a result before the farm gives up on it.
     #[arg(long, default_value_t = 8)]
     pub max_restarts: u32,
+    /// Producers hand over a ready tensor for every input instead of preparing each (see
+    /// `produce --ready`).
+    #[arg(long)]
+    pub ready: bool,
     /// Log level of the server and producers (their stderr is shown prefixed with their name).
     #[arg(long, default_value = "warn")]
     pub child_log: String,
@@ -238,6 +242,9 @@ impl Farm {
             .arg("--in-flight")
             .arg(a.in_flight.to_string())
             .stdin(Stdio::piped());
+        if a.ready {
+            c.arg("--ready");
+        }
         let mut child = c
             .spawn()
             .map_err(|e| CliError::new(format!("cannot start {}: {e}", w.name)))?;

@@ -79,9 +79,10 @@ fn serve_on<D: Device<f32>>(
     stack: fn(&D, &[Request], [usize; 3]) -> Stacked<D>,
 ) -> CliResult<ExitCode> {
     let cfg = a.model.config();
-    let model = match &a.model.weights {
-        Some(p) => ImageClassifier::load(&dev, cfg, p)?,
-        None => ImageClassifier::from_seed(&dev, cfg, a.model.seed)?,
+    let model = match (a.model.model.as_str(), &a.model.weights) {
+        ("none", _) => None,
+        (_, Some(p)) => Some(ImageClassifier::load(&dev, cfg, p)?),
+        (_, None) => Some(ImageClassifier::from_seed(&dev, cfg, a.model.seed)?),
     };
     let shape = cfg.input_shape();
     let image_bytes = (shape.iter().product::<usize>() * 4) as u64;
@@ -130,12 +131,25 @@ fn serve_on<D: Device<f32>>(
             }
         }
         if let Some(x) = stacked.input {
-            let scores = model.forward(x);
-            for (row, i) in scores.iter().zip(stacked.used) {
-                if let Some(r) = responders[i].take() {
-                    let _ = r.respond(&scores_to_bytes(row));
+            match &model {
+                Some(m) => {
+                    let scores = m.forward(x);
+                    for (row, i) in scores.iter().zip(stacked.used) {
+                        if let Some(r) = responders[i].take() {
+                            let _ = r.respond(&scores_to_bytes(row));
+                        }
+                        images += 1;
+                    }
                 }
-                images += 1;
+                // No model: the batch is on the device; that was the job.
+                None => {
+                    for i in stacked.used {
+                        if let Some(r) = responders[i].take() {
+                            let _ = r.respond(&[]);
+                        }
+                        images += 1;
+                    }
+                }
             }
         }
     }
