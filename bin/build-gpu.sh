@@ -23,15 +23,26 @@ if [[ -z "${CUDA_ROOT:-}" ]]; then
   source "$env_sh"
 fi
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target/gpu}"
-cargo build --release --features cuda --bin tensorport
-test_bin=$(cargo test --release --features cuda --test gpu --no-run --message-format=json 2>/dev/null \
+# dfdx 0.13 keeps a CUDA tensor's device pointer private; bin/dfdx-0.13.0-device-ptr.patch (ours,
+# a few lines) adds an accessor. It is applied to a copy of dfdx made here, never committed, and
+# cargo is pointed at that copy for this build only (Cargo.lock is put back afterwards).
+cargo fetch --quiet
+dfdx_src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/dfdx-0.13.0 | head -1)
+patched="$CARGO_TARGET_DIR/dfdx-0.13.0-tensorport"
+rm -rf "$patched" && mkdir -p "$CARGO_TARGET_DIR" && cp -r "$dfdx_src" "$patched"
+patch --quiet -p1 -d "$patched" < bin/dfdx-0.13.0-device-ptr.patch
+cp Cargo.lock "$CARGO_TARGET_DIR/Cargo.lock.orig"
+trap 'cp "$CARGO_TARGET_DIR/Cargo.lock.orig" Cargo.lock' EXIT
+with_patch=(--config "patch.crates-io.dfdx.path=\"$patched\"")
+cargo build --release --features cuda "${with_patch[@]}" --bin tensorport
+test_bin=$(cargo test --release --features cuda "${with_patch[@]}" --test gpu --no-run --message-format=json 2>/dev/null \
   | grep '"name":"gpu"' | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 out=dist/gpu
 rm -rf "$out" && mkdir -p "$out/nvrtc"
 cp "$CARGO_TARGET_DIR/release/tensorport" "$out/tensorport"
 cp "$test_bin" "$out/gpu-tests"
 strip "$out/tensorport" "$out/gpu-tests" 2>/dev/null || true
-dfdx_out=$(dirname "$(ls -d "$CARGO_TARGET_DIR"/release/build/dfdx-*/out/cuda_utils.cuh | head -1)")
+dfdx_out=$(dirname "$(ls -td "$CARGO_TARGET_DIR"/release/build/dfdx-*/out/cuda_utils.cuh | head -1)")
 cp "$dfdx_out"/*.cuh "$out/nvrtc/"
 cat > "$out/install-nvrtc-paths.sh" <<SH
 #!/usr/bin/env bash

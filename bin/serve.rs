@@ -6,7 +6,7 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tensorport::{PinHook, Request, Server, ServerConfig};
+use tensorport::{DeviceImporter, PinHook, Request, Server, ServerConfig};
 use tensorport_dfdx::dfdx::prelude::{Cpu, Device};
 use tensorport_dfdx::{scores_to_bytes, stack_images, ImageClassifier, Stacked};
 
@@ -50,7 +50,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     if a.model.device == "cuda" {
         return run_cuda(a);
     }
-    serve_on(Cpu::default(), a, None, stack_images)
+    serve_on(Cpu::default(), a, Hooks::default(), &stack_images)
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -65,18 +65,37 @@ fn run_cuda(_a: Args) -> CliResult<ExitCode> {
 #[cfg(feature = "cuda")]
 fn run_cuda(a: Args) -> CliResult<ExitCode> {
     use tensorport_dfdx::dfdx::prelude::Cuda;
-    let gpu = tensorport_cuda::Gpu::open(0).map_err(|e| CliError::new(e.to_string()))?;
+    let cuda = |e: tensorport_cuda::Error| CliError::new(e.to_string());
+    let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
     let dev = Cuda::try_build(0, a.model.seed)
         .map_err(|e| CliError::new(format!("cannot start dfdx on CUDA device 0: {e:?}")))?;
-    let pin: Arc<dyn PinHook> = Arc::new(tensorport_cuda::CudaPin::new(gpu));
-    serve_on(dev, a, Some(pin), tensorport_dfdx::upload_images)
+    let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda)?;
+    let hooks = Hooks {
+        pin: Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone()))),
+        device: Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu))),
+    };
+    serve_on(dev, a, hooks, &move |dev: &Cuda,
+                                   reqs: &[Request],
+                                   shape| {
+        tensorport_dfdx::gather_on_device(dev, &stream, reqs, shape)
+    })
+}
+
+/// Builds a batch's model input from its requests (on the CPU: one copy; on the GPU: DMA).
+type StackFn<D> = dyn Fn(&D, &[Request], [usize; 3]) -> Stacked<D>;
+
+/// What the CUDA server plugs into the transport: pool pinning, device-buffer import.
+#[derive(Default)]
+struct Hooks {
+    pin: Option<Arc<dyn PinHook>>,
+    device: Option<Arc<dyn DeviceImporter>>,
 }
 
 fn serve_on<D: Device<f32>>(
     dev: D,
     a: Args,
-    pin: Option<Arc<dyn PinHook>>,
-    stack: fn(&D, &[Request], [usize; 3]) -> Stacked<D>,
+    hooks: Hooks,
+    stack: &StackFn<D>,
 ) -> CliResult<ExitCode> {
     let cfg = a.model.config();
     let model = match (a.model.model.as_str(), &a.model.weights) {
@@ -91,7 +110,8 @@ fn serve_on<D: Device<f32>>(
     sc.slots_per_session = a.slots.max(1);
     sc.slot_size = a.slot_size.unwrap_or(image_bytes);
     sc.max_sessions = a.max_sessions;
-    sc.pin = pin;
+    sc.pin = hooks.pin;
+    sc.device = hooks.device;
     let server = Server::bind(sc)?;
     let stop = crate::common::stop_flag();
     println!("ready {}", path.display());

@@ -18,8 +18,8 @@ use tensorport_cuda::{
 fn main() {
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 7 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 7 skipped");
+            println!("skipped: 8 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 8 skipped");
             return;
         }
     }
@@ -35,6 +35,7 @@ fn main() {
                 killed_producer,
             ),
             ("farm_on_cuda_matches_the_cpu_model", farm_on_cuda),
+            ("device_tensors_into_the_cuda_model", device_into_model),
             (
                 "device_ipc_four_gpu_producers_intact_and_fenced",
                 device_four_producers,
@@ -436,4 +437,66 @@ fn device_killed_producer() {
         free1 >> 20
     );
     assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
+}
+
+/// A GPU producer hands device tensors to `tensorport serve --device cuda`, which copies them
+/// device-to-device into the model's input: the scores equal the CPU model's on the same images.
+fn device_into_model() {
+    use tensorport_dfdx::dfdx::prelude::Cpu;
+    use tensorport_dfdx::{scores_from_bytes, ImageClassifier, ModelConfig};
+    let exe =
+        std::env::var("TENSORPORT_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tensorport").into());
+    let (_dir, sock) = socket_dir();
+    let size = 32usize;
+    let mut server = ChildGuard(Some(
+        std::process::Command::new(&exe)
+            .args([
+                "serve",
+                "--device",
+                "cuda",
+                "--image-size",
+                &size.to_string(),
+            ])
+            .arg("--socket")
+            .arg(&sock)
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    ));
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(server.0.as_mut().unwrap().stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert!(line.starts_with("ready"), "{line}");
+    let gpu = Gpu::open(0).unwrap();
+    let bytes = 3 * size * size * 4;
+    let mut p =
+        GpuProducer::connect_with(&sock, "gpu-images", &gpu, 2, bytes, Fence::Timeline).unwrap();
+    let cfg = ModelConfig {
+        image_size: size,
+        classes: 10,
+        width: 16,
+    };
+    let model = ImageClassifier::from_seed(&Cpu::default(), cfg, 0).unwrap();
+    let spec = TensorSpec::new(DType::F32, &[3, size as u64, size as u64]);
+    let mut worst = 0f32;
+    for k in 0..8 {
+        let v = -1.0 + 0.3 * k as f32;
+        let b = p.acquire(Duration::from_secs(20)).unwrap();
+        p.buffer(b)
+            .fill_u32_range_async(0, bytes, v.to_bits(), p.stream())
+            .unwrap();
+        p.submit(b, &spec).unwrap();
+        let c = p.producer().recv_result(Duration::from_secs(30)).unwrap();
+        let got = scores_from_bytes(&c.result.unwrap()).unwrap();
+        let want = &model.forward_flat(vec![v; 3 * size * size], 1)[0];
+        for (g, w) in got.iter().zip(want) {
+            worst = worst.max((g - w).abs() / (1.0 + w.abs()));
+        }
+    }
+    println!("  8 device images through the CUDA model; max relative difference from the CPU model {worst:.2e}");
+    assert!(worst <= 1e-3, "{worst}");
 }

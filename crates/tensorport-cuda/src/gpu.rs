@@ -264,6 +264,33 @@ impl Stream {
         // SAFETY: `raw` lives until `drop`; its context is bound.
         unsafe { self.gpu.driver.stream_sync(self.raw) }
     }
+    /// Copies `src` to device address `dst` on this stream (asynchronously; from pinned memory,
+    /// e.g. a registered pool slot, this is a DMA).
+    ///
+    /// # Safety
+    /// `dst..dst+src.len()` must be device memory of this context, and `src` must stay valid
+    /// and unchanged until the copy has run (synchronise before releasing it).
+    pub unsafe fn copy_host_to_device_async(&self, dst: u64, src: &[u8]) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: the caller's contract.
+        unsafe {
+            self.gpu
+                .driver
+                .memcpy_htod_async(dst, src.as_ptr(), src.len(), self.raw)
+        }
+    }
+
+    /// Copies `len` bytes from device address `src` to `dst` on this stream (asynchronously).
+    ///
+    /// # Safety
+    /// Both ranges must be device memory of (or imported into) this context, valid until the
+    /// copy has run.
+    pub unsafe fn copy_device_to_device_async(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: the caller's contract.
+        unsafe { self.gpu.driver.memcpy_dtod_async(dst, src, len, self.raw) }
+    }
+
     /// Records an event now and returns it; [`Event::wait`] blocks until the work before it ran.
     pub fn record(&self) -> Result<Event> {
         self.gpu.bind()?;

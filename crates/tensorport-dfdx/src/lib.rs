@@ -57,8 +57,13 @@ pub type Result<T> = std::result::Result<T, Error>;
 /// A 4-d f32 tensor with runtime dimensions.
 pub type Tensor4<D> = Tensor<(usize, usize, usize, usize), f32, D>;
 
-/// Checks that `req` is a contiguous f32 tensor of exactly `shape`.
-pub fn check_image(req: &Request, shape: [usize; 3]) -> Result<&[f32]> {
+#[cfg(feature = "cuda")]
+mod cuda;
+#[cfg(feature = "cuda")]
+pub use cuda::gather_on_device;
+
+/// Checks that `req` describes a contiguous f32 tensor of exactly `shape` (wherever it is).
+pub fn check_shape(req: &Request, shape: [usize; 3]) -> Result<()> {
     let d = req.desc();
     let bad = |problem: String| Error::BadInput {
         request_id: req.request_id(),
@@ -79,8 +84,23 @@ pub fn check_image(req: &Request, shape: [usize; 3]) -> Result<&[f32]> {
             shape
         )));
     }
-    req.as_slice::<f32>()
-        .ok_or_else(|| bad("not contiguous (the model takes row-major images)".into()))
+    if !d.is_contiguous() {
+        return Err(bad(
+            "not contiguous (the model takes row-major images)".into()
+        ));
+    }
+    Ok(())
+}
+
+/// Checks that `req` is a contiguous f32 tensor of exactly `shape` in a host slot, and returns
+/// its elements.
+pub fn check_image(req: &Request, shape: [usize; 3]) -> Result<&[f32]> {
+    check_shape(req, shape)?;
+    req.as_slice::<f32>().ok_or_else(|| Error::BadInput {
+        request_id: req.request_id(),
+        producer: req.producer().to_string(),
+        problem: "not in a host slot (a device tensor needs the CUDA server)".into(),
+    })
 }
 
 /// A batch stacked from requests.

@@ -1,0 +1,82 @@
+//! Batches on the GPU without a CPU copy: each request's bytes go straight into its row of the
+//! model input — a DMA from its (registered, pinned) host slot, or a device-to-device copy from
+//! a GPU producer's buffer after waiting on its fence. Needs the build-time dfdx patch that
+//! exposes a tensor's device address (`bin/build-gpu.sh`).
+
+use dfdx::prelude::*;
+use tensorport::Request;
+use tensorport_cuda::Stream;
+
+use crate::{check_shape, Error, Stacked, Tensor4};
+
+/// Builds the `[B, C, H, W]` model input on `dev` from `reqs`, copying on `stream` (which must
+/// belong to the same device and primary context), and waits for the copies, so the requests'
+/// slots and buffers may be released as soon as this returns. Requests that do not fit the model
+/// are listed in `rejected`.
+pub fn gather_on_device(
+    dev: &Cuda,
+    stream: &Stream,
+    reqs: &[Request],
+    shape: [usize; 3],
+) -> Stacked<Cuda> {
+    let mut used = Vec::with_capacity(reqs.len());
+    let mut rejected = Vec::new();
+    for (i, r) in reqs.iter().enumerate() {
+        match check_shape(r, shape) {
+            Ok(()) => used.push(i),
+            Err(e) => rejected.push((i, e)),
+        }
+    }
+    if used.is_empty() {
+        return Stacked {
+            input: None,
+            used,
+            rejected,
+        };
+    }
+    let row = shape.iter().product::<usize>() * 4;
+    let input: Tensor4<Cuda> = dev.zeros_like(&(used.len(), shape[0], shape[1], shape[2]));
+    let device_err = |e: String| Error::Device(e);
+    let copied = (|| -> Result<(), Error> {
+        // The zeros are written on dfdx's stream; our copies must come after them.
+        dev.try_synchronize()
+            .map_err(|e| device_err(format!("{e:?}")))?;
+        let base = input.tensorport_device_ptr();
+        for (k, &i) in used.iter().enumerate() {
+            let dst = base + (k * row) as u64;
+            let r = &reqs[i];
+            match r.device() {
+                // SAFETY: `dst` is row k of `input`, which we own alone; the slot stays
+                // submitted (unreleased) until the stream is synchronised below.
+                None => unsafe { stream.copy_host_to_device_async(dst, &r.bytes()[..row]) }
+                    .map_err(|e| device_err(e.to_string()))?,
+                // SAFETY: as above; the producer's buffer was bounds-checked against its
+                // registration, and our stream waits for its writes before copying.
+                Some(dt) => unsafe {
+                    dt.wait_ready(stream.raw()).map_err(device_err)?;
+                    stream
+                        .copy_device_to_device_async(dst, dt.ptr(), row)
+                        .map_err(|e| device_err(e.to_string()))?;
+                    dt.record_release(stream.raw()).map_err(device_err)?;
+                },
+            }
+        }
+        stream.synchronize().map_err(|e| device_err(e.to_string()))
+    })();
+    match copied {
+        Ok(()) => Stacked {
+            input: Some(input),
+            used,
+            rejected,
+        },
+        Err(e) => {
+            let msg = e.to_string();
+            rejected.extend(used.drain(..).map(|i| (i, Error::Device(msg.clone()))));
+            Stacked {
+                input: None,
+                used,
+                rejected,
+            }
+        }
+    }
+}
