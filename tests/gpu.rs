@@ -18,8 +18,8 @@ use tensorport_cuda::{
 fn main() {
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 8 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 8 skipped");
+            println!("skipped: 10 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 10 skipped");
             return;
         }
     }
@@ -45,8 +45,16 @@ fn main() {
                 device_four_producers_timeline,
             ),
             (
+                "device_vmm_fd_four_gpu_producers_intact",
+                device_four_producers_vmm,
+            ),
+            (
                 "device_ipc_killed_producer_frees_gpu_memory",
                 device_killed_producer,
+            ),
+            (
+                "device_vmm_killed_producer_frees_gpu_memory",
+                device_vmm_killed_producer,
             ),
         ],
         child,
@@ -308,13 +316,14 @@ fn gpu_producer(socket: &str) {
     let id: u32 = env_or("TP_ID", "0").parse().unwrap();
     let count: u32 = env_or("TP_COUNT", "200").parse().unwrap();
     let mib: usize = env_or("TP_MIB", "1").parse().unwrap();
-    let fence = match env_or("TP_FENCE", "event").as_str() {
-        "timeline" => Fence::Timeline,
-        _ => Fence::Event,
-    };
     let gpu = Gpu::open(0).unwrap();
     let name = format!("gpu-producer-{id}");
-    let mut p = GpuProducer::connect_with(socket, &name, &gpu, 2, mib << 20, fence).unwrap();
+    let mut p = match env_or("TP_FENCE", "event").as_str() {
+        "vmm" => GpuProducer::connect_vmm(socket, &name, &gpu, 2, mib << 20),
+        "timeline" => GpuProducer::connect_with(socket, &name, &gpu, 2, mib << 20, Fence::Timeline),
+        _ => GpuProducer::connect_with(socket, &name, &gpu, 2, mib << 20, Fence::Event),
+    }
+    .unwrap();
     let words = (1u64 << 20) / 4; // 1 MiB tensors at the start of each buffer
     let mut expected = std::collections::HashMap::new();
     let (mut ok, mut bad) = (0u32, 0u32);
@@ -357,6 +366,10 @@ fn device_four_producers_timeline() {
     four_gpu_producers("timeline");
 }
 
+fn device_four_producers_vmm() {
+    four_gpu_producers("vmm");
+}
+
 fn four_gpu_producers(fence: &str) {
     let (_dir, sock) = socket_dir();
     let srv = GpuServer::start(&sock);
@@ -394,6 +407,14 @@ fn four_gpu_producers(fence: &str) {
 }
 
 fn device_killed_producer() {
+    killed_gpu_producer("event");
+}
+
+fn device_vmm_killed_producer() {
+    killed_gpu_producer("vmm");
+}
+
+fn killed_gpu_producer(sharing: &str) {
     let (_dir, sock) = socket_dir();
     let srv = GpuServer::start(&sock);
     let gpu = Gpu::open(0).unwrap();
@@ -406,6 +427,7 @@ fn device_killed_producer() {
             ("TP_ID", "5".into()),
             ("TP_COUNT", "1000000".into()),
             ("TP_MIB", "512".into()),
+            ("TP_FENCE", sharing.into()),
         ],
     );
     assert!(eventually(Duration::from_secs(30), || srv

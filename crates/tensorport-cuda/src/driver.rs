@@ -445,6 +445,142 @@ impl Driver {
         })
     }
 
+    fn vmm_prop(dev: sys::CUdevice) -> sys::CUmemAllocationProp {
+        // SAFETY: a plain C struct for which all-zero is a valid (empty) value.
+        let mut prop: sys::CUmemAllocationProp = unsafe { std::mem::zeroed() };
+        prop.type_ = sys::CUmemAllocationType::CU_MEM_ALLOCATION_TYPE_PINNED;
+        prop.requestedHandleTypes =
+            sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR;
+        prop.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        prop.location.id = dev;
+        prop
+    }
+
+    /// `cuMemGetAllocationGranularity` (minimum) for exportable device memory.
+    pub fn vmm_granularity(&self, dev: sys::CUdevice) -> Result<usize> {
+        let prop = Self::vmm_prop(dev);
+        let mut g = 0;
+        // SAFETY: reads `prop`, writes one size.
+        check("cuMemGetAllocationGranularity", unsafe {
+            sys::cuMemGetAllocationGranularity(
+                &mut g,
+                &prop,
+                sys::CUmemAllocationGranularity_flags::CU_MEM_ALLOC_GRANULARITY_MINIMUM,
+            )
+        })?;
+        Ok(g)
+    }
+
+    /// `cuMemCreate` of `size` bytes (a multiple of the granularity), exportable as a POSIX fd.
+    pub fn vmm_create(
+        &self,
+        dev: sys::CUdevice,
+        size: usize,
+    ) -> Result<sys::CUmemGenericAllocationHandle> {
+        let prop = Self::vmm_prop(dev);
+        let mut h = 0;
+        // SAFETY: reads `prop`, writes one handle.
+        check("cuMemCreate", unsafe {
+            sys::cuMemCreate(&mut h, size, &prop, 0)
+        })?;
+        Ok(h)
+    }
+
+    /// `cuMemExportToShareableHandle` as a POSIX file descriptor (owned by the caller).
+    pub fn vmm_export_fd(
+        &self,
+        h: sys::CUmemGenericAllocationHandle,
+    ) -> Result<std::os::fd::OwnedFd> {
+        let mut fd: std::ffi::c_int = -1;
+        // SAFETY: for the POSIX-fd handle type the driver writes one int through the pointer.
+        check("cuMemExportToShareableHandle", unsafe {
+            sys::cuMemExportToShareableHandle(
+                (&mut fd as *mut std::ffi::c_int).cast(),
+                h,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+                0,
+            )
+        })?;
+        // SAFETY: the driver just created this descriptor for us; nothing else owns it.
+        Ok(unsafe { <std::os::fd::OwnedFd as std::os::fd::FromRawFd>::from_raw_fd(fd) })
+    }
+
+    /// `cuMemImportFromShareableHandle` of a POSIX fd another process exported.
+    pub fn vmm_import_fd(
+        &self,
+        fd: std::os::fd::BorrowedFd<'_>,
+    ) -> Result<sys::CUmemGenericAllocationHandle> {
+        let mut h = 0;
+        let raw = std::os::fd::AsRawFd::as_raw_fd(&fd);
+        // SAFETY: for the POSIX-fd handle type the "OS handle" is the fd number itself, passed
+        // as a pointer-sized value; the driver duplicates what it needs.
+        check("cuMemImportFromShareableHandle", unsafe {
+            sys::cuMemImportFromShareableHandle(
+                &mut h,
+                raw as isize as *mut std::ffi::c_void,
+                sys::CUmemAllocationHandleType::CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR,
+            )
+        })?;
+        Ok(h)
+    }
+
+    /// Reserves `size` bytes of device address space, maps `h` there, and allows this device to
+    /// read and write it. Returns the address.
+    pub fn vmm_map(
+        &self,
+        dev: sys::CUdevice,
+        h: sys::CUmemGenericAllocationHandle,
+        size: usize,
+    ) -> Result<sys::CUdeviceptr> {
+        let gran = self.vmm_granularity(dev)?;
+        let mut va = 0;
+        // SAFETY: writes one address; the range is new and ours.
+        check("cuMemAddressReserve", unsafe {
+            sys::cuMemAddressReserve(&mut va, size, gran, 0, 0)
+        })?;
+        // SAFETY: maps the whole allocation into the range just reserved.
+        if let Err(e) = check("cuMemMap", unsafe { sys::cuMemMap(va, size, 0, h, 0) }) {
+            // SAFETY: the range was reserved above and nothing is mapped in it.
+            unsafe { sys::cuMemAddressFree(va, size) };
+            return Err(e);
+        }
+        // SAFETY: a plain C struct for which all-zero is valid; filled in below.
+        let mut desc: sys::CUmemAccessDesc = unsafe { std::mem::zeroed() };
+        desc.location.type_ = sys::CUmemLocationType::CU_MEM_LOCATION_TYPE_DEVICE;
+        desc.location.id = dev;
+        desc.flags = sys::CUmemAccess_flags::CU_MEM_ACCESS_FLAGS_PROT_READWRITE;
+        // SAFETY: the range is mapped above; reads one descriptor.
+        if let Err(e) = check("cuMemSetAccess", unsafe {
+            sys::cuMemSetAccess(va, size, &desc, 1)
+        }) {
+            // SAFETY: undoes the map and the reservation above.
+            unsafe {
+                sys::cuMemUnmap(va, size);
+                sys::cuMemAddressFree(va, size);
+            }
+            return Err(e);
+        }
+        Ok(va)
+    }
+
+    /// Unmaps and frees a range from [`Driver::vmm_map`], then releases the allocation handle.
+    ///
+    /// # Safety
+    /// No work may be pending on the range, and nothing may use it afterwards.
+    pub unsafe fn vmm_unmap_release(
+        &self,
+        va: sys::CUdeviceptr,
+        size: usize,
+        h: sys::CUmemGenericAllocationHandle,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        unsafe {
+            check("cuMemUnmap", sys::cuMemUnmap(va, size))?;
+            check("cuMemAddressFree", sys::cuMemAddressFree(va, size))?;
+            check("cuMemRelease", sys::cuMemRelease(h))
+        }
+    }
+
     /// `cuMemcpyDtoDAsync`.
     ///
     /// # Safety

@@ -46,6 +46,18 @@ impl Gpu {
         Ok(Arc::new(gpu))
     }
 
+    pub(crate) fn dev(&self) -> sys::CUdevice {
+        self.dev
+    }
+
+    /// Whether VMM allocations can be exported as POSIX file descriptors on this device.
+    pub fn supports_posix_fd(&self) -> Result<bool> {
+        Ok(self.driver.attribute(
+            self.dev,
+            sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+        )? != 0)
+    }
+
     /// (free, total) bytes of device memory.
     pub fn mem_info(&self) -> Result<(usize, usize)> {
         self.bind()?;
@@ -75,12 +87,14 @@ impl Drop for Gpu {
     }
 }
 
-/// Device memory from `cuMemAlloc`, freed on drop.
+/// Device memory from `cuMemAlloc`, or exportable VMM memory (`cuMemCreate`), freed on drop.
 #[derive(Debug)]
 pub struct DeviceBuffer {
     gpu: Arc<Gpu>,
     ptr: sys::CUdeviceptr,
     len: usize,
+    /// VMM: the allocation handle and the mapped size (a multiple of the granularity).
+    vmm: Option<(sys::CUmemGenericAllocationHandle, usize)>,
 }
 
 impl DeviceBuffer {
@@ -92,7 +106,41 @@ impl DeviceBuffer {
             gpu: gpu.clone(),
             ptr,
             len,
+            vmm: None,
         })
+    }
+
+    /// Allocates at least `len` bytes of VMM memory that can be exported as a POSIX fd
+    /// ([`DeviceBuffer::export_fd`]), mapped for `gpu`.
+    pub fn new_exportable(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceBuffer> {
+        gpu.bind()?;
+        let d = &gpu.driver;
+        let size = len.max(1).next_multiple_of(d.vmm_granularity(gpu.dev)?);
+        let h = d.vmm_create(gpu.dev, size)?;
+        let ptr = match d.vmm_map(gpu.dev, h, size) {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: nothing maps the allocation; released once.
+                unsafe { sys::cuMemRelease(h) };
+                return Err(e);
+            }
+        };
+        Ok(DeviceBuffer {
+            gpu: gpu.clone(),
+            ptr,
+            len: size,
+            vmm: Some((h, size)),
+        })
+    }
+
+    /// A POSIX fd for this VMM buffer, to pass to another process (`SCM_RIGHTS`).
+    pub fn export_fd(&self) -> Result<std::os::fd::OwnedFd> {
+        let (h, _) = self.vmm.ok_or_else(|| crate::Error::Call {
+            call: "export_fd",
+            code: 0,
+            message: "not a VMM buffer (use DeviceBuffer::new_exportable)".into(),
+        })?;
+        self.gpu.driver.vmm_export_fd(h)
     }
     /// Device address.
     pub fn ptr(&self) -> sys::CUdeviceptr {
@@ -189,6 +237,12 @@ impl DeviceBuffer {
 impl Drop for DeviceBuffer {
     fn drop(&mut self) {
         let _ = self.gpu.bind();
+        if let Some((h, size)) = self.vmm {
+            // SAFETY: mapped and created in `new_exportable`; callers synchronise before
+            // dropping buffers with pending work, and nothing uses the range after this.
+            let _ = unsafe { self.gpu.driver.vmm_unmap_release(self.ptr, size, h) };
+            return;
+        }
         // SAFETY: allocated by mem_alloc; callers synchronise streams before dropping buffers
         // they are copying into (cuMemFree also synchronises the device).
         let _ = unsafe { self.gpu.driver.mem_free(self.ptr) };

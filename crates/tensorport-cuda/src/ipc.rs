@@ -66,6 +66,8 @@ struct Imported {
     /// with each release, so closing the buffer can wait for the last read.
     release: sys::CUevent,
     release_handle: Vec<u8>,
+    /// VMM imports: the allocation handle and the mapped size; legacy IPC imports: `None`.
+    vmm: Option<(sys::CUmemGenericAllocationHandle, usize)>,
 }
 
 // SAFETY: the handles are identifiers usable from any thread once the context is bound, which
@@ -79,18 +81,40 @@ impl DeviceImporter for CudaImporter {
         &self,
         len: u64,
         handle: &RawDeviceHandle,
+        fd: Option<std::os::fd::OwnedFd>,
     ) -> std::result::Result<Arc<dyn ImportedDevice>, String> {
-        let (memory, event, fence) = match handle {
-            RawDeviceHandle::LegacyIpc { memory, event } => {
-                (handle64(memory)?, Some(handle64(event)?), Fence::Event)
-            }
-            RawDeviceHandle::LegacyIpcTimeline { memory } => {
-                (handle64(memory)?, None, Fence::Timeline)
-            }
-        };
         let d = self.gpu.driver();
         self.gpu.bind().map_err(|e| e.to_string())?;
-        let ptr = d.ipc_open_mem_handle(&memory).map_err(|e| e.to_string())?;
+        let err = |e: Error| e.to_string();
+        let (ptr, vmm, event, fence) = match handle {
+            RawDeviceHandle::LegacyIpc { memory, event } => {
+                let ptr = d.ipc_open_mem_handle(&handle64(memory)?).map_err(err)?;
+                (ptr, None, Some(handle64(event)?), Fence::Event)
+            }
+            RawDeviceHandle::LegacyIpcTimeline { memory } => {
+                let ptr = d.ipc_open_mem_handle(&handle64(memory)?).map_err(err)?;
+                (ptr, None, None, Fence::Timeline)
+            }
+            RawDeviceHandle::VmmPosixFd => {
+                let fd = fd.ok_or("a VMM handle without its file descriptor")?;
+                let h = d
+                    .vmm_import_fd(std::os::fd::AsFd::as_fd(&fd))
+                    .map_err(err)?;
+                // The producer allocated the data, then the semaphores, rounded up to the
+                // granularity: the same size (one device), which must be mapped whole.
+                let gran = d.vmm_granularity(self.gpu.dev()).map_err(err)?;
+                let size = (len as usize + 16).next_multiple_of(gran);
+                match d.vmm_map(self.gpu.dev(), h, size) {
+                    Ok(ptr) => (ptr, Some((h, size)), None, Fence::Timeline),
+                    Err(e) => {
+                        // SAFETY: imported above and mapped nowhere; released once.
+                        unsafe { sys::cuMemRelease(h) };
+                        return Err(e.to_string());
+                    }
+                }
+                // `fd` closes here: the imported handle keeps the memory.
+            }
+        };
         let mut made = Imported {
             gpu: self.gpu.clone(),
             ptr,
@@ -99,6 +123,7 @@ impl DeviceImporter for CudaImporter {
             ready: std::ptr::null_mut(),
             release: std::ptr::null_mut(),
             release_handle: Vec::new(),
+            vmm,
         };
         LIVE_IMPORTS.fetch_add(1, Ordering::SeqCst);
         // From here `made` cleans up whatever was opened if a later step fails.
@@ -187,7 +212,14 @@ impl Drop for Imported {
             if !self.ready.is_null() {
                 let _ = d.event_destroy(self.ready);
             }
-            let _ = d.ipc_close_mem_handle(self.ptr);
+            match self.vmm {
+                Some((h, size)) => {
+                    let _ = d.vmm_unmap_release(self.ptr, size, h);
+                }
+                None => {
+                    let _ = d.ipc_close_mem_handle(self.ptr);
+                }
+            }
         }
         LIVE_IMPORTS.fetch_sub(1, Ordering::SeqCst);
     }
@@ -237,6 +269,35 @@ impl std::fmt::Debug for GpuProducer {
 }
 
 impl GpuProducer {
+    /// Shares VMM allocations as POSIX file descriptors (sent with `SCM_RIGHTS`) where the
+    /// device supports it, legacy CUDA IPC handles otherwise; timeline fences either way.
+    pub fn connect_best(
+        socket: impl AsRef<Path>,
+        name: &str,
+        gpu: &Arc<Gpu>,
+        count: usize,
+        len: usize,
+    ) -> Result<GpuProducer> {
+        if gpu.supports_posix_fd()? {
+            Self::connect_vmm(socket, name, gpu, count, len)
+        } else {
+            Self::connect_with(socket, name, gpu, count, len, Fence::Timeline)
+        }
+    }
+
+    /// Buffers are VMM allocations (`cuMemCreate`) exported as POSIX file descriptors and sent
+    /// with `SCM_RIGHTS`, fenced by timelines: no legacy IPC, and nothing for another process to
+    /// open unless it was sent the descriptor.
+    pub fn connect_vmm(
+        socket: impl AsRef<Path>,
+        name: &str,
+        gpu: &Arc<Gpu>,
+        count: usize,
+        len: usize,
+    ) -> Result<GpuProducer> {
+        Self::connect_inner(socket, name, gpu, count, len, Fence::Timeline, true)
+    }
+
     /// [`GpuProducer::connect_with`] event fences.
     pub fn connect(
         socket: impl AsRef<Path>,
@@ -259,6 +320,18 @@ impl GpuProducer {
         len: usize,
         fence: Fence,
     ) -> Result<GpuProducer> {
+        Self::connect_inner(socket, name, gpu, count, len, fence, false)
+    }
+
+    fn connect_inner(
+        socket: impl AsRef<Path>,
+        name: &str,
+        gpu: &Arc<Gpu>,
+        count: usize,
+        len: usize,
+        fence: Fence,
+        vmm: bool,
+    ) -> Result<GpuProducer> {
         let mut cfg = ProducerConfig::new(name);
         // No host slots are used, but the session's in-flight limit (twice its slots) must
         // cover every buffer: one small slot per buffer.
@@ -276,6 +349,30 @@ impl GpuProducer {
         let d = gpu.driver();
         let mut buffers = Vec::with_capacity(count);
         for i in 0..count {
+            if vmm {
+                // Data, then the two semaphores, rounded up to the granularity; the server
+                // computes the same size from the registered length.
+                let mem = DeviceBuffer::new_exportable(gpu, len + 16)?;
+                let data = mem.len() - 16;
+                mem.fill_u32_range_async(data, 16, 0, &stream)?;
+                stream.synchronize()?;
+                let fd = mem.export_fd()?;
+                producer.register_device(
+                    i as u32,
+                    data as u64,
+                    RawDeviceHandle::VmmPosixFd,
+                    Some(std::os::fd::AsFd::as_fd(&fd)),
+                    Duration::from_secs(10),
+                )?;
+                buffers.push(OwnBuffer {
+                    mem,
+                    len: data,
+                    ready: std::ptr::null_mut(),
+                    released: std::ptr::null_mut(),
+                    seq: 0,
+                });
+                continue;
+            }
             let mem = DeviceBuffer::new(gpu, alloc)?;
             let memory = d.ipc_get_mem_handle(mem.ptr())?.to_vec();
             let (ready, handle) = match fence {
@@ -294,8 +391,13 @@ impl GpuProducer {
                     )
                 }
             };
-            let rel =
-                producer.register_device(i as u32, len as u64, handle, Duration::from_secs(10))?;
+            let rel = producer.register_device(
+                i as u32,
+                len as u64,
+                handle,
+                None,
+                Duration::from_secs(10),
+            )?;
             let released = match fence {
                 Fence::Event => {
                     let rel: [u8; 64] = rel.as_slice().try_into().map_err(|_| Error::Call {

@@ -79,6 +79,10 @@ pub enum RawDeviceHandle {
         /// The memory handle.
         memory: Vec<u8>,
     },
+    /// A VMM allocation (`cuMemCreate`) exported as a POSIX file descriptor, which is attached
+    /// (`SCM_RIGHTS`) to the `RegisterDevice` frame; fenced by timeline values, with the two
+    /// semaphores after the buffer's `len` bytes as for `LegacyIpcTimeline`.
+    VmmPosixFd,
 }
 
 /// A GPU-side fence a consumer must wait on before reading (device path; refused on host slots).

@@ -190,6 +190,16 @@ impl FrameReader {
         self.buf.next_frame()
     }
 
+    /// Bytes received that are not yet part of a returned frame.
+    pub(crate) fn pending(&self) -> usize {
+        self.buf.pending()
+    }
+
+    /// Descriptors received and not yet taken.
+    pub(crate) fn fds_waiting(&self) -> usize {
+        self.fds.len()
+    }
+
     /// Takes the oldest received descriptor.
     pub(crate) fn take_fd(&mut self) -> Option<OwnedFd> {
         self.fds.pop_front()

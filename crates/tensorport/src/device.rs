@@ -11,6 +11,7 @@
 //! Nobody blocks on the host; the GPU orders the writes and reads.
 
 use std::ffi::c_void;
+use std::os::fd::OwnedFd;
 use std::sync::Arc;
 
 use tensorport_wire::RawDeviceHandle;
@@ -18,10 +19,12 @@ use tensorport_wire::RawDeviceHandle;
 /// Opens device buffers that producers register (implemented by `tensorport_cuda::CudaImporter`).
 pub trait DeviceImporter: Send + Sync {
     /// Opens a buffer of `len` bytes shared by `handle`.
+    /// `fd` is the descriptor attached to the registration (VMM handles), if any.
     fn import(
         &self,
         len: u64,
         handle: &RawDeviceHandle,
+        fd: Option<OwnedFd>,
     ) -> std::result::Result<Arc<dyn ImportedDevice>, String>;
 }
 

@@ -441,21 +441,24 @@ impl Producer {
     /// Shares a device buffer of `len` bytes with the server (once per buffer number), and
     /// returns the handle of the server's "released" event (see `tensorport_cuda::GpuProducer`,
     /// which does all of this).
+    /// `fd` is attached for a `VmmPosixFd` handle (and must be `None` otherwise).
     pub fn register_device(
         &mut self,
         buffer: u32,
         len: u64,
         handle: RawDeviceHandle,
+        fd: Option<BorrowedFd<'_>>,
         timeout: Duration,
     ) -> Result<Vec<u8>> {
         self.registered = None;
+        let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
         self.writer.send(
             &ClientMsg::RegisterDevice {
                 buffer,
                 len,
                 handle,
             },
-            &[],
+            &fds,
         )?;
         let deadline = Instant::now() + timeout;
         loop {

@@ -993,6 +993,7 @@ fn open_session(
 
 /// Reads a producer's messages until it leaves. Returns whether it left cleanly (`Goodbye`).
 fn serve_producer(shared: &Arc<Shared>, session: &Arc<Session>, reader: &mut FrameReader) -> bool {
+    let mut truncated = false;
     loop {
         loop {
             let msg = match reader.next_payload() {
@@ -1036,8 +1037,13 @@ fn serve_producer(shared: &Arc<Shared>, session: &Arc<Session>, reader: &mut Fra
                     len,
                     handle,
                 } => {
+                    // A VMM handle is the one message that carries a descriptor.
+                    let fd = match handle {
+                        RawDeviceHandle::VmmPosixFd => reader.take_fd(),
+                        _ => None,
+                    };
                     if let Err((code, message)) =
-                        register_device(shared, session, buffer, len, &handle)
+                        register_device(shared, session, buffer, len, &handle, fd)
                     {
                         session.send_error(shared, code, None, message);
                     }
@@ -1050,25 +1056,24 @@ fn serve_producer(shared: &Arc<Shared>, session: &Arc<Session>, reader: &mut Fra
                 ),
             }
         }
+        // Descriptors no message claimed are closed and refused — unless the frame they came
+        // with is still arriving (they travel with its first bytes).
+        if reader.pending() == 0 && (reader.fds_waiting() > 0 || truncated) {
+            let n = reader.drop_fds();
+            truncated = false;
+            session.send_error(
+                shared,
+                ErrorCode::FdsNotExpected,
+                None,
+                format!("{n} file descriptor(s) attached to a message that carries none (or too many at once); closed them"),
+            );
+        }
         if !session.alive.load(Ordering::SeqCst) || shared.stopping.load(Ordering::SeqCst) {
             return false;
         }
         match reader.fill() {
-            Ok(info) if info.bytes == 0 && info.fds == 0 => return false,
-            Ok(info) => {
-                if info.fds > 0 || info.truncated {
-                    let n = reader.drop_fds();
-                    session.send_error(
-                        shared,
-                        ErrorCode::FdsNotExpected,
-                        None,
-                        format!("{n} file descriptor(s) attached to a message that carries none; closed them"),
-                    );
-                }
-                if info.bytes == 0 {
-                    return false;
-                }
-            }
+            Ok(info) if info.bytes == 0 => return false,
+            Ok(info) => truncated |= info.truncated,
             Err(e) => {
                 tracing::debug!(session = session.id, "read failed: {e}");
                 return false;
@@ -1194,6 +1199,7 @@ fn register_device(
     buffer: u32,
     len: u64,
     handle: &RawDeviceHandle,
+    fd: Option<std::os::fd::OwnedFd>,
 ) -> std::result::Result<(), (ErrorCode, String)> {
     let importer = shared.config.device.as_ref().ok_or((
         ErrorCode::Unsupported,
@@ -1211,7 +1217,13 @@ fn register_device(
             format!("device buffer {buffer} is already registered"),
         ));
     }
-    let imported = importer.import(len, handle).map_err(|e| {
+    if matches!(handle, RawDeviceHandle::VmmPosixFd) && fd.is_none() {
+        return Err((
+            ErrorCode::Malformed,
+            format!("device buffer {buffer}: a VMM handle needs its file descriptor attached"),
+        ));
+    }
+    let imported = importer.import(len, handle, fd).map_err(|e| {
         (
             ErrorCode::Internal,
             format!("cannot open device buffer {buffer}: {e}"),
