@@ -23,6 +23,7 @@ fn main() {
             ("chaos_200_sigkills_at_random_moments", chaos),
             ("hostile_slot_abuse_and_fd_floods", hostile_slots),
             ("truncated_and_lying_frames", lying_frames),
+            ("device_registrations_on_a_cpu_server", device_on_cpu),
             ("another_uid_is_refused", other_uid),
             ("connection_flood_is_bounded", flood),
             ("in_flight_limit_holds", in_flight_limit),
@@ -598,5 +599,74 @@ fn lying_frames() {
         .is_ok());
     assert_eq!(torn.load(Ordering::SeqCst), 0);
     assert!(server.status().totals.protocol_errors >= 2);
+    stop.store(true, Ordering::SeqCst);
+}
+
+/// `RegisterDevice` on a server without a GPU: refused, with or without the descriptor a VMM
+/// handle carries, and the descriptor is closed (no fd leaks).
+fn device_on_cpu() {
+    use tensorport::wire::RawDeviceHandle;
+    let (_dir, sock) = socket_dir();
+    let (server, _ok, _torn, stop) = checking_server(ServerConfig::new(&sock));
+    let mut r = Raw::connect(&sock);
+    r.hello(2);
+    std::thread::sleep(Duration::from_millis(50));
+    let fds0 = open_fds();
+    let send_with_fd = |r: &mut Raw, msg: &ClientMsg| {
+        let frame = encode_frame(msg).unwrap();
+        let f = std::fs::File::open("/dev/null").unwrap();
+        let fds = [f.as_raw_fd()];
+        nix::sys::socket::sendmsg::<()>(
+            r.s.as_raw_fd(),
+            &[std::io::IoSlice::new(&frame)],
+            &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
+            nix::sys::socket::MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+    };
+    let vmm = ClientMsg::RegisterDevice {
+        buffer: 0,
+        len: 1 << 20,
+        handle: RawDeviceHandle::VmmPosixFd,
+    };
+    // With its descriptor: no GPU here.
+    send_with_fd(&mut r, &vmm);
+    assert_eq!(r.next_error(), ErrorCode::Unsupported);
+    // Without it: still refused (the importer check comes first).
+    r.send(&vmm);
+    assert_eq!(r.next_error(), ErrorCode::Unsupported);
+    // A legacy handle with a descriptor attached: the descriptor is not its to carry.
+    let legacy = ClientMsg::RegisterDevice {
+        buffer: 1,
+        len: 1 << 20,
+        handle: RawDeviceHandle::LegacyIpc {
+            memory: vec![0; 64],
+            event: vec![0; 64],
+        },
+    };
+    send_with_fd(&mut r, &legacy);
+    let mut codes = vec![r.next_error(), r.next_error()];
+    codes.sort_by_key(|c| c.as_u16());
+    assert_eq!(
+        codes,
+        vec![ErrorCode::FdsNotExpected, ErrorCode::Unsupported]
+    );
+    // Every descriptor sent was closed by the server.
+    assert!(
+        eventually(Duration::from_secs(2), || open_fds() <= fds0),
+        "server fds {} > {fds0}",
+        open_fds()
+    );
+    // The session still works.
+    r.send(&ClientMsg::Status);
+    loop {
+        match r.recv() {
+            Some(ServerMsg::Status(_)) => break,
+            Some(_) => {}
+            None => panic!("closed"),
+        }
+    }
+    drop(server);
     stop.store(true, Ordering::SeqCst);
 }
