@@ -34,14 +34,15 @@ patch --quiet -p1 -d "$patched" < bin/dfdx-0.13.0-device-ptr.patch
 cp Cargo.lock "$CARGO_TARGET_DIR/Cargo.lock.orig"
 trap 'cp "$CARGO_TARGET_DIR/Cargo.lock.orig" Cargo.lock' EXIT
 with_patch=(--config "patch.crates-io.dfdx.path=\"$patched\"")
-cargo build --release --features cuda "${with_patch[@]}" --bin tensorport
+cargo build --release --features cuda "${with_patch[@]}" --bin tensorport --example gpu_producer
 test_bin=$(cargo test --release --features cuda "${with_patch[@]}" --test gpu --no-run --message-format=json 2>/dev/null \
   | grep '"name":"gpu"' | sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' | tail -1)
 out=dist/gpu
 rm -rf "$out" && mkdir -p "$out/nvrtc"
 cp "$CARGO_TARGET_DIR/release/tensorport" "$out/tensorport"
 cp "$test_bin" "$out/gpu-tests"
-strip "$out/tensorport" "$out/gpu-tests" 2>/dev/null || true
+cp "$CARGO_TARGET_DIR/release/examples/gpu_producer" "$out/gpu_producer"
+strip "$out/tensorport" "$out/gpu-tests" "$out/gpu_producer" 2>/dev/null || true
 dfdx_out=$(dirname "$(ls -td "$CARGO_TARGET_DIR"/release/build/dfdx-*/out/cuda_utils.cuh | head -1)")
 cp "$dfdx_out"/*.cuh "$out/nvrtc/"
 cat > "$out/install-nvrtc-paths.sh" <<SH

@@ -494,6 +494,13 @@ impl GpuProducer {
     pub fn producer(&mut self) -> &mut Producer {
         &mut self.producer
     }
+
+    /// Waits for this producer's GPU work, then ends the session cleanly (`Goodbye`); the
+    /// server closes the buffers. Dropping without it works too, but counts as a crash.
+    pub fn close(mut self) -> Result<()> {
+        self.stream.synchronize()?;
+        Ok(self.producer.goodbye()?)
+    }
 }
 
 impl Drop for GpuProducer {

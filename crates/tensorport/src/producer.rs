@@ -435,6 +435,12 @@ impl Producer {
 
     /// Ends the session cleanly. Results not yet received are lost.
     pub fn close(mut self) -> Result<()> {
+        self.goodbye()
+    }
+
+    /// Ends the session cleanly without consuming the producer (for owners that cannot move it
+    /// out); nothing may be sent after it.
+    pub fn goodbye(&mut self) -> Result<()> {
         self.writer.send(&ClientMsg::Goodbye, &[])
     }
 
