@@ -25,6 +25,7 @@ fn main() {
             ("truncated_and_lying_frames", lying_frames),
             ("device_registrations_on_a_cpu_server", device_on_cpu),
             ("another_uid_is_refused", other_uid),
+            ("a_server_of_another_uid_is_not_trusted", untrusted_server),
             ("connection_flood_is_bounded", flood),
             ("in_flight_limit_holds", in_flight_limit),
             ("stalled_reader_is_dropped_memory_flat", stalled_reader),
@@ -38,6 +39,7 @@ fn child(role: &str) {
     match role {
         "chaos-producer" => chaos_producer(&socket),
         "other-uid" => other_uid_client(&socket),
+        "other-uid-server" => other_uid_server(&socket),
         r => panic!("unknown role {r}"),
     }
 }
@@ -669,4 +671,52 @@ fn device_on_cpu() {
     }
     drop(server);
     stop.store(true, Ordering::SeqCst);
+}
+
+fn other_uid_server(socket: &str) {
+    nix::unistd::setgid(nix::unistd::Gid::from_raw(65534)).unwrap();
+    nix::unistd::setuid(nix::unistd::Uid::from_raw(65534)).unwrap();
+    let mut cfg = ServerConfig::new(socket);
+    cfg.allowed_uids = vec![0];
+    let _server = Server::bind(cfg).expect("bind as nobody");
+    println!("ready");
+    std::io::stdout().flush().unwrap();
+    std::thread::sleep(Duration::from_secs(30));
+}
+
+/// A process of another user listening on the path the producer was given: the producer
+/// refuses it before sending anything.
+fn untrusted_server() {
+    if !nix::unistd::geteuid().is_root() {
+        println!("  skipped: needs root to run a server under another uid (CI runs as root)");
+        return;
+    }
+    let dir = tempfile::Builder::new()
+        .prefix("tp-squat-")
+        .tempdir()
+        .unwrap();
+    // A directory nobody can write, as a shared spool would be.
+    let spool = dir.path().join("spool");
+    std::fs::create_dir(&spool).unwrap();
+    std::os::unix::fs::chown(&spool, Some(65534), Some(65534)).unwrap();
+    std::fs::set_permissions(
+        dir.path(),
+        std::os::unix::fs::PermissionsExt::from_mode(0o755),
+    )
+    .unwrap();
+    let sock = spool.join("tp.sock");
+    let mut squatter = spawn_child("other-uid-server", &[socket_env(&sock)]);
+    let mut line = String::new();
+    std::io::BufRead::read_line(
+        &mut std::io::BufReader::new(squatter.0.as_mut().unwrap().stdout.take().unwrap()),
+        &mut line,
+    )
+    .unwrap();
+    assert_eq!(line.trim(), "ready");
+    let e = Producer::connect(&sock, ProducerConfig::new("careful")).unwrap_err();
+    assert!(
+        matches!(e, tensorport::Error::UntrustedServer { uid: 65534, .. }),
+        "{e}"
+    );
+    assert!(e.to_string().contains("runs as uid 65534"), "{e}");
 }

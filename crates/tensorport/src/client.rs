@@ -51,6 +51,16 @@ pub(crate) fn connect(
     timeout: Duration,
 ) -> Result<Connected> {
     let stream = path::connect(socket)?;
+    // The server must be us (or root): a process of another user listening on the path gets
+    // nothing, not even the Hello.
+    let server = crate::conn::peer_credentials(&stream)?;
+    let me = nix::unistd::geteuid().as_raw();
+    if server.uid() != me && server.uid() != 0 {
+        return Err(Error::UntrustedServer {
+            path: socket.to_owned(),
+            uid: server.uid(),
+        });
+    }
     let wstream = stream.try_clone().map_err(Error::io("clone socket"))?;
     let mut writer = FrameWriter::new(wstream);
     let mut reader = FrameReader::new(stream, MAX_FRAME_LEN);

@@ -42,6 +42,14 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
+    /// The process listening on the socket belongs to another user.
+    #[error("the server at {path} runs as uid {uid}, neither you nor root; refusing to talk to it (check --socket)")]
+    UntrustedServer {
+        /// The socket path.
+        path: PathBuf,
+        /// The server's uid.
+        uid: u32,
+    },
     /// The server closed the connection.
     #[error("the tensorport server closed the connection (it exited, was killed, or dropped this session)")]
     ServerGone,
