@@ -325,15 +325,7 @@ fn hostile_slots() {
         }
     }
     // And others are served.
-    let mut p = Producer::connect(&sock, ProducerConfig::new("good")).unwrap();
-    let mut l = p.lease(Duration::from_secs(2)).unwrap();
-    fill(1, &mut l.bytes_mut()[..64]);
-    l.submit(&TensorSpec::new(DType::U8, &[64])).unwrap();
-    assert!(p
-        .recv_result(Duration::from_secs(2))
-        .unwrap()
-        .result
-        .is_ok());
+    assert_still_served(&sock, 1);
     // Asking for more slots than allowed gets the maximum, not more.
     let mut cfg = ProducerConfig::new("greedy");
     cfg.slots = 1_000_000;
@@ -539,15 +531,7 @@ fn stalled_reader() {
         "server memory grew from {rss0} to {rss1} KiB"
     );
     // Others are still served.
-    let mut p = Producer::connect(&sock, ProducerConfig::new("after")).unwrap();
-    let mut l = p.lease(Duration::from_secs(2)).unwrap();
-    fill(3, &mut l.bytes_mut()[..64]);
-    l.submit(&TensorSpec::new(DType::U8, &[64])).unwrap();
-    assert!(p
-        .recv_result(Duration::from_secs(2))
-        .unwrap()
-        .result
-        .is_ok());
+    assert_still_served(&sock, 3);
     stop.store(true, Ordering::SeqCst);
 }
 
@@ -590,15 +574,7 @@ fn lying_frames() {
         .sessions_reclaimed
         == before + 1));
     // Others are served throughout.
-    let mut p = Producer::connect(&sock, ProducerConfig::new("after")).unwrap();
-    let mut l = p.lease(Duration::from_secs(2)).unwrap();
-    fill(9, &mut l.bytes_mut()[..64]);
-    l.submit(&TensorSpec::new(DType::U8, &[64])).unwrap();
-    assert!(p
-        .recv_result(Duration::from_secs(2))
-        .unwrap()
-        .result
-        .is_ok());
+    assert_still_served(&sock, 9);
     assert_eq!(torn.load(Ordering::SeqCst), 0);
     assert!(server.status().totals.protocol_errors >= 2);
     stop.store(true, Ordering::SeqCst);
@@ -719,4 +695,14 @@ fn untrusted_server() {
         "{e}"
     );
     assert!(e.to_string().contains("runs as uid 65534"), "{e}");
+}
+
+/// A new producer connects and gets one tensor through: the server is still serving.
+fn assert_still_served(sock: &std::path::Path, seed: u64) {
+    let mut p = Producer::connect(sock, ProducerConfig::new("after")).unwrap();
+    let mut l = p.lease(Duration::from_secs(2)).unwrap();
+    fill(seed, &mut l.bytes_mut()[..64]);
+    l.submit(&TensorSpec::new(DType::U8, &[64])).unwrap();
+    let c = p.recv_result(Duration::from_secs(2)).unwrap();
+    assert!(c.result.is_ok(), "{:?}", c.result);
 }
