@@ -1,5 +1,6 @@
 //! `tensorport`: the inference server, the producer, the farm that runs both, and a control tool.
 
+mod bench;
 mod common;
 mod ctl;
 mod farm;
@@ -38,6 +39,8 @@ enum Command {
     Farm(farm::Args),
     /// Ask a running server for its status, or tell it to drain.
     Ctl(ctl::Args),
+    /// tensorport against its peers (a Unix-socket copy, memcpy) on the same payloads, one run.
+    Bench(bench::Args),
     /// What this machine's CUDA can do, and host-to-device bandwidth from pinned pools.
     Gpu(gpu::Args),
     /// Long load with random producer kills, checking the server for leaks (not for CI).
@@ -59,6 +62,7 @@ fn main() -> ExitCode {
         Command::Ctl(a) => ctl::run(a),
         Command::Soak(a) => soak::run(a),
         Command::Gpu(a) => gpu::run(a),
+        Command::Bench(a) => bench::run(a),
         Command::Weights(a) => tools::weights(a),
         Command::Images(a) => tools::images(a),
     };
