@@ -193,18 +193,7 @@ fn four_producers() {
     assert_eq!(st.totals.completed, 4000);
     assert_eq!(st.totals.protocol_errors, 0);
     // Every session, pool mapping and fd is gone again, with the server still up.
-    assert!(
-        eventually(Duration::from_secs(3), || srv
-            .server
-            .status()
-            .sessions
-            .is_empty()
-            && open_fds() == fds_listening
-            && pool_mappings() == maps0),
-        "leak: fds {} (listening {fds_listening}), pool mappings {} (start {maps0})",
-        open_fds(),
-        pool_mappings()
-    );
+    assert_reclaimed(&srv, fds_listening, maps0, "leak");
     drop(srv);
     assert!(eventually(Duration::from_secs(2), || open_fds() <= fds0));
 }
@@ -256,15 +245,20 @@ fn killed_producer() {
         "a torn tensor was delivered"
     );
     assert!(srv.verified.load(Ordering::SeqCst) >= 900);
+    assert_reclaimed(&srv, fds_listening, maps0, "leak after kill");
+}
+
+/// Within 3 s: no session left, the server's fds back to `fds` and its pool mappings to `maps`.
+fn assert_reclaimed(srv: &CheckingServer, fds: usize, maps: usize, what: &str) {
     assert!(
         eventually(Duration::from_secs(3), || srv
             .server
             .status()
             .sessions
             .is_empty()
-            && open_fds() == fds_listening
-            && pool_mappings() == maps0),
-        "leak after kill: fds {} (listening {fds_listening}), mappings {} (start {maps0})",
+            && open_fds() == fds
+            && pool_mappings() == maps),
+        "{what}: fds {} (listening {fds}), pool mappings {} (start {maps})",
         open_fds(),
         pool_mappings()
     );

@@ -170,13 +170,7 @@ impl DeviceBuffer {
     }
     /// Fills the buffer with the 32-bit word `value` on `stream` (asynchronously).
     pub fn fill_u32_async(&self, value: u32, stream: &Stream) -> Result<()> {
-        self.gpu.bind()?;
-        // SAFETY: the whole buffer, on a live stream of its context.
-        unsafe {
-            self.gpu
-                .driver
-                .memset_d32_async(self.ptr, value, self.len / 4, stream.raw)
-        }
+        self.fill_u32_range_async(0, self.len / 4 * 4, value, stream)
     }
 
     /// Fills `bytes` bytes from byte `offset` with the 32-bit word `value` on `stream`.
