@@ -17,10 +17,12 @@
 
 mod map;
 mod pool;
+pub mod ring;
 mod slots;
 
 pub use map::Mapping;
 pub use pool::{page_size, HostPool, PinHook, PinRegistration, REQUIRED_SEALS};
+pub use ring::{RingError, RingMem};
 pub use slots::{SlotError, SlotState, SlotTable};
 
 use thiserror::Error;

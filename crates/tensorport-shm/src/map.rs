@@ -91,6 +91,25 @@ impl Mapping {
     }
 }
 
+impl Mapping {
+    /// The 8-byte word at `offset` as an atomic, for indices and flags that two processes share.
+    /// Panics if `offset` is unaligned or past the end (callers pass constants and checked
+    /// ring positions).
+    pub fn atomic_u64(&self, offset: usize) -> &std::sync::atomic::AtomicU64 {
+        assert!(
+            offset % 8 == 0 && offset.checked_add(8).is_some_and(|e| e <= self.len),
+            "atomic word {offset} outside a mapping of {}",
+            self.len
+        );
+        // SAFETY: in bounds and 8-aligned (checked above; the mapping itself is page-aligned);
+        // `AtomicU64` has the size and alignment of `u64` and every bit pattern is a valid value,
+        // so a peer writing any bytes there at any time cannot make this reference invalid; all
+        // accesses to shared ring words in this process go through such atomics; the reference
+        // borrows `self`, so the mapping outlives it.
+        unsafe { &*(self.ptr.as_ptr().add(offset) as *const std::sync::atomic::AtomicU64) }
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` are exactly what mmap returned, and every view into the mapping

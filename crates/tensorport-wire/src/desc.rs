@@ -186,6 +186,50 @@ pub fn validate_in(
     pool: &PoolBounds,
     device_len: &dyn Fn(u32) -> Option<u64>,
 ) -> Result<TensorDesc, WireError> {
+    validate_view(&raw.view(), pool, device_len)
+}
+
+impl RawTensorDesc {
+    /// This descriptor by reference, for [`validate_view`].
+    pub fn view(&self) -> RawTensorView<'_> {
+        RawTensorView {
+            dtype: self.dtype,
+            shape: &self.shape,
+            strides: self.strides.as_deref(),
+            offset: self.offset,
+            len: self.len,
+            location: &self.location,
+            fence: self.fence.as_ref(),
+        }
+    }
+}
+
+/// A raw descriptor by reference: what the shared-memory submission queue carries (no
+/// allocation), checked by [`validate_view`] exactly as [`validate_in`] checks a message's.
+#[derive(Debug, Clone, Copy)]
+pub struct RawTensorView<'a> {
+    /// [`DType`] number.
+    pub dtype: u8,
+    /// Dimensions, outermost first.
+    pub shape: &'a [u64],
+    /// Strides in elements; `None` means row-major contiguous.
+    pub strides: Option<&'a [u64]>,
+    /// Byte offset of element 0 inside the slot.
+    pub offset: u64,
+    /// Bytes covered from `offset`.
+    pub len: u64,
+    /// Where the bytes are.
+    pub location: &'a RawLocation,
+    /// What to wait on before reading.
+    pub fence: Option<&'a RawFence>,
+}
+
+/// [`validate_in`] for a [`RawTensorView`]. Allocates only to describe an error.
+pub fn validate_view(
+    raw: &RawTensorView<'_>,
+    pool: &PoolBounds,
+    device_len: &dyn Fn(u32) -> Option<u64>,
+) -> Result<TensorDesc, WireError> {
     let dtype = DType::from_u8(raw.dtype).ok_or(WireError::UnknownDType(raw.dtype))?;
     let rank = raw.shape.len();
     if rank > MAX_DIMS {
@@ -193,20 +237,20 @@ pub fn validate_in(
     }
     let elem = dtype.size();
     let mut numel: u64 = 1;
-    for &d in &raw.shape {
+    for &d in raw.shape {
         numel = numel
             .checked_mul(d)
-            .ok_or_else(|| WireError::ShapeOverflow(raw.shape.clone()))?;
+            .ok_or_else(|| WireError::ShapeOverflow(raw.shape.to_vec()))?;
     }
     numel
         .checked_mul(elem)
-        .ok_or_else(|| WireError::ShapeOverflow(raw.shape.clone()))?;
+        .ok_or_else(|| WireError::ShapeOverflow(raw.shape.to_vec()))?;
 
     let mut shape = [0u64; MAX_DIMS];
-    shape[..rank].copy_from_slice(&raw.shape);
-    let natural = contiguous_strides(&raw.shape)
-        .ok_or_else(|| WireError::ShapeOverflow(raw.shape.clone()))?;
-    let (strides, contiguous) = match &raw.strides {
+    shape[..rank].copy_from_slice(raw.shape);
+    let natural = contiguous_strides(raw.shape)
+        .ok_or_else(|| WireError::ShapeOverflow(raw.shape.to_vec()))?;
+    let (strides, contiguous) = match raw.strides {
         None => (natural, true),
         Some(s) => {
             if s.len() != rank {
@@ -254,7 +298,7 @@ pub fn validate_in(
         .offset
         .checked_add(raw.len)
         .ok_or_else(|| WireError::OutOfBounds("offset + length overflows".into()))?;
-    let location = match &raw.location {
+    let location = match raw.location {
         RawLocation::HostSlot(s) => {
             if s.slot >= pool.slot_count {
                 return Err(WireError::OutOfBounds(format!(
@@ -285,7 +329,7 @@ pub fn validate_in(
     };
     // Device buffers are fenced by the event registered with them, or by a timeline value on
     // the buffer's own semaphore (semaphore 0); nothing else is supported.
-    let timeline = match (&raw.fence, location) {
+    let timeline = match (raw.fence, location) {
         (None, _) => None,
         (
             Some(RawFence::Timeline {

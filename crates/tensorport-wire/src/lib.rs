@@ -20,13 +20,18 @@ pub mod error;
 pub mod frame;
 pub mod msg;
 
-pub use desc::{validate, validate_in, DType, Location, PoolBounds, TensorDesc, MAX_DIMS};
+pub use desc::{
+    validate, validate_in, validate_view, DType, Location, PoolBounds, RawTensorView, TensorDesc,
+    MAX_DIMS,
+};
 pub use error::{ErrorCode, WireError};
 pub use frame::{encode_frame, encode_frame_into, parse_header, FrameBuffer, FRAME_HEADER_LEN};
 pub use msg::*;
 
-/// The protocol version this crate speaks. A peer negotiates it in the handshake.
-pub const PROTOCOL_VERSION: u16 = 1;
+/// The protocol version this crate speaks. A peer negotiates it in the handshake. Version 2 adds
+/// the shared-memory submission and completion queues (a producer's `Welcome` may then carry four
+/// descriptors: pool, queues, server doorbell, producer doorbell); version 1 is the socket alone.
+pub const PROTOCOL_VERSION: u16 = 2;
 /// The oldest protocol version this crate can speak.
 pub const MIN_PROTOCOL_VERSION: u16 = 1;
 /// First four bytes of every `Hello`: tells a tensorport server from anything else on a socket.

@@ -481,10 +481,12 @@ mod tests {
 
     #[test]
     fn negotiation() {
+        // A protocol-1 client gets protocol 1; a client that speaks up to 5 gets our newest.
         assert_eq!(negotiate(&hello()).unwrap(), 1);
         let mut h = hello();
-        h.min_version = 2;
         h.max_version = 5;
+        assert_eq!(negotiate(&h).unwrap(), crate::PROTOCOL_VERSION);
+        h.min_version = crate::PROTOCOL_VERSION + 1;
         assert_eq!(
             negotiate(&h).unwrap_err().code(),
             ErrorCode::VersionMismatch

@@ -17,7 +17,8 @@ pub(crate) struct Connected {
     pub reader: FrameReader,
     pub writer: FrameWriter,
     pub welcome: Welcome,
-    pub pool_fd: Option<OwnedFd>,
+    /// The descriptors `Welcome` carried, in order (pool; then queues and doorbells).
+    pub fds: Vec<OwnedFd>,
 }
 
 /// Reads the next message, waiting until `deadline` (`None`: forever). `Ok(None)` on timeout;
@@ -48,6 +49,7 @@ pub(crate) fn connect(
     name: &str,
     want_slots: u32,
     want_slot_size: u64,
+    max_version: u16,
     timeout: Duration,
 ) -> Result<Connected> {
     let stream = path::connect(socket)?;
@@ -73,7 +75,7 @@ pub(crate) fn connect(
         &ClientMsg::Hello(Hello {
             magic: MAGIC,
             min_version: MIN_PROTOCOL_VERSION,
-            max_version: PROTOCOL_VERSION,
+            max_version: max_version.clamp(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION),
             role,
             name,
             want_slots,
@@ -91,21 +93,21 @@ pub(crate) fn connect(
     };
     match answer {
         Some(ServerMsg::Welcome(welcome)) => {
-            let mut pool_fd = None;
-            if welcome.fds > 0 {
-                pool_fd = reader.take_fd();
-                if pool_fd.is_none() {
-                    return Err(Error::Refused {
+            let mut fds = Vec::with_capacity(welcome.fds as usize);
+            for _ in 0..welcome.fds {
+                match reader.take_fd() {
+                    Some(fd) => fds.push(fd),
+                    None => return Err(Error::Refused {
                         code: ErrorCode::Malformed,
-                        message: "Welcome announced a pool fd but none arrived (was it dropped at the fd limit? check `ulimit -n`)".into(),
-                    });
+                        message: format!("Welcome announced {} file descriptors but {} arrived (were they dropped at the fd limit? check `ulimit -n`)", welcome.fds, fds.len()),
+                    }),
                 }
             }
             Ok(Connected {
                 reader,
                 writer,
                 welcome,
-                pool_fd,
+                fds,
             })
         }
         Some(ServerMsg::Error { code, message, .. }) => Err(Error::Refused {

@@ -31,6 +31,7 @@ impl Control {
             "tensorport-ctl",
             0,
             0,
+            tensorport_wire::PROTOCOL_VERSION,
             timeout,
         )?;
         Ok(Control {

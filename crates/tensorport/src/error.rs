@@ -76,6 +76,9 @@ pub enum Error {
     /// Shared memory failed.
     #[error(transparent)]
     Shm(#[from] tensorport_shm::ShmError),
+    /// The shared-memory queues were corrupted by the peer (the session cannot go on).
+    #[error(transparent)]
+    Ring(#[from] tensorport_shm::RingError),
     /// The server is draining and takes no new work.
     #[error("the server is draining and takes no new work")]
     Draining,

@@ -15,6 +15,7 @@ mod conn;
 mod control;
 mod device;
 mod error;
+mod fast;
 pub mod path;
 mod producer;
 mod server;

@@ -19,17 +19,23 @@
 use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
+use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use tensorport_shm::ring::{SqEntry, CQ_GRANT, CQ_RESULT};
 use tensorport_shm::HostPool;
 use tensorport_wire::{
-    validate_in, ClientMsg, DType, ErrorCode, Outcome, PoolBounds, PoolLayout, RawDeviceHandle,
-    RawLocation, RawTensorDesc, Role, ServerMsg, SlotRef, StatusReport, MAX_DIMS,
+    validate_in, validate_view, ClientMsg, DType, ErrorCode, Outcome, PoolBounds, PoolLayout,
+    RawDeviceHandle, RawLocation, RawTensorDesc, RawTensorView, Role, ServerMsg, SlotRef,
+    StatusReport, MAX_DIMS, PROTOCOL_VERSION,
 };
 
 use crate::client::{self, next_msg};
 use crate::conn::{FrameReader, FrameWriter};
+use crate::fast::ProducerRing;
 use crate::{Error, Result};
+use tensorport_wire::decode_server;
 
 /// How a producer connects.
 #[derive(Debug, Clone)]
@@ -42,6 +48,12 @@ pub struct ProducerConfig {
     pub slot_size: u64,
     /// How long to wait for the server's `Welcome`.
     pub connect_timeout: Duration,
+    /// Use the shared-memory queues if the server offers them (protocol 2; on by default). Off,
+    /// every submission and result travels on the socket (protocol 1).
+    pub rings: bool,
+    /// How long a wait (lease, result) polls the queues before it sleeps on the doorbell:
+    /// longer spins cost CPU and save the wake-up when the server answers soon.
+    pub spin: Duration,
 }
 
 impl ProducerConfig {
@@ -52,6 +64,8 @@ impl ProducerConfig {
             slots: 0,
             slot_size: 0,
             connect_timeout: Duration::from_secs(5),
+            rings: true,
+            spin: Duration::from_micros(20),
         }
     }
 }
@@ -98,10 +112,12 @@ impl TensorSpec {
         if self.shape.contains(&0) {
             return Some(0);
         }
-        let strides = match &self.strides {
-            Some(s) => s.clone(),
+        let natural;
+        let strides: &[u64] = match &self.strides {
+            Some(s) => s,
             None => {
-                tensorport_wire::desc::contiguous_strides(&self.shape)?[..self.shape.len()].to_vec()
+                natural = tensorport_wire::desc::contiguous_strides(&self.shape)?;
+                &natural[..self.shape.len()]
             }
         };
         let mut last: u64 = 0;
@@ -190,6 +206,9 @@ pub struct Producer {
     status: Option<StatusReport>,
     draining: bool,
     next_id: u64,
+    /// The shared-memory queues, if the server gave us some.
+    ring: Option<ProducerRing>,
+    spin: Duration,
 }
 
 impl std::fmt::Debug for Producer {
@@ -212,14 +231,31 @@ impl Producer {
             &config.name,
             config.slots,
             config.slot_size,
+            if config.rings { PROTOCOL_VERSION } else { 1 },
             config.connect_timeout,
         )?;
         let layout = c.welcome.pool;
-        let fd = c.pool_fd.ok_or_else(|| Error::Refused {
+        let mut fds = c.fds.into_iter();
+        let fd = fds.next().ok_or_else(|| Error::Refused {
             code: ErrorCode::Malformed,
             message: "a producer Welcome without a pool".into(),
         })?;
         let pool = HostPool::open(fd, layout.slot_count, layout.slot_size)?;
+        let ring = match (fds.next(), fds.next(), fds.next()) {
+            (None, None, None) => None,
+            (Some(r), Some(a), Some(b)) if c.welcome.version >= 2 => {
+                Some(ProducerRing::open(r, a, b)?)
+            }
+            _ => {
+                return Err(Error::Refused {
+                    code: ErrorCode::Malformed,
+                    message: format!(
+                        "a protocol-{} Welcome with {} descriptors",
+                        c.welcome.version, c.welcome.fds
+                    ),
+                })
+            }
+        };
         Ok(Producer {
             reader: c.reader,
             writer: c.writer,
@@ -235,7 +271,14 @@ impl Producer {
             status: None,
             draining: false,
             next_id: 1,
+            ring,
+            spin: config.spin,
         })
+    }
+
+    /// Whether this session hands tensors over on the shared-memory queues (protocol 2).
+    pub fn uses_rings(&self) -> bool {
+        self.ring.is_some()
     }
 
     /// The session id the server gave us.
@@ -258,9 +301,10 @@ impl Producer {
         self.pool.fd()
     }
 
-    /// Requests submitted whose result has not been taken.
+    /// Requests submitted whose result has not been taken (still with the server, or received
+    /// and waiting in [`Producer::ready`]).
     pub fn in_flight(&self) -> usize {
-        self.in_flight.len()
+        self.in_flight.len() + self.done.len()
     }
 
     /// Results received and not yet taken.
@@ -352,15 +396,116 @@ impl Producer {
         Ok(())
     }
 
-    /// Reads and handles messages until one arrives or `deadline`; returns whether one did.
+    /// Handles what arrives — completions on the queue, messages on the socket — until
+    /// something did or `deadline` passes; returns whether something did.
     fn pump(&mut self, deadline: Option<Instant>) -> Result<bool> {
-        match next_msg(&mut self.reader, deadline)? {
-            Some(m) => {
-                self.handle(m)?;
-                Ok(true)
-            }
-            None => Ok(false),
+        if self.ring.is_none() {
+            return match next_msg(&mut self.reader, deadline)? {
+                Some(m) => {
+                    self.handle(m)?;
+                    Ok(true)
+                }
+                None => Ok(false),
+            };
         }
+        let mut start = Instant::now();
+        let mut socket_checked = start;
+        loop {
+            if self.drain_ring()? {
+                return Ok(true);
+            }
+            // The socket carries errors, draining and results too long for the queue: frames
+            // already read are handled at once; the socket itself is looked at every 100 µs
+            // while spinning, once more at the deadline, and slept on with the doorbell.
+            let buffered = match self.reader.next_payload()? {
+                Some(p) => Some(decode_server(p)?),
+                None => None,
+            };
+            if let Some(m) = buffered {
+                self.handle(m)?;
+                return Ok(true);
+            }
+            let now = Instant::now();
+            let expired = deadline.is_some_and(|d| now >= d);
+            if expired || now.duration_since(socket_checked) > Duration::from_micros(100) {
+                socket_checked = now;
+                if let Some(m) = next_msg(&mut self.reader, Some(now))? {
+                    self.handle(m)?;
+                    return Ok(true);
+                }
+                if expired {
+                    return self.drain_ring();
+                }
+            }
+            if now.duration_since(start) < self.spin {
+                std::hint::spin_loop();
+                continue;
+            }
+            self.sleep(deadline)?;
+            start = Instant::now();
+        }
+    }
+
+    /// Says we sleep, looks at the queue once more, then waits for the doorbell or the socket.
+    fn sleep(&mut self, deadline: Option<Instant>) -> Result<()> {
+        let ring = self.ring.as_ref().expect("only with a ring");
+        ring.mem.set_producer_waiting(true);
+        fence(Ordering::SeqCst);
+        if ring.has_work() {
+            ring.mem.set_producer_waiting(false);
+            return Ok(());
+        }
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let timeout = match left {
+            None => PollTimeout::NONE,
+            Some(l) => PollTimeout::try_from(l.as_millis().clamp(1, i32::MAX as u128) as i32)
+                .unwrap_or(PollTimeout::MAX),
+        };
+        let mut pfd = [
+            PollFd::new(self.reader.stream().as_fd(), PollFlags::POLLIN),
+            PollFd::new(ring.to_producer.as_fd(), PollFlags::POLLIN),
+        ];
+        match poll(&mut pfd, timeout) {
+            Ok(_) | Err(nix::Error::EINTR) => {}
+            Err(e) => {
+                ring.mem.set_producer_waiting(false);
+                return Err(Error::sys("poll")(e));
+            }
+        }
+        let readable = |p: &PollFd| p.revents().is_some_and(|r| !r.is_empty());
+        let (sock, bell) = (readable(&pfd[0]), readable(&pfd[1]));
+        if bell {
+            ring.to_producer.clear();
+        }
+        ring.mem.set_producer_waiting(false);
+        if sock && self.reader.fill()?.bytes == 0 {
+            return Err(Error::ServerGone);
+        }
+        Ok(())
+    }
+
+    /// Handles every completion on the queue; returns whether there was any.
+    fn drain_ring(&mut self) -> Result<bool> {
+        let Some(ring) = self.ring.as_mut() else {
+            return Ok(false);
+        };
+        let mut any = false;
+        while let Some(h) = ring.next()? {
+            any = true;
+            if h.flags & CQ_GRANT != 0 && h.slot < self.layout.slot_count {
+                self.free.push_back(SlotRef {
+                    slot: h.slot,
+                    generation: h.generation,
+                });
+            }
+            if h.flags & CQ_RESULT != 0 && self.in_flight.remove(&h.request_id).is_some() {
+                self.done.push_back(Completion {
+                    request_id: h.request_id,
+                    result: Ok(ring.buf[..h.len as usize].to_vec()),
+                });
+            }
+        }
+        Ok(any)
     }
 
     /// Handles everything already received, without waiting.
@@ -556,8 +701,83 @@ impl Producer {
     }
 
     fn submit_slot(&mut self, slot: SlotRef, request_id: u64, spec: &TensorSpec) -> Result<()> {
+        if self.ring.is_some() {
+            return self.submit_on_ring(slot, request_id, spec);
+        }
         let raw = spec.to_raw(RawLocation::HostSlot(slot))?;
         self.check_and_send(request_id, raw, Held::Host(slot))
+    }
+
+    /// The hot path: the descriptor goes into the submission queue (no system call unless the
+    /// server sleeps, no allocation), checked here first with the server's own rules.
+    fn submit_on_ring(&mut self, slot: SlotRef, request_id: u64, spec: &TensorSpec) -> Result<()> {
+        let rank = spec.shape.len();
+        if rank > MAX_DIMS {
+            return Err(Error::InvalidTensor(format!(
+                "{rank} dimensions, at most {MAX_DIMS}"
+            )));
+        }
+        if spec.strides.as_ref().is_some_and(|s| s.len() != rank) {
+            return Err(Error::InvalidTensor(format!(
+                "{} strides for {rank} dimensions",
+                spec.strides.as_ref().map_or(0, |s| s.len())
+            )));
+        }
+        let len = spec
+            .extent()
+            .ok_or_else(|| Error::InvalidTensor(format!("shape {:?} overflows", spec.shape)))?;
+        let mut e = SqEntry {
+            request_id,
+            slot: slot.slot,
+            generation: slot.generation,
+            dtype: spec.dtype as u8,
+            rank: rank as u8,
+            has_strides: spec.strides.is_some(),
+            offset: spec.offset,
+            len,
+            ..SqEntry::default()
+        };
+        e.shape[..rank].copy_from_slice(&spec.shape);
+        if let Some(st) = &spec.strides {
+            e.strides[..rank].copy_from_slice(st);
+        }
+        let location = RawLocation::HostSlot(slot);
+        validate_view(
+            &RawTensorView {
+                dtype: e.dtype,
+                shape: &e.shape[..rank],
+                strides: e.has_strides.then_some(&e.strides[..rank]),
+                offset: e.offset,
+                len,
+                location: &location,
+                fence: None,
+            },
+            &PoolBounds {
+                slot_count: self.layout.slot_count,
+                slot_size: self.layout.slot_size,
+            },
+            &|_| None,
+        )
+        .map_err(|e| Error::InvalidTensor(e.to_string()))?;
+        if self.in_flight.contains_key(&request_id) {
+            return Err(Error::InvalidTensor(format!(
+                "request id {request_id} is already in flight"
+            )));
+        }
+        let ring = self.ring.as_mut().expect("checked by the caller");
+        if !ring.submit(&e)? {
+            // The queue is full (the server is behind): the socket carries this one.
+            let raw = spec.to_raw(location)?;
+            self.writer.send(
+                &ClientMsg::Submit {
+                    request_id,
+                    tensor: raw,
+                },
+                &[],
+            )?;
+        }
+        self.in_flight.insert(request_id, Held::Host(slot));
+        Ok(())
     }
 
     fn check_and_send(&mut self, request_id: u64, raw: RawTensorDesc, held: Held) -> Result<()> {
@@ -665,6 +885,8 @@ impl Drop for SlotLease<'_> {
     }
 }
 
+/// The control socket. With the shared-memory queues ([`Producer::uses_rings`]) results and
+/// grants do not make it readable: wait with [`Producer::recv_result`] or [`Producer::lease`].
 impl AsFd for Producer {
     fn as_fd(&self) -> BorrowedFd<'_> {
         self.reader.stream().as_fd()

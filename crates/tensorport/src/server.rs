@@ -10,19 +10,24 @@ use std::collections::{HashMap, HashSet};
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
+use std::sync::atomic::fence;
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
-use std::sync::mpsc::{self, Receiver, RecvTimeoutError, Sender};
+use std::sync::mpsc::{self, Receiver, Sender, TryRecvError};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
+use tensorport_shm::ring::{CqHeader, SqEntry, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
 use tensorport_shm::{HostPool, PinHook, SlotState, SlotTable};
 use tensorport_wire::{
-    clip_message, decode_client, negotiate, validate_in, ClientMsg, Counters, ErrorCode, Hello,
-    Outcome, PoolBounds, PoolLayout, RawDeviceHandle, Role, ServerMsg, SessionStatus, SlotRef,
-    StatusReport, TensorDesc, Welcome, WireError, MAX_DEVICE_BUFFERS, MAX_FRAME_LEN,
-    PROTOCOL_VERSION,
+    clip_message, decode_client, negotiate, validate_view, ClientMsg, Counters, ErrorCode, Hello,
+    Outcome, PoolBounds, PoolLayout, RawDeviceHandle, RawLocation, RawTensorView, Role, ServerMsg,
+    SessionStatus, SlotRef, StatusReport, TensorDesc, Welcome, WireError, MAX_DEVICE_BUFFERS,
+    MAX_FRAME_LEN, PROTOCOL_VERSION,
 };
+
+use crate::fast::{Doorbell, ServerRing};
 
 use crate::device::{DeviceImporter, DeviceTensor, ImportedDevice};
 
@@ -57,6 +62,12 @@ pub struct ServerConfig {
     pub pin: Option<Arc<dyn PinHook>>,
     /// Opens device buffers producers register (the device path); `None` refuses them.
     pub device: Option<Arc<dyn DeviceImporter>>,
+    /// Offer protocol-2 producers the shared-memory queues (on by default; off, every tensor
+    /// travels on the socket as in protocol 1).
+    pub rings: bool,
+    /// How long [`Server::recv_timeout`] polls the queues before it sleeps on the doorbells:
+    /// longer spins cost CPU and save the wake-up (a few microseconds) when work comes soon.
+    pub spin: Duration,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -89,6 +100,8 @@ impl ServerConfig {
             allowed_uids: Vec::new(),
             pin: None,
             device: None,
+            rings: true,
+            spin: Duration::from_micros(50),
         }
     }
 }
@@ -134,14 +147,30 @@ struct Shared {
     draining: AtomicBool,
     stopping: AtomicBool,
     tx: Sender<Request>,
+    /// The consumer sleeps on this: every session's "to server" doorbell (data: session id) and
+    /// `wake` (data 0), rung for requests that arrive on a socket and for new sessions.
+    epoll: Epoll,
+    wake: Doorbell,
+    consumer_sleeping: AtomicBool,
+    /// Bumped whenever a session with queues opens or closes, so the consumer refreshes its list.
+    ring_generation: AtomicU64,
 }
 
-fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
     // A panic while holding one of these locks leaves plain bookkeeping behind, still usable.
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 
 impl Shared {
+    /// Wakes the consumer if it sleeps (after a request went into the channel, or a session
+    /// opened).
+    fn wake_consumer(&self) {
+        fence(Ordering::SeqCst);
+        if self.consumer_sleeping.load(Ordering::SeqCst) {
+            self.wake.ring();
+        }
+    }
+
     fn status(&self) -> StatusReport {
         let sessions = lock(&self.sessions);
         let mut list: Vec<SessionStatus> =
@@ -183,6 +212,8 @@ struct Session {
     state: Mutex<SessionState>,
     writer: Mutex<FrameWriter>,
     alive: AtomicBool,
+    /// The shared-memory queues (protocol 2), if the session has them.
+    ring: Option<ServerRing>,
 }
 
 impl Session {
@@ -276,23 +307,57 @@ impl Session {
 
     /// Takes a submitted slot back and, unless the server drains, grants it again at once.
     fn release_slot(&self, shared: &Shared, slot: SlotRef) {
-        let regrant = {
-            let mut st = lock(&self.state);
-            if let Err(e) = st.slots.release(slot.slot, slot.generation) {
-                tracing::error!(session = self.id, "internal: releasing {slot:?}: {e}");
-                return;
-            }
-            if self.alive.load(Ordering::SeqCst) && !shared.draining.load(Ordering::SeqCst) {
-                st.slots.grant(slot.slot).ok().map(|generation| SlotRef {
-                    slot: slot.slot,
-                    generation,
-                })
-            } else {
-                None
-            }
+        if let Some(g) = self.take_back(shared, slot) {
+            self.send_grant(g);
+        }
+    }
+
+    /// Grants a slot: on the completion queue if there is one, else on the socket.
+    fn send_grant(&self, g: SlotRef) {
+        let h = CqHeader {
+            flags: CQ_GRANT,
+            slot: g.slot,
+            generation: g.generation,
+            ..CqHeader::default()
         };
-        if let Some(g) = regrant {
+        if !self.complete(&h, &[]) {
             let _ = self.send(&ServerMsg::Grant(vec![g]));
+        }
+    }
+
+    /// Publishes a completion on the queue; `false` if there is none or it is full (then the
+    /// caller uses the socket). A corrupted queue kills the session.
+    fn complete(&self, h: &CqHeader, payload: &[u8]) -> bool {
+        let Some(ring) = &self.ring else {
+            return false;
+        };
+        if !self.alive.load(Ordering::SeqCst) {
+            return true;
+        }
+        match ring.complete(h, payload) {
+            Ok(pushed) => pushed,
+            Err(e) => {
+                tracing::warn!(session = self.id, producer = %self.name, "closing session: {e}");
+                self.kill();
+                true
+            }
+        }
+    }
+
+    /// Takes a submitted slot back; returns the grant to send unless the server drains.
+    fn take_back(&self, shared: &Shared, slot: SlotRef) -> Option<SlotRef> {
+        let mut st = lock(&self.state);
+        if let Err(e) = st.slots.release(slot.slot, slot.generation) {
+            tracing::error!(session = self.id, "internal: releasing {slot:?}: {e}");
+            return None;
+        }
+        if self.alive.load(Ordering::SeqCst) && !shared.draining.load(Ordering::SeqCst) {
+            st.slots.grant(slot.slot).ok().map(|generation| SlotRef {
+                slot: slot.slot,
+                generation,
+            })
+        } else {
+            None
         }
     }
 }
@@ -386,9 +451,18 @@ impl Request {
         r
     }
 
-    /// Releases the slot and sends `payload` as the result.
-    pub fn respond(self, payload: &[u8]) -> Result<()> {
-        self.release().respond(payload)
+    /// Releases the slot and sends `payload` as the result. On the shared-memory queues a
+    /// result of up to 232 bytes travels in one completion with the slot's grant (no system
+    /// call, no allocation); longer results go on the socket.
+    pub fn respond(mut self, payload: &[u8]) -> Result<()> {
+        let mut r = self.responder.take().expect("responder present until drop");
+        let grant = if self.desc.is_device() {
+            r.session.release_device(self.desc.slot());
+            None
+        } else {
+            r.session.take_back(&r.shared, self.desc.slot())
+        };
+        r.answer(payload, grant)
     }
 
     /// Releases the slot and sends a failure as the result.
@@ -438,63 +512,121 @@ impl Responder {
         self.session.alive.load(Ordering::SeqCst)
     }
 
-    fn finish(&mut self, outcome: Outcome) -> Result<()> {
+    /// Sends the answer (and `grant`, a slot given back with it): one completion on the
+    /// shared-memory queue when the session has one and the result fits, else socket messages.
+    fn finish(
+        &mut self,
+        answer: std::result::Result<&[u8], (ErrorCode, String)>,
+        grant: Option<SlotRef>,
+    ) -> Result<()> {
         self.answered = true;
-        {
+        let counted = {
             let mut st = lock(&self.session.state);
-            if !st.in_flight.remove(&self.request_id) {
-                return Ok(());
-            }
-            st.completed += 1;
+            let was = st.in_flight.remove(&self.request_id);
+            st.completed += was as u64;
+            was
+        };
+        if counted {
+            self.shared
+                .counters
+                .completed
+                .fetch_add(1, Ordering::Relaxed);
         }
-        self.shared
-            .counters
-            .completed
-            .fetch_add(1, Ordering::Relaxed);
+        if let (true, Ok(payload)) = (counted, answer.as_ref()) {
+            if payload.len() <= CQ_INLINE_BYTES {
+                let h = CqHeader {
+                    flags: CQ_RESULT | if grant.is_some() { CQ_GRANT } else { 0 },
+                    len: payload.len() as u32,
+                    request_id: self.request_id,
+                    slot: grant.map_or(0, |g| g.slot),
+                    generation: grant.map_or(0, |g| g.generation),
+                };
+                if !self.session.alive.load(Ordering::SeqCst) {
+                    return Err(Error::SessionGone);
+                }
+                if self.session.complete(&h, payload) {
+                    return Ok(());
+                }
+            }
+        }
+        if let Some(g) = grant {
+            self.session.send_grant(g);
+        }
+        if !counted {
+            return Ok(());
+        }
+        let outcome = match answer {
+            Ok(payload) => Outcome::Ok(payload.to_vec()),
+            Err((code, message)) => Outcome::Err {
+                code: code.as_u16(),
+                message,
+            },
+        };
         self.session.send(&ServerMsg::Result {
             request_id: self.request_id,
             outcome,
         })
     }
 
-    /// Sends `payload` as the result. Fails with [`Error::SessionGone`] if the producer left.
-    pub fn respond(mut self, payload: &[u8]) -> Result<()> {
+    fn answer(&mut self, payload: &[u8], grant: Option<SlotRef>) -> Result<()> {
         if payload.len() > MAX_FRAME_LEN as usize - 64 {
             let n = payload.len();
-            self.finish(Outcome::Err {
-                code: ErrorCode::HandlerFailed.as_u16(),
-                message: format!("result of {n} bytes is over the frame limit"),
-            })?;
+            self.finish(
+                Err((
+                    ErrorCode::HandlerFailed,
+                    format!("result of {n} bytes is over the frame limit"),
+                )),
+                grant,
+            )?;
             return Err(Error::ResultTooLarge(n));
         }
-        self.finish(Outcome::Ok(payload.to_vec()))
+        self.finish(Ok(payload), grant)
+    }
+
+    /// Sends `payload` as the result. Fails with [`Error::SessionGone`] if the producer left.
+    pub fn respond(mut self, payload: &[u8]) -> Result<()> {
+        self.answer(payload, None)
     }
 
     /// Sends a failure as the result.
     pub fn fail(mut self, message: impl Into<String>) -> Result<()> {
-        self.finish(Outcome::Err {
-            code: ErrorCode::HandlerFailed.as_u16(),
-            message: clip_message(message.into()),
-        })
+        self.finish(
+            Err((ErrorCode::HandlerFailed, clip_message(message.into()))),
+            None,
+        )
     }
 }
 
 impl Drop for Responder {
     fn drop(&mut self) {
         if !self.answered {
-            let _ = self.finish(Outcome::Err {
-                code: ErrorCode::HandlerFailed.as_u16(),
-                message: "the server dropped the request without a result".into(),
-            });
+            let _ = self.finish(
+                Err((
+                    ErrorCode::HandlerFailed,
+                    "the server dropped the request without a result".into(),
+                )),
+                None,
+            );
         }
     }
+}
+
+/// What the one consumer at a time (the caller of `recv_*`) keeps between calls.
+struct Consumer {
+    rx: Receiver<Request>,
+    /// Sessions with queues, refreshed when `ring_generation` moves.
+    sessions: Vec<Arc<Session>>,
+    generation: u64,
+    /// Where the next round-robin pass starts.
+    next: usize,
+    events: Vec<EpollEvent>,
 }
 
 /// A running server. Dropping it stops accepting, disconnects every session and removes the
 /// socket file.
 pub struct Server {
     shared: Arc<Shared>,
-    rx: Mutex<Receiver<Request>>,
+    consumer: Mutex<Consumer>,
     acceptor: Option<JoinHandle<()>>,
     socket: PathBuf,
 }
@@ -516,6 +648,12 @@ impl Server {
             .map_err(Error::io("set listener non-blocking"))?;
         let (tx, rx) = mpsc::channel();
         let socket = config.socket.clone();
+        let epoll =
+            Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(Error::sys("epoll_create"))?;
+        let wake = Doorbell::new()?;
+        epoll
+            .add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, 0))
+            .map_err(Error::sys("epoll_ctl"))?;
         let shared = Arc::new(Shared {
             config,
             started: Instant::now(),
@@ -527,6 +665,10 @@ impl Server {
             draining: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             tx,
+            epoll,
+            wake,
+            consumer_sleeping: AtomicBool::new(false),
+            ring_generation: AtomicU64::new(0),
         });
         let sh = shared.clone();
         let acceptor = std::thread::Builder::new()
@@ -536,7 +678,13 @@ impl Server {
         tracing::info!(socket = %socket.display(), "tensorport server listening");
         Ok(Server {
             shared,
-            rx: Mutex::new(rx),
+            consumer: Mutex::new(Consumer {
+                rx,
+                sessions: Vec::new(),
+                generation: u64::MAX,
+                next: 0,
+                events: vec![EpollEvent::empty(); 64],
+            }),
             acceptor: Some(acceptor),
             socket,
         })
@@ -550,32 +698,12 @@ impl Server {
     /// The next request, waiting at most `timeout`. `Ok(None)` on timeout;
     /// `Err(Error::Stopped)` once the server drains and every producer has left.
     ///
-    /// Requests from producers that died after submitting are skipped (and their slots freed).
+    /// Polls the sessions' shared-memory queues (round robin) and the socket path for
+    /// [`ServerConfig::spin`], then sleeps on the doorbells. Requests from producers that died
+    /// after submitting are skipped (and their slots freed).
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Request>> {
-        let deadline = Instant::now() + timeout;
-        loop {
-            let now = Instant::now();
-            let step = deadline
-                .saturating_duration_since(now)
-                .min(Duration::from_millis(50));
-            let got = lock(&self.rx).recv_timeout(step);
-            match got {
-                Ok(req) => {
-                    if req.session().alive.load(Ordering::SeqCst) {
-                        return Ok(Some(req));
-                    }
-                }
-                Err(RecvTimeoutError::Timeout) => {
-                    if self.is_finished() {
-                        return Err(Error::Stopped);
-                    }
-                    if Instant::now() >= deadline {
-                        return Ok(None);
-                    }
-                }
-                Err(RecvTimeoutError::Disconnected) => return Err(Error::Stopped),
-            }
-        }
+        let mut c = lock(&self.consumer);
+        self.next_request(&mut c, Instant::now() + timeout)
     }
 
     /// A batch: waits up to `timeout` for a first request, then collects more until there are
@@ -588,30 +716,158 @@ impl Server {
         max_wait: Duration,
     ) -> Result<Vec<Request>> {
         let mut out = Vec::with_capacity(max);
-        let Some(first) = self.recv_timeout(timeout)? else {
-            return Ok(out);
+        self.recv_batch_into(&mut out, max, timeout, max_wait)?;
+        Ok(out)
+    }
+
+    /// [`Server::recv_batch`] into a vector the caller keeps (cleared first), so a serving
+    /// loop allocates nothing per batch.
+    pub fn recv_batch_into(
+        &self,
+        out: &mut Vec<Request>,
+        max: usize,
+        timeout: Duration,
+        max_wait: Duration,
+    ) -> Result<()> {
+        out.clear();
+        let mut c = lock(&self.consumer);
+        let Some(first) = self.next_request(&mut c, Instant::now() + timeout)? else {
+            return Ok(());
         };
         out.push(first);
         let deadline = Instant::now() + max_wait;
-        let rx = lock(&self.rx);
         while out.len() < max {
-            let left = deadline.saturating_duration_since(Instant::now());
-            let got = if left.is_zero() {
-                rx.try_recv().map_err(|_| ())
-            } else {
-                rx.recv_timeout(left).map_err(|_| ())
-            };
-            match got {
-                Ok(r) if r.session().alive.load(Ordering::SeqCst) => out.push(r),
-                Ok(_) => {}
-                Err(()) => break,
+            match self.try_take(&mut c) {
+                Some(r) => out.push(r),
+                None if Instant::now() >= deadline => break,
+                None => match self.next_request(&mut c, deadline) {
+                    Ok(Some(r)) => out.push(r),
+                    Ok(None) | Err(Error::Stopped) => break,
+                    Err(e) => return Err(e),
+                },
             }
         }
-        drop(rx);
-        let c = &self.shared.counters;
-        c.batches.fetch_add(1, Ordering::Relaxed);
-        c.batched.fetch_add(out.len() as u64, Ordering::Relaxed);
-        Ok(out)
+        drop(c);
+        let k = &self.shared.counters;
+        k.batches.fetch_add(1, Ordering::Relaxed);
+        k.batched.fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn next_request(&self, c: &mut Consumer, deadline: Instant) -> Result<Option<Request>> {
+        let spin = self.shared.config.spin;
+        let start = Instant::now();
+        let mut checked = start;
+        loop {
+            if let Some(r) = self.try_take(c) {
+                return Ok(Some(r));
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                if self.is_finished() {
+                    return Err(Error::Stopped);
+                }
+                return Ok(None);
+            }
+            if now.duration_since(start) < spin {
+                // Look at the (locked) session table only now and then while spinning.
+                if now.duration_since(checked) > Duration::from_millis(5) {
+                    checked = now;
+                    if self.is_finished() {
+                        return Err(Error::Stopped);
+                    }
+                }
+                std::hint::spin_loop();
+                continue;
+            }
+            if self.is_finished() {
+                return Err(Error::Stopped);
+            }
+            let step = deadline
+                .saturating_duration_since(now)
+                .min(Duration::from_millis(50));
+            if let Some(r) = self.sleep(c, step) {
+                return Ok(Some(r));
+            }
+        }
+    }
+
+    /// One request from the queues (one per session per pass, round robin) or the channel.
+    fn try_take(&self, c: &mut Consumer) -> Option<Request> {
+        let g = self.shared.ring_generation.load(Ordering::SeqCst);
+        if g != c.generation {
+            c.generation = g;
+            c.sessions = lock(&self.shared.sessions)
+                .values()
+                .filter(|s| s.ring.is_some())
+                .cloned()
+                .collect();
+            c.sessions.sort_by_key(|s| s.id);
+        }
+        let n = c.sessions.len();
+        for k in 0..n {
+            let i = (c.next + k) % n;
+            if let Some(r) = take_from_ring(&self.shared, &c.sessions[i]) {
+                c.next = (i + 1) % n;
+                return Some(r);
+            }
+        }
+        loop {
+            match c.rx.try_recv() {
+                Ok(r) if r.session().alive.load(Ordering::SeqCst) => return Some(r),
+                Ok(_) => continue,
+                Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return None,
+            }
+        }
+    }
+
+    /// Says it sleeps (to every queue and the socket readers), looks once more, then waits on
+    /// the doorbells for at most `step`.
+    fn sleep(&self, c: &mut Consumer, step: Duration) -> Option<Request> {
+        let sh = &self.shared;
+        sh.consumer_sleeping.store(true, Ordering::SeqCst);
+        for s in &c.sessions {
+            if let Some(ring) = &s.ring {
+                ring.mem.set_server_waiting(true);
+            }
+        }
+        fence(Ordering::SeqCst);
+        let got = if c
+            .sessions
+            .iter()
+            .any(|s| s.ring.as_ref().is_some_and(|r| r.has_work()))
+        {
+            None
+        } else {
+            let ms = step.as_millis().clamp(1, 1000) as u16;
+            let n = sh
+                .epoll
+                .wait(&mut c.events, EpollTimeout::from(ms))
+                .unwrap_or(0);
+            for ev in &c.events[..n] {
+                match ev.data() {
+                    0 => sh.wake.clear(),
+                    id => {
+                        if let Some(ring) = c
+                            .sessions
+                            .iter()
+                            .find(|s| s.id == id)
+                            .and_then(|s| s.ring.as_ref())
+                        {
+                            ring.to_server.clear();
+                        }
+                    }
+                }
+            }
+            None
+        };
+        sh.consumer_sleeping.store(false, Ordering::SeqCst);
+        for s in &c.sessions {
+            if let Some(ring) = &s.ring {
+                ring.mem.set_server_waiting(false);
+            }
+        }
+        got.or_else(|| self.try_take(c))
     }
 
     fn is_finished(&self) -> bool {
@@ -936,16 +1192,33 @@ fn open_session(
         .into_iter()
         .map(|(slot, generation)| SlotRef { slot, generation })
         .collect();
+    // Protocol 2: the hot path moves to shared-memory queues. Every submission occupies at most
+    // one submission entry until the server takes it, and every completion entry answers a
+    // request in flight or grants a slot, so these sizes never make a side wait on the other.
+    let ring = if version >= 2 && cfg.rings {
+        let cq = slots.saturating_add(max_in_flight).saturating_add(8);
+        Some(
+            ServerRing::create(max_in_flight.max(8), cq)
+                .map_err(|e| (ErrorCode::Internal, e.to_string()))?,
+        )
+    } else {
+        None
+    };
+    let mut fds = vec![pool.fd()];
+    if let Some(r) = &ring {
+        fds.extend(r.fds());
+    }
     let welcome = ServerMsg::Welcome(Welcome {
         version,
         session_id: id,
         pool: layout,
         max_in_flight,
-        fds: 1,
+        fds: fds.len() as u8,
     });
     writer
-        .send(&welcome, &[pool.fd()])
+        .send(&welcome, &fds)
         .map_err(|e| (ErrorCode::Internal, format!("sending Welcome: {e}")))?;
+    drop(fds);
     // The slot table is not shared until registration below, so the grant cannot race a submit.
     for chunk in grant.chunks(tensorport_wire::MAX_GRANT) {
         writer
@@ -965,15 +1238,27 @@ fn open_session(
         state: Mutex::new(SessionState {
             slots: table,
             devices: HashMap::new(),
-            in_flight: HashSet::new(),
+            in_flight: HashSet::with_capacity(max_in_flight.min(4096) as usize),
             submitted: 0,
             completed: 0,
             errors: 0,
         }),
         writer: Mutex::new(writer),
         alive: AtomicBool::new(true),
+        ring,
     });
     lock(&shared.sessions).insert(id, session.clone());
+    if let Some(r) = &session.ring {
+        if let Err(e) = shared
+            .epoll
+            .add(&r.to_server, EpollEvent::new(EpollFlags::EPOLLIN, id))
+        {
+            lock(&shared.sessions).remove(&id);
+            return Err((ErrorCode::Internal, format!("epoll_ctl: {e}")));
+        }
+        shared.ring_generation.fetch_add(1, Ordering::SeqCst);
+        shared.wake_consumer();
+    }
     // From here the reservation is released by `close_session`.
     reservation.1 = false;
     shared
@@ -1017,8 +1302,16 @@ fn serve_producer(shared: &Arc<Shared>, session: &Arc<Session>, reader: &mut Fra
             };
             match msg {
                 ClientMsg::Submit { request_id, tensor } => {
-                    if let Err((code, message)) = submit(shared, session, request_id, &tensor) {
-                        session.send_error(shared, code, Some(request_id), message);
+                    match admit(shared, session, request_id, &tensor.view()) {
+                        Ok(req) => {
+                            // The receiver lives as long as the Server; if it is being dropped,
+                            // the request is dropped too (and released).
+                            let _ = shared.tx.send(req);
+                            shared.wake_consumer();
+                        }
+                        Err((code, message)) => {
+                            session.send_error(shared, code, Some(request_id), message)
+                        }
                     }
                 }
                 ClientMsg::Return(s) => {
@@ -1096,19 +1389,74 @@ fn fatal(shared: &Shared, session: &Session, e: WireError) {
     });
 }
 
-fn submit(
+/// The next valid submission on `session`'s queue, if any. Invalid ones are refused on the
+/// socket, one error each, as on the socket path; a corrupted queue closes the session.
+fn take_from_ring(shared: &Arc<Shared>, session: &Arc<Session>) -> Option<Request> {
+    let ring = session.ring.as_ref()?;
+    if !session.alive.load(Ordering::SeqCst) {
+        return None;
+    }
+    loop {
+        let e: SqEntry = match ring.pop() {
+            Ok(Some(e)) => e,
+            Ok(None) => return None,
+            Err(err) => {
+                shared
+                    .counters
+                    .protocol_errors
+                    .fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(session = session.id, producer = %session.name, "closing session: {err}");
+                let _ = session.send(&ServerMsg::Error {
+                    code: ErrorCode::Malformed.as_u16(),
+                    request_id: None,
+                    fatal: true,
+                    message: clip_message(err.to_string()),
+                });
+                session.kill();
+                return None;
+            }
+        };
+        let rank = e.rank as usize;
+        if rank > tensorport_wire::MAX_DIMS {
+            let w = WireError::BadRank(rank);
+            session.send_error(shared, w.code(), Some(e.request_id), w.to_string());
+            continue;
+        }
+        let location = RawLocation::HostSlot(SlotRef {
+            slot: e.slot,
+            generation: e.generation,
+        });
+        let view = RawTensorView {
+            dtype: e.dtype,
+            shape: &e.shape[..rank],
+            strides: e.has_strides.then_some(&e.strides[..rank]),
+            offset: e.offset,
+            len: e.len,
+            location: &location,
+            fence: None,
+        };
+        match admit(shared, session, e.request_id, &view) {
+            Ok(r) => return Some(r),
+            Err((code, message)) => session.send_error(shared, code, Some(e.request_id), message),
+        }
+    }
+}
+
+/// Checks a submission against the session (descriptor, slot state, limits) and makes it a
+/// [`Request`].
+fn admit(
     shared: &Arc<Shared>,
     session: &Arc<Session>,
     request_id: u64,
-    tensor: &tensorport_wire::RawTensorDesc,
-) -> std::result::Result<(), (ErrorCode, String)> {
+    tensor: &RawTensorView<'_>,
+) -> std::result::Result<Request, (ErrorCode, String)> {
     if shared.draining.load(Ordering::SeqCst) {
         return Err((ErrorCode::Draining, "the server is draining".into()));
     }
     let mut st = lock(&session.state);
     let desc = {
         let devices = &st.devices;
-        validate_in(tensor, &session.bounds, &|b| {
+        validate_view(tensor, &session.bounds, &|b| {
             devices.get(&b).map(|e| e.imported.len())
         })
         .map_err(|e| (e.code(), e.to_string()))?
@@ -1177,7 +1525,7 @@ fn submit(
         .counters
         .bytes
         .fetch_add(desc.byte_len(), Ordering::Relaxed);
-    let req = Request {
+    Ok(Request {
         desc,
         device,
         responder: Some(Responder {
@@ -1186,11 +1534,7 @@ fn submit(
             request_id,
             answered: false,
         }),
-    };
-    // The receiver lives as long as the Server, which outlives this thread's use of `shared`
-    // unless the server is being dropped, in which case the request is dropped (and released).
-    let _ = shared.tx.send(req);
-    Ok(())
+    })
 }
 
 fn register_device(
@@ -1263,6 +1607,10 @@ fn close_session(shared: &Shared, session: &Arc<Session>, clean: bool) {
     }
     if lock(&shared.sessions).remove(&session.id).is_some() {
         shared.producers.fetch_sub(1, Ordering::SeqCst);
+    }
+    if let Some(r) = &session.ring {
+        let _ = shared.epoll.delete(&r.to_server);
+        shared.ring_generation.fetch_add(1, Ordering::SeqCst);
     }
     lock(&session.writer).shutdown();
     let st = session.status();

@@ -1,0 +1,587 @@
+//! The hot path in shared memory: a submission queue (producer → server) and a completion
+//! queue (server → producer), one of each per session, in one sealed memfd.
+//!
+//! Each queue is single-producer single-consumer: a ring of fixed-size entries and two
+//! free-running `u64` positions, the writer's `tail` and the reader's `head`. The writer fills an
+//! entry, then publishes it with a release store of `tail + 1`; the reader loads `tail` with
+//! acquire, copies the entry out, and gives the space back with a release store of `head + 1`.
+//! Every word in the mapping is read and written as an atomic, so a peer that scribbles on the
+//! memory can make values wrong, never make this process's reads undefined.
+//!
+//! **Untrusted peer.** Each side keeps its own position in private memory and never re-reads it
+//! from the mapping; the peer's position is checked on every load (`0 ≤ tail − head ≤ capacity`)
+//! and a violation is [`RingError::Corrupt`], which the caller turns into closing the session.
+//! Entries are copied out once and only the copy is used (the caller validates it further).
+//!
+//! **Sleepers.** A side that is about to sleep sets its `waiting` word, issues a `SeqCst` fence,
+//! and looks at the queue once more before sleeping; a writer publishes, fences, and rings the
+//! peer's doorbell (an eventfd, owned by the caller) only if the peer's word is set. One of the
+//! two always sees the other, so no wake-up is lost, and a busy peer costs no system call.
+//!
+//! Layout (all little-endian `u64` words; offsets in bytes; part of the protocol, see
+//! `docs/protocol.md`):
+//!
+//! | offset | word | written by |
+//! | --- | --- | --- |
+//! | 0 | magic `"TPRING01"` | server, once |
+//! | 8 | layout version (1) | server, once |
+//! | 16 / 24 | submission / completion capacity (entries, powers of two) | server, once |
+//! | 32 / 40 | submission / completion entry size in bytes (192 / 256) | server, once |
+//! | 128 | submission tail | producer |
+//! | 256 | submission head | server |
+//! | 384 | completion tail | server |
+//! | 512 | completion head | producer |
+//! | 640 | server waiting (0/1) | server |
+//! | 768 | producer waiting (0/1) | producer |
+//! | 1024 | submission entries, then completion entries | |
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{AtomicU64, Ordering};
+
+use crate::{HostPool, Result, ShmError};
+
+/// First word of a ring mapping.
+pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"TPRING01");
+/// Version of the layout above.
+pub const RING_LAYOUT_VERSION: u64 = 1;
+/// Bytes before the first submission entry.
+pub const RING_HEADER_BYTES: usize = 1024;
+/// Words in a submission entry.
+pub const SQ_ENTRY_WORDS: usize = 24;
+/// Words in a completion entry.
+pub const CQ_ENTRY_WORDS: usize = 32;
+/// Most dimensions a submission entry carries.
+pub const RING_MAX_DIMS: usize = 8;
+/// Result bytes a completion entry carries inline; longer results travel on the socket.
+pub const CQ_INLINE_BYTES: usize = (CQ_ENTRY_WORDS - 3) * 8;
+/// Largest ring accepted from a peer (entries per queue).
+pub const MAX_RING_ENTRIES: u64 = 1 << 16;
+
+const OFF_MAGIC: usize = 0;
+const OFF_VERSION: usize = 8;
+const OFF_SQ_CAP: usize = 16;
+const OFF_CQ_CAP: usize = 24;
+const OFF_SQ_ENTRY: usize = 32;
+const OFF_CQ_ENTRY: usize = 40;
+const OFF_SQ_TAIL: usize = 128;
+const OFF_SQ_HEAD: usize = 256;
+const OFF_CQ_TAIL: usize = 384;
+const OFF_CQ_HEAD: usize = 512;
+const OFF_SERVER_WAITING: usize = 640;
+const OFF_PRODUCER_WAITING: usize = 768;
+
+/// Completion flag: the entry grants a slot back to the producer.
+pub const CQ_GRANT: u32 = 1;
+/// Completion flag: the entry carries a request's successful result.
+pub const CQ_RESULT: u32 = 2;
+
+/// Why a ring operation failed.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RingError {
+    /// The peer wrote a position that cannot be (it moved backwards or past the capacity).
+    #[error("the peer corrupted the {queue} queue: {what}")]
+    Corrupt {
+        /// "submission" or "completion".
+        queue: &'static str,
+        /// What was wrong.
+        what: String,
+    },
+}
+
+/// One submission: a request id and a full tensor descriptor in a host slot, raw (the server
+/// validates it like any descriptor from a peer).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct SqEntry {
+    /// The producer's id for the request.
+    pub request_id: u64,
+    /// Slot index.
+    pub slot: u32,
+    /// Slot generation.
+    pub generation: u32,
+    /// DType number.
+    pub dtype: u8,
+    /// Number of dimensions (the server refuses more than [`RING_MAX_DIMS`]).
+    pub rank: u8,
+    /// Whether `strides` are given (otherwise row-major).
+    pub has_strides: bool,
+    /// Byte offset of element 0 in the slot.
+    pub offset: u64,
+    /// Bytes covered from `offset`.
+    pub len: u64,
+    /// Dimensions, the first `rank` used.
+    pub shape: [u64; RING_MAX_DIMS],
+    /// Strides in elements, the first `rank` used if `has_strides`.
+    pub strides: [u64; RING_MAX_DIMS],
+}
+
+impl SqEntry {
+    fn to_words(self) -> [u64; SQ_ENTRY_WORDS] {
+        let mut w = [0u64; SQ_ENTRY_WORDS];
+        w[0] = self.request_id;
+        w[1] = self.slot as u64 | (self.generation as u64) << 32;
+        w[2] = self.dtype as u64 | (self.rank as u64) << 8 | (self.has_strides as u64) << 16;
+        w[3] = self.offset;
+        w[4] = self.len;
+        w[5..5 + RING_MAX_DIMS].copy_from_slice(&self.shape);
+        w[5 + RING_MAX_DIMS..5 + 2 * RING_MAX_DIMS].copy_from_slice(&self.strides);
+        w
+    }
+
+    fn from_words(w: &[u64; SQ_ENTRY_WORDS]) -> SqEntry {
+        let mut e = SqEntry {
+            request_id: w[0],
+            slot: w[1] as u32,
+            generation: (w[1] >> 32) as u32,
+            dtype: w[2] as u8,
+            rank: (w[2] >> 8) as u8,
+            has_strides: (w[2] >> 16) & 1 == 1,
+            offset: w[3],
+            len: w[4],
+            ..SqEntry::default()
+        };
+        e.shape.copy_from_slice(&w[5..5 + RING_MAX_DIMS]);
+        e.strides
+            .copy_from_slice(&w[5 + RING_MAX_DIMS..5 + 2 * RING_MAX_DIMS]);
+        e
+    }
+}
+
+/// The fixed part of a completion (its inline result bytes travel separately).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CqHeader {
+    /// [`CQ_GRANT`] and/or [`CQ_RESULT`].
+    pub flags: u32,
+    /// Result bytes inline (at most [`CQ_INLINE_BYTES`]).
+    pub len: u32,
+    /// The request answered (with [`CQ_RESULT`]).
+    pub request_id: u64,
+    /// Slot granted (with [`CQ_GRANT`]).
+    pub slot: u32,
+    /// Its generation.
+    pub generation: u32,
+}
+
+/// A session's two queues in one sealed memfd, mapped by both sides.
+#[derive(Debug)]
+pub struct RingMem {
+    mem: HostPool,
+    sq_cap: u64,
+    cq_cap: u64,
+}
+
+fn ring_len(sq_cap: u64, cq_cap: u64) -> Option<u64> {
+    let sq = sq_cap.checked_mul(SQ_ENTRY_WORDS as u64 * 8)?;
+    let cq = cq_cap.checked_mul(CQ_ENTRY_WORDS as u64 * 8)?;
+    (RING_HEADER_BYTES as u64).checked_add(sq)?.checked_add(cq)
+}
+
+impl RingMem {
+    /// Creates the queues (server side): capacities are rounded up to powers of two.
+    pub fn create(sq_entries: u32, cq_entries: u32) -> Result<RingMem> {
+        let sq_cap = (sq_entries.max(2) as u64).next_power_of_two();
+        let cq_cap = (cq_entries.max(2) as u64).next_power_of_two();
+        if sq_cap > MAX_RING_ENTRIES || cq_cap > MAX_RING_ENTRIES {
+            return Err(ShmError::BadLayout(format!(
+                "rings of {sq_cap}/{cq_cap} entries (at most {MAX_RING_ENTRIES})"
+            )));
+        }
+        let len = ring_len(sq_cap, cq_cap).expect("bounded above");
+        let mem = HostPool::create("tensorport-ring", 1, len)?;
+        let r = RingMem {
+            mem,
+            sq_cap,
+            cq_cap,
+        };
+        let m = r.mem.mapping();
+        m.atomic_u64(OFF_VERSION)
+            .store(RING_LAYOUT_VERSION, Ordering::Relaxed);
+        m.atomic_u64(OFF_SQ_CAP).store(sq_cap, Ordering::Relaxed);
+        m.atomic_u64(OFF_CQ_CAP).store(cq_cap, Ordering::Relaxed);
+        m.atomic_u64(OFF_SQ_ENTRY)
+            .store(SQ_ENTRY_WORDS as u64 * 8, Ordering::Relaxed);
+        m.atomic_u64(OFF_CQ_ENTRY)
+            .store(CQ_ENTRY_WORDS as u64 * 8, Ordering::Relaxed);
+        m.atomic_u64(OFF_MAGIC).store(RING_MAGIC, Ordering::Release);
+        Ok(r)
+    }
+
+    /// Maps queues received from the server (producer side), after checking the seals, the
+    /// header, and that the file holds every entry the header announces.
+    pub fn open(fd: OwnedFd) -> Result<RingMem> {
+        let st = nix::sys::stat::fstat(&fd).map_err(crate::sys("fstat"))?;
+        let size = st.st_size as u64;
+        let max = ring_len(MAX_RING_ENTRIES, MAX_RING_ENTRIES).expect("constant");
+        if size < RING_HEADER_BYTES as u64 || size > max.next_multiple_of(crate::page_size()) {
+            return Err(ShmError::BadLayout(format!("a ring file of {size} bytes")));
+        }
+        let mem = HostPool::open(fd, 1, size)?;
+        let m = mem.mapping();
+        let word = |o| m.atomic_u64(o).load(Ordering::Acquire);
+        let bad = |what: String| Err(ShmError::BadLayout(format!("ring header: {what}")));
+        if word(OFF_MAGIC) != RING_MAGIC {
+            return bad("bad magic".into());
+        }
+        if word(OFF_VERSION) != RING_LAYOUT_VERSION {
+            return bad(format!("layout version {}", word(OFF_VERSION)));
+        }
+        let (sq_cap, cq_cap) = (word(OFF_SQ_CAP), word(OFF_CQ_CAP));
+        let pow2 = |c: u64| c.is_power_of_two() && c <= MAX_RING_ENTRIES;
+        if !pow2(sq_cap) || !pow2(cq_cap) {
+            return bad(format!("capacities {sq_cap}/{cq_cap}"));
+        }
+        if word(OFF_SQ_ENTRY) != SQ_ENTRY_WORDS as u64 * 8
+            || word(OFF_CQ_ENTRY) != CQ_ENTRY_WORDS as u64 * 8
+        {
+            return bad("entry sizes".into());
+        }
+        if ring_len(sq_cap, cq_cap).is_none_or(|l| l > size) {
+            return bad(format!("{sq_cap}/{cq_cap} entries do not fit {size} bytes"));
+        }
+        Ok(RingMem {
+            mem,
+            sq_cap,
+            cq_cap,
+        })
+    }
+
+    /// The memfd, to send to the producer.
+    pub fn fd(&self) -> BorrowedFd<'_> {
+        self.mem.fd()
+    }
+
+    /// Submission queue capacity in entries.
+    pub fn sq_capacity(&self) -> u64 {
+        self.sq_cap
+    }
+
+    /// Completion queue capacity in entries.
+    pub fn cq_capacity(&self) -> u64 {
+        self.cq_cap
+    }
+
+    fn w(&self, off: usize) -> &AtomicU64 {
+        self.mem.mapping().atomic_u64(off)
+    }
+
+    fn sq_word(&self, pos: u64, i: usize) -> &AtomicU64 {
+        let e = (pos & (self.sq_cap - 1)) as usize;
+        self.w(RING_HEADER_BYTES + (e * SQ_ENTRY_WORDS + i) * 8)
+    }
+
+    fn cq_word(&self, pos: u64, i: usize) -> &AtomicU64 {
+        let e = (pos & (self.cq_cap - 1)) as usize;
+        let base = RING_HEADER_BYTES + self.sq_cap as usize * SQ_ENTRY_WORDS * 8;
+        self.w(base + (e * CQ_ENTRY_WORDS + i) * 8)
+    }
+
+    /// Says whether the server is (about to be) asleep; see the module docs.
+    pub fn set_server_waiting(&self, on: bool) {
+        self.w(OFF_SERVER_WAITING)
+            .store(on as u64, Ordering::SeqCst);
+    }
+
+    /// Whether the server asked to be woken.
+    pub fn server_waiting(&self) -> bool {
+        self.w(OFF_SERVER_WAITING).load(Ordering::SeqCst) != 0
+    }
+
+    /// Says whether the producer is (about to be) asleep.
+    pub fn set_producer_waiting(&self, on: bool) {
+        self.w(OFF_PRODUCER_WAITING)
+            .store(on as u64, Ordering::SeqCst);
+    }
+
+    /// Whether the producer asked to be woken.
+    pub fn producer_waiting(&self) -> bool {
+        self.w(OFF_PRODUCER_WAITING).load(Ordering::SeqCst) != 0
+    }
+}
+
+impl AsFd for RingMem {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.mem.fd()
+    }
+}
+
+fn corrupt<T>(queue: &'static str, what: String) -> std::result::Result<T, RingError> {
+    Err(RingError::Corrupt { queue, what })
+}
+
+/// The producer's end of the submission queue.
+#[derive(Debug, Default)]
+pub struct SqWriter {
+    tail: u64,
+}
+
+impl SqWriter {
+    /// Publishes `e`; `Ok(false)` if the queue is full.
+    pub fn push(&mut self, r: &RingMem, e: &SqEntry) -> std::result::Result<bool, RingError> {
+        let head = r.w(OFF_SQ_HEAD).load(Ordering::Acquire);
+        let used = self.tail.wrapping_sub(head);
+        if used > r.sq_cap {
+            return corrupt(
+                "submission",
+                format!("head {head} against tail {}", self.tail),
+            );
+        }
+        if used == r.sq_cap {
+            return Ok(false);
+        }
+        for (i, v) in e.to_words().into_iter().enumerate() {
+            r.sq_word(self.tail, i).store(v, Ordering::Relaxed);
+        }
+        self.tail = self.tail.wrapping_add(1);
+        r.w(OFF_SQ_TAIL).store(self.tail, Ordering::Release);
+        Ok(true)
+    }
+}
+
+/// The server's end of the submission queue.
+#[derive(Debug, Default)]
+pub struct SqReader {
+    head: u64,
+}
+
+impl SqReader {
+    /// Entries published and not yet taken; an error if the producer's tail cannot be.
+    pub fn available(&self, r: &RingMem) -> std::result::Result<u64, RingError> {
+        let tail = r.w(OFF_SQ_TAIL).load(Ordering::Acquire);
+        let n = tail.wrapping_sub(self.head);
+        if n > r.sq_cap {
+            return corrupt(
+                "submission",
+                format!(
+                    "tail {tail} against head {} (capacity {})",
+                    self.head, r.sq_cap
+                ),
+            );
+        }
+        Ok(n)
+    }
+
+    /// Copies out the next entry, if any, and gives its space back.
+    pub fn pop(&mut self, r: &RingMem) -> std::result::Result<Option<SqEntry>, RingError> {
+        if self.available(r)? == 0 {
+            return Ok(None);
+        }
+        let mut w = [0u64; SQ_ENTRY_WORDS];
+        for (i, v) in w.iter_mut().enumerate() {
+            *v = r.sq_word(self.head, i).load(Ordering::Relaxed);
+        }
+        self.head = self.head.wrapping_add(1);
+        r.w(OFF_SQ_HEAD).store(self.head, Ordering::Release);
+        Ok(Some(SqEntry::from_words(&w)))
+    }
+}
+
+/// The server's end of the completion queue.
+#[derive(Debug, Default)]
+pub struct CqWriter {
+    tail: u64,
+}
+
+impl CqWriter {
+    /// Publishes a completion with `payload` inline (at most [`CQ_INLINE_BYTES`]); `Ok(false)`
+    /// if the queue is full (the caller sends it on the socket instead).
+    pub fn push(
+        &mut self,
+        r: &RingMem,
+        h: &CqHeader,
+        payload: &[u8],
+    ) -> std::result::Result<bool, RingError> {
+        assert!(payload.len() <= CQ_INLINE_BYTES, "inline result too long");
+        let head = r.w(OFF_CQ_HEAD).load(Ordering::Acquire);
+        let used = self.tail.wrapping_sub(head);
+        if used > r.cq_cap {
+            return corrupt(
+                "completion",
+                format!(
+                    "head {head} against tail {} (capacity {})",
+                    self.tail, r.cq_cap
+                ),
+            );
+        }
+        if used == r.cq_cap {
+            return Ok(false);
+        }
+        let t = self.tail;
+        r.cq_word(t, 0).store(
+            h.flags as u64 | (payload.len() as u64) << 32,
+            Ordering::Relaxed,
+        );
+        r.cq_word(t, 1).store(h.request_id, Ordering::Relaxed);
+        r.cq_word(t, 2).store(
+            h.slot as u64 | (h.generation as u64) << 32,
+            Ordering::Relaxed,
+        );
+        for (i, chunk) in payload.chunks(8).enumerate() {
+            let mut b = [0u8; 8];
+            b[..chunk.len()].copy_from_slice(chunk);
+            r.cq_word(t, 3 + i)
+                .store(u64::from_le_bytes(b), Ordering::Relaxed);
+        }
+        self.tail = t.wrapping_add(1);
+        r.w(OFF_CQ_TAIL).store(self.tail, Ordering::Release);
+        Ok(true)
+    }
+}
+
+/// The producer's end of the completion queue.
+#[derive(Debug, Default)]
+pub struct CqReader {
+    head: u64,
+}
+
+impl CqReader {
+    /// Completions published and not yet taken; an error if the server's tail cannot be.
+    pub fn available(&self, r: &RingMem) -> std::result::Result<u64, RingError> {
+        let tail = r.w(OFF_CQ_TAIL).load(Ordering::Acquire);
+        let n = tail.wrapping_sub(self.head);
+        if n > r.cq_cap {
+            return corrupt(
+                "completion",
+                format!("tail {tail} against head {}", self.head),
+            );
+        }
+        Ok(n)
+    }
+
+    /// Copies out the next completion, its inline bytes into `payload`; gives its space back.
+    pub fn pop(
+        &mut self,
+        r: &RingMem,
+        payload: &mut [u8; CQ_INLINE_BYTES],
+    ) -> std::result::Result<Option<CqHeader>, RingError> {
+        if self.available(r)? == 0 {
+            return Ok(None);
+        }
+        let h0 = self.head;
+        let w0 = r.cq_word(h0, 0).load(Ordering::Relaxed);
+        let len = ((w0 >> 32) as usize).min(CQ_INLINE_BYTES);
+        let w2 = r.cq_word(h0, 2).load(Ordering::Relaxed);
+        let h = CqHeader {
+            flags: w0 as u32,
+            len: len as u32,
+            request_id: r.cq_word(h0, 1).load(Ordering::Relaxed),
+            slot: w2 as u32,
+            generation: (w2 >> 32) as u32,
+        };
+        for i in 0..len.div_ceil(8) {
+            let b = r.cq_word(h0, 3 + i).load(Ordering::Relaxed).to_le_bytes();
+            let n = (len - i * 8).min(8);
+            payload[i * 8..i * 8 + n].copy_from_slice(&b[..n]);
+        }
+        self.head = h0.wrapping_add(1);
+        r.w(OFF_CQ_HEAD).store(self.head, Ordering::Release);
+        Ok(Some(h))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::os::fd::AsFd;
+
+    fn reopen(r: &RingMem) -> RingMem {
+        RingMem::open(r.fd().try_clone_to_owned().unwrap()).unwrap()
+    }
+
+    fn entry(i: u64) -> SqEntry {
+        let mut e = SqEntry {
+            request_id: i,
+            slot: i as u32 % 7,
+            generation: (i * 3) as u32,
+            dtype: 3,
+            rank: 2,
+            has_strides: i % 2 == 0,
+            offset: 64,
+            len: 4096 + i,
+            ..SqEntry::default()
+        };
+        e.shape[..2].copy_from_slice(&[32, i]);
+        e.strides[..2].copy_from_slice(&[i, 1]);
+        e
+    }
+
+    #[test]
+    fn entries_cross_the_mapping_intact_and_in_order() {
+        let server = RingMem::create(5, 3).unwrap();
+        assert_eq!((server.sq_capacity(), server.cq_capacity()), (8, 4));
+        let producer = reopen(&server);
+        let (mut sw, mut sr) = (SqWriter::default(), SqReader::default());
+        let (mut cw, mut cr) = (CqWriter::default(), CqReader::default());
+        let mut buf = [0u8; CQ_INLINE_BYTES];
+        for round in 0..5u64 {
+            for i in 0..8 {
+                assert!(sw.push(&producer, &entry(round * 8 + i)).unwrap());
+            }
+            assert!(!sw.push(&producer, &entry(99)).unwrap(), "full at capacity");
+            for i in 0..8 {
+                assert_eq!(sr.pop(&server).unwrap(), Some(entry(round * 8 + i)));
+            }
+            assert_eq!(sr.pop(&server).unwrap(), None);
+            for i in 0..4u64 {
+                let payload: Vec<u8> = (0..(i * 50) as u8).collect();
+                let h = CqHeader {
+                    flags: CQ_GRANT | CQ_RESULT,
+                    len: 0,
+                    request_id: round * 4 + i,
+                    slot: i as u32,
+                    generation: round as u32,
+                };
+                assert!(cw.push(&server, &h, &payload).unwrap());
+            }
+            assert!(!cw.push(&server, &CqHeader::default(), &[]).unwrap());
+            for i in 0..4u64 {
+                let h = cr.pop(&producer, &mut buf).unwrap().unwrap();
+                assert_eq!(h.request_id, round * 4 + i);
+                assert_eq!((h.slot, h.generation), (i as u32, round as u32));
+                assert_eq!(h.len as u64, i * 50);
+                let want: Vec<u8> = (0..(i * 50) as u8).collect();
+                assert_eq!(&buf[..h.len as usize], &want[..]);
+            }
+            assert_eq!(cr.pop(&producer, &mut buf).unwrap(), None);
+        }
+    }
+
+    #[test]
+    fn a_peer_that_moves_a_position_is_caught() {
+        let server = RingMem::create(4, 4).unwrap();
+        let producer = reopen(&server);
+        // A producer's tail far ahead of anything it could have published.
+        producer.w(OFF_SQ_TAIL).store(1000, Ordering::SeqCst);
+        let mut sr = SqReader::default();
+        assert!(matches!(sr.pop(&server), Err(RingError::Corrupt { .. })));
+        // A tail behind the head (moved backwards) is as bad.
+        producer.w(OFF_SQ_TAIL).store(u64::MAX, Ordering::SeqCst);
+        assert!(sr.pop(&server).is_err());
+        // A completion head the server never reached.
+        producer.w(OFF_CQ_HEAD).store(7, Ordering::SeqCst);
+        let mut cw = CqWriter::default();
+        assert!(cw.push(&server, &CqHeader::default(), &[]).is_err());
+    }
+
+    #[test]
+    fn open_refuses_a_bad_header_or_a_short_file() {
+        let r = RingMem::create(4, 4).unwrap();
+        r.w(OFF_SQ_CAP).store(1 << 20, Ordering::SeqCst);
+        assert!(RingMem::open(r.fd().try_clone_to_owned().unwrap()).is_err());
+        r.w(OFF_SQ_CAP).store(4, Ordering::SeqCst);
+        r.w(OFF_MAGIC).store(0, Ordering::SeqCst);
+        assert!(RingMem::open(r.as_fd().try_clone_to_owned().unwrap()).is_err());
+        // A pool is sealed but has no ring header.
+        let pool = HostPool::create("not-a-ring", 1, 4096).unwrap();
+        assert!(RingMem::open(pool.fd().try_clone_to_owned().unwrap()).is_err());
+    }
+
+    #[test]
+    fn waiting_flags_are_shared() {
+        let server = RingMem::create(2, 2).unwrap();
+        let producer = reopen(&server);
+        assert!(!producer.server_waiting());
+        server.set_server_waiting(true);
+        assert!(producer.server_waiting());
+        producer.set_producer_waiting(true);
+        assert!(server.producer_waiting());
+    }
+}

@@ -1,0 +1,165 @@
+//! The shared-memory hot path (protocol 2): each session's submission and completion queues
+//! (`tensorport_shm::ring`) and the two eventfd doorbells that wake a sleeping side.
+//!
+//! A side rings the other's doorbell only when the other said it sleeps (the ring's `waiting`
+//! words), so a busy pipeline hands tensors over without a system call. The socket stays for
+//! the handshake, control messages, errors and liveness: a closed socket is still a dead peer.
+
+use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Mutex;
+
+use nix::sys::eventfd::{EfdFlags, EventFd};
+use tensorport_shm::ring::{CqHeader, CqReader, CqWriter, SqEntry, SqReader, SqWriter};
+use tensorport_shm::ring::{CQ_INLINE_BYTES, RING_MAX_DIMS};
+use tensorport_shm::{RingError, RingMem};
+
+use crate::{Error, Result};
+
+const _: () = assert!(RING_MAX_DIMS == tensorport_wire::MAX_DIMS);
+
+/// An eventfd one side writes to wake the other.
+#[derive(Debug)]
+pub(crate) struct Doorbell(OwnedFd);
+
+impl Doorbell {
+    pub(crate) fn new() -> Result<Doorbell> {
+        let e = EventFd::from_value_and_flags(0, EfdFlags::EFD_CLOEXEC | EfdFlags::EFD_NONBLOCK)
+            .map_err(Error::sys("eventfd"))?;
+        Ok(Doorbell(e.into()))
+    }
+
+    pub(crate) fn from_fd(fd: OwnedFd) -> Doorbell {
+        Doorbell(fd)
+    }
+
+    /// Wakes the sleeper. A full counter (2^64 − 2 rings unread) already wakes it.
+    pub(crate) fn ring(&self) {
+        let _ = nix::unistd::write(&self.0, &1u64.to_ne_bytes());
+    }
+
+    /// Resets the counter after waking (the fd is non-blocking: nothing to read is fine).
+    pub(crate) fn clear(&self) {
+        let mut b = [0u8; 8];
+        let _ = nix::unistd::read(&self.0, &mut b);
+    }
+}
+
+impl AsFd for Doorbell {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.0.as_fd()
+    }
+}
+
+/// The server's side of a session's queues.
+#[derive(Debug)]
+pub(crate) struct ServerRing {
+    pub(crate) mem: RingMem,
+    sq: Mutex<SqReader>,
+    cq: Mutex<CqWriter>,
+    /// The producer rings this when the server sleeps; the server polls it.
+    pub(crate) to_server: Doorbell,
+    /// The server rings this when the producer sleeps.
+    pub(crate) to_producer: Doorbell,
+}
+
+impl ServerRing {
+    pub(crate) fn create(sq_entries: u32, cq_entries: u32) -> Result<ServerRing> {
+        let mem = RingMem::create(sq_entries, cq_entries)?;
+        // Until the consumer first looks, a producer should ring: the consumer may be asleep.
+        mem.set_server_waiting(true);
+        Ok(ServerRing {
+            mem,
+            sq: Mutex::new(SqReader::default()),
+            cq: Mutex::new(CqWriter::default()),
+            to_server: Doorbell::new()?,
+            to_producer: Doorbell::new()?,
+        })
+    }
+
+    /// What the `Welcome` carries after the pool: ring, server's bell, producer's bell.
+    pub(crate) fn fds(&self) -> [BorrowedFd<'_>; 3] {
+        [
+            self.mem.fd(),
+            self.to_server.as_fd(),
+            self.to_producer.as_fd(),
+        ]
+    }
+
+    /// The next submission, if any (one consumer at a time: the server's `recv`).
+    pub(crate) fn pop(&self) -> std::result::Result<Option<SqEntry>, RingError> {
+        crate::server::lock(&self.sq).pop(&self.mem)
+    }
+
+    /// Whether submissions are waiting.
+    pub(crate) fn has_work(&self) -> bool {
+        crate::server::lock(&self.sq)
+            .available(&self.mem)
+            .map_or(true, |n| n > 0)
+    }
+
+    /// Publishes a completion and wakes the producer if it sleeps. `Ok(false)`: the queue is
+    /// full (the producer is not reading); send it on the socket instead.
+    pub(crate) fn complete(
+        &self,
+        h: &CqHeader,
+        payload: &[u8],
+    ) -> std::result::Result<bool, RingError> {
+        let pushed = crate::server::lock(&self.cq).push(&self.mem, h, payload)?;
+        if pushed {
+            fence(Ordering::SeqCst);
+            if self.mem.producer_waiting() {
+                self.to_producer.ring();
+            }
+        }
+        Ok(pushed)
+    }
+}
+
+/// The producer's side of its session's queues.
+#[derive(Debug)]
+pub(crate) struct ProducerRing {
+    pub(crate) mem: RingMem,
+    sq: SqWriter,
+    cq: CqReader,
+    to_server: Doorbell,
+    pub(crate) to_producer: Doorbell,
+    pub(crate) buf: [u8; CQ_INLINE_BYTES],
+}
+
+impl ProducerRing {
+    /// Maps the ring and adopts the doorbells sent with `Welcome`.
+    pub(crate) fn open(ring: OwnedFd, to_server: OwnedFd, to_producer: OwnedFd) -> Result<Self> {
+        Ok(ProducerRing {
+            mem: RingMem::open(ring)?,
+            sq: SqWriter::default(),
+            cq: CqReader::default(),
+            to_server: Doorbell::from_fd(to_server),
+            to_producer: Doorbell::from_fd(to_producer),
+            buf: [0; CQ_INLINE_BYTES],
+        })
+    }
+
+    /// Publishes a submission and wakes the server if it sleeps; `Ok(false)` if the queue is
+    /// full (send it on the socket instead).
+    pub(crate) fn submit(&mut self, e: &SqEntry) -> Result<bool> {
+        if !self.sq.push(&self.mem, e)? {
+            return Ok(false);
+        }
+        fence(Ordering::SeqCst);
+        if self.mem.server_waiting() {
+            self.to_server.ring();
+        }
+        Ok(true)
+    }
+
+    /// Whether completions are waiting (a corrupted queue counts: the next read reports it).
+    pub(crate) fn has_work(&self) -> bool {
+        self.cq.available(&self.mem).map_or(true, |n| n > 0)
+    }
+
+    /// The next completion, its inline bytes in `self.buf`.
+    pub(crate) fn next(&mut self) -> Result<Option<CqHeader>> {
+        Ok(self.cq.pop(&self.mem, &mut self.buf)?)
+    }
+}
