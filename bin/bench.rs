@@ -6,15 +6,24 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, ExitCode, Stdio};
 use std::time::{Duration, Instant};
 
+use iceoryx2::port::publisher::Publisher;
+use iceoryx2::port::subscriber::Subscriber;
+use iceoryx2::prelude::*;
 use tensorport::{DType, Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
 
 use crate::common::{CliError, CliResult};
 
 /// Measure tensorport's host hand-off against its peers on this machine, in one run, with the
-/// same payloads: a plain Unix-socket copy of the bytes, and memcpy (the floor of filling a
-/// buffer). Producers are separate processes; each fills every payload before handing it over.
-/// Throughput: tensors/s and GB/s with 1, 2, 4 producers. Latency: one producer, one tensor in
-/// flight, one-way = half the round trip (the reply is a small message), percentiles.
+/// same payloads: iceoryx2 publish/subscribe (zero-copy shared memory, safe overflow off so
+/// nothing is dropped), a plain Unix-socket copy of the bytes, and memcpy (the floor of filling
+/// a buffer). Producers are separate processes; each fills every payload before handing it over.
+///
+/// Throughput: messages/s and GB/s with 1, 2, 4 producers, every side polling. Latency: one
+/// producer, one message in flight, one-way = half the round trip (the reply is a small
+/// message: tensorport's result, an 8-byte sample or write), as percentiles, both sides polling
+/// and both sides sleeping between messages (tensorport on its doorbells, iceoryx2 on an event
+/// service, the socket in `read`). With one producer and at least two cores, the two processes
+/// are pinned to cores 0 and 1.
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// A few seconds in all (what CI runs): 4 KiB and 64 KiB, one producer.
@@ -33,71 +42,222 @@ pub struct Args {
     /// Seconds per throughput measurement.
     #[arg(long, default_value_t = 2.0)]
     pub seconds: f64,
-    /// Round trips per latency measurement.
-    #[arg(long, default_value_t = 2000)]
+    /// Runs of each throughput cell (peers interleaved); the median is reported.
+    #[arg(long, default_value_t = 3)]
+    pub repeat: usize,
+    /// Round trips per latency measurement (after 50 unmeasured ones).
+    #[arg(long, default_value_t = 5000)]
     pub round_trips: usize,
+    /// Write plots (throughput vs size, latency CDF; SVG) into this directory.
+    #[arg(long, value_name = "DIR")]
+    pub plots: Option<PathBuf>,
+    /// Leave processes unpinned even with one producer.
+    #[arg(long)]
+    pub no_pin: bool,
     /// (internal) run as a benchmark child.
     #[arg(long, hide = true)]
     pub role: Option<String>,
-    /// (internal) where the child connects.
+    /// (internal) where the child connects (socket path or iceoryx2 service prefix).
     #[arg(long, hide = true)]
-    pub socket: Option<PathBuf>,
+    pub target: Option<String>,
     /// (internal) the child's payload size.
     #[arg(long, hide = true, default_value_t = 0)]
     pub size: usize,
+    /// (internal) poll (1) or sleep (0) while waiting.
+    #[arg(long, hide = true, default_value_t = 1)]
+    pub poll: u8,
+    /// (internal) the core to pin the child to.
+    #[arg(long, hide = true)]
+    pub cpu: Option<usize>,
 }
 
-fn child(exe: &Path, role: &str, sock: &Path, size: usize, a: &Args) -> CliResult<Child> {
-    Ok(Command::new(exe)
-        .args(["--log", "error", "bench", "--role", role])
-        .arg("--socket")
-        .arg(sock)
+const WARMUP: usize = 50;
+const FOREVER: Duration = Duration::from_secs(3600);
+
+fn ice<T, E: std::fmt::Debug>(r: Result<T, E>, what: &str) -> CliResult<T> {
+    r.map_err(|e| CliError::new(format!("iceoryx2 {what}: {e:?}")))
+}
+
+/// Pins this process (all its threads created afterwards) to `cpu`.
+fn pin(cpu: usize) -> CliResult<()> {
+    let mut set = nix::sched::CpuSet::new();
+    set.set(cpu)
+        .map_err(|e| CliError::new(format!("cpu {cpu}: {e}")))?;
+    nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set)
+        .map_err(|e| CliError::new(format!("pinning to cpu {cpu}: {e}")))
+}
+
+fn unpin(cores: usize) {
+    let mut set = nix::sched::CpuSet::new();
+    for c in 0..cores.min(nix::sched::CpuSet::count()) {
+        let _ = set.set(c);
+    }
+    let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set);
+}
+
+struct Ctx {
+    exe: PathBuf,
+    cores: usize,
+    pin: bool,
+    seconds: f64,
+    round_trips: usize,
+}
+
+impl Ctx {
+    fn child(
+        &self,
+        role: &str,
+        target: &str,
+        size: usize,
+        poll: bool,
+        cpu: Option<usize>,
+    ) -> CliResult<Child> {
+        let mut c = Command::new(&self.exe);
+        c.args([
+            "--log", "error", "bench", "--role", role, "--target", target,
+        ])
         .args(["--size", &size.to_string()])
-        .args(["--seconds", &a.seconds.to_string()])
-        .args(["--round-trips", &a.round_trips.to_string()])
+        .args(["--seconds", &self.seconds.to_string()])
+        .args(["--round-trips", &self.round_trips.to_string()])
+        .args(["--poll", if poll { "1" } else { "0" }])
         .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .spawn()?)
+        .stdout(Stdio::piped());
+        if let Some(cpu) = cpu {
+            c.args(["--cpu", &cpu.to_string()]);
+        }
+        Ok(c.spawn()?)
+    }
+
+    /// Cores for (parent, child) when one producer runs against one consumer.
+    fn pair(&self) -> (Option<usize>, Option<usize>) {
+        if self.pin && self.cores >= 2 {
+            (Some(0), Some(1))
+        } else {
+            (None, None)
+        }
+    }
 }
 
-fn percentiles(mut v: Vec<f64>) -> (f64, f64, f64) {
-    v.sort_by(f64::total_cmp);
-    let p = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
-    (p(0.5), p(0.99), p(0.999))
+/// Whether a streaming child goes on: it reads the clock every 64 messages (every peer alike).
+fn more(i: usize, deadline: Instant) -> bool {
+    i % 64 != 0 || Instant::now() < deadline
 }
 
 fn fill(buf: &mut [u8], i: usize) {
     buf.fill(i as u8);
 }
 
+fn service_name(tag: &str) -> CliResult<ServiceName> {
+    ice(ServiceName::new(tag), "service name")
+}
+
+fn ice_node() -> CliResult<Node<ipc::Service>> {
+    ice(
+        NodeBuilder::new()
+            .signal_handling_mode(SignalHandlingMode::Disabled)
+            .create::<ipc::Service>(),
+        "node",
+    )
+}
+
+type IceSvc =
+    iceoryx2::service::port_factory::publish_subscribe::PortFactory<ipc::Service, [u8], ()>;
+type IceEvent = iceoryx2::service::port_factory::event::PortFactory<ipc::Service>;
+
+fn ice_data(node: &Node<ipc::Service>, tag: &str, publishers: usize) -> CliResult<IceSvc> {
+    ice(
+        node.service_builder(&service_name(tag)?)
+            .publish_subscribe::<[u8]>()
+            .enable_safe_overflow(false)
+            .subscriber_max_buffer_size(8)
+            .history_size(0)
+            .max_publishers(publishers.max(1))
+            .max_subscribers(1)
+            .open_or_create(),
+        "service",
+    )
+}
+
+fn ice_event(node: &Node<ipc::Service>, tag: &str) -> CliResult<IceEvent> {
+    ice(
+        node.service_builder(&service_name(tag)?)
+            .event()
+            .open_or_create(),
+        "event service",
+    )
+}
+
+fn ice_publisher(svc: &IceSvc, size: usize) -> CliResult<Publisher<ipc::Service, [u8], ()>> {
+    ice(
+        svc.publisher_builder()
+            .initial_max_slice_len(size)
+            .backpressure_strategy(BackpressureStrategy::RetryUntilDelivered)
+            .create(),
+        "publisher",
+    )
+}
+
+fn ice_send(p: &Publisher<ipc::Service, [u8], ()>, size: usize, i: usize) -> CliResult<()> {
+    let s = ice(p.loan_slice_uninit(size), "loan")?;
+    let v = i as u8;
+    ice(s.write_from_fn(|_| v).send(), "send")?;
+    Ok(())
+}
+
+/// Waits for the next sample: spinning, or sleeping on `listener` between looks.
+fn ice_recv(
+    sub: &Subscriber<ipc::Service, [u8], ()>,
+    listener: Option<&iceoryx2::port::listener::Listener<ipc::Service>>,
+    deadline: Instant,
+) -> CliResult<usize> {
+    loop {
+        if let Some(s) = ice(sub.receive(), "receive")? {
+            return Ok(*std::hint::black_box(s.payload().first().unwrap_or(&0)) as usize);
+        }
+        if Instant::now() > deadline {
+            return Err(CliError::new("iceoryx2: no sample within the deadline"));
+        }
+        match listener {
+            // A bounded wait: a notification sent before the ports saw each other is not lost
+            // for long (only warm-up round trips can hit this).
+            Some(l) => {
+                ice(l.timed_wait(|_| {}, Duration::from_millis(10)), "wait")?;
+            }
+            None => std::hint::spin_loop(),
+        }
+    }
+}
+
 /// The children.
 fn run_child(a: &Args, role: &str) -> CliResult<ExitCode> {
-    let sock = a
-        .socket
+    if let Some(cpu) = a.cpu {
+        pin(cpu)?;
+    }
+    let target = a
+        .target
         .clone()
-        .ok_or_else(|| CliError::usage("--socket"))?;
+        .ok_or_else(|| CliError::usage("--target"))?;
     let size = a.size;
+    let poll = a.poll != 0;
     let deadline = Instant::now() + Duration::from_secs_f64(a.seconds);
-    let spec = TensorSpec::new(DType::U8, &[size as u64]);
-    let mut rtts = Vec::new();
+    let total = a.round_trips + WARMUP;
+    let mut rtts = Vec::with_capacity(total);
     match role {
         "tp-stream" | "tp-ping" => {
             let mut cfg = ProducerConfig::new(role);
             cfg.slots = 8;
             cfg.slot_size = size as u64;
-            let mut p = Producer::connect(&sock, cfg)?;
+            cfg.spin = if poll { FOREVER } else { Duration::ZERO };
+            let mut p = Producer::connect(&target, cfg)?;
+            let spec = TensorSpec::new(DType::U8, &[size as u64]);
             let ping = role == "tp-ping";
             let mut i = 0;
-            while if ping {
-                i < a.round_trips
-            } else {
-                Instant::now() < deadline
-            } {
-                let t = Instant::now();
+            while if ping { i < total } else { more(i, deadline) } {
+                let t = ping.then(Instant::now);
                 let mut l = p.lease(Duration::from_secs(10))?;
                 fill(&mut l.bytes_mut()[..size], i);
                 l.submit(&spec)?;
-                if ping {
+                if let Some(t) = t {
                     p.recv_result(Duration::from_secs(10))?;
                     rtts.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
                 } else {
@@ -110,17 +270,54 @@ fn run_child(a: &Args, role: &str) -> CliResult<ExitCode> {
             }
             let _ = p.close();
         }
+        "ice-stream" => {
+            let node = ice_node()?;
+            let svc = ice_data(&node, &format!("{target}/data"), 64)?;
+            let publisher = ice_publisher(&svc, size)?;
+            let mut i = 0;
+            while more(i, deadline) {
+                ice_send(&publisher, size, i)?;
+                i += 1;
+            }
+        }
+        "ice-ping" => {
+            let node = ice_node()?;
+            let ping = ice_data(&node, &format!("{target}/ping"), 1)?;
+            let pong = ice_data(&node, &format!("{target}/pong"), 1)?;
+            let publisher = ice_publisher(&ping, size)?;
+            let sub = ice(pong.subscriber_builder().create(), "subscriber")?;
+            let (notifier, listener) = if poll {
+                (None, None)
+            } else {
+                let to_server = ice_event(&node, &format!("{target}/ping-ev"))?;
+                let to_me = ice_event(&node, &format!("{target}/pong-ev"))?;
+                (
+                    Some(ice(to_server.notifier_builder().create(), "notifier")?),
+                    Some(ice(to_me.listener_builder().create(), "listener")?),
+                )
+            };
+            // The server's subscriber exists (it was made before this process started).
+            for i in 0..total {
+                let t = Instant::now();
+                ice_send(&publisher, size, i)?;
+                if let Some(n) = &notifier {
+                    ice(n.notify(), "notify")?;
+                }
+                ice_recv(
+                    &sub,
+                    listener.as_ref(),
+                    Instant::now() + Duration::from_secs(10),
+                )?;
+                rtts.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+            }
+        }
         "uds-stream" | "uds-ping" => {
-            let mut s = UnixStream::connect(&sock)?;
+            let mut s = UnixStream::connect(&target)?;
             let mut buf = vec![0u8; size];
             let mut ack = [0u8; 8];
             let ping = role == "uds-ping";
             let mut i = 0;
-            while if ping {
-                i < a.round_trips
-            } else {
-                Instant::now() < deadline
-            } {
+            while if ping { i < total } else { more(i, deadline) } {
                 let t = Instant::now();
                 fill(&mut buf, i);
                 s.write_all(&buf)?;
@@ -133,53 +330,168 @@ fn run_child(a: &Args, role: &str) -> CliResult<ExitCode> {
         }
         other => return Err(CliError::usage(format!("unknown role {other}"))),
     }
-    if !rtts.is_empty() {
-        let (a, b, c) = percentiles(rtts);
-        println!("{a} {b} {c}");
+    let mut out = std::io::stdout().lock();
+    for x in rtts.iter().skip(WARMUP) {
+        write!(out, "{x:.3} ")?;
     }
+    writeln!(out)?;
     Ok(ExitCode::SUCCESS)
 }
 
-/// tensorport: `n` producer processes streaming into one in-process server.
-fn tp_throughput(exe: &Path, a: &Args, size: usize, n: usize) -> CliResult<f64> {
-    let dir = tempfile::Builder::new().prefix("tp-bench-").tempdir()?;
-    let sock = dir.path().join("tp.sock");
-    let mut cfg = ServerConfig::new(&sock);
+fn samples(out: std::process::Output, who: &str) -> CliResult<Vec<f64>> {
+    if !out.status.success() {
+        return Err(CliError::new(format!(
+            "the {who} latency child failed: {}",
+            out.status
+        )));
+    }
+    let v: Vec<f64> = String::from_utf8_lossy(&out.stdout)
+        .split_whitespace()
+        .filter_map(|x| x.parse().ok())
+        .collect();
+    if v.is_empty() {
+        return Err(CliError::new(format!(
+            "the {who} latency child measured nothing"
+        )));
+    }
+    Ok(v)
+}
+
+fn wait_ok(kids: Vec<Child>, who: &str) -> CliResult<()> {
+    for k in kids {
+        let o = k.wait_with_output()?;
+        if !o.status.success() {
+            return Err(CliError::new(format!(
+                "a {who} producer failed: {}",
+                o.status
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// Messages/s from counts and the first and last arrival.
+fn rate(count: u64, first: Option<Instant>, last: Instant) -> f64 {
+    let secs = first.map_or(0.0, |f| last.duration_since(f).as_secs_f64());
+    if secs > 0.0 {
+        count as f64 / secs
+    } else {
+        0.0
+    }
+}
+
+fn socket_dir() -> CliResult<tempfile::TempDir> {
+    Ok(tempfile::Builder::new().prefix("tp-bench-").tempdir()?)
+}
+
+fn tp_server(sock: &Path, size: usize, poll: bool) -> CliResult<Server> {
+    let mut cfg = ServerConfig::new(sock);
     cfg.slot_size = size as u64;
-    let server = Server::bind(cfg)?;
-    let mut kids: Vec<Child> = (0..n)
-        .map(|_| child(exe, "tp-stream", &sock, size, a))
+    cfg.spin = if poll { FOREVER } else { Duration::ZERO };
+    Ok(Server::bind(cfg)?)
+}
+
+/// tensorport: `n` producer processes streaming into one in-process server.
+fn tp_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
+    let dir = socket_dir()?;
+    let sock = dir.path().join("tp.sock");
+    let (me, kid) = if n == 1 { cx.pair() } else { (None, None) };
+    if let Some(c) = me {
+        pin(c)?;
+    }
+    let server = tp_server(&sock, size, true)?;
+    let target = sock.to_string_lossy();
+    let kids: Vec<Child> = (0..n)
+        .map(|_| cx.child("tp-stream", &target, size, true, kid))
         .collect::<CliResult<_>>()?;
     let (mut count, mut first, mut last) = (0u64, None, Instant::now());
-    loop {
-        let batch = server.recv_batch(64, Duration::from_millis(200), Duration::ZERO)?;
+    let mut batch = Vec::with_capacity(64);
+    let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + 5.0);
+    while Instant::now() < deadline {
+        server.recv_batch_into(&mut batch, 64, Duration::from_millis(100), Duration::ZERO)?;
         if batch.is_empty() {
-            if kids.iter_mut().all(|k| matches!(k.try_wait(), Ok(Some(_)))) {
+            if first.is_some() && server.status().sessions.is_empty() {
                 break;
             }
             continue;
         }
         first.get_or_insert_with(Instant::now);
-        for r in batch {
+        for r in batch.drain(..) {
             std::hint::black_box(r.bytes().first());
             count += 1;
             let _ = r.respond(&[]);
         }
         last = Instant::now();
     }
-    let secs = first
-        .map(|f| last.duration_since(f).as_secs_f64())
-        .unwrap_or(0.0);
-    Ok(count as f64 / secs.max(1e-9))
+    drop(server);
+    unpin(cx.cores);
+    wait_ok(kids, "tensorport")?;
+    Ok(rate(count, first, last))
 }
 
-/// A plain Unix-socket copy: `n` processes write payloads, one reader per connection.
-fn uds_throughput(exe: &Path, a: &Args, size: usize, n: usize) -> CliResult<f64> {
-    let dir = tempfile::Builder::new().prefix("tp-bench-").tempdir()?;
+/// iceoryx2: `n` publisher processes, one subscriber in this process.
+fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
+    let tag = format!("tp-bench-{}-{size}-{n}", std::process::id());
+    let (me, kid) = if n == 1 { cx.pair() } else { (None, None) };
+    if let Some(c) = me {
+        pin(c)?;
+    }
+    let node = ice_node()?;
+    let svc = ice_data(&node, &format!("{tag}/data"), 64)?;
+    let sub = ice(svc.subscriber_builder().create(), "subscriber")?;
+    let mut kids: Vec<Child> = (0..n)
+        .map(|_| cx.child("ice-stream", &tag, size, true, kid))
+        .collect::<CliResult<_>>()?;
+    let (mut count, mut first, mut last) = (0u64, None, Instant::now());
+    let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + 5.0);
+    let mut idle_since = Instant::now();
+    while Instant::now() < deadline {
+        // Up to 64 samples per look at the clock, as the tensorport server takes batches.
+        let mut got = 0;
+        while got < 64 {
+            match ice(sub.receive(), "receive")? {
+                Some(s) => {
+                    std::hint::black_box(s.payload().first());
+                    got += 1;
+                }
+                None => break,
+            }
+        }
+        match got {
+            1.. => {
+                let now = Instant::now();
+                first.get_or_insert(now);
+                count += got;
+                last = now;
+                idle_since = now;
+            }
+            0 => {
+                if idle_since.elapsed() > Duration::from_millis(100)
+                    && kids.iter_mut().all(|k| matches!(k.try_wait(), Ok(Some(_))))
+                {
+                    break;
+                }
+                std::hint::spin_loop();
+            }
+        }
+    }
+    unpin(cx.cores);
+    wait_ok(kids, "iceoryx2")?;
+    Ok(rate(count, first, last))
+}
+
+/// A plain Unix-socket copy: `n` processes write payloads, one reader thread per connection.
+fn uds_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
+    let dir = socket_dir()?;
     let sock = dir.path().join("uds.sock");
     let listener = UnixListener::bind(&sock)?;
-    let mut kids: Vec<Child> = (0..n)
-        .map(|_| child(exe, "uds-stream", &sock, size, a))
+    let (me, kid) = if n == 1 { cx.pair() } else { (None, None) };
+    if let Some(c) = me {
+        pin(c)?;
+    }
+    let target = sock.to_string_lossy();
+    let kids: Vec<Child> = (0..n)
+        .map(|_| cx.child("uds-stream", &target, size, true, kid))
         .collect::<CliResult<_>>()?;
     let readers: Vec<_> = (0..n)
         .map(|_| {
@@ -206,14 +518,9 @@ fn uds_throughput(exe: &Path, a: &Args, size: usize, n: usize) -> CliResult<f64>
             t1 = Some(t1.map_or(l, |t: Instant| t.max(l)));
         }
     }
-    for k in kids.iter_mut() {
-        let _ = k.wait();
-    }
-    let secs = match (t0, t1) {
-        (Some(a), Some(b)) => b.duration_since(a).as_secs_f64(),
-        _ => 0.0,
-    };
-    Ok(total as f64 / secs.max(1e-9))
+    unpin(cx.cores);
+    wait_ok(kids, "Unix socket")?;
+    Ok(rate(total, t0, t1.unwrap_or_else(Instant::now)))
 }
 
 fn memcpy_gbps(size: usize, seconds: f64) -> f64 {
@@ -228,42 +535,115 @@ fn memcpy_gbps(size: usize, seconds: f64) -> f64 {
     n as f64 * size as f64 / t.elapsed().as_secs_f64() / 1e9
 }
 
-fn latency(exe: &Path, a: &Args, size: usize, tp: bool) -> CliResult<(f64, f64, f64)> {
-    let dir = tempfile::Builder::new().prefix("tp-bench-").tempdir()?;
+fn tp_latency(cx: &Ctx, size: usize, poll: bool) -> CliResult<Vec<f64>> {
+    let dir = socket_dir()?;
     let sock = dir.path().join("lat.sock");
-    let out = if tp {
-        let mut cfg = ServerConfig::new(&sock);
-        cfg.slot_size = size as u64;
-        let server = Server::bind(cfg)?;
-        let kid = child(exe, "tp-ping", &sock, size, a)?;
-        for _ in 0..a.round_trips {
-            let r = server
-                .recv_timeout(Duration::from_secs(10))?
-                .ok_or_else(|| CliError::new("the latency producer stopped"))?;
-            std::hint::black_box(r.bytes().first());
-            r.respond(&[])?;
-        }
-        kid.wait_with_output()?
-    } else {
-        let listener = UnixListener::bind(&sock)?;
-        let kid = child(exe, "uds-ping", &sock, size, a)?;
-        let (mut s, _) = listener.accept()?;
-        let mut buf = vec![0u8; size];
-        for _ in 0..a.round_trips {
-            s.read_exact(&mut buf)?;
-            s.write_all(&[0u8; 8])?;
-        }
-        kid.wait_with_output()?
-    };
-    let text = String::from_utf8_lossy(&out.stdout);
-    let v: Vec<f64> = text
-        .split_whitespace()
-        .filter_map(|x| x.parse().ok())
-        .collect();
-    match v[..] {
-        [a, b, c] => Ok((a, b, c)),
-        _ => Err(CliError::new(format!("latency child printed {text:?}"))),
+    let (me, kid) = cx.pair();
+    if let Some(c) = me {
+        pin(c)?;
     }
+    let server = tp_server(&sock, size, poll)?;
+    let child = cx.child("tp-ping", &sock.to_string_lossy(), size, poll, kid)?;
+    for _ in 0..cx.round_trips + WARMUP {
+        let r = server
+            .recv_timeout(Duration::from_secs(10))?
+            .ok_or_else(|| CliError::new("the tensorport latency producer stopped"))?;
+        std::hint::black_box(r.bytes().first());
+        r.respond(&[])?;
+    }
+    unpin(cx.cores);
+    samples(child.wait_with_output()?, "tensorport")
+}
+
+fn ice_latency(cx: &Ctx, size: usize, poll: bool) -> CliResult<Vec<f64>> {
+    let tag = format!("tp-bench-{}-lat-{size}-{poll}", std::process::id());
+    let (me, kid) = cx.pair();
+    if let Some(c) = me {
+        pin(c)?;
+    }
+    let node = ice_node()?;
+    let ping = ice_data(&node, &format!("{tag}/ping"), 1)?;
+    let pong = ice_data(&node, &format!("{tag}/pong"), 1)?;
+    let sub = ice(ping.subscriber_builder().create(), "subscriber")?;
+    let publisher = ice_publisher(&pong, 8)?;
+    let (notifier, listener) = if poll {
+        (None, None)
+    } else {
+        let to_me = ice_event(&node, &format!("{tag}/ping-ev"))?;
+        let to_child = ice_event(&node, &format!("{tag}/pong-ev"))?;
+        (
+            Some(ice(to_child.notifier_builder().create(), "notifier")?),
+            Some(ice(to_me.listener_builder().create(), "listener")?),
+        )
+    };
+    let child = cx.child("ice-ping", &tag, size, poll, kid)?;
+    for i in 0..cx.round_trips + WARMUP {
+        ice_recv(
+            &sub,
+            listener.as_ref(),
+            Instant::now() + Duration::from_secs(10),
+        )?;
+        ice_send(&publisher, 8, i)?;
+        if let Some(n) = &notifier {
+            ice(n.notify(), "notify")?;
+        }
+    }
+    unpin(cx.cores);
+    samples(child.wait_with_output()?, "iceoryx2")
+}
+
+fn uds_latency(cx: &Ctx, size: usize) -> CliResult<Vec<f64>> {
+    let dir = socket_dir()?;
+    let sock = dir.path().join("lat.sock");
+    let (me, kid) = cx.pair();
+    if let Some(c) = me {
+        pin(c)?;
+    }
+    let listener = UnixListener::bind(&sock)?;
+    let child = cx.child("uds-ping", &sock.to_string_lossy(), size, false, kid)?;
+    let (mut s, _) = listener.accept()?;
+    let mut buf = vec![0u8; size];
+    for _ in 0..cx.round_trips + WARMUP {
+        s.read_exact(&mut buf)?;
+        s.write_all(&[0u8; 8])?;
+    }
+    unpin(cx.cores);
+    samples(child.wait_with_output()?, "Unix socket")
+}
+
+/// p50, p99, p99.9 of `v` (sorted in place).
+pub fn percentiles(v: &mut [f64]) -> (f64, f64, f64) {
+    v.sort_by(f64::total_cmp);
+    let p = |q: f64| v[((v.len() - 1) as f64 * q).round() as usize];
+    (p(0.5), p(0.99), p(0.999))
+}
+
+/// One throughput cell: messages/s per peer.
+pub struct Throughput {
+    pub size: usize,
+    pub producers: usize,
+    pub tp: f64,
+    pub ice: f64,
+    pub uds: f64,
+    pub memcpy: f64,
+}
+
+/// One latency row: one-way samples in µs per peer (sorted).
+pub struct Latency {
+    pub size: usize,
+    pub polling: bool,
+    pub tp: Vec<f64>,
+    pub ice: Vec<f64>,
+    pub uds: Option<Vec<f64>>,
+}
+
+fn median(v: &mut [f64]) -> f64 {
+    percentiles(v).0
+}
+
+fn fmt_p(v: &mut [f64]) -> String {
+    let (a, b, c) = percentiles(v);
+    format!("{a:.1} / {b:.1} / {c:.1} µs")
 }
 
 pub fn run(mut a: Args) -> CliResult<ExitCode> {
@@ -274,37 +654,98 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         a.sizes = vec![4096, 65536];
         a.producers = vec![1];
         a.seconds = 0.2;
-        a.round_trips = 200;
+        a.round_trips = 300;
+        a.repeat = 1;
     }
-    let exe = std::env::current_exe()?;
+    if a.sizes.is_empty() || a.sizes.contains(&0) {
+        return Err(CliError::usage("--sizes: give positive byte counts"));
+    }
+    iceoryx2::prelude::set_log_level(LogLevel::Error);
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let cx = Ctx {
+        exe: std::env::current_exe()?,
+        cores,
+        pin: !a.no_pin,
+        seconds: a.seconds,
+        round_trips: a.round_trips,
+    };
+    let pinned = cx.pair().0.is_some();
     println!(
-        "tensorport bench — {} cores, {} s per throughput cell, {} round trips per latency cell",
-        std::thread::available_parallelism()
-            .map(|n| n.get())
-            .unwrap_or(1),
+        "tensorport bench — {cores} cores; throughput: median of {} runs of {} s per cell; {} round trips per latency cell; one producer {}",
+        a.repeat.max(1),
         a.seconds,
-        a.round_trips
+        a.round_trips,
+        if pinned { "pinned to core 1, consumer to core 0" } else { "unpinned" }
     );
-    println!("\n| payload | producers | tensorport tensors/s | tensorport GB/s | Unix socket msgs/s | Unix socket GB/s | memcpy GB/s |");
-    println!("| --- | --- | --- | --- | --- | --- | --- |");
+    println!("\n| payload | producers | tensorport msgs/s | tensorport GB/s | iceoryx2 msgs/s | iceoryx2 GB/s | Unix socket msgs/s | Unix socket GB/s | memcpy GB/s | tensorport / iceoryx2 |");
+    println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
+    let mut tput = Vec::new();
     for &size in &a.sizes {
         let mem = memcpy_gbps(size, a.seconds.min(1.0));
         for &n in &a.producers {
-            let tp = tp_throughput(&exe, &a, size, n)?;
-            let uds = uds_throughput(&exe, &a, size, n)?;
+            let (mut tps, mut ics, mut udss) = (Vec::new(), Vec::new(), Vec::new());
+            for _ in 0..a.repeat.max(1) {
+                tps.push(tp_throughput(&cx, size, n)?);
+                ics.push(ice_throughput(&cx, size, n)?);
+                udss.push(uds_throughput(&cx, size, n)?);
+            }
+            let (tp, ic, uds) = (median(&mut tps), median(&mut ics), median(&mut udss));
+            let gb = |x: f64| x * size as f64 / 1e9;
             println!(
-                "| {size} B | {n} | {tp:.0} | {:.2} | {uds:.0} | {:.2} | {mem:.1} |",
-                tp * size as f64 / 1e9,
-                uds * size as f64 / 1e9
+                "| {size} B | {n} | {tp:.0} | {:.2} | {ic:.0} | {:.2} | {uds:.0} | {:.2} | {mem:.1} | {:.2} |",
+                gb(tp),
+                gb(ic),
+                gb(uds),
+                tp / ic.max(1e-9)
             );
+            tput.push(Throughput {
+                size,
+                producers: n,
+                tp,
+                ice: ic,
+                uds,
+                memcpy: mem,
+            });
         }
     }
-    println!("\n| payload | tensorport one-way p50 / p99 / p99.9 | Unix socket one-way p50 / p99 / p99.9 |");
-    println!("| --- | --- | --- |");
+    println!("\n| payload | waiting | tensorport one-way p50 / p99 / p99.9 | iceoryx2 one-way p50 / p99 / p99.9 | Unix socket one-way p50 / p99 / p99.9 | p50 tensorport / iceoryx2 |");
+    println!("| --- | --- | --- | --- | --- | --- |");
+    let mut lat = Vec::new();
     for &size in &a.sizes {
-        let (a1, b1, c1) = latency(&exe, &a, size, true)?;
-        let (a2, b2, c2) = latency(&exe, &a, size, false)?;
-        println!("| {size} B | {a1:.1} / {b1:.1} / {c1:.1} µs | {a2:.1} / {b2:.1} / {c2:.1} µs |");
+        for polling in [true, false] {
+            let mut tp = tp_latency(&cx, size, polling)?;
+            let mut ic = ice_latency(&cx, size, polling)?;
+            let mut uds = if polling {
+                None
+            } else {
+                Some(uds_latency(&cx, size)?)
+            };
+            let ratio = percentiles(&mut tp).0 / percentiles(&mut ic).0.max(1e-9);
+            println!(
+                "| {size} B | {} | {} | {} | {} | {ratio:.2} |",
+                if polling { "polling" } else { "blocking" },
+                fmt_p(&mut tp),
+                fmt_p(&mut ic),
+                uds.as_mut().map_or("—".into(), |u| fmt_p(u)),
+            );
+            lat.push(Latency {
+                size,
+                polling,
+                tp,
+                ice: ic,
+                uds,
+            });
+        }
+    }
+    if let Some(dir) = &a.plots {
+        std::fs::create_dir_all(dir)?;
+        let t = dir.join("throughput_vs_size.svg");
+        let l = dir.join("latency_cdf.svg");
+        crate::plot::throughput(&t, &tput)?;
+        crate::plot::latency_cdf(&l, &lat)?;
+        println!("\nplots: {} and {}", t.display(), l.display());
     }
     Ok(ExitCode::SUCCESS)
 }

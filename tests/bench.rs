@@ -1,11 +1,14 @@
-//! The benchmark suite cannot rot: its quick mode runs in CI and must produce every row.
+//! The benchmark suite cannot rot: its quick mode runs in CI and must measure every peer, in
+//! every row, and draw both plots.
 
 use std::process::Command;
 
 #[test]
 fn bench_quick_mode_measures_every_peer() {
+    let plots = tempfile::tempdir().unwrap();
     let o = Command::new(env!("CARGO_BIN_EXE_tensorport"))
-        .args(["--log", "warn", "bench", "--quick"])
+        .args(["--log", "warn", "bench", "--quick", "--plots"])
+        .arg(plots.path())
         .output()
         .unwrap();
     let out = String::from_utf8_lossy(&o.stdout);
@@ -21,16 +24,30 @@ fn bench_quick_mode_measures_every_peer() {
             .collect();
         assert_eq!(
             rows.len(),
-            2,
-            "a throughput and a latency row for {size}:\n{out}"
+            3,
+            "a throughput row and two latency rows (polling, blocking) for {size}:\n{out}"
         );
         let cells: Vec<f64> = rows[0]
             .split('|')
             .filter_map(|c| c.trim().parse().ok())
             .collect();
-        // producers, tensorport tensors/s and GB/s, socket msgs/s and GB/s, memcpy GB/s
-        assert_eq!(cells.len(), 6, "{}", rows[0]);
+        // producers; tensorport, iceoryx2 and socket msgs/s and GB/s; memcpy GB/s; the ratio.
+        assert_eq!(cells.len(), 9, "{}", rows[0]);
         assert!(cells[1..].iter().all(|&x| x > 0.0), "{}", rows[0]);
-        assert!(rows[1].matches("µs").count() == 2, "{}", rows[1]);
+        assert!(rows[1].contains("| polling |"), "{}", rows[1]);
+        assert_eq!(rows[1].matches("µs").count(), 2, "{}", rows[1]);
+        assert!(rows[2].contains("| blocking |"), "{}", rows[2]);
+        assert_eq!(rows[2].matches("µs").count(), 3, "{}", rows[2]);
+    }
+    for plot in ["throughput_vs_size.svg", "latency_cdf.svg"] {
+        let svg = std::fs::read_to_string(plots.path().join(plot)).unwrap();
+        assert!(
+            svg.starts_with("<svg") && svg.contains("tensorport") && svg.contains("iceoryx2"),
+            "{plot}"
+        );
+        assert!(
+            svg.matches("<polyline").count() >= 3,
+            "{plot} has its lines"
+        );
     }
 }

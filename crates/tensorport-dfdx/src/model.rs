@@ -472,6 +472,7 @@ mod tests {
 
     /// Direct-loop NCHW reference of the same network, from the PyTorch-layout parameters.
     fn naive(c: &ModelConfig, p: &HashMap<&'static str, Vec<f32>>, x: &[f32]) -> Vec<f32> {
+        #[allow(clippy::too_many_arguments)]
         fn conv(
             x: &[f32],
             cin: usize,

@@ -311,24 +311,85 @@ fn corrupt<T>(queue: &'static str, what: String) -> std::result::Result<T, RingE
 #[derive(Debug, Default)]
 pub struct SqWriter {
     tail: u64,
+    /// The reader's head as last loaded: the shared word is read again only when the queue
+    /// looks full, so the two cores do not trade its cache line on every entry.
+    head: u64,
+}
+
+/// Free entries for a writer at `tail`, loading the reader's position at `off` into `cached`
+/// only when the cached one says the queue is full.
+fn space(
+    r: &RingMem,
+    off: usize,
+    cap: u64,
+    tail: u64,
+    cached: &mut u64,
+    queue: &'static str,
+) -> std::result::Result<u64, RingError> {
+    if tail.wrapping_sub(*cached) < cap {
+        return Ok(cap - tail.wrapping_sub(*cached));
+    }
+    let head = r.w(off).load(Ordering::Acquire);
+    let used = tail.wrapping_sub(head);
+    if used > cap {
+        return corrupt(
+            queue,
+            format!("head {head} against tail {tail} (capacity {cap})"),
+        );
+    }
+    *cached = head;
+    Ok(cap - used)
+}
+
+/// Entries waiting for a reader at `head`, loading the writer's position at `off` into
+/// `cached` only when the cached one says the queue is empty.
+fn waiting(
+    r: &RingMem,
+    off: usize,
+    cap: u64,
+    head: u64,
+    cached: &mut u64,
+    queue: &'static str,
+) -> std::result::Result<u64, RingError> {
+    if *cached != head {
+        return Ok(cached.wrapping_sub(head));
+    }
+    let tail = r.w(off).load(Ordering::Acquire);
+    let n = tail.wrapping_sub(head);
+    if n > cap {
+        return corrupt(
+            queue,
+            format!("tail {tail} against head {head} (capacity {cap})"),
+        );
+    }
+    *cached = tail;
+    Ok(n)
 }
 
 impl SqWriter {
     /// Publishes `e`; `Ok(false)` if the queue is full.
     pub fn push(&mut self, r: &RingMem, e: &SqEntry) -> std::result::Result<bool, RingError> {
-        let head = r.w(OFF_SQ_HEAD).load(Ordering::Acquire);
-        let used = self.tail.wrapping_sub(head);
-        if used > r.sq_cap {
-            return corrupt(
-                "submission",
-                format!("head {head} against tail {}", self.tail),
-            );
-        }
-        if used == r.sq_cap {
+        if space(
+            r,
+            OFF_SQ_HEAD,
+            r.sq_cap,
+            self.tail,
+            &mut self.head,
+            "submission",
+        )? == 0
+        {
             return Ok(false);
         }
-        for (i, v) in e.to_words().into_iter().enumerate() {
+        // Only the words the entry uses: the header, `rank` dimensions, strides if given.
+        let w = e.to_words();
+        let rank = (e.rank as usize).min(RING_MAX_DIMS);
+        for (i, &v) in w.iter().enumerate().take(5 + rank) {
             r.sq_word(self.tail, i).store(v, Ordering::Relaxed);
+        }
+        if e.has_strides {
+            for (i, &v) in w.iter().enumerate().skip(5 + RING_MAX_DIMS).take(rank) {
+                r.sq_word(self.tail, i).store(v, Ordering::Relaxed);
+            }
         }
         self.tail = self.tail.wrapping_add(1);
         r.w(OFF_SQ_TAIL).store(self.tail, Ordering::Release);
@@ -340,33 +401,51 @@ impl SqWriter {
 #[derive(Debug, Default)]
 pub struct SqReader {
     head: u64,
+    /// The writer's tail as last loaded (see [`SqWriter`]).
+    tail: u64,
 }
 
 impl SqReader {
-    /// Entries published and not yet taken; an error if the producer's tail cannot be.
-    pub fn available(&self, r: &RingMem) -> std::result::Result<u64, RingError> {
-        let tail = r.w(OFF_SQ_TAIL).load(Ordering::Acquire);
-        let n = tail.wrapping_sub(self.head);
-        if n > r.sq_cap {
-            return corrupt(
-                "submission",
-                format!(
-                    "tail {tail} against head {} (capacity {})",
-                    self.head, r.sq_cap
-                ),
-            );
-        }
-        Ok(n)
+    /// Entries published and not yet taken (always loads the writer's tail: for a side about
+    /// to sleep); an error if that tail cannot be.
+    pub fn available(&mut self, r: &RingMem) -> std::result::Result<u64, RingError> {
+        self.tail = self.head;
+        waiting(
+            r,
+            OFF_SQ_TAIL,
+            r.sq_cap,
+            self.head,
+            &mut self.tail,
+            "submission",
+        )
     }
 
     /// Copies out the next entry, if any, and gives its space back.
     pub fn pop(&mut self, r: &RingMem) -> std::result::Result<Option<SqEntry>, RingError> {
-        if self.available(r)? == 0 {
+        if waiting(
+            r,
+            OFF_SQ_TAIL,
+            r.sq_cap,
+            self.head,
+            &mut self.tail,
+            "submission",
+        )? == 0
+        {
             return Ok(None);
         }
+        // The words the entry says it uses (each read once; unused ones stay zero).
         let mut w = [0u64; SQ_ENTRY_WORDS];
-        for (i, v) in w.iter_mut().enumerate() {
+        for (i, v) in w.iter_mut().enumerate().take(5) {
             *v = r.sq_word(self.head, i).load(Ordering::Relaxed);
+        }
+        let rank = ((w[2] >> 8) as u8 as usize).min(RING_MAX_DIMS);
+        for (i, v) in w.iter_mut().enumerate().skip(5).take(rank) {
+            *v = r.sq_word(self.head, i).load(Ordering::Relaxed);
+        }
+        if (w[2] >> 16) & 1 == 1 {
+            for (i, v) in w.iter_mut().enumerate().skip(5 + RING_MAX_DIMS).take(rank) {
+                *v = r.sq_word(self.head, i).load(Ordering::Relaxed);
+            }
         }
         self.head = self.head.wrapping_add(1);
         r.w(OFF_SQ_HEAD).store(self.head, Ordering::Release);
@@ -378,6 +457,8 @@ impl SqReader {
 #[derive(Debug, Default)]
 pub struct CqWriter {
     tail: u64,
+    /// The reader's head as last loaded (see [`SqWriter`]).
+    head: u64,
 }
 
 impl CqWriter {
@@ -390,18 +471,15 @@ impl CqWriter {
         payload: &[u8],
     ) -> std::result::Result<bool, RingError> {
         assert!(payload.len() <= CQ_INLINE_BYTES, "inline result too long");
-        let head = r.w(OFF_CQ_HEAD).load(Ordering::Acquire);
-        let used = self.tail.wrapping_sub(head);
-        if used > r.cq_cap {
-            return corrupt(
-                "completion",
-                format!(
-                    "head {head} against tail {} (capacity {})",
-                    self.tail, r.cq_cap
-                ),
-            );
-        }
-        if used == r.cq_cap {
+        if space(
+            r,
+            OFF_CQ_HEAD,
+            r.cq_cap,
+            self.tail,
+            &mut self.head,
+            "completion",
+        )? == 0
+        {
             return Ok(false);
         }
         let t = self.tail;
@@ -430,20 +508,23 @@ impl CqWriter {
 #[derive(Debug, Default)]
 pub struct CqReader {
     head: u64,
+    /// The writer's tail as last loaded (see [`SqWriter`]).
+    tail: u64,
 }
 
 impl CqReader {
-    /// Completions published and not yet taken; an error if the server's tail cannot be.
-    pub fn available(&self, r: &RingMem) -> std::result::Result<u64, RingError> {
-        let tail = r.w(OFF_CQ_TAIL).load(Ordering::Acquire);
-        let n = tail.wrapping_sub(self.head);
-        if n > r.cq_cap {
-            return corrupt(
-                "completion",
-                format!("tail {tail} against head {}", self.head),
-            );
-        }
-        Ok(n)
+    /// Completions published and not yet taken (always loads the writer's tail); an error if
+    /// that tail cannot be.
+    pub fn available(&mut self, r: &RingMem) -> std::result::Result<u64, RingError> {
+        self.tail = self.head;
+        waiting(
+            r,
+            OFF_CQ_TAIL,
+            r.cq_cap,
+            self.head,
+            &mut self.tail,
+            "completion",
+        )
     }
 
     /// Copies out the next completion, its inline bytes into `payload`; gives its space back.
@@ -452,7 +533,15 @@ impl CqReader {
         r: &RingMem,
         payload: &mut [u8; CQ_INLINE_BYTES],
     ) -> std::result::Result<Option<CqHeader>, RingError> {
-        if self.available(r)? == 0 {
+        if waiting(
+            r,
+            OFF_CQ_TAIL,
+            r.cq_cap,
+            self.head,
+            &mut self.tail,
+            "completion",
+        )? == 0
+        {
             return Ok(None);
         }
         let h0 = self.head;
@@ -499,7 +588,9 @@ mod tests {
             ..SqEntry::default()
         };
         e.shape[..2].copy_from_slice(&[32, i]);
-        e.strides[..2].copy_from_slice(&[i, 1]);
+        if e.has_strides {
+            e.strides[..2].copy_from_slice(&[i, 1]);
+        }
         e
     }
 
@@ -555,9 +646,13 @@ mod tests {
         // A tail behind the head (moved backwards) is as bad.
         producer.w(OFF_SQ_TAIL).store(u64::MAX, Ordering::SeqCst);
         assert!(sr.pop(&server).is_err());
-        // A completion head the server never reached.
+        // A completion head the server never reached: caught when the server next needs it
+        // (its cached head says the queue is full after `capacity` entries).
         producer.w(OFF_CQ_HEAD).store(7, Ordering::SeqCst);
         let mut cw = CqWriter::default();
+        for _ in 0..server.cq_capacity() {
+            assert!(cw.push(&server, &CqHeader::default(), &[]).unwrap());
+        }
         assert!(cw.push(&server, &CqHeader::default(), &[]).is_err());
     }
 

@@ -154,7 +154,7 @@ impl ProducerRing {
     }
 
     /// Whether completions are waiting (a corrupted queue counts: the next read reports it).
-    pub(crate) fn has_work(&self) -> bool {
+    pub(crate) fn has_work(&mut self) -> bool {
         self.cq.available(&self.mem).map_or(true, |n| n > 0)
     }
 
@@ -163,3 +163,30 @@ impl ProducerRing {
         Ok(self.cq.pop(&self.mem, &mut self.buf)?)
     }
 }
+
+/// Hashes request ids (`u64`) with one multiply: SipHash would cost more than a hand-off, and
+/// the ids a peer chooses can only slow its own session (in-flight sets are bounded).
+#[derive(Debug, Default, Clone, Copy)]
+pub(crate) struct IdHasher(u64);
+
+impl std::hash::Hasher for IdHasher {
+    fn finish(&self) -> u64 {
+        self.0
+    }
+
+    fn write(&mut self, bytes: &[u8]) {
+        for &b in bytes {
+            self.0 = (self.0.rotate_left(8) ^ b as u64).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+        }
+    }
+
+    fn write_u64(&mut self, n: u64) {
+        self.0 = (self.0 ^ n ^ (n >> 29)).wrapping_mul(0x9E37_79B9_7F4A_7C15);
+    }
+}
+
+/// A map keyed by request id.
+pub(crate) type IdMap<V> =
+    std::collections::HashMap<u64, V, std::hash::BuildHasherDefault<IdHasher>>;
+/// A set of request ids.
+pub(crate) type IdSet = std::collections::HashSet<u64, std::hash::BuildHasherDefault<IdHasher>>;

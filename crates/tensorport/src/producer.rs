@@ -33,7 +33,7 @@ use tensorport_wire::{
 
 use crate::client::{self, next_msg};
 use crate::conn::{FrameReader, FrameWriter};
-use crate::fast::ProducerRing;
+use crate::fast::{IdMap, ProducerRing};
 use crate::{Error, Result};
 use tensorport_wire::decode_server;
 
@@ -199,7 +199,7 @@ pub struct Producer {
     session_id: u64,
     max_in_flight: u32,
     free: VecDeque<SlotRef>,
-    in_flight: HashMap<u64, Held>,
+    in_flight: IdMap<Held>,
     devices: HashMap<u32, DeviceState>,
     registered: Option<(u32, Vec<u8>)>,
     done: VecDeque<Completion>,
@@ -209,7 +209,14 @@ pub struct Producer {
     /// The shared-memory queues, if the server gave us some.
     ring: Option<ProducerRing>,
     spin: Duration,
+    /// When the socket was last looked at without sleeping on it (a system call, so only every
+    /// [`SOCKET_LOOK_EVERY`] on the queue path).
+    socket_looked: Instant,
 }
+
+/// How often a producer on the queues looks at its socket while it is busy or spinning (errors,
+/// draining and long results travel there; it sleeps on the socket too).
+const SOCKET_LOOK_EVERY: Duration = Duration::from_micros(100);
 
 impl std::fmt::Debug for Producer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -264,7 +271,7 @@ impl Producer {
             session_id: c.welcome.session_id,
             max_in_flight: c.welcome.max_in_flight.max(1),
             free: VecDeque::new(),
-            in_flight: HashMap::new(),
+            in_flight: IdMap::default(),
             devices: HashMap::new(),
             registered: None,
             done: VecDeque::new(),
@@ -273,6 +280,7 @@ impl Producer {
             next_id: 1,
             ring,
             spin: config.spin,
+            socket_looked: Instant::now() - SOCKET_LOOK_EVERY * 2,
         })
     }
 
@@ -358,7 +366,7 @@ impl Producer {
                     // The submit was refused before the server took the slot: it is still ours.
                     if let Some(held) = self.in_flight.remove(&id) {
                         match held {
-                            Held::Host(slot) => self.free.push_front(slot),
+                            Held::Host(slot) => self.free.push_back(slot),
                             Held::Device(b) => {
                                 if let Some(d) = self.devices.get_mut(&b) {
                                     d.in_flight = false;
@@ -408,8 +416,7 @@ impl Producer {
                 None => Ok(false),
             };
         }
-        let mut start = Instant::now();
-        let mut socket_checked = start;
+        let mut start = None;
         loop {
             if self.drain_ring()? {
                 return Ok(true);
@@ -427,34 +434,35 @@ impl Producer {
             }
             let now = Instant::now();
             let expired = deadline.is_some_and(|d| now >= d);
-            if expired || now.duration_since(socket_checked) > Duration::from_micros(100) {
-                socket_checked = now;
+            if now.duration_since(self.socket_looked) > SOCKET_LOOK_EVERY {
+                self.socket_looked = now;
                 if let Some(m) = next_msg(&mut self.reader, Some(now))? {
                     self.handle(m)?;
                     return Ok(true);
                 }
-                if expired {
-                    return self.drain_ring();
-                }
             }
-            if now.duration_since(start) < self.spin {
+            if expired {
+                return self.drain_ring();
+            }
+            if now.duration_since(*start.get_or_insert(now)) < self.spin {
                 std::hint::spin_loop();
                 continue;
             }
             self.sleep(deadline)?;
-            start = Instant::now();
+            start = None;
         }
     }
 
     /// Says we sleep, looks at the queue once more, then waits for the doorbell or the socket.
     fn sleep(&mut self, deadline: Option<Instant>) -> Result<()> {
-        let ring = self.ring.as_ref().expect("only with a ring");
+        let ring = self.ring.as_mut().expect("only with a ring");
         ring.mem.set_producer_waiting(true);
         fence(Ordering::SeqCst);
         if ring.has_work() {
             ring.mem.set_producer_waiting(false);
             return Ok(());
         }
+        let ring = self.ring.as_ref().expect("only with a ring");
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let timeout = match left {
             None => PollTimeout::NONE,
@@ -510,26 +518,47 @@ impl Producer {
 
     /// Handles everything already received, without waiting.
     pub fn poll(&mut self) -> Result<()> {
-        while self.pump(Some(Instant::now()))? {}
+        if self.ring.is_none() {
+            while self.pump(Some(Instant::now()))? {}
+            return Ok(());
+        }
+        // The queue path reads no clock unless the queue is empty.
+        if self.drain_ring()? {
+            return Ok(());
+        }
+        while let Some(p) = self.reader.next_payload()? {
+            let m = decode_server(p)?;
+            self.handle(m)?;
+        }
+        let now = Instant::now();
+        if now.duration_since(self.socket_looked) > SOCKET_LOOK_EVERY {
+            self.socket_looked = now;
+            while let Some(m) = next_msg(&mut self.reader, Some(now))? {
+                self.handle(m)?;
+            }
+        }
         Ok(())
     }
 
     /// A free slot to write, waiting up to `timeout` for one (backpressure: all slots are in
     /// flight, or the session has its maximum of requests in flight).
     pub fn lease(&mut self, timeout: Duration) -> Result<SlotLease<'_>> {
-        let deadline = Instant::now() + timeout;
+        // The clock is read only if no slot is free at once.
+        let mut deadline = None;
         loop {
             if self.draining {
                 return Err(Error::Draining);
             }
             if self.in_flight.len() < self.max_in_flight as usize {
-                if let Some(slot) = self.free.pop_front() {
+                // The slot given back last: its pages are the likeliest to be in cache.
+                if let Some(slot) = self.free.pop_back() {
                     return Ok(SlotLease {
                         producer: self,
                         slot: Some(slot),
                     });
                 }
             }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
             if !self.pump(Some(deadline))? && Instant::now() >= deadline {
                 return Err(Error::Timeout(
                     timeout,
@@ -541,7 +570,7 @@ impl Producer {
 
     /// The next result, waiting up to `timeout`.
     pub fn recv_result(&mut self, timeout: Duration) -> Result<Completion> {
-        let deadline = Instant::now() + timeout;
+        let mut deadline = None;
         loop {
             if let Some(c) = self.done.pop_front() {
                 return Ok(c);
@@ -549,6 +578,7 @@ impl Producer {
             if self.in_flight.is_empty() {
                 return Err(Error::NothingInFlight);
             }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
             if !self.pump(Some(deadline))? && Instant::now() >= deadline {
                 return Err(Error::Timeout(timeout, "a result"));
             }
@@ -870,7 +900,7 @@ impl SlotLease<'_> {
         match self.producer.submit_slot(slot, request_id, spec) {
             Ok(()) => Ok(()),
             Err(e) => {
-                self.producer.free.push_front(slot);
+                self.producer.free.push_back(slot);
                 Err(e)
             }
         }
@@ -880,7 +910,7 @@ impl SlotLease<'_> {
 impl Drop for SlotLease<'_> {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            self.producer.free.push_front(slot);
+            self.producer.free.push_back(slot);
         }
     }
 }

@@ -6,7 +6,7 @@
 //! written by whichever thread produces them, under a per-session lock, with a write timeout: a
 //! producer that stops reading is disconnected rather than allowed to make the server buffer.
 
-use std::collections::{HashMap, HashSet};
+use std::collections::HashMap;
 use std::os::fd::AsFd;
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
@@ -27,7 +27,7 @@ use tensorport_wire::{
     MAX_FRAME_LEN, PROTOCOL_VERSION,
 };
 
-use crate::fast::{Doorbell, ServerRing};
+use crate::fast::{Doorbell, IdSet, ServerRing};
 
 use crate::device::{DeviceImporter, DeviceTensor, ImportedDevice};
 
@@ -196,7 +196,7 @@ struct DeviceEntry {
 struct SessionState {
     slots: SlotTable,
     devices: HashMap<u32, DeviceEntry>,
-    in_flight: HashSet<u64>,
+    in_flight: IdSet,
     submitted: u64,
     completed: u64,
     errors: u64,
@@ -735,12 +735,13 @@ impl Server {
             return Ok(());
         };
         out.push(first);
-        let deadline = Instant::now() + max_wait;
+        let deadline = (!max_wait.is_zero()).then(|| Instant::now() + max_wait);
         while out.len() < max {
-            match self.try_take(&mut c) {
-                Some(r) => out.push(r),
-                None if Instant::now() >= deadline => break,
-                None => match self.next_request(&mut c, deadline) {
+            match (self.try_take(&mut c), deadline) {
+                (Some(r), _) => out.push(r),
+                (None, None) => break,
+                (None, Some(d)) if Instant::now() >= d => break,
+                (None, Some(d)) => match self.next_request(&mut c, d) {
                     Ok(Some(r)) => out.push(r),
                     Ok(None) | Err(Error::Stopped) => break,
                     Err(e) => return Err(e),
@@ -755,6 +756,9 @@ impl Server {
     }
 
     fn next_request(&self, c: &mut Consumer, deadline: Instant) -> Result<Option<Request>> {
+        if let Some(r) = self.try_take(c) {
+            return Ok(Some(r));
+        }
         let spin = self.shared.config.spin;
         let start = Instant::now();
         let mut checked = start;
@@ -1238,7 +1242,10 @@ fn open_session(
         state: Mutex::new(SessionState {
             slots: table,
             devices: HashMap::new(),
-            in_flight: HashSet::with_capacity(max_in_flight.min(4096) as usize),
+            in_flight: IdSet::with_capacity_and_hasher(
+                max_in_flight.min(4096) as usize,
+                Default::default(),
+            ),
             submitted: 0,
             completed: 0,
             errors: 0,
