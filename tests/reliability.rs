@@ -29,6 +29,8 @@ fn main() {
             ("connection_flood_is_bounded", flood),
             ("in_flight_limit_holds", in_flight_limit),
             ("stalled_reader_is_dropped_memory_flat", stalled_reader),
+            ("hostile_ring_entries_and_positions", hostile_ring),
+            ("protocol_1_clients_still_served", protocol_1_client),
         ],
         child,
     );
@@ -705,4 +707,175 @@ fn assert_still_served(sock: &std::path::Path, seed: u64) {
     l.submit(&TensorSpec::new(DType::U8, &[64])).unwrap();
     let c = p.recv_result(Duration::from_secs(2)).unwrap();
     assert!(c.result.is_ok(), "{:?}", c.result);
+}
+
+/// Receives the `Welcome` frame alone (its length peeked first) with the descriptors on it.
+fn welcome_with_fds(r: &Raw) -> (tensorport::wire::Welcome, Vec<std::os::fd::OwnedFd>) {
+    use nix::sys::socket::{recv, recvmsg, ControlMessageOwned, MsgFlags};
+    use std::os::fd::FromRawFd;
+    let mut h = [0u8; 4];
+    assert_eq!(
+        recv(r.s.as_raw_fd(), &mut h, MsgFlags::MSG_PEEK).unwrap(),
+        4
+    );
+    let mut buf = vec![0u8; 4 + u32::from_le_bytes(h) as usize];
+    let mut cmsg = nix::cmsg_space!([std::os::fd::RawFd; 8]);
+    let mut iov = [std::io::IoSliceMut::new(&mut buf)];
+    let msg = recvmsg::<()>(
+        r.s.as_raw_fd(),
+        &mut iov,
+        Some(&mut cmsg),
+        MsgFlags::MSG_CMSG_CLOEXEC,
+    )
+    .unwrap();
+    let mut fds = Vec::new();
+    for c in msg.cmsgs().unwrap() {
+        if let ControlMessageOwned::ScmRights(v) = c {
+            // SAFETY: the kernel just installed these descriptors for this process alone.
+            fds.extend(
+                v.into_iter()
+                    .map(|fd| unsafe { std::os::fd::OwnedFd::from_raw_fd(fd) }),
+            );
+        }
+    }
+    assert_eq!(msg.bytes, buf.len());
+    match tensorport::wire::decode_server(&buf[4..]).unwrap() {
+        ServerMsg::Welcome(w) => (w, fds),
+        other => panic!("expected Welcome, got {other:?}"),
+    }
+}
+
+/// A protocol-2 client written by hand from docs/protocol.md: it finds the queues in the
+/// `Welcome`, gets a result through them, has bad entries refused one by one on the socket,
+/// and is disconnected (with a fatal error, others still served) when it moves its tail
+/// backwards.
+fn hostile_ring() {
+    use tensorport_shm::ring::{
+        CqHeader, CqReader, SqEntry, SqWriter, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT,
+    };
+    let (_dir, sock) = socket_dir();
+    let (server, _ok, _torn, stop) = checking_server(ServerConfig::new(&sock));
+    let mut r = Raw::connect(&sock);
+    r.hello_with(1, 2, 4);
+    let (w, mut fds) = welcome_with_fds(&r);
+    assert_eq!((w.version, w.fds, fds.len()), (2, 4, 4), "{w:?}");
+    let to_server = fds.remove(2);
+    let ring = tensorport_shm::RingMem::open(fds.remove(1)).unwrap();
+    let grants = match r.recv() {
+        Some(ServerMsg::Grant(g)) => g,
+        other => panic!("expected Grant, got {other:?}"),
+    };
+    let bell = || nix::unistd::write(&to_server, &1u64.to_ne_bytes()).unwrap();
+    let (mut sq, mut cq) = (SqWriter::default(), CqReader::default());
+    let entry = |id: u64, slot: SlotRef| {
+        let mut e = SqEntry {
+            request_id: id,
+            slot: slot.slot,
+            generation: slot.generation,
+            dtype: DType::U8 as u8,
+            rank: 1,
+            len: 64,
+            ..SqEntry::default()
+        };
+        e.shape[0] = 64;
+        e
+    };
+    // A valid one: its result and the slot's grant come back in one completion.
+    assert!(sq.push(&ring, &entry(1, grants[0])).unwrap());
+    bell();
+    let mut payload = [0u8; CQ_INLINE_BYTES];
+    let deadline = Instant::now() + Duration::from_secs(5);
+    let h: CqHeader = loop {
+        if let Some(h) = cq.pop(&ring, &mut payload).unwrap() {
+            break h;
+        }
+        assert!(Instant::now() < deadline, "no completion on the queue");
+        std::thread::sleep(Duration::from_millis(1));
+    };
+    assert_eq!(h.flags, CQ_GRANT | CQ_RESULT);
+    assert_eq!(h.request_id, 1);
+    assert_eq!(h.slot, grants[0].slot);
+    assert_eq!(
+        &payload[..h.len as usize],
+        &checksum(&[0u8; 64]).to_le_bytes()
+    );
+    // Bad entries: each refused on the socket with its request id; the session lives on.
+    let mut e = entry(
+        2,
+        SlotRef {
+            slot: 99,
+            generation: 0,
+        },
+    );
+    assert!(sq.push(&ring, &e).unwrap());
+    bell();
+    assert_eq!(r.next_error(), ErrorCode::OutOfBounds);
+    e = entry(3, grants[1]);
+    e.rank = 9;
+    assert!(sq.push(&ring, &e).unwrap());
+    bell();
+    assert_eq!(r.next_error(), ErrorCode::BadRank);
+    e = entry(4, grants[1]);
+    e.len = 1 << 40;
+    assert!(sq.push(&ring, &e).unwrap());
+    bell();
+    assert_eq!(r.next_error(), ErrorCode::OutOfBounds);
+    e = entry(
+        5,
+        SlotRef {
+            slot: grants[1].slot,
+            generation: 77,
+        },
+    );
+    assert!(sq.push(&ring, &e).unwrap());
+    bell();
+    assert_eq!(r.next_error(), ErrorCode::SlotNotLeased);
+    // A tail moved backwards (a fresh writer starts again at 0): fatal, socket closed.
+    let mut rogue = SqWriter::default();
+    assert!(rogue.push(&ring, &entry(6, grants[1])).unwrap());
+    bell();
+    r.expect_error(ErrorCode::Malformed, true);
+    assert!(eventually(Duration::from_secs(2), || server
+        .status()
+        .sessions
+        .is_empty()));
+    assert!(server.status().totals.protocol_errors >= 5);
+    assert_still_served(&sock, 7);
+    stop.store(true, Ordering::SeqCst);
+}
+
+/// A client that speaks only protocol 1 (the socket for everything) is served as before.
+fn protocol_1_client() {
+    let (_dir, sock) = socket_dir();
+    let (server, _ok, _torn, stop) = checking_server(ServerConfig::new(&sock));
+    let mut cfg = ProducerConfig::new("v1");
+    cfg.rings = false;
+    let mut p = Producer::connect(&sock, cfg).unwrap();
+    assert!(!p.uses_rings());
+    for i in 0..50 {
+        let mut l = p.lease(Duration::from_secs(2)).unwrap();
+        fill(i, &mut l.bytes_mut()[..256]);
+        l.submit(&TensorSpec::new(DType::U8, &[256])).unwrap();
+        let c = p.recv_result(Duration::from_secs(2)).unwrap();
+        assert!(c.result.is_ok(), "{:?}", c.result);
+    }
+    // And a server with the queues turned off serves protocol-2 clients on the socket.
+    drop(p);
+    stop.store(true, Ordering::SeqCst);
+    drop(server);
+    let (_dir2, sock2) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock2);
+    cfg.rings = false;
+    let (_server2, ok2, _, stop2) = checking_server(cfg);
+    let mut p = Producer::connect(&sock2, ProducerConfig::new("v2")).unwrap();
+    assert!(!p.uses_rings());
+    let mut l = p.lease(Duration::from_secs(2)).unwrap();
+    fill(1, &mut l.bytes_mut()[..256]);
+    l.submit(&TensorSpec::new(DType::U8, &[256])).unwrap();
+    p.recv_result(Duration::from_secs(2))
+        .unwrap()
+        .result
+        .unwrap();
+    assert_eq!(ok2.load(Ordering::SeqCst), 1);
+    stop2.store(true, Ordering::SeqCst);
 }
