@@ -143,8 +143,18 @@ fn more(i: usize, deadline: Instant) -> bool {
     i % 64 != 0 || Instant::now() < deadline
 }
 
+/// Every peer writes every byte of every payload with this same loop (iceoryx2 through
+/// `write_from_fn`, which runs it over its uninitialised sample).
+#[inline(always)]
+fn byte_of(i: usize) -> impl FnMut(usize) -> u8 {
+    move |_| i as u8
+}
+
 fn fill(buf: &mut [u8], i: usize) {
-    buf.fill(i as u8);
+    let mut f = byte_of(i);
+    for (k, b) in buf.iter_mut().enumerate() {
+        *b = f(k);
+    }
 }
 
 fn service_name(tag: &str) -> CliResult<ServiceName> {
@@ -199,8 +209,7 @@ fn ice_publisher(svc: &IceSvc, size: usize) -> CliResult<Publisher<ipc::Service,
 
 fn ice_send(p: &Publisher<ipc::Service, [u8], ()>, size: usize, i: usize) -> CliResult<()> {
     let s = ice(p.loan_slice_uninit(size), "loan")?;
-    let v = i as u8;
-    ice(s.write_from_fn(|_| v).send(), "send")?;
+    ice(s.write_from_fn(byte_of(i)).send(), "send")?;
     Ok(())
 }
 

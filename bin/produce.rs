@@ -50,6 +50,9 @@ pub struct Args {
     /// How long to wait for a free slot or a result before giving up, in seconds.
     #[arg(long, default_value_t = 60)]
     pub timeout: u64,
+    /// Microseconds to poll for results before sleeping on the doorbell (see `serve --spin-us`).
+    #[arg(long, default_value_t = 20)]
+    pub spin_us: u64,
 }
 
 enum Work {
@@ -126,6 +129,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     let mut cfg = ProducerConfig::new(a.name.clone());
     cfg.slots = a.in_flight.max(1);
     cfg.slot_size = image_bytes;
+    cfg.spin = Duration::from_micros(a.spin_us);
     let mut p = Producer::connect(a.socket.path(), cfg)?;
     if p.slot_size() < image_bytes {
         return Err(CliError::new(format!(

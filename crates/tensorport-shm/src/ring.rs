@@ -33,6 +33,7 @@
 //! | 512 | completion head | producer |
 //! | 640 | server waiting (0/1) | server |
 //! | 768 | producer waiting (0/1) | producer |
+//! | 896 | messages sent on the socket (counter) | server |
 //! | 1024 | submission entries, then completion entries | |
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -69,6 +70,7 @@ const OFF_CQ_TAIL: usize = 384;
 const OFF_CQ_HEAD: usize = 512;
 const OFF_SERVER_WAITING: usize = 640;
 const OFF_PRODUCER_WAITING: usize = 768;
+const OFF_SOCKET_SEQ: usize = 896;
 
 /// Completion flag: the entry grants a slot back to the producer.
 pub const CQ_GRANT: u32 = 1;
@@ -294,6 +296,17 @@ impl RingMem {
     /// Whether the producer asked to be woken.
     pub fn producer_waiting(&self) -> bool {
         self.w(OFF_PRODUCER_WAITING).load(Ordering::SeqCst) != 0
+    }
+
+    /// Counts a message the server has just written to the session's socket, so a busy producer
+    /// can tell without a system call that the socket has something for it.
+    pub fn note_socket_message(&self) {
+        self.w(OFF_SOCKET_SEQ).fetch_add(1, Ordering::Release);
+    }
+
+    /// Messages the server says it wrote to the socket so far.
+    pub fn socket_messages(&self) -> u64 {
+        self.w(OFF_SOCKET_SEQ).load(Ordering::Acquire)
     }
 }
 

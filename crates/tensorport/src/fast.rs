@@ -11,6 +11,7 @@ use std::sync::Mutex;
 
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tensorport_shm::ring::{CqHeader, CqReader, CqWriter, SqEntry, SqReader, SqWriter};
+
 use tensorport_shm::ring::{CQ_INLINE_BYTES, RING_MAX_DIMS};
 use tensorport_shm::{RingError, RingMem};
 
@@ -55,7 +56,6 @@ impl AsFd for Doorbell {
 #[derive(Debug)]
 pub(crate) struct ServerRing {
     pub(crate) mem: RingMem,
-    sq: Mutex<SqReader>,
     cq: Mutex<CqWriter>,
     /// The producer rings this when the server sleeps; the server polls it.
     pub(crate) to_server: Doorbell,
@@ -70,7 +70,6 @@ impl ServerRing {
         mem.set_server_waiting(true);
         Ok(ServerRing {
             mem,
-            sq: Mutex::new(SqReader::default()),
             cq: Mutex::new(CqWriter::default()),
             to_server: Doorbell::new()?,
             to_producer: Doorbell::new()?,
@@ -86,16 +85,10 @@ impl ServerRing {
         ]
     }
 
-    /// The next submission, if any (one consumer at a time: the server's `recv`).
-    pub(crate) fn pop(&self) -> std::result::Result<Option<SqEntry>, RingError> {
-        crate::server::lock(&self.sq).pop(&self.mem)
-    }
-
-    /// Whether submissions are waiting.
-    pub(crate) fn has_work(&self) -> bool {
-        crate::server::lock(&self.sq)
-            .available(&self.mem)
-            .map_or(true, |n| n > 0)
+    /// Whether submissions are waiting for the consumer's cursor `sq` (a corrupted queue
+    /// counts: the next pop reports it).
+    pub(crate) fn has_work(&self, sq: &mut SqReader) -> bool {
+        sq.available(&self.mem).map_or(true, |n| n > 0)
     }
 
     /// Publishes a completion and wakes the producer if it sleeps. `Ok(false)`: the queue is

@@ -212,7 +212,12 @@ pub struct Producer {
     /// When the socket was last looked at without sleeping on it (a system call, so only every
     /// [`SOCKET_LOOK_EVERY`] on the queue path).
     socket_looked: Instant,
+    /// The server's socket-message counter when we last looked.
+    socket_seen: u64,
 }
+
+/// Looks at the queue between two reads of the clock while spinning.
+const SPINS_PER_LOOK: u32 = 32;
 
 /// How often a producer on the queues looks at its socket while it is busy or spinning (errors,
 /// draining and long results travel there; it sleeps on the socket too).
@@ -281,6 +286,7 @@ impl Producer {
             ring,
             spin: config.spin,
             socket_looked: Instant::now() - SOCKET_LOOK_EVERY * 2,
+            socket_seen: 0,
         })
     }
 
@@ -417,10 +423,18 @@ impl Producer {
             };
         }
         let mut start = None;
+        let mut spins = 0u32;
         loop {
             if self.drain_ring()? {
                 return Ok(true);
             }
+            // Between clock reads, a few quick looks at the queue.
+            if start.is_some() && spins % SPINS_PER_LOOK != 0 {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            spins = spins.wrapping_add(1);
             // The socket carries errors, draining and results too long for the queue: frames
             // already read are handled at once; the socket itself is looked at every 100 µs
             // while spinning, once more at the deadline, and slept on with the doorbell.
@@ -434,7 +448,7 @@ impl Producer {
             }
             let now = Instant::now();
             let expired = deadline.is_some_and(|d| now >= d);
-            if now.duration_since(self.socket_looked) > SOCKET_LOOK_EVERY {
+            if self.socket_news() || now.duration_since(self.socket_looked) > SOCKET_LOOK_EVERY {
                 self.socket_looked = now;
                 if let Some(m) = next_msg(&mut self.reader, Some(now))? {
                     self.handle(m)?;
@@ -445,7 +459,10 @@ impl Producer {
                 return self.drain_ring();
             }
             if now.duration_since(*start.get_or_insert(now)) < self.spin {
-                std::hint::spin_loop();
+                if spins % (SPINS_PER_LOOK * 8) == 1 {
+                    // Now and then give the core away (a consumer sharing it gets to run).
+                    std::thread::yield_now();
+                }
                 continue;
             }
             self.sleep(deadline)?;
@@ -492,6 +509,21 @@ impl Producer {
         Ok(())
     }
 
+    /// Whether the server wrote to the socket since we last looked (its counter in the queue
+    /// header moved). Dead servers write nothing: waits also look at the socket on a timer and
+    /// sleep on it.
+    fn socket_news(&mut self) -> bool {
+        let Some(ring) = &self.ring else {
+            return false;
+        };
+        let n = ring.mem.socket_messages();
+        if n == self.socket_seen {
+            return false;
+        }
+        self.socket_seen = n;
+        true
+    }
+
     /// Handles every completion on the queue; returns whether there was any.
     fn drain_ring(&mut self) -> Result<bool> {
         let Some(ring) = self.ring.as_mut() else {
@@ -522,16 +554,15 @@ impl Producer {
             while self.pump(Some(Instant::now()))? {}
             return Ok(());
         }
-        // The queue path reads no clock unless the queue is empty.
-        if self.drain_ring()? {
-            return Ok(());
-        }
+        // The queue path makes no system call and reads no clock: the socket is read when the
+        // server's message counter in the queue header says it wrote something.
+        self.drain_ring()?;
         while let Some(p) = self.reader.next_payload()? {
             let m = decode_server(p)?;
             self.handle(m)?;
         }
-        let now = Instant::now();
-        if now.duration_since(self.socket_looked) > SOCKET_LOOK_EVERY {
+        if self.socket_news() {
+            let now = Instant::now();
             self.socket_looked = now;
             while let Some(m) = next_msg(&mut self.reader, Some(now))? {
                 self.handle(m)?;

@@ -18,7 +18,7 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
-use tensorport_shm::ring::{CqHeader, SqEntry, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
+use tensorport_shm::ring::{CqHeader, SqEntry, SqReader, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
 use tensorport_shm::{HostPool, PinHook, SlotState, SlotTable};
 use tensorport_wire::{
     clip_message, decode_client, negotiate, validate_view, ClientMsg, Counters, ErrorCode, Hello,
@@ -237,9 +237,16 @@ impl Session {
             return Err(Error::SessionGone);
         }
         let r = lock(&self.writer).send(msg, &[]);
-        if let Err(e) = &r {
-            tracing::warn!(session = self.id, producer = %self.name, "dropping session: {e}");
-            self.kill();
+        match &r {
+            Ok(()) => {
+                if let Some(ring) = &self.ring {
+                    ring.mem.note_socket_message();
+                }
+            }
+            Err(e) => {
+                tracing::warn!(session = self.id, producer = %self.name, "dropping session: {e}");
+                self.kill();
+            }
         }
         r
     }
@@ -346,7 +353,25 @@ impl Session {
 
     /// Takes a submitted slot back; returns the grant to send unless the server drains.
     fn take_back(&self, shared: &Shared, slot: SlotRef) -> Option<SlotRef> {
+        self.regrant(&mut lock(&self.state), shared, slot)
+    }
+
+    /// [`Session::take_back`] and the in-flight bookkeeping of `request_id`'s answer, under one
+    /// lock: the grant to send, and whether the request was still owed an answer.
+    fn settle(
+        &self,
+        shared: &Shared,
+        slot: Option<SlotRef>,
+        request_id: u64,
+    ) -> (Option<SlotRef>, bool) {
         let mut st = lock(&self.state);
+        let grant = slot.and_then(|s| self.regrant(&mut st, shared, s));
+        let owed = st.in_flight.remove(&request_id);
+        st.completed += owed as u64;
+        (grant, owed)
+    }
+
+    fn regrant(&self, st: &mut SessionState, shared: &Shared, slot: SlotRef) -> Option<SlotRef> {
         if let Err(e) = st.slots.release(slot.slot, slot.generation) {
             tracing::error!(session = self.id, "internal: releasing {slot:?}: {e}");
             return None;
@@ -456,13 +481,19 @@ impl Request {
     /// call, no allocation); longer results go on the socket.
     pub fn respond(mut self, payload: &[u8]) -> Result<()> {
         let mut r = self.responder.take().expect("responder present until drop");
-        let grant = if self.desc.is_device() {
+        if self.desc.is_device() {
             r.session.release_device(self.desc.slot());
-            None
-        } else {
-            r.session.take_back(&r.shared, self.desc.slot())
-        };
-        r.answer(payload, grant)
+            return r.answer(payload);
+        }
+        if payload.len() > MAX_FRAME_LEN as usize - 64 {
+            r.session.release_slot(&r.shared, self.desc.slot());
+            return r.answer(payload);
+        }
+        r.answered = true;
+        let (grant, owed) = r
+            .session
+            .settle(&r.shared, Some(self.desc.slot()), r.request_id);
+        r.deliver(Ok(payload), grant, owed)
     }
 
     /// Releases the slot and sends a failure as the result.
@@ -512,20 +543,22 @@ impl Responder {
         self.session.alive.load(Ordering::SeqCst)
     }
 
+    /// Sends the answer, once; the slot was released before.
+    fn finish(&mut self, answer: std::result::Result<&[u8], (ErrorCode, String)>) -> Result<()> {
+        self.answered = true;
+        let (_, owed) = self.session.settle(&self.shared, None, self.request_id);
+        self.deliver(answer, None, owed)
+    }
+
     /// Sends the answer (and `grant`, a slot given back with it): one completion on the
     /// shared-memory queue when the session has one and the result fits, else socket messages.
-    fn finish(
+    /// `counted`: the request was still owed its answer.
+    fn deliver(
         &mut self,
         answer: std::result::Result<&[u8], (ErrorCode, String)>,
         grant: Option<SlotRef>,
+        counted: bool,
     ) -> Result<()> {
-        self.answered = true;
-        let counted = {
-            let mut st = lock(&self.session.state);
-            let was = st.in_flight.remove(&self.request_id);
-            st.completed += was as u64;
-            was
-        };
         if counted {
             self.shared
                 .counters
@@ -568,54 +601,55 @@ impl Responder {
         })
     }
 
-    fn answer(&mut self, payload: &[u8], grant: Option<SlotRef>) -> Result<()> {
+    fn answer(&mut self, payload: &[u8]) -> Result<()> {
         if payload.len() > MAX_FRAME_LEN as usize - 64 {
             let n = payload.len();
-            self.finish(
-                Err((
-                    ErrorCode::HandlerFailed,
-                    format!("result of {n} bytes is over the frame limit"),
-                )),
-                grant,
-            )?;
+            self.finish(Err((
+                ErrorCode::HandlerFailed,
+                format!("result of {n} bytes is over the frame limit"),
+            )))?;
             return Err(Error::ResultTooLarge(n));
         }
-        self.finish(Ok(payload), grant)
+        self.finish(Ok(payload))
     }
 
     /// Sends `payload` as the result. Fails with [`Error::SessionGone`] if the producer left.
     pub fn respond(mut self, payload: &[u8]) -> Result<()> {
-        self.answer(payload, None)
+        self.answer(payload)
     }
 
     /// Sends a failure as the result.
     pub fn fail(mut self, message: impl Into<String>) -> Result<()> {
-        self.finish(
-            Err((ErrorCode::HandlerFailed, clip_message(message.into()))),
-            None,
-        )
+        self.finish(Err((
+            ErrorCode::HandlerFailed,
+            clip_message(message.into()),
+        )))
     }
 }
 
 impl Drop for Responder {
     fn drop(&mut self) {
         if !self.answered {
-            let _ = self.finish(
-                Err((
-                    ErrorCode::HandlerFailed,
-                    "the server dropped the request without a result".into(),
-                )),
-                None,
-            );
+            let _ = self.finish(Err((
+                ErrorCode::HandlerFailed,
+                "the server dropped the request without a result".into(),
+            )));
         }
     }
+}
+
+/// A session the consumer polls, with its submission-queue cursor (the consumer's alone: no
+/// lock on the hot path).
+struct Polled {
+    session: Arc<Session>,
+    sq: SqReader,
 }
 
 /// What the one consumer at a time (the caller of `recv_*`) keeps between calls.
 struct Consumer {
     rx: Receiver<Request>,
     /// Sessions with queues, refreshed when `ring_generation` moves.
-    sessions: Vec<Arc<Session>>,
+    sessions: Vec<Polled>,
     generation: u64,
     /// Where the next round-robin pass starts.
     next: usize,
@@ -762,9 +796,16 @@ impl Server {
         let spin = self.shared.config.spin;
         let start = Instant::now();
         let mut checked = start;
+        let mut spins = 0u32;
         loop {
             if let Some(r) = self.try_take(c) {
                 return Ok(Some(r));
+            }
+            // A few quick looks between reads of the clock.
+            spins = spins.wrapping_add(1);
+            if spins % 32 != 0 {
+                std::hint::spin_loop();
+                continue;
             }
             let now = Instant::now();
             if now >= deadline {
@@ -781,7 +822,10 @@ impl Server {
                         return Err(Error::Stopped);
                     }
                 }
-                std::hint::spin_loop();
+                if spins % 256 == 0 {
+                    // Now and then give the core away (producers sharing it get to run).
+                    std::thread::yield_now();
+                }
                 continue;
             }
             if self.is_finished() {
@@ -801,17 +845,35 @@ impl Server {
         let g = self.shared.ring_generation.load(Ordering::SeqCst);
         if g != c.generation {
             c.generation = g;
+            // Sessions that stay keep their queue cursor; new ones start at the beginning.
+            let mut old = std::mem::take(&mut c.sessions);
             c.sessions = lock(&self.shared.sessions)
                 .values()
                 .filter(|s| s.ring.is_some())
-                .cloned()
+                .map(|s| {
+                    let sq = old
+                        .iter_mut()
+                        .find(|o| o.session.id == s.id)
+                        .map(|o| std::mem::take(&mut o.sq))
+                        .unwrap_or_default();
+                    // Awake and about to poll it: its producer need not ring (a new ring starts
+                    // with the flag set, for a consumer that was asleep when it opened).
+                    if let Some(r) = &s.ring {
+                        r.mem.set_server_waiting(false);
+                    }
+                    Polled {
+                        session: s.clone(),
+                        sq,
+                    }
+                })
                 .collect();
-            c.sessions.sort_by_key(|s| s.id);
+            c.sessions.sort_by_key(|p| p.session.id);
         }
         let n = c.sessions.len();
         for k in 0..n {
             let i = (c.next + k) % n;
-            if let Some(r) = take_from_ring(&self.shared, &c.sessions[i]) {
+            let p = &mut c.sessions[i];
+            if let Some(r) = take_from_ring(&self.shared, &p.session, &mut p.sq) {
                 c.next = (i + 1) % n;
                 return Some(r);
             }
@@ -830,17 +892,18 @@ impl Server {
     fn sleep(&self, c: &mut Consumer, step: Duration) -> Option<Request> {
         let sh = &self.shared;
         sh.consumer_sleeping.store(true, Ordering::SeqCst);
-        for s in &c.sessions {
-            if let Some(ring) = &s.ring {
+        for p in &c.sessions {
+            if let Some(ring) = &p.session.ring {
                 ring.mem.set_server_waiting(true);
             }
         }
         fence(Ordering::SeqCst);
-        let got = if c
-            .sessions
-            .iter()
-            .any(|s| s.ring.as_ref().is_some_and(|r| r.has_work()))
-        {
+        let got = if c.sessions.iter_mut().any(|p| {
+            p.session
+                .ring
+                .as_ref()
+                .is_some_and(|r| r.has_work(&mut p.sq))
+        }) {
             None
         } else {
             let ms = step.as_millis().clamp(1, 1000) as u16;
@@ -855,8 +918,8 @@ impl Server {
                         if let Some(ring) = c
                             .sessions
                             .iter()
-                            .find(|s| s.id == id)
-                            .and_then(|s| s.ring.as_ref())
+                            .find(|p| p.session.id == id)
+                            .and_then(|p| p.session.ring.as_ref())
                         {
                             ring.to_server.clear();
                         }
@@ -866,8 +929,8 @@ impl Server {
             None
         };
         sh.consumer_sleeping.store(false, Ordering::SeqCst);
-        for s in &c.sessions {
-            if let Some(ring) = &s.ring {
+        for p in &c.sessions {
+            if let Some(ring) = &p.session.ring {
                 ring.mem.set_server_waiting(false);
             }
         }
@@ -1398,13 +1461,17 @@ fn fatal(shared: &Shared, session: &Session, e: WireError) {
 
 /// The next valid submission on `session`'s queue, if any. Invalid ones are refused on the
 /// socket, one error each, as on the socket path; a corrupted queue closes the session.
-fn take_from_ring(shared: &Arc<Shared>, session: &Arc<Session>) -> Option<Request> {
+fn take_from_ring(
+    shared: &Arc<Shared>,
+    session: &Arc<Session>,
+    sq: &mut SqReader,
+) -> Option<Request> {
     let ring = session.ring.as_ref()?;
     if !session.alive.load(Ordering::SeqCst) {
         return None;
     }
     loop {
-        let e: SqEntry = match ring.pop() {
+        let e: SqEntry = match sq.pop(&ring.mem) {
             Ok(Some(e)) => e,
             Ok(None) => return None,
             Err(err) => {
