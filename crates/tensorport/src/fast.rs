@@ -7,7 +7,6 @@
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{fence, Ordering};
-use std::sync::Mutex;
 
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tensorport_shm::ring::{CqHeader, CqReader, CqWriter, SqEntry, SqReader, SqWriter};
@@ -56,7 +55,6 @@ impl AsFd for Doorbell {
 #[derive(Debug)]
 pub(crate) struct ServerRing {
     pub(crate) mem: RingMem,
-    cq: Mutex<CqWriter>,
     /// The producer rings this when the server sleeps; the server polls it.
     pub(crate) to_server: Doorbell,
     /// The server rings this when the producer sleeps.
@@ -70,7 +68,6 @@ impl ServerRing {
         mem.set_server_waiting(true);
         Ok(ServerRing {
             mem,
-            cq: Mutex::new(CqWriter::default()),
             to_server: Doorbell::new()?,
             to_producer: Doorbell::new()?,
         })
@@ -91,21 +88,24 @@ impl ServerRing {
         sq.available(&self.mem).map_or(true, |n| n > 0)
     }
 
-    /// Publishes a completion and wakes the producer if it sleeps. `Ok(false)`: the queue is
-    /// full (the producer is not reading); send it on the socket instead.
-    pub(crate) fn complete(
+    /// Publishes a completion through `cq` (the session's writer, under the session's lock).
+    /// `Ok(false)`: the queue is full (the producer is not reading); send it on the socket.
+    /// Call [`ServerRing::wake`] after releasing the lock.
+    pub(crate) fn publish(
         &self,
+        cq: &mut CqWriter,
         h: &CqHeader,
         payload: &[u8],
     ) -> std::result::Result<bool, RingError> {
-        let pushed = crate::server::lock(&self.cq).push(&self.mem, h, payload)?;
-        if pushed {
-            fence(Ordering::SeqCst);
-            if self.mem.producer_waiting() {
-                self.to_producer.ring();
-            }
+        cq.push(&self.mem, h, payload)
+    }
+
+    /// Wakes the producer if it sleeps (after a completion was published).
+    pub(crate) fn wake(&self) {
+        fence(Ordering::SeqCst);
+        if self.mem.producer_waiting() {
+            self.to_producer.ring();
         }
-        Ok(pushed)
     }
 }
 

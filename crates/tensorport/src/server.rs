@@ -18,7 +18,9 @@ use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
 
 use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags, EpollTimeout};
-use tensorport_shm::ring::{CqHeader, SqEntry, SqReader, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
+use tensorport_shm::ring::{
+    CqHeader, CqWriter, SqEntry, SqReader, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT,
+};
 use tensorport_shm::{HostPool, PinHook, SlotState, SlotTable};
 use tensorport_wire::{
     clip_message, decode_client, negotiate, validate_view, ClientMsg, Counters, ErrorCode, Hello,
@@ -195,6 +197,8 @@ struct DeviceEntry {
 
 struct SessionState {
     slots: SlotTable,
+    /// The server's end of the completion queue (unused without one).
+    cq: CqWriter,
     devices: HashMap<u32, DeviceEntry>,
     in_flight: IdSet,
     submitted: u64,
@@ -341,13 +345,64 @@ impl Session {
         if !self.alive.load(Ordering::SeqCst) {
             return true;
         }
-        match ring.complete(h, payload) {
-            Ok(pushed) => pushed,
+        let r = ring.publish(&mut lock(&self.state).cq, h, payload);
+        self.published(r)
+    }
+
+    /// What a publish came to: wakes the producer after a push; a corrupted queue kills the
+    /// session (and counts as done).
+    fn published(&self, r: std::result::Result<bool, tensorport_shm::RingError>) -> bool {
+        match r {
+            Ok(true) => {
+                if let Some(ring) = &self.ring {
+                    ring.wake();
+                }
+                true
+            }
+            Ok(false) => false,
             Err(e) => {
                 tracing::warn!(session = self.id, producer = %self.name, "closing session: {e}");
                 self.kill();
                 true
             }
+        }
+    }
+
+    /// The hot path of `Request::respond`, under one lock: takes the slot back, settles the
+    /// request, and publishes grant and result in one completion. `None` if it was published;
+    /// otherwise what the caller must still send (the grant, whether an answer is owed).
+    fn settle_and_publish(
+        &self,
+        shared: &Shared,
+        slot: SlotRef,
+        request_id: u64,
+        payload: &[u8],
+    ) -> Option<(Option<SlotRef>, bool)> {
+        let mut st = lock(&self.state);
+        let grant = self.regrant(&mut st, shared, slot);
+        let owed = st.in_flight.remove(&request_id);
+        st.completed += owed as u64;
+        let ring = match &self.ring {
+            Some(r) if owed && payload.len() <= CQ_INLINE_BYTES => r,
+            _ => return Some((grant, owed)),
+        };
+        if !self.alive.load(Ordering::SeqCst) {
+            return Some((grant, owed));
+        }
+        let h = CqHeader {
+            flags: CQ_RESULT | if grant.is_some() { CQ_GRANT } else { 0 },
+            len: payload.len() as u32,
+            request_id,
+            slot: grant.map_or(0, |g| g.slot),
+            generation: grant.map_or(0, |g| g.generation),
+        };
+        let r = ring.publish(&mut st.cq, &h, payload);
+        drop(st);
+        if self.published(r) {
+            shared.counters.completed.fetch_add(1, Ordering::Relaxed);
+            None
+        } else {
+            Some((grant, owed))
         }
     }
 
@@ -490,10 +545,13 @@ impl Request {
             return r.answer(payload);
         }
         r.answered = true;
-        let (grant, owed) = r
+        match r
             .session
-            .settle(&r.shared, Some(self.desc.slot()), r.request_id);
-        r.deliver(Ok(payload), grant, owed)
+            .settle_and_publish(&r.shared, self.desc.slot(), r.request_id, payload)
+        {
+            None => Ok(()),
+            Some((grant, owed)) => r.deliver(Ok(payload), grant, owed),
+        }
     }
 
     /// Releases the slot and sends a failure as the result.
@@ -1320,6 +1378,7 @@ fn open_session(
         max_in_flight,
         state: Mutex::new(SessionState {
             slots: table,
+            cq: CqWriter::default(),
             devices: HashMap::new(),
             in_flight: IdSet::with_capacity_and_hasher(
                 max_in_flight.min(4096) as usize,
