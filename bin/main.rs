@@ -40,7 +40,9 @@ enum Command {
     Farm(farm::Args),
     /// Ask a running server for its status, or tell it to drain.
     Ctl(ctl::Args),
-    /// tensorport against its peers (a Unix-socket copy, memcpy) on the same payloads, one run.
+    /// tensorport against its peers (iceoryx2, a Unix-socket copy, memcpy) on the same payloads, in
+    /// one run: throughput with 1..N producer processes, one-way latency polling and blocking,
+    /// markdown tables and (with --plots) SVG plots. See docs/benchmarks.md.
     Bench(bench::Args),
     /// What this machine's CUDA can do, and host-to-device bandwidth from pinned pools.
     Gpu(gpu::Args),

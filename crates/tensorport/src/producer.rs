@@ -23,7 +23,7 @@ use std::sync::atomic::{fence, Ordering};
 use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use tensorport_shm::ring::{SqEntry, CQ_GRANT, CQ_RESULT};
+use tensorport_shm::ring::{SqEntry, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
 use tensorport_shm::HostPool;
 use tensorport_wire::{
     validate_in, validate_view, ClientMsg, DType, ErrorCode, Outcome, PoolBounds, PoolLayout,
@@ -190,6 +190,36 @@ pub struct Completion {
     pub result: std::result::Result<Vec<u8>, RemoteError>,
 }
 
+/// A result received and not yet taken: inline, as it came on the queue (no allocation), or a
+/// socket message's.
+#[derive(Debug)]
+// Inline on purpose: boxing the bytes is the allocation this type exists to avoid.
+#[allow(clippy::large_enum_variant)]
+enum Done {
+    Inline {
+        request_id: u64,
+        len: u8,
+        bytes: [u8; CQ_INLINE_BYTES],
+    },
+    Message(Completion),
+}
+
+impl Done {
+    fn into_completion(self) -> Completion {
+        match self {
+            Done::Inline {
+                request_id,
+                len,
+                bytes,
+            } => Completion {
+                request_id,
+                result: Ok(bytes[..len as usize].to_vec()),
+            },
+            Done::Message(c) => c,
+        }
+    }
+}
+
 /// A connected producer session with its own pool.
 pub struct Producer {
     reader: FrameReader,
@@ -202,7 +232,7 @@ pub struct Producer {
     in_flight: IdMap<Held>,
     devices: HashMap<u32, DeviceState>,
     registered: Option<(u32, Vec<u8>)>,
-    done: VecDeque<Completion>,
+    done: VecDeque<Done>,
     status: Option<StatusReport>,
     draining: bool,
     next_id: u64,
@@ -349,7 +379,7 @@ impl Producer {
                 outcome,
             } => {
                 if self.in_flight.remove(&request_id).is_some() {
-                    self.done.push_back(Completion {
+                    self.done.push_back(Done::Message(Completion {
                         request_id,
                         result: match outcome {
                             Outcome::Ok(b) => Ok(b),
@@ -358,7 +388,7 @@ impl Producer {
                                 message,
                             }),
                         },
-                    });
+                    }));
                 }
             }
             ServerMsg::Error {
@@ -379,10 +409,10 @@ impl Producer {
                                 }
                             }
                         }
-                        self.done.push_back(Completion {
+                        self.done.push_back(Done::Message(Completion {
                             request_id: id,
                             result: Err(RemoteError { code, message }),
-                        });
+                        }));
                     }
                 } else {
                     return Err(Error::Refused { code, message });
@@ -539,9 +569,13 @@ impl Producer {
                 });
             }
             if h.flags & CQ_RESULT != 0 && self.in_flight.remove(&h.request_id).is_some() {
-                self.done.push_back(Completion {
+                let mut bytes = [0u8; CQ_INLINE_BYTES];
+                let len = (h.len as usize).min(CQ_INLINE_BYTES);
+                bytes[..len].copy_from_slice(&ring.buf[..len]);
+                self.done.push_back(Done::Inline {
                     request_id: h.request_id,
-                    result: Ok(ring.buf[..h.len as usize].to_vec()),
+                    len: len as u8,
+                    bytes,
                 });
             }
         }
@@ -601,6 +635,38 @@ impl Producer {
 
     /// The next result, waiting up to `timeout`.
     pub fn recv_result(&mut self, timeout: Duration) -> Result<Completion> {
+        Ok(self.next_done(timeout)?.into_completion())
+    }
+
+    /// [`Producer::recv_result`] without allocating: the result's bytes are copied into `out`
+    /// (cleared first; it grows only for a result longer than its capacity). Returns the
+    /// request id, and the result's length or the server's error.
+    pub fn recv_result_into(
+        &mut self,
+        timeout: Duration,
+        out: &mut Vec<u8>,
+    ) -> Result<(u64, std::result::Result<usize, RemoteError>)> {
+        out.clear();
+        Ok(match self.next_done(timeout)? {
+            Done::Inline {
+                request_id,
+                len,
+                bytes,
+            } => {
+                out.extend_from_slice(&bytes[..len as usize]);
+                (request_id, Ok(len as usize))
+            }
+            Done::Message(c) => match c.result {
+                Ok(v) => {
+                    out.extend_from_slice(&v);
+                    (c.request_id, Ok(v.len()))
+                }
+                Err(e) => (c.request_id, Err(e)),
+            },
+        })
+    }
+
+    fn next_done(&mut self, timeout: Duration) -> Result<Done> {
         let mut deadline = None;
         loop {
             if let Some(c) = self.done.pop_front() {
@@ -621,7 +687,7 @@ impl Producer {
         if self.done.is_empty() {
             self.poll()?;
         }
-        Ok(self.done.pop_front())
+        Ok(self.done.pop_front().map(Done::into_completion))
     }
 
     /// The server's status.
