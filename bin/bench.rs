@@ -87,18 +87,26 @@ fn pin(cpu: usize) -> CliResult<()> {
         .map_err(|e| CliError::new(format!("pinning to cpu {cpu}: {e}")))
 }
 
-fn unpin(cores: usize) {
-    let mut set = nix::sched::CpuSet::new();
-    for c in 0..cores.min(nix::sched::CpuSet::count()) {
-        let _ = set.set(c);
-    }
-    let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), &set);
+/// The CPUs this process may run on, and the first two of them (where a producer/consumer pair
+/// is pinned), if there are two.
+fn allowed_cpus() -> (Option<nix::sched::CpuSet>, Option<(usize, usize)>) {
+    let Ok(set) = nix::sched::sched_getaffinity(nix::unistd::Pid::from_raw(0)) else {
+        return (None, None);
+    };
+    let mut cpus = (0..nix::sched::CpuSet::count()).filter(|&c| set.is_set(c).unwrap_or(false));
+    let pair = match (cpus.next(), cpus.next()) {
+        (Some(a), Some(b)) => Some((a, b)),
+        _ => None,
+    };
+    (Some(set), pair)
 }
 
 struct Ctx {
     exe: PathBuf,
-    cores: usize,
-    pin: bool,
+    /// The affinity we started with (restored after each pinned measurement).
+    allowed: Option<nix::sched::CpuSet>,
+    /// Where a one-producer pair runs: (consumer, producer).
+    cpus: Option<(usize, usize)>,
     seconds: f64,
     round_trips: usize,
 }
@@ -130,10 +138,16 @@ impl Ctx {
 
     /// Cores for (parent, child) when one producer runs against one consumer.
     fn pair(&self) -> (Option<usize>, Option<usize>) {
-        if self.pin && self.cores >= 2 {
-            (Some(0), Some(1))
-        } else {
-            (None, None)
+        match self.cpus {
+            Some((a, b)) => (Some(a), Some(b)),
+            None => (None, None),
+        }
+    }
+
+    /// Back to the affinity we started with.
+    fn unpin(&self) {
+        if let Some(set) = &self.allowed {
+            let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), set);
         }
     }
 }
@@ -219,11 +233,14 @@ fn ice_recv(
     listener: Option<&iceoryx2::port::listener::Listener<ipc::Service>>,
     deadline: Instant,
 ) -> CliResult<usize> {
+    let mut spins = 0u32;
     loop {
         if let Some(s) = ice(sub.receive(), "receive")? {
             return Ok(*std::hint::black_box(s.payload().first().unwrap_or(&0)) as usize);
         }
-        if Instant::now() > deadline {
+        spins = spins.wrapping_add(1);
+        // The clock every 32 looks and a yield every 256, as tensorport's own spin loops do.
+        if spins % 32 == 0 && Instant::now() > deadline {
             return Err(CliError::new("iceoryx2: no sample within the deadline"));
         }
         match listener {
@@ -232,6 +249,7 @@ fn ice_recv(
             Some(l) => {
                 ice(l.timed_wait(|_| {}, Duration::from_millis(10)), "wait")?;
             }
+            None if spins % 256 == 0 => std::thread::yield_now(),
             None => std::hint::spin_loop(),
         }
     }
@@ -433,7 +451,7 @@ fn tp_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
         last = Instant::now();
     }
     drop(server);
-    unpin(cx.cores);
+    cx.unpin();
     wait_ok(kids, "tensorport")?;
     Ok(rate(count, first, last))
 }
@@ -454,7 +472,8 @@ fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
     let (mut count, mut first, mut last) = (0u64, None, Instant::now());
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + 5.0);
     let mut idle_since = Instant::now();
-    while Instant::now() < deadline {
+    let mut spins = 0u32;
+    loop {
         // Up to 64 samples per look at the clock, as the tensorport server takes batches.
         let mut got = 0;
         while got < 64 {
@@ -466,25 +485,36 @@ fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
                 None => break,
             }
         }
-        match got {
-            1.. => {
-                let now = Instant::now();
-                first.get_or_insert(now);
-                count += got;
-                last = now;
-                idle_since = now;
+        if got > 0 {
+            let now = Instant::now();
+            first.get_or_insert(now);
+            count += got;
+            last = now;
+            idle_since = now;
+            spins = 0;
+            if now >= deadline {
+                break;
             }
-            0 => {
-                if idle_since.elapsed() > Duration::from_millis(100)
-                    && kids.iter_mut().all(|k| matches!(k.try_wait(), Ok(Some(_))))
-                {
-                    break;
-                }
-                std::hint::spin_loop();
-            }
+            continue;
+        }
+        // Idle: the clock every 32 looks and a yield every 256, as tensorport's consumer does.
+        spins = spins.wrapping_add(1);
+        if spins % 32 != 0 {
+            std::hint::spin_loop();
+            continue;
+        }
+        if spins % 256 == 0 {
+            std::thread::yield_now();
+        }
+        let now = Instant::now();
+        if now >= deadline
+            || (now.duration_since(idle_since) > Duration::from_millis(100)
+                && kids.iter_mut().all(|k| matches!(k.try_wait(), Ok(Some(_)))))
+        {
+            break;
         }
     }
-    unpin(cx.cores);
+    cx.unpin();
     wait_ok(kids, "iceoryx2")?;
     Ok(rate(count, first, last))
 }
@@ -527,7 +557,7 @@ fn uds_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
             t1 = Some(t1.map_or(l, |t: Instant| t.max(l)));
         }
     }
-    unpin(cx.cores);
+    cx.unpin();
     wait_ok(kids, "Unix socket")?;
     Ok(rate(total, t0, t1.unwrap_or_else(Instant::now)))
 }
@@ -560,7 +590,7 @@ fn tp_latency(cx: &Ctx, size: usize, poll: bool) -> CliResult<Vec<f64>> {
         std::hint::black_box(r.bytes().first());
         r.respond(&[])?;
     }
-    unpin(cx.cores);
+    cx.unpin();
     samples(child.wait_with_output()?, "tensorport")
 }
 
@@ -597,7 +627,7 @@ fn ice_latency(cx: &Ctx, size: usize, poll: bool) -> CliResult<Vec<f64>> {
             ice(n.notify(), "notify")?;
         }
     }
-    unpin(cx.cores);
+    cx.unpin();
     samples(child.wait_with_output()?, "iceoryx2")
 }
 
@@ -616,7 +646,7 @@ fn uds_latency(cx: &Ctx, size: usize) -> CliResult<Vec<f64>> {
         s.read_exact(&mut buf)?;
         s.write_all(&[0u8; 8])?;
     }
-    unpin(cx.cores);
+    cx.unpin();
     samples(child.wait_with_output()?, "Unix socket")
 }
 
@@ -673,20 +703,23 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
         .unwrap_or(1);
+    let (allowed, pair) = allowed_cpus();
     let cx = Ctx {
         exe: std::env::current_exe()?,
-        cores,
-        pin: !a.no_pin,
+        allowed,
+        cpus: pair.filter(|_| !a.no_pin),
         seconds: a.seconds,
         round_trips: a.round_trips,
     };
-    let pinned = cx.pair().0.is_some();
+    let pinning = match cx.cpus {
+        Some((c, p)) => format!("pinned: consumer to CPU {c}, producer to CPU {p}"),
+        None => "unpinned".into(),
+    };
     println!(
-        "tensorport bench — {cores} cores; throughput: median of {} runs of {} s per cell; {} round trips per latency cell; one producer {}",
+        "tensorport bench — {cores} cores; throughput: median of {} runs of {} s per cell; {} round trips per latency cell; one producer {pinning}",
         a.repeat.max(1),
         a.seconds,
         a.round_trips,
-        if pinned { "pinned to core 1, consumer to core 0" } else { "unpinned" }
     );
     println!("\n| payload | producers | tensorport msgs/s | tensorport GB/s | iceoryx2 msgs/s | iceoryx2 GB/s | Unix socket msgs/s | Unix socket GB/s | memcpy GB/s | tensorport / iceoryx2 |");
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
