@@ -320,159 +320,177 @@ fn corrupt<T>(queue: &'static str, what: String) -> std::result::Result<T, RingE
     Err(RingError::Corrupt { queue, what })
 }
 
+/// One of a session's two queues: where its positions live and how many entries it holds.
+#[derive(Debug, Clone, Copy)]
+enum Queue {
+    Submission,
+    Completion,
+}
+
+impl Queue {
+    fn name(self) -> &'static str {
+        match self {
+            Queue::Submission => "submission",
+            Queue::Completion => "completion",
+        }
+    }
+    fn head_off(self) -> usize {
+        match self {
+            Queue::Submission => OFF_SQ_HEAD,
+            Queue::Completion => OFF_CQ_HEAD,
+        }
+    }
+    fn tail_off(self) -> usize {
+        match self {
+            Queue::Submission => OFF_SQ_TAIL,
+            Queue::Completion => OFF_CQ_TAIL,
+        }
+    }
+    fn cap(self, r: &RingMem) -> u64 {
+        match self {
+            Queue::Submission => r.sq_cap,
+            Queue::Completion => r.cq_cap,
+        }
+    }
+}
+
+/// A writer's position, and the reader's as last loaded: the shared word is read again only
+/// when the queue looks full, so the two cores do not trade its cache line on every entry.
+#[derive(Debug, Default)]
+struct WriteCursor {
+    tail: u64,
+    head: u64,
+}
+
+impl WriteCursor {
+    /// Free entries (an error if the reader's position cannot be).
+    fn space(&mut self, r: &RingMem, q: Queue) -> std::result::Result<u64, RingError> {
+        let cap = q.cap(r);
+        if self.tail.wrapping_sub(self.head) < cap {
+            return Ok(cap - self.tail.wrapping_sub(self.head));
+        }
+        let (head, tail) = (r.w(q.head_off()).load(Ordering::Acquire), self.tail);
+        let used = tail.wrapping_sub(head);
+        if used > cap {
+            return corrupt(
+                q.name(),
+                format!("head {head} against tail {tail} (capacity {cap})"),
+            );
+        }
+        self.head = head;
+        Ok(cap - used)
+    }
+
+    /// Publishes the entry at `tail` (written before this call).
+    fn publish(&mut self, r: &RingMem, q: Queue) {
+        self.tail = self.tail.wrapping_add(1);
+        r.w(q.tail_off()).store(self.tail, Ordering::Release);
+    }
+}
+
+/// A reader's position, and the writer's as last loaded (see [`WriteCursor`]).
+#[derive(Debug, Default)]
+struct ReadCursor {
+    head: u64,
+    tail: u64,
+}
+
+impl ReadCursor {
+    /// Entries waiting, loading the writer's position only when the cached one says none are
+    /// (`fresh`: load it anyway, for a side about to sleep).
+    fn waiting(
+        &mut self,
+        r: &RingMem,
+        q: Queue,
+        fresh: bool,
+    ) -> std::result::Result<u64, RingError> {
+        if self.tail != self.head && !fresh {
+            return Ok(self.tail.wrapping_sub(self.head));
+        }
+        let (cap, head) = (q.cap(r), self.head);
+        let tail = r.w(q.tail_off()).load(Ordering::Acquire);
+        let n = tail.wrapping_sub(head);
+        if n > cap {
+            return corrupt(
+                q.name(),
+                format!("tail {tail} against head {head} (capacity {cap})"),
+            );
+        }
+        self.tail = tail;
+        Ok(n)
+    }
+
+    /// Gives the entry at `head` back (after copying it out).
+    fn release(&mut self, r: &RingMem, q: Queue) {
+        self.head = self.head.wrapping_add(1);
+        r.w(q.head_off()).store(self.head, Ordering::Release);
+    }
+}
+
 /// The producer's end of the submission queue.
 #[derive(Debug, Default)]
-pub struct SqWriter {
-    tail: u64,
-    /// The reader's head as last loaded: the shared word is read again only when the queue
-    /// looks full, so the two cores do not trade its cache line on every entry.
-    head: u64,
-}
-
-/// Free entries for a writer at `tail`, loading the reader's position at `off` into `cached`
-/// only when the cached one says the queue is full.
-fn space(
-    r: &RingMem,
-    off: usize,
-    cap: u64,
-    tail: u64,
-    cached: &mut u64,
-    queue: &'static str,
-) -> std::result::Result<u64, RingError> {
-    if tail.wrapping_sub(*cached) < cap {
-        return Ok(cap - tail.wrapping_sub(*cached));
-    }
-    let head = r.w(off).load(Ordering::Acquire);
-    let used = tail.wrapping_sub(head);
-    if used > cap {
-        return corrupt(
-            queue,
-            format!("head {head} against tail {tail} (capacity {cap})"),
-        );
-    }
-    *cached = head;
-    Ok(cap - used)
-}
-
-/// Entries waiting for a reader at `head`, loading the writer's position at `off` into
-/// `cached` only when the cached one says the queue is empty.
-fn waiting(
-    r: &RingMem,
-    off: usize,
-    cap: u64,
-    head: u64,
-    cached: &mut u64,
-    queue: &'static str,
-) -> std::result::Result<u64, RingError> {
-    if *cached != head {
-        return Ok(cached.wrapping_sub(head));
-    }
-    let tail = r.w(off).load(Ordering::Acquire);
-    let n = tail.wrapping_sub(head);
-    if n > cap {
-        return corrupt(
-            queue,
-            format!("tail {tail} against head {head} (capacity {cap})"),
-        );
-    }
-    *cached = tail;
-    Ok(n)
-}
+pub struct SqWriter(WriteCursor);
 
 impl SqWriter {
     /// Publishes `e`; `Ok(false)` if the queue is full.
     pub fn push(&mut self, r: &RingMem, e: &SqEntry) -> std::result::Result<bool, RingError> {
-        if space(
-            r,
-            OFF_SQ_HEAD,
-            r.sq_cap,
-            self.tail,
-            &mut self.head,
-            "submission",
-        )? == 0
-        {
+        if self.0.space(r, Queue::Submission)? == 0 {
             return Ok(false);
         }
         // Only the words the entry uses: the header, `rank` dimensions, strides if given.
-        let w = e.to_words();
+        let (w, t) = (e.to_words(), self.0.tail);
         let rank = (e.rank as usize).min(RING_MAX_DIMS);
         for (i, &v) in w.iter().enumerate().take(5 + rank) {
-            r.sq_word(self.tail, i).store(v, Ordering::Relaxed);
+            r.sq_word(t, i).store(v, Ordering::Relaxed);
         }
         if e.has_strides {
             for (i, &v) in w.iter().enumerate().skip(5 + RING_MAX_DIMS).take(rank) {
-                r.sq_word(self.tail, i).store(v, Ordering::Relaxed);
+                r.sq_word(t, i).store(v, Ordering::Relaxed);
             }
         }
-        self.tail = self.tail.wrapping_add(1);
-        r.w(OFF_SQ_TAIL).store(self.tail, Ordering::Release);
+        self.0.publish(r, Queue::Submission);
         Ok(true)
     }
 }
 
 /// The server's end of the submission queue.
 #[derive(Debug, Default)]
-pub struct SqReader {
-    head: u64,
-    /// The writer's tail as last loaded (see [`SqWriter`]).
-    tail: u64,
-}
+pub struct SqReader(ReadCursor);
 
 impl SqReader {
     /// Entries published and not yet taken (always loads the writer's tail: for a side about
     /// to sleep); an error if that tail cannot be.
     pub fn available(&mut self, r: &RingMem) -> std::result::Result<u64, RingError> {
-        self.tail = self.head;
-        waiting(
-            r,
-            OFF_SQ_TAIL,
-            r.sq_cap,
-            self.head,
-            &mut self.tail,
-            "submission",
-        )
+        self.0.waiting(r, Queue::Submission, true)
     }
 
     /// Copies out the next entry, if any, and gives its space back.
     pub fn pop(&mut self, r: &RingMem) -> std::result::Result<Option<SqEntry>, RingError> {
-        if waiting(
-            r,
-            OFF_SQ_TAIL,
-            r.sq_cap,
-            self.head,
-            &mut self.tail,
-            "submission",
-        )? == 0
-        {
+        if self.0.waiting(r, Queue::Submission, false)? == 0 {
             return Ok(None);
         }
         // The words the entry says it uses (each read once; unused ones stay zero).
-        let mut w = [0u64; SQ_ENTRY_WORDS];
+        let (mut w, h) = ([0u64; SQ_ENTRY_WORDS], self.0.head);
         for (i, v) in w.iter_mut().enumerate().take(5) {
-            *v = r.sq_word(self.head, i).load(Ordering::Relaxed);
+            *v = r.sq_word(h, i).load(Ordering::Relaxed);
         }
         let rank = ((w[2] >> 8) as u8 as usize).min(RING_MAX_DIMS);
         for (i, v) in w.iter_mut().enumerate().skip(5).take(rank) {
-            *v = r.sq_word(self.head, i).load(Ordering::Relaxed);
+            *v = r.sq_word(h, i).load(Ordering::Relaxed);
         }
         if (w[2] >> 16) & 1 == 1 {
             for (i, v) in w.iter_mut().enumerate().skip(5 + RING_MAX_DIMS).take(rank) {
-                *v = r.sq_word(self.head, i).load(Ordering::Relaxed);
+                *v = r.sq_word(h, i).load(Ordering::Relaxed);
             }
         }
-        self.head = self.head.wrapping_add(1);
-        r.w(OFF_SQ_HEAD).store(self.head, Ordering::Release);
+        self.0.release(r, Queue::Submission);
         Ok(Some(SqEntry::from_words(&w)))
     }
 }
 
 /// The server's end of the completion queue.
 #[derive(Debug, Default)]
-pub struct CqWriter {
-    tail: u64,
-    /// The reader's head as last loaded (see [`SqWriter`]).
-    head: u64,
-}
+pub struct CqWriter(WriteCursor);
 
 impl CqWriter {
     /// Publishes a completion with `payload` inline (at most [`CQ_INLINE_BYTES`]); `Ok(false)`
@@ -484,18 +502,10 @@ impl CqWriter {
         payload: &[u8],
     ) -> std::result::Result<bool, RingError> {
         assert!(payload.len() <= CQ_INLINE_BYTES, "inline result too long");
-        if space(
-            r,
-            OFF_CQ_HEAD,
-            r.cq_cap,
-            self.tail,
-            &mut self.head,
-            "completion",
-        )? == 0
-        {
+        if self.0.space(r, Queue::Completion)? == 0 {
             return Ok(false);
         }
-        let t = self.tail;
+        let t = self.0.tail;
         r.cq_word(t, 0).store(
             h.flags as u64 | (payload.len() as u64) << 32,
             Ordering::Relaxed,
@@ -511,33 +521,20 @@ impl CqWriter {
             r.cq_word(t, 3 + i)
                 .store(u64::from_le_bytes(b), Ordering::Relaxed);
         }
-        self.tail = t.wrapping_add(1);
-        r.w(OFF_CQ_TAIL).store(self.tail, Ordering::Release);
+        self.0.publish(r, Queue::Completion);
         Ok(true)
     }
 }
 
 /// The producer's end of the completion queue.
 #[derive(Debug, Default)]
-pub struct CqReader {
-    head: u64,
-    /// The writer's tail as last loaded (see [`SqWriter`]).
-    tail: u64,
-}
+pub struct CqReader(ReadCursor);
 
 impl CqReader {
     /// Completions published and not yet taken (always loads the writer's tail); an error if
     /// that tail cannot be.
     pub fn available(&mut self, r: &RingMem) -> std::result::Result<u64, RingError> {
-        self.tail = self.head;
-        waiting(
-            r,
-            OFF_CQ_TAIL,
-            r.cq_cap,
-            self.head,
-            &mut self.tail,
-            "completion",
-        )
+        self.0.waiting(r, Queue::Completion, true)
     }
 
     /// Copies out the next completion, its inline bytes into `payload`; gives its space back.
@@ -546,18 +543,10 @@ impl CqReader {
         r: &RingMem,
         payload: &mut [u8; CQ_INLINE_BYTES],
     ) -> std::result::Result<Option<CqHeader>, RingError> {
-        if waiting(
-            r,
-            OFF_CQ_TAIL,
-            r.cq_cap,
-            self.head,
-            &mut self.tail,
-            "completion",
-        )? == 0
-        {
+        if self.0.waiting(r, Queue::Completion, false)? == 0 {
             return Ok(None);
         }
-        let h0 = self.head;
+        let h0 = self.0.head;
         let w0 = r.cq_word(h0, 0).load(Ordering::Relaxed);
         let len = ((w0 >> 32) as usize).min(CQ_INLINE_BYTES);
         let w2 = r.cq_word(h0, 2).load(Ordering::Relaxed);
@@ -573,8 +562,7 @@ impl CqReader {
             let n = (len - i * 8).min(8);
             payload[i * 8..i * 8 + n].copy_from_slice(&b[..n]);
         }
-        self.head = h0.wrapping_add(1);
-        r.w(OFF_CQ_HEAD).store(self.head, Ordering::Release);
+        self.0.release(r, Queue::Completion);
         Ok(Some(h))
     }
 }

@@ -9,10 +9,10 @@ use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
 use std::sync::atomic::{fence, Ordering};
 
 use nix::sys::eventfd::{EfdFlags, EventFd};
-use tensorport_shm::ring::{CqHeader, CqReader, CqWriter, SqEntry, SqReader, SqWriter};
+use tensorport_shm::ring::{CqHeader, CqReader, SqEntry, SqReader, SqWriter};
 
 use tensorport_shm::ring::{CQ_INLINE_BYTES, RING_MAX_DIMS};
-use tensorport_shm::{RingError, RingMem};
+use tensorport_shm::RingMem;
 
 use crate::{Error, Result};
 
@@ -88,18 +88,6 @@ impl ServerRing {
         sq.available(&self.mem).map_or(true, |n| n > 0)
     }
 
-    /// Publishes a completion through `cq` (the session's writer, under the session's lock).
-    /// `Ok(false)`: the queue is full (the producer is not reading); send it on the socket.
-    /// Call [`ServerRing::wake`] after releasing the lock.
-    pub(crate) fn publish(
-        &self,
-        cq: &mut CqWriter,
-        h: &CqHeader,
-        payload: &[u8],
-    ) -> std::result::Result<bool, RingError> {
-        cq.push(&self.mem, h, payload)
-    }
-
     /// Wakes the producer if it sleeps (after a completion was published).
     pub(crate) fn wake(&self) {
         fence(Ordering::SeqCst);
@@ -117,7 +105,6 @@ pub(crate) struct ProducerRing {
     cq: CqReader,
     to_server: Doorbell,
     pub(crate) to_producer: Doorbell,
-    pub(crate) buf: [u8; CQ_INLINE_BYTES],
 }
 
 impl ProducerRing {
@@ -129,7 +116,6 @@ impl ProducerRing {
             cq: CqReader::default(),
             to_server: Doorbell::from_fd(to_server),
             to_producer: Doorbell::from_fd(to_producer),
-            buf: [0; CQ_INLINE_BYTES],
         })
     }
 
@@ -151,9 +137,9 @@ impl ProducerRing {
         self.cq.available(&self.mem).map_or(true, |n| n > 0)
     }
 
-    /// The next completion, its inline bytes in `self.buf`.
-    pub(crate) fn next(&mut self) -> Result<Option<CqHeader>> {
-        Ok(self.cq.pop(&self.mem, &mut self.buf)?)
+    /// The next completion, its inline bytes in `payload`.
+    pub(crate) fn next(&mut self, payload: &mut [u8; CQ_INLINE_BYTES]) -> Result<Option<CqHeader>> {
+        Ok(self.cq.pop(&self.mem, payload)?)
     }
 }
 

@@ -26,9 +26,9 @@ use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
 use tensorport_shm::ring::{SqEntry, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
 use tensorport_shm::HostPool;
 use tensorport_wire::{
-    validate_in, validate_view, ClientMsg, DType, ErrorCode, Outcome, PoolBounds, PoolLayout,
-    RawDeviceHandle, RawLocation, RawTensorDesc, RawTensorView, Role, ServerMsg, SlotRef,
-    StatusReport, MAX_DIMS, PROTOCOL_VERSION,
+    validate_view, ClientMsg, DType, ErrorCode, Outcome, PoolBounds, PoolLayout, RawDeviceHandle,
+    RawLocation, RawTensorDesc, RawTensorView, Role, ServerMsg, SlotRef, StatusReport, MAX_DIMS,
+    PROTOCOL_VERSION,
 };
 
 use crate::client::{self, next_msg};
@@ -106,9 +106,13 @@ impl TensorSpec {
         self
     }
 
-    /// Bytes the tensor spans from its offset, or `None` on overflow.
+    /// Bytes the tensor spans from its offset, or `None` on overflow or with more than
+    /// [`MAX_DIMS`] dimensions.
     pub fn extent(&self) -> Option<u64> {
         let elem = self.dtype.size();
+        if self.shape.len() > MAX_DIMS {
+            return None;
+        }
         if self.shape.contains(&0) {
             return Some(0);
         }
@@ -127,22 +131,25 @@ impl TensorSpec {
         last.checked_add(1)?.checked_mul(elem)
     }
 
-    fn to_raw(&self, location: RawLocation) -> Result<RawTensorDesc> {
+    /// The byte length a descriptor of this spec announces.
+    fn byte_len(&self) -> Result<u64> {
         if self.shape.len() > MAX_DIMS {
             return Err(Error::InvalidTensor(format!(
                 "{} dimensions, at most {MAX_DIMS}",
                 self.shape.len()
             )));
         }
-        let len = self
-            .extent()
-            .ok_or_else(|| Error::InvalidTensor(format!("shape {:?} overflows", self.shape)))?;
+        self.extent()
+            .ok_or_else(|| Error::InvalidTensor(format!("shape {:?} overflows", self.shape)))
+    }
+
+    fn to_raw(&self, location: RawLocation) -> Result<RawTensorDesc> {
         Ok(RawTensorDesc {
             dtype: self.dtype as u8,
             shape: self.shape.clone(),
             strides: self.strides.clone(),
             offset: self.offset,
-            len,
+            len: self.byte_len()?,
             location,
             fence: None,
         })
@@ -560,7 +567,8 @@ impl Producer {
             return Ok(false);
         };
         let mut any = false;
-        while let Some(h) = ring.next()? {
+        let mut bytes = [0u8; CQ_INLINE_BYTES];
+        while let Some(h) = ring.next(&mut bytes)? {
             any = true;
             if h.flags & CQ_GRANT != 0 && h.slot < self.layout.slot_count {
                 self.free.push_back(SlotRef {
@@ -569,12 +577,10 @@ impl Producer {
                 });
             }
             if h.flags & CQ_RESULT != 0 && self.in_flight.remove(&h.request_id).is_some() {
-                let mut bytes = [0u8; CQ_INLINE_BYTES];
-                let len = (h.len as usize).min(CQ_INLINE_BYTES);
-                bytes[..len].copy_from_slice(&ring.buf[..len]);
+                // `pop` bounds the length by CQ_INLINE_BYTES (232).
                 self.done.push_back(Done::Inline {
                     request_id: h.request_id,
-                    len: len as u8,
+                    len: h.len as u8,
                     bytes,
                 });
             }
@@ -838,21 +844,22 @@ impl Producer {
     /// The hot path: the descriptor goes into the submission queue (no system call unless the
     /// server sleeps, no allocation), checked here first with the server's own rules.
     fn submit_on_ring(&mut self, slot: SlotRef, request_id: u64, spec: &TensorSpec) -> Result<()> {
+        let location = RawLocation::HostSlot(slot);
+        let len = spec.byte_len()?;
+        self.check(
+            request_id,
+            &RawTensorView {
+                dtype: spec.dtype as u8,
+                shape: &spec.shape,
+                strides: spec.strides.as_deref(),
+                offset: spec.offset,
+                len,
+                location: &location,
+                fence: None,
+            },
+        )?;
+        // Checked: at most MAX_DIMS dimensions, and as many strides if any.
         let rank = spec.shape.len();
-        if rank > MAX_DIMS {
-            return Err(Error::InvalidTensor(format!(
-                "{rank} dimensions, at most {MAX_DIMS}"
-            )));
-        }
-        if spec.strides.as_ref().is_some_and(|s| s.len() != rank) {
-            return Err(Error::InvalidTensor(format!(
-                "{} strides for {rank} dimensions",
-                spec.strides.as_ref().map_or(0, |s| s.len())
-            )));
-        }
-        let len = spec
-            .extent()
-            .ok_or_else(|| Error::InvalidTensor(format!("shape {:?} overflows", spec.shape)))?;
         let mut e = SqEntry {
             request_id,
             slot: slot.slot,
@@ -868,50 +875,23 @@ impl Producer {
         if let Some(st) = &spec.strides {
             e.strides[..rank].copy_from_slice(st);
         }
-        let location = RawLocation::HostSlot(slot);
-        validate_view(
-            &RawTensorView {
-                dtype: e.dtype,
-                shape: &e.shape[..rank],
-                strides: e.has_strides.then_some(&e.strides[..rank]),
-                offset: e.offset,
-                len,
-                location: &location,
-                fence: None,
-            },
-            &PoolBounds {
-                slot_count: self.layout.slot_count,
-                slot_size: self.layout.slot_size,
-            },
-            &|_| None,
-        )
-        .map_err(|e| Error::InvalidTensor(e.to_string()))?;
-        if self.in_flight.contains_key(&request_id) {
-            return Err(Error::InvalidTensor(format!(
-                "request id {request_id} is already in flight"
-            )));
-        }
         let ring = self.ring.as_mut().expect("checked by the caller");
         if !ring.submit(&e)? {
             // The queue is full (the server is behind): the socket carries this one.
-            let raw = spec.to_raw(location)?;
-            self.writer.send(
-                &ClientMsg::Submit {
-                    request_id,
-                    tensor: raw,
-                },
-                &[],
-            )?;
+            let tensor = spec.to_raw(location)?;
+            self.writer
+                .send(&ClientMsg::Submit { request_id, tensor }, &[])?;
         }
         self.in_flight.insert(request_id, Held::Host(slot));
         Ok(())
     }
 
-    fn check_and_send(&mut self, request_id: u64, raw: RawTensorDesc, held: Held) -> Result<()> {
-        // Check locally with the server's own rules, so a bad spec fails here, clearly.
+    /// Checks a submission locally with the server's own rules, so a bad spec fails here,
+    /// clearly.
+    fn check(&self, request_id: u64, tensor: &RawTensorView<'_>) -> Result<()> {
         let devices = &self.devices;
-        validate_in(
-            &raw,
+        validate_view(
+            tensor,
             &PoolBounds {
                 slot_count: self.layout.slot_count,
                 slot_size: self.layout.slot_size,
@@ -924,6 +904,11 @@ impl Producer {
                 "request id {request_id} is already in flight"
             )));
         }
+        Ok(())
+    }
+
+    fn check_and_send(&mut self, request_id: u64, raw: RawTensorDesc, held: Held) -> Result<()> {
+        self.check(request_id, &raw.view())?;
         self.writer.send(
             &ClientMsg::Submit {
                 request_id,

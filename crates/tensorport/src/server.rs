@@ -206,6 +206,26 @@ struct SessionState {
     errors: u64,
 }
 
+impl SessionState {
+    /// Whether `request_id` was still owed its answer (it is not any more).
+    fn settle(&mut self, request_id: u64) -> bool {
+        let owed = self.in_flight.remove(&request_id);
+        self.completed += owed as u64;
+        owed
+    }
+}
+
+/// The completion that answers `request_id` with `payload` (inline) and gives `grant` back.
+fn answer_header(request_id: u64, payload: &[u8], grant: Option<SlotRef>) -> CqHeader {
+    CqHeader {
+        flags: CQ_RESULT | if grant.is_some() { CQ_GRANT } else { 0 },
+        len: payload.len() as u32,
+        request_id,
+        slot: grant.map_or(0, |g| g.slot),
+        generation: grant.map_or(0, |g| g.generation),
+    }
+}
+
 struct Session {
     id: u64,
     name: String,
@@ -345,7 +365,7 @@ impl Session {
         if !self.alive.load(Ordering::SeqCst) {
             return true;
         }
-        let r = ring.publish(&mut lock(&self.state).cq, h, payload);
+        let r = lock(&self.state).cq.push(&ring.mem, h, payload);
         self.published(r)
     }
 
@@ -380,8 +400,7 @@ impl Session {
     ) -> Option<(Option<SlotRef>, bool)> {
         let mut st = lock(&self.state);
         let grant = self.regrant(&mut st, shared, slot);
-        let owed = st.in_flight.remove(&request_id);
-        st.completed += owed as u64;
+        let owed = st.settle(request_id);
         let ring = match &self.ring {
             Some(r) if owed && payload.len() <= CQ_INLINE_BYTES => r,
             _ => return Some((grant, owed)),
@@ -389,14 +408,11 @@ impl Session {
         if !self.alive.load(Ordering::SeqCst) {
             return Some((grant, owed));
         }
-        let h = CqHeader {
-            flags: CQ_RESULT | if grant.is_some() { CQ_GRANT } else { 0 },
-            len: payload.len() as u32,
-            request_id,
-            slot: grant.map_or(0, |g| g.slot),
-            generation: grant.map_or(0, |g| g.generation),
-        };
-        let r = ring.publish(&mut st.cq, &h, payload);
+        let r = st.cq.push(
+            &ring.mem,
+            &answer_header(request_id, payload, grant),
+            payload,
+        );
         drop(st);
         if self.published(r) {
             shared.counters.completed.fetch_add(1, Ordering::Relaxed);
@@ -409,21 +425,6 @@ impl Session {
     /// Takes a submitted slot back; returns the grant to send unless the server drains.
     fn take_back(&self, shared: &Shared, slot: SlotRef) -> Option<SlotRef> {
         self.regrant(&mut lock(&self.state), shared, slot)
-    }
-
-    /// [`Session::take_back`] and the in-flight bookkeeping of `request_id`'s answer, under one
-    /// lock: the grant to send, and whether the request was still owed an answer.
-    fn settle(
-        &self,
-        shared: &Shared,
-        slot: Option<SlotRef>,
-        request_id: u64,
-    ) -> (Option<SlotRef>, bool) {
-        let mut st = lock(&self.state);
-        let grant = slot.and_then(|s| self.regrant(&mut st, shared, s));
-        let owed = st.in_flight.remove(&request_id);
-        st.completed += owed as u64;
-        (grant, owed)
     }
 
     fn regrant(&self, st: &mut SessionState, shared: &Shared, slot: SlotRef) -> Option<SlotRef> {
@@ -604,7 +605,7 @@ impl Responder {
     /// Sends the answer, once; the slot was released before.
     fn finish(&mut self, answer: std::result::Result<&[u8], (ErrorCode, String)>) -> Result<()> {
         self.answered = true;
-        let (_, owed) = self.session.settle(&self.shared, None, self.request_id);
+        let owed = lock(&self.session.state).settle(self.request_id);
         self.deliver(answer, None, owed)
     }
 
@@ -625,16 +626,10 @@ impl Responder {
         }
         if let (true, Ok(payload)) = (counted, answer.as_ref()) {
             if payload.len() <= CQ_INLINE_BYTES {
-                let h = CqHeader {
-                    flags: CQ_RESULT | if grant.is_some() { CQ_GRANT } else { 0 },
-                    len: payload.len() as u32,
-                    request_id: self.request_id,
-                    slot: grant.map_or(0, |g| g.slot),
-                    generation: grant.map_or(0, |g| g.generation),
-                };
                 if !self.session.alive.load(Ordering::SeqCst) {
                     return Err(Error::SessionGone);
                 }
+                let h = answer_header(self.request_id, payload, grant);
                 if self.session.complete(&h, payload) {
                     return Ok(());
                 }
@@ -851,12 +846,9 @@ impl Server {
     }
 
     fn next_request(&self, c: &mut Consumer, deadline: Instant) -> Result<Option<Request>> {
-        if let Some(r) = self.try_take(c) {
-            return Ok(Some(r));
-        }
         let spin = self.shared.config.spin;
-        let start = Instant::now();
-        let mut checked = start;
+        // The clock is first read after 32 empty looks: a request already waiting costs none.
+        let (mut start, mut checked) = (None, None);
         let mut spins = 0u32;
         loop {
             if let Some(r) = self.try_take(c) {
@@ -875,10 +867,10 @@ impl Server {
                 }
                 return Ok(None);
             }
-            if now.duration_since(start) < spin {
+            if now.duration_since(*start.get_or_insert(now)) < spin {
                 // Look at the (locked) session table only now and then while spinning.
-                if now.duration_since(checked) > Duration::from_millis(5) {
-                    checked = now;
+                if now.duration_since(*checked.get_or_insert(now)) > Duration::from_millis(5) {
+                    checked = Some(now);
                     if self.is_finished() {
                         return Err(Error::Stopped);
                     }
