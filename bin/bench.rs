@@ -699,6 +699,14 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
     if a.sizes.is_empty() || a.sizes.contains(&0) {
         return Err(CliError::usage("--sizes: give positive byte counts"));
     }
+    if a.producers.is_empty() || a.producers.contains(&0) {
+        return Err(CliError::usage("--producers: give positive counts"));
+    }
+    if a.round_trips == 0 || a.seconds <= 0.0 {
+        return Err(CliError::usage(
+            "--round-trips and --seconds must be positive",
+        ));
+    }
     iceoryx2::prelude::set_log_level(LogLevel::Error);
     let cores = std::thread::available_parallelism()
         .map(|n| n.get())
