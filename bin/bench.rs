@@ -682,7 +682,7 @@ fn median(v: &mut [f64]) -> f64 {
 
 fn fmt_p(v: &mut [f64]) -> String {
     let (a, b, c) = percentiles(v);
-    format!("{a:.1} / {b:.1} / {c:.1} µs")
+    format!("{} / {} / {} µs", sig3(a), sig3(b), sig3(c))
 }
 
 pub fn run(mut a: Args) -> CliResult<ExitCode> {
@@ -744,11 +744,12 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
             let (tp, ic, uds) = (median(&mut tps), median(&mut ics), median(&mut udss));
             let gb = |x: f64| x * size as f64 / 1e9;
             println!(
-                "| {size} B | {n} | {tp:.0} | {:.2} | {ic:.0} | {:.2} | {uds:.0} | {:.2} | {mem:.1} | {:.2} |",
-                gb(tp),
-                gb(ic),
-                gb(uds),
-                tp / ic.max(1e-9)
+                "| {size} B | {n} | {tp:.0} | {} | {ic:.0} | {} | {uds:.0} | {} | {} | {} |",
+                sig3(gb(tp)),
+                sig3(gb(ic)),
+                sig3(gb(uds)),
+                sig3(mem),
+                sig3(tp / ic.max(1e-9))
             );
             tput.push(Throughput {
                 size,
@@ -798,4 +799,28 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         println!("\nplots: {} and {}", t.display(), l.display());
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// `x` to three significant digits (at least the integer part): a small figure on a loaded
+/// machine reads `0.00412`, never a `0.00` that looks like nothing was measured.
+fn sig3(x: f64) -> String {
+    if !x.is_finite() || x <= 0.0 {
+        return format!("{x}");
+    }
+    let decimals = (2 - x.log10().floor() as i32).max(0) as usize;
+    format!("{x:.decimals$}")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::sig3;
+
+    #[test]
+    fn three_significant_digits_never_round_to_zero() {
+        assert_eq!(sig3(1234.6), "1235");
+        assert_eq!(sig3(12.345), "12.3");
+        assert_eq!(sig3(1.2345), "1.23");
+        assert_eq!(sig3(0.004123), "0.00412");
+        assert_eq!(sig3(0.0), "0");
+    }
 }

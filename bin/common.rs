@@ -60,6 +60,31 @@ impl From<std::io::Error> for CliError {
 
 pub type CliResult<T> = Result<T, CliError>;
 
+const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
+
+/// Checks a `--log` value: comma-separated directives, each a level or `target=level`. A bare
+/// word that is not a level (`--log bogus`) would be a valid tracing filter that enables one
+/// unknown target and hides every line; it is refused instead.
+pub fn parse_log_filter(s: &str) -> Result<String, String> {
+    let hint = "use off, error, warn, info, debug or trace, or directives such as \
+                `warn,tensorport=debug`";
+    if s.trim().is_empty() {
+        return Err(format!("empty log filter; {hint}"));
+    }
+    for d in s.split(',').map(str::trim) {
+        let level = match d.rsplit_once('=') {
+            Some((target, level)) if !target.is_empty() => level,
+            Some(_) => return Err(format!("'{d}' names no target; {hint}")),
+            None => d,
+        };
+        if !LEVELS.contains(&level.to_ascii_lowercase().as_str()) {
+            return Err(format!("'{level}' is not a log level; {hint}"));
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(s).map_err(|e| format!("{e}; {hint}"))?;
+    Ok(s.to_string())
+}
+
 pub fn init_logging(filter: &str) {
     let filter = tracing_subscriber::EnvFilter::try_new(filter)
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("info"));
@@ -76,7 +101,7 @@ pub fn init_logging(filter: &str) {
 pub struct SocketArg {
     /// Path of the server's Unix socket [default: $XDG_RUNTIME_DIR/tensorport/tensorport.sock,
     /// or /tmp/tensorport-<uid>/tensorport.sock].
-    #[arg(long, env = "TENSORPORT_SOCKET")]
+    #[arg(long, global = true, env = "TENSORPORT_SOCKET")]
     pub socket: Option<PathBuf>,
 }
 
@@ -221,5 +246,44 @@ pub fn die_with_farm() {
     // The farm may have died before the line above took effect.
     if nix::unistd::getppid().as_raw() != pid {
         std::process::exit(1);
+    }
+}
+
+/// `n` and the noun, singular or plural: "1 restart", "3 restarts".
+pub fn plural(n: impl Into<u64>, noun: &str) -> String {
+    let n = n.into();
+    if n == 1 {
+        format!("{n} {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn log_filters_are_levels_or_target_directives() {
+        for ok in [
+            "info",
+            "WARN",
+            "off",
+            "warn,tensorport=debug",
+            "tensorport::server=trace",
+        ] {
+            assert_eq!(parse_log_filter(ok).as_deref(), Ok(ok), "{ok}");
+        }
+        for bad in ["bogus", "", "warn,loud", "=debug", "tensorport=loud"] {
+            let e = parse_log_filter(bad).unwrap_err();
+            assert!(e.contains("use off, error, warn"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn plural_says_one_restart() {
+        assert_eq!(plural(1u32, "restart"), "1 restart");
+        assert_eq!(plural(0u32, "restart"), "0 restarts");
+        assert_eq!(plural(9u64, "restart"), "9 restarts");
     }
 }

@@ -12,7 +12,7 @@ use std::time::{Duration, Instant};
 
 use tensorport_vision::{list_images, Source};
 
-use crate::common::{CliError, CliResult, ModelArgs, ResultLine};
+use crate::common::{plural, CliError, CliResult, ModelArgs, ResultLine};
 
 /// Classify a set of images with one inference server and N producer processes. The farm starts
 /// the server and the producers, hands inputs to producers as they have room, restarts a
@@ -36,7 +36,8 @@ pub struct Args {
     pub output: PathBuf,
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Requests each producer keeps in flight.
+    /// Requests each producer keeps in flight. The farm hands each producer up to twice as many
+    /// inputs, so the next ones are ready; progress shows them as "handed out".
     #[arg(long, default_value_t = 8)]
     pub in_flight: u32,
     /// Threads for the server's model [default: all cores].
@@ -56,7 +57,7 @@ pub struct Args {
     #[arg(long)]
     pub ready: bool,
     /// Log level of the server and producers (their stderr is shown prefixed with their name).
-    #[arg(long, default_value = "warn")]
+    #[arg(long, default_value = "warn", value_parser = crate::common::parse_log_filter)]
     pub child_log: String,
 }
 
@@ -168,14 +169,30 @@ fn pump_lines(
     });
 }
 
-/// Shows a child's stderr lines on the console, prefixed with its name.
-fn forward_stderr(r: impl std::io::Read + Send + 'static, name: String, console: Arc<Console>) {
+/// Shows a child's stderr lines on the console, prefixed with its name; keeps the last one in
+/// `last` (the server's, so a startup failure can be quoted).
+fn forward_stderr(
+    r: impl std::io::Read + Send + 'static,
+    name: String,
+    console: Arc<Console>,
+    last: Option<Arc<Mutex<String>>>,
+) {
     std::thread::spawn(move || {
         for line in BufReader::new(r).lines() {
             let Ok(line) = line else { break };
             console.log(&format!("[{name}] {line}"));
+            if let Some(last) = &last {
+                *last.lock().unwrap() = line;
+            }
         }
     });
+}
+
+/// Whether a server that ended this way, never having listened, would fail the same way again:
+/// `serve` exits with 2 for configuration it refuses (a CUDA device on a build without CUDA, no
+/// driver, a bad weights file, a socket path it will not use).
+fn unfixable_start(status: &ExitStatus, was_ready: bool) -> bool {
+    !was_ready && status.code() == Some(2)
 }
 
 struct Farm {
@@ -184,6 +201,8 @@ struct Farm {
     socket: PathBuf,
     console: Arc<Console>,
     tx: Sender<Ev>,
+    /// The server's last stderr line.
+    server_said: Arc<Mutex<String>>,
 }
 
 impl Farm {
@@ -223,10 +242,12 @@ impl Farm {
             SERVER,
             generation,
         );
+        self.server_said.lock().unwrap().clear();
         forward_stderr(
             child.stderr.take().expect("piped"),
             "server".into(),
             self.console.clone(),
+            Some(self.server_said.clone()),
         );
         Ok(child)
     }
@@ -259,6 +280,7 @@ impl Farm {
             child.stderr.take().expect("piped"),
             w.name.clone(),
             self.console.clone(),
+            None,
         );
         let stdin = child.stdin.take();
         w.state = State::Running { child, stdin };
@@ -279,6 +301,12 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         return Err(CliError::usage("--producers must be at least 1"));
     }
     args.model.config().check()?;
+    if args.model.device == "cuda" && !cfg!(feature = "cuda") {
+        return Err(CliError::usage(
+            "--device cuda: this tensorport was built without CUDA; rebuild with `--features cuda` \
+             (see docs/operations.md), or use --device cpu",
+        ));
+    }
     let inputs: Vec<Source> = match (&args.input, args.synthetic) {
         (Some(dir), _) => list_images(dir)?.into_iter().map(Source::File).collect(),
         (None, Some(n)) => (0..n).map(Source::Synthetic).collect(),
@@ -333,6 +361,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         socket,
         console: console.clone(),
         tx,
+        server_said: Arc::new(Mutex::new(String::new())),
     };
     let stop = crate::common::stop_flag();
     let started = Instant::now();
@@ -366,7 +395,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
     let mut stopping: Option<Instant> = None;
     let mut last_draw = Instant::now() - Duration::from_secs(1);
     let mut last_batches = (0u64, 0u64);
-    let mut failure: Option<String> = None;
+    let mut failure: Option<CliError> = None;
 
     loop {
         let now = Instant::now();
@@ -520,18 +549,22 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                     if generation != server_gen {
                         continue;
                     }
-                    server_ready = false;
-                    let status = server
-                        .take()
-                        .and_then(|mut c| c.wait().ok())
-                        .map(describe)
-                        .unwrap_or_else(|| "ended".into());
-                    if done_count < n && stopping.is_none() {
+                    let was_ready = std::mem::replace(&mut server_ready, false);
+                    let exit = server.take().and_then(|mut c| c.wait().ok());
+                    let status = exit.map(describe).unwrap_or_else(|| "ended".into());
+                    if exit.is_some_and(|st| unfixable_start(&st, was_ready)) {
+                        // Restarting cannot help: stop now, with the server's own words.
+                        let said = farm.server_said.lock().unwrap().clone();
+                        failure = Some(CliError::usage(format!(
+                            "the server cannot start ({status}): {}",
+                            said.trim_start_matches("error: ")
+                        )));
+                    } else if done_count < n && stopping.is_none() {
                         server_restarts += 1;
                         if server_restarts > farm.args.max_restarts {
-                            failure = Some(format!(
+                            failure = Some(CliError::new(format!(
                                 "the server failed {server_restarts} times ({status}); see its messages above"
-                            ));
+                            )));
                         } else {
                             let d = backoff(server_restarts - 1);
                             console.log(&format!(
@@ -548,7 +581,9 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
             break;
         }
         if workers.iter().all(|w| matches!(w.state, State::GaveUp)) && done_count < n {
-            failure = Some("every producer failed repeatedly; see their messages above".into());
+            failure = Some(CliError::new(
+                "every producer failed repeatedly; see their messages above",
+            ));
             break;
         }
         let in_flight: usize = workers.iter().map(|w| w.assigned.len()).sum();
@@ -574,7 +609,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                 }
                 let secs = started.elapsed().as_secs_f64();
                 let mut lines = vec![format!(
-                    "tensorport farm  {done_count}/{n} done ({:.1}%)  {:.1} images/s  in flight {in_flight}  errors {errors}  batches {} (mean {:.1})  {:.1}s",
+                    "tensorport farm  {done_count}/{n} done ({:.1}%)  {:.1} images/s  handed out {in_flight}  errors {errors}  batches {} (mean {:.1})  {:.1}s",
                     100.0 * done_count as f64 / n.max(1) as f64,
                     done_count as f64 / secs.max(1e-3),
                     last_batches.0,
@@ -582,12 +617,13 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                     secs
                 )];
                 lines.push(format!(
-                    "  server      {}  restarts {server_restarts}",
+                    "  server      {}  {}",
                     match (&server, server_ready) {
                         (Some(c), true) => format!("running, pid {}", c.id()),
                         (Some(c), false) => format!("starting, pid {}", c.id()),
                         (None, _) => "restarting".into(),
-                    }
+                    },
+                    plural(server_restarts, "restart")
                 ));
                 for w in &workers {
                     let state = match &w.state {
@@ -608,11 +644,11 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                         }
                     };
                     lines.push(format!(
-                        "  {:<11} {state:<40} done {:<6} in flight {:<3} restarts {}",
+                        "  {:<11} {state:<40} done {:<6} handed out {:<3} {}",
                         w.name,
                         w.done,
                         w.assigned.len(),
-                        w.restarts
+                        plural(w.restarts, "restart")
                     ));
                 }
                 console.draw(&lines);
@@ -662,6 +698,10 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         }
     }
 
+    if let Some(f) = failure.as_ref().filter(|f| f.code == 2) {
+        // Nothing ran: a summary of zeros would only bury the one line that matters.
+        return Err(CliError::usage(f.message.clone()));
+    }
     let secs = started.elapsed().as_secs_f64();
     latencies.sort_by(f64::total_cmp);
     let restarts: u32 = workers.iter().map(|w| w.restarts).sum();
@@ -677,7 +717,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
          throughput  {:.1} images/s\n\
          latency     p50 {:.1} ms, p99 {:.1} ms (lease to result)\n\
          batches     {} (mean fill {fill:.1} of {}){}\n\
-         producers   {} ({restarts} restarts), server restarts {server_restarts}\n\
+         producers   {} ({}), server restarts {server_restarts}\n\
          results     {}",
         if done_count < n { "  INCOMPLETE" } else { "" },
         done_count as f64 / secs.max(1e-9),
@@ -691,10 +731,11 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
             ""
         },
         farm.args.producers,
+        plural(restarts, "restart"),
         farm.args.output.display()
     );
     if let Some(f) = failure {
-        return Err(CliError::new(f));
+        return Err(f);
     }
     if done_count < n {
         return Ok(ExitCode::from(if stop.load(Ordering::SeqCst) {

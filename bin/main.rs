@@ -23,9 +23,10 @@ use clap::{Parser, Subcommand};
 #[derive(Parser, Debug)]
 #[command(name = "tensorport", version, about, long_about = None, propagate_version = true)]
 struct Cli {
-    /// Log level for messages on stderr: error, warn, info, debug, trace (or a tracing filter).
-    #[arg(long, global = true, env = "TENSORPORT_LOG", default_value = "info")]
-    log: String,
+    /// Log level for messages on stderr: off, error, warn, info, debug, trace, or a filter such
+    /// as `warn,tensorport=debug` [default: info; warn for bench, whose tables go to stdout].
+    #[arg(long, global = true, env = "TENSORPORT_LOG", value_parser = common::parse_log_filter)]
+    log: Option<String>,
     #[command(subcommand)]
     command: Command,
 }
@@ -56,7 +57,11 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    common::init_logging(&cli.log);
+    let default_log = match cli.command {
+        Command::Bench(_) => "warn",
+        _ => "info",
+    };
+    common::init_logging(cli.log.as_deref().unwrap_or(default_log));
     common::die_with_farm();
     let r = match cli.command {
         Command::Serve(a) => serve::run(a),

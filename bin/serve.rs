@@ -70,7 +70,13 @@ fn run_cuda(_a: Args) -> CliResult<ExitCode> {
 fn run_cuda(a: Args) -> CliResult<ExitCode> {
     use tensorport_dfdx::dfdx::prelude::Cuda;
     let cuda = |e: tensorport_cuda::Error| CliError::new(e.to_string());
-    let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
+    // No driver, or no device 0: configuration a restart cannot fix (exit 2; the farm stops).
+    let gpu = tensorport_cuda::Gpu::open(0).map_err(|e| match e {
+        tensorport_cuda::Error::NoDriver | tensorport_cuda::Error::NoDevice(..) => {
+            CliError::usage(format!("{e}, or use --device cpu"))
+        }
+        e => cuda(e),
+    })?;
     let dev = Cuda::try_build(0, a.model.seed)
         .map_err(|e| CliError::new(format!("cannot start dfdx on CUDA device 0: {e:?}")))?;
     let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda)?;

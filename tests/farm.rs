@@ -178,8 +178,8 @@ fn farm_with_a_kill(needle: &str, children_expected: usize) -> (String, String) 
             break kids[children_expected / 2];
         }
         assert!(
-            t.elapsed() < Duration::from_secs(60),
-            "farm made no progress"
+            t.elapsed() < Duration::from_secs(300),
+            "the farm wrote no 40 results with all its children up in 5 minutes"
         );
         std::thread::sleep(Duration::from_millis(10));
     };
@@ -203,7 +203,7 @@ fn farm_survives_a_sigkilled_producer_every_input_once() {
         stderr.contains("killed by SIGKILL"),
         "the farm did not notice: {stderr}"
     );
-    assert!(stdout.contains("(1 restarts)"), "{stdout}");
+    assert!(stdout.contains("(1 restart)"), "{stdout}");
 }
 
 fn run(args: &[&str]) -> (bool, String, String) {
@@ -272,6 +272,9 @@ fn help_explains_every_subcommand() {
             ],
         ),
         (vec!["ctl"], vec!["status", "drain", "--socket"]),
+        // Global options show (and work) after the subcommand too.
+        (vec!["ctl", "status"], vec!["--socket", "--log", "--json"]),
+        (vec!["bench"], vec!["--log"]),
         (vec!["weights"], vec!["--out", "--seed"]),
     ] {
         let mut args: Vec<&str> = sub.clone();
@@ -356,16 +359,22 @@ fn errors_are_one_line_and_say_what_to_do() {
     assert!(ok, "{err}");
     assert_eq!(out.lines().count(), 2);
     assert!(out.contains("--image-size"), "{out}");
-    // ctl status and drain work, and drain makes the server exit.
+    // ctl status and drain work, and drain makes the server exit. --socket goes before or
+    // after the subcommand.
     let (ok, out, err) = run(&["ctl", "--socket", s, "status"]);
     assert!(ok && out.contains("requests"), "{out}{err}");
+    let (ok, out, err) = run(&["ctl", "status", "--socket", s]);
+    assert!(
+        ok && out.contains("requests"),
+        "`ctl status --socket PATH` should work:\n{out}{err}"
+    );
     let (ok, _, err) = run(&["ctl", "--socket", s, "drain"]);
     assert!(ok, "{err}");
     let t = Instant::now();
     while server.try_wait().unwrap().is_none() {
         assert!(
-            t.elapsed() < Duration::from_secs(10),
-            "server did not exit after drain"
+            t.elapsed() < Duration::from_secs(120),
+            "the server was still running 2 minutes after drain"
         );
         std::thread::sleep(Duration::from_millis(20));
     }
@@ -381,4 +390,71 @@ fn farm_survives_a_sigkilled_server_every_input_once() {
         "{stderr}"
     );
     assert!(stdout.contains("server restarts 1"), "{stdout}");
+}
+
+/// Runs the farm on a few synthetic inputs with `extra` options, expecting it to fail; returns
+/// its stderr and how many times it started a server.
+fn farm_that_cannot_start(extra: &[&str]) -> String {
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let mut c = farm_cmd(&out, 4, 1);
+    c.args(extra);
+    let o = c.output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(
+        !o.status.success(),
+        "the farm should have failed with {extra:?}:\n{stderr}"
+    );
+    assert!(
+        !stderr.contains("restarting in"),
+        "a configuration a restart cannot fix should end the farm at once, not restart:\n{stderr}"
+    );
+    stderr
+}
+
+#[test]
+fn impossible_configurations_fail_at_once() {
+    // A CUDA model on a build without CUDA: refused before anything starts.
+    if !cfg!(feature = "cuda") {
+        let err = farm_that_cannot_start(&["--device", "cuda"]);
+        assert!(
+            err.contains("built without CUDA") && err.contains("--device cpu"),
+            "expected the missing-CUDA explanation:\n{err}"
+        );
+        assert_eq!(
+            err.matches("built without CUDA").count(),
+            1,
+            "expected the message once:\n{err}"
+        );
+    }
+    // A weights file that exists but is not safetensors: only the server finds out, and the farm
+    // stops with its words instead of restarting it.
+    let dir = tmp();
+    let bad = dir.path().join("bad.safetensors");
+    std::fs::write(&bad, b"not a safetensors file").unwrap();
+    let err = farm_that_cannot_start(&["--weights", bad.to_str().unwrap()]);
+    assert!(
+        err.contains("the server cannot start (exit 2)"),
+        "expected the farm to quote the server's refusal:\n{err}"
+    );
+    // An invalid log filter is refused, not taken as a filter that hides every line.
+    for args in [
+        &["--log", "bogus", "ctl", "status"][..],
+        &["farm", "--child-log", "bogus"],
+    ] {
+        let (ok, _, err) = run(args);
+        assert!(!ok, "{args:?} should be refused");
+        assert!(
+            err.contains("'bogus' is not a log level"),
+            "{args:?}: expected a clear refusal, got:\n{err}"
+        );
+    }
+    // `gpu probe` without a driver names no option it does not have.
+    let (ok, _, err) = run(&["gpu", "probe"]);
+    if !ok {
+        assert!(
+            err.contains("libcuda") && !err.contains("--device"),
+            "expected the missing-driver explanation without a foreign option:\n{err}"
+        );
+    }
 }

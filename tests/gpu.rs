@@ -182,7 +182,7 @@ fn pinned_four_producers() {
     let maps0 = pool_mappings();
     let srv = GpuServer::start(&sock);
     let mut kids = spawn_checked_producers(&sock, 4, 1000);
-    assert!(eventually(Duration::from_secs(10), || live_registrations() == 4));
+    assert!(eventually(PATIENCE, || live_registrations() == 4));
     wait_all_ok(&mut kids, Duration::from_secs(120));
     println!(
         "  {} tensors through the GPU, {} torn",
@@ -191,7 +191,7 @@ fn pinned_four_producers() {
     );
     assert_eq!(srv.verified.load(Ordering::SeqCst), 4000);
     assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
-    assert!(eventually(Duration::from_secs(3), || srv
+    assert!(eventually(PATIENCE, || srv
         .server
         .status()
         .sessions
@@ -212,14 +212,11 @@ fn killed_producer() {
             ("TP_COUNT", "100000".into()),
         ],
     );
-    assert!(eventually(Duration::from_secs(10), || srv
-        .verified
-        .load(Ordering::SeqCst)
-        > 200));
+    assert!(eventually(PATIENCE, || srv.verified.load(Ordering::SeqCst) > 200));
     assert_eq!(live_registrations(), 1);
     k.kill9();
     assert!(
-        eventually(Duration::from_secs(3), || live_registrations() == 0
+        eventually(PATIENCE, || live_registrations() == 0
             && pool_mappings() == maps0),
         "registrations {} mappings {}",
         live_registrations(),
@@ -387,7 +384,7 @@ fn four_gpu_producers(fence: &str) {
         })
         .collect();
     assert!(
-        eventually(Duration::from_secs(20), || live_imports() == 8),
+        eventually(PATIENCE, || live_imports() == 8),
         "imports {}",
         live_imports()
     );
@@ -400,7 +397,7 @@ fn four_gpu_producers(fence: &str) {
     assert_eq!(srv.verified.load(Ordering::SeqCst), 2000);
     assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
     assert!(
-        eventually(Duration::from_secs(5), || live_imports() == 0),
+        eventually(PATIENCE, || live_imports() == 0),
         "imports {}",
         live_imports()
     );
@@ -430,15 +427,12 @@ fn killed_gpu_producer(sharing: &str) {
             ("TP_FENCE", sharing.into()),
         ],
     );
-    assert!(eventually(Duration::from_secs(30), || srv
-        .verified
-        .load(Ordering::SeqCst)
-        > 50));
+    assert!(eventually(PATIENCE, || srv.verified.load(Ordering::SeqCst) > 50));
     let free_busy = gpu.mem_info().unwrap().0;
     assert_eq!(live_imports(), 2);
     k.kill9();
     assert!(
-        eventually(Duration::from_secs(5), || live_imports() == 0
+        eventually(PATIENCE, || live_imports() == 0
             && srv.server.status().totals.sessions_reclaimed == 1),
         "imports {}",
         live_imports()
@@ -446,7 +440,7 @@ fn killed_gpu_producer(sharing: &str) {
     // The producer's memory (and context) return to the device once nothing maps them.
     let mut free1 = 0;
     assert!(
-        eventually(Duration::from_secs(5), || {
+        eventually(PATIENCE, || {
             free1 = gpu.mem_info().unwrap().0;
             free1 + (64 << 20) >= free0
         }),

@@ -169,7 +169,10 @@ fn chaos() {
     type Connected = Arc<Mutex<Option<Instant>>>;
     let mut live: Vec<(ChildGuard, Connected, Duration, Option<Instant>)> = Vec::new();
     while kills < 200 {
-        assert!(t0.elapsed() < Duration::from_secs(90), "chaos run too slow");
+        assert!(
+            t0.elapsed() < Duration::from_secs(600),
+            "the chaos run made no progress in 10 minutes ({kills} kills so far)"
+        );
         while live.len() < 4 {
             let mut c = spawn_child("chaos-producer", &[socket_env(&sock)]);
             let connected: Connected = Arc::new(Mutex::new(None));
@@ -220,8 +223,7 @@ fn chaos() {
     }
     drop(live);
     let steady_before = steady_done.load(Ordering::SeqCst);
-    assert!(eventually(Duration::from_secs(5), || steady_done
-        .load(Ordering::SeqCst)
+    assert!(eventually(PATIENCE, || steady_done.load(Ordering::SeqCst)
         > steady_before + 20));
     steady_stop.store(true, Ordering::SeqCst);
     steady.join().unwrap();
@@ -240,10 +242,7 @@ fn chaos() {
     );
     assert!(st.totals.sessions_reclaimed >= 150, "{:?}", st.totals);
     assert!(
-        eventually(Duration::from_secs(5), || server
-            .status()
-            .sessions
-            .is_empty()
+        eventually(PATIENCE, || server.status().sessions.is_empty()
             && open_fds() <= fds0
             && pool_mappings() == maps0),
         "leak: fds {} (baseline {fds0}), pool mappings {} (baseline {maps0}), sessions {}",
@@ -407,17 +406,14 @@ fn flood() {
             .is_ok());
     }
     assert!(
-        eventually(Duration::from_secs(3), || server
-            .status()
-            .totals
-            .connections_refused
+        eventually(PATIENCE, || server.status().totals.connections_refused
             >= 170),
         "only {} refused",
         server.status().totals.connections_refused
     );
     drop(conns);
     // After the handshake timeout everything is cleaned up and new producers get in.
-    assert!(eventually(Duration::from_secs(3), || Producer::connect(
+    assert!(eventually(PATIENCE, || Producer::connect(
         &sock,
         ProducerConfig::new("late")
     )
@@ -461,11 +457,7 @@ fn in_flight_limit() {
     };
     assert_eq!(code, ErrorCode::TooManyInFlight);
     assert_eq!(id, 4);
-    assert!(eventually(Duration::from_secs(2), || held
-        .lock()
-        .unwrap()
-        .len()
-        == 3));
+    assert!(eventually(PATIENCE, || held.lock().unwrap().len() == 3));
     // Request 1 is still in flight (never answered): reusing its id is refused, before the
     // in-flight limit is even looked at.
     r.send(&submit(slot, 1));
@@ -519,11 +511,7 @@ fn stalled_reader() {
         }
     }
     assert!(
-        eventually(Duration::from_secs(3), || server
-            .status()
-            .totals
-            .sessions_reclaimed
-            == 1),
+        eventually(PATIENCE, || server.status().totals.sessions_reclaimed == 1),
         "the stalled producer was not dropped"
     );
     assert!(logs().contains("dropping session"));
@@ -559,10 +547,7 @@ fn lying_frames() {
     r.send_bytes(&f);
     r.expect_error(ErrorCode::Malformed, true);
     // A frame cut off by the client going away: the server drops the session, and nothing else.
-    assert!(eventually(Duration::from_secs(2), || server
-        .status()
-        .sessions
-        .is_empty()));
+    assert!(eventually(PATIENCE, || server.status().sessions.is_empty()));
     let before = server.status().totals.sessions_reclaimed;
     let mut r = Raw::connect(&sock);
     r.hello(2);
@@ -570,7 +555,7 @@ fn lying_frames() {
     f.extend([0u8; 10]);
     r.send_bytes(&f);
     drop(r);
-    assert!(eventually(Duration::from_secs(2), || server
+    assert!(eventually(PATIENCE, || server
         .status()
         .totals
         .sessions_reclaimed
@@ -634,7 +619,7 @@ fn device_on_cpu() {
     );
     // Every descriptor sent was closed by the server.
     assert!(
-        eventually(Duration::from_secs(2), || open_fds() <= fds0),
+        eventually(PATIENCE, || open_fds() <= fds0),
         "server fds {} > {fds0}",
         open_fds()
     );
@@ -835,10 +820,7 @@ fn hostile_ring() {
     assert!(rogue.push(&ring, &entry(6, grants[1])).unwrap());
     bell();
     r.expect_error(ErrorCode::Malformed, true);
-    assert!(eventually(Duration::from_secs(2), || server
-        .status()
-        .sessions
-        .is_empty()));
+    assert!(eventually(PATIENCE, || server.status().sessions.is_empty()));
     assert!(server.status().totals.protocol_errors >= 5);
     assert_still_served(&sock, 7);
     stop.store(true, Ordering::SeqCst);

@@ -30,10 +30,7 @@ fn main() {
                 "sigkilled_producer_is_reclaimed_others_served",
                 killed_producer,
             ),
-            (
-                "sigkilled_server_unblocks_producers_within_1s",
-                killed_server,
-            ),
+            ("sigkilled_server_unblocks_producers_at_once", killed_server),
             (
                 "bad_input_gets_error_frames_server_keeps_serving",
                 bad_input,
@@ -195,7 +192,7 @@ fn four_producers() {
     // Every session, pool mapping and fd is gone again, with the server still up.
     assert_reclaimed(&srv, fds_listening, maps0, "leak");
     drop(srv);
-    assert!(eventually(Duration::from_secs(2), || open_fds() <= fds0));
+    assert!(eventually(PATIENCE, || open_fds() <= fds0));
 }
 
 fn killed_producer() {
@@ -208,7 +205,7 @@ fn killed_producer() {
     let mut slow = spawn_child("slow-producer", &[socket_env(&sock)]);
     let mut kids = spawn_checked_producers(&sock, 3, 300);
     // Let the slow producer get tensors in, then kill it, most likely mid-write.
-    assert!(eventually(Duration::from_secs(20), || srv
+    assert!(eventually(PATIENCE, || srv
         .per_producer
         .lock()
         .unwrap()
@@ -218,14 +215,13 @@ fn killed_producer() {
         >= 6));
     slow.kill9();
     // The server notices at once and reclaims the session.
-    assert!(eventually(Duration::from_secs(2), || srv
+    assert!(eventually(PATIENCE, || srv
         .server
         .status()
         .totals
         .sessions_reclaimed
         == 1));
-    assert!(eventually(Duration::from_secs(2), || logs()
-        .contains("producer gone; reclaiming")));
+    assert!(eventually(PATIENCE, || logs().contains("producer gone; reclaiming")));
     // The tensors it submitted before dying are still whole and readable until released.
     {
         let held = srv.held.lock().unwrap();
@@ -248,14 +244,10 @@ fn killed_producer() {
     assert_reclaimed(&srv, fds_listening, maps0, "leak after kill");
 }
 
-/// Within 3 s: no session left, the server's fds back to `fds` and its pool mappings to `maps`.
+/// Soon (within `PATIENCE`): no session left, the server's fds back to `fds` and its pool mappings to `maps`.
 fn assert_reclaimed(srv: &CheckingServer, fds: usize, maps: usize, what: &str) {
     assert!(
-        eventually(Duration::from_secs(3), || srv
-            .server
-            .status()
-            .sessions
-            .is_empty()
+        eventually(PATIENCE, || srv.server.status().sessions.is_empty()
             && open_fds() == fds
             && pool_mappings() == maps),
         "{what}: fds {} (listening {fds}), pool mappings {} (start {maps})",
@@ -308,7 +300,12 @@ fn killed_server() {
         let (err, at) = t.join().unwrap();
         let waited = at.duration_since(killed_at);
         assert!(matches!(err, Error::ServerGone), "unexpected error: {err}");
-        assert!(waited < Duration::from_secs(1), "took {waited:?} to notice");
+        // Noticed through the closed socket, not by running out the 30 s the calls were given.
+        assert!(
+            waited < Duration::from_secs(15),
+            "expected ServerGone at once (the socket closed), but it took {waited:?}: the \
+             producer seems to have waited out its timeout"
+        );
         assert!(err.to_string().contains("closed the connection"));
     }
 }
@@ -447,9 +444,7 @@ fn bad_input() {
 
     // The good producer kept going through all of it, and still does.
     let before = good_done.load(Ordering::SeqCst);
-    assert!(eventually(Duration::from_secs(5), || good_done
-        .load(Ordering::SeqCst)
-        > before + 10));
+    assert!(eventually(PATIENCE, || good_done.load(Ordering::SeqCst) > before + 10));
     stop.store(true, Ordering::SeqCst);
     good.join().unwrap();
     let st = srv.server.status();
@@ -503,9 +498,8 @@ fn limits() {
     let srv = CheckingServer::start(cfg);
     // A connection that never says hello is dropped after the handshake timeout.
     let mut idle = Raw::connect(&sock);
-    let t = Instant::now();
+    // (expect_error reads with its own bound, so a server that never times it out fails here.)
     idle.expect_error(ErrorCode::HandshakeTimeout, true);
-    assert!(t.elapsed() < Duration::from_secs(2));
     // Two producers fit; a third is refused with a clear error.
     let a = Producer::connect(&sock, ProducerConfig::new("a")).unwrap();
     let _b = Producer::connect(&sock, ProducerConfig::new("b")).unwrap();
@@ -523,12 +517,7 @@ fn limits() {
     assert!(e.to_string().contains("maximum of 2 producers"));
     // When one leaves, there is room again.
     a.close().unwrap();
-    assert!(eventually(Duration::from_secs(2), || srv
-        .server
-        .status()
-        .sessions
-        .len()
-        == 1));
+    assert!(eventually(PATIENCE, || srv.server.status().sessions.len() == 1));
     Producer::connect(&sock, ProducerConfig::new("d")).unwrap();
 }
 

@@ -177,6 +177,12 @@ pub fn pool_mappings() -> usize {
         .count()
 }
 
+/// How long a test waits for something that should happen promptly (a reclaim, a log line, an fd
+/// count falling back). Waits end as soon as the condition holds, so a generous bound costs a
+/// passing test nothing; it only has to be long enough that a loaded machine never trips it.
+/// Tests check *that* something happens, never how fast: speed is the benchmarks' job.
+pub const PATIENCE: Duration = Duration::from_secs(60);
+
 /// Polls `f` until it is true or `timeout` passes; returns its last value.
 pub fn eventually(timeout: Duration, mut f: impl FnMut() -> bool) -> bool {
     let deadline = Instant::now() + timeout;

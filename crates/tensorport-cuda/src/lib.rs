@@ -33,7 +33,7 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum Error {
     /// libcuda cannot be loaded.
-    #[error("no usable NVIDIA driver: libcuda.so could not be loaded (no GPU here, or the driver's libraries are not on LD_LIBRARY_PATH); run on a GPU machine or use --device cpu")]
+    #[error("no usable NVIDIA driver: libcuda.so could not be loaded (no GPU here, or the driver's libraries are not on LD_LIBRARY_PATH); run on a machine with an NVIDIA GPU and its driver")]
     NoDriver,
     /// A driver call failed.
     #[error("{call} failed: {message} (CUresult {code})")]
