@@ -5,7 +5,10 @@
 # dfdx 0.13's CUDA build needs a CUDA toolkit at build time (nvcc for its kernels, cuBLAS and
 # NVRTC to link). Point CUDA_ROOT at yours (e.g. /usr/local/cuda, 13.0). Without CUDA_ROOT, the
 # CUDA 13.0 toolchain from PyPI wheels is used (this project's build machines have no GPU and no
-# NVIDIA repository; ../shared/gpu/setup-cuda-toolchain.sh installs it).
+# NVIDIA repository; bin/cuda-toolchain.sh installs it).
+#
+# On the GPU machine: `source dist/gpu/gpu-env.sh; dist/gpu/install-nvrtc-paths.sh;
+# dist/gpu/gpu-tests` (the tests start the `tensorport` beside them; TENSORPORT_BIN overrides).
 #
 # dfdx compiles a few kernels with NVRTC at run time, with two include folders whose paths are
 # baked in at build time. dist/gpu/install-nvrtc-paths.sh recreates them on the machine that runs
@@ -13,12 +16,8 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${CUDA_ROOT:-}" ]]; then
-  env_sh="$HOME/.cache/cuda13-wheels/env.sh"
-  if [[ ! -f "$env_sh" ]]; then
-    setup=../shared/gpu/setup-cuda-toolchain.sh
-    [[ -f "$setup" ]] || { echo "error: set CUDA_ROOT to a CUDA 13 toolkit" >&2; exit 2; }
-    bash "$setup"
-  fi
+  env_sh="${TENSORPORT_CUDA_PREFIX:-$HOME/.cache/tensorport-cuda13}/env.sh"
+  [[ -f "$env_sh" ]] || bash bin/cuda-toolchain.sh
   # shellcheck disable=SC1090
   source "$env_sh"
 fi
@@ -42,6 +41,7 @@ rm -rf "$out" && mkdir -p "$out/nvrtc"
 cp "$CARGO_TARGET_DIR/release/tensorport" "$out/tensorport"
 cp "$test_bin" "$out/gpu-tests"
 cp "$CARGO_TARGET_DIR/release/examples/gpu_producer" "$out/gpu_producer"
+cp bin/gpu-env.sh "$out/gpu-env.sh"
 strip "$out/tensorport" "$out/gpu-tests" "$out/gpu_producer" 2>/dev/null || true
 dfdx_out=$(dirname "$(ls -td "$CARGO_TARGET_DIR"/release/build/dfdx-*/out/cuda_utils.cuh | head -1)")
 cp "$dfdx_out"/*.cuh "$out/nvrtc/"

@@ -10,6 +10,7 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
+use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tensorport_vision::{list_images, Source};
 
 use crate::common::{plural, CliError, CliResult, ModelArgs, ResultLine};
@@ -61,35 +62,58 @@ pub struct Args {
     pub child_log: String,
 }
 
-/// Prints log lines and the progress block without tearing each other.
+/// Log lines and the live progress block. indicatif redraws the block in place and prints log
+/// lines above it without tearing either; off a terminal the block is hidden and log lines go
+/// straight to stderr.
 struct Console {
-    tty: bool,
-    drawn: Mutex<usize>,
+    multi: MultiProgress,
+    overall: ProgressBar,
+    rows: Mutex<Vec<ProgressBar>>,
 }
 
 impl Console {
-    fn log(&self, line: &str) {
-        let mut drawn = self.drawn.lock().unwrap();
-        let mut err = std::io::stderr().lock();
-        if self.tty && *drawn > 0 {
-            let _ = write!(err, "\r\x1b[{}A\x1b[J", *drawn);
-            *drawn = 0;
+    fn new(draw: bool, inputs: u64) -> Console {
+        let target = if draw {
+            // Not `ProgressDrawTarget::stderr()`: that hides itself off a terminal, and
+            // `--progress always` means always.
+            ProgressDrawTarget::term_like_with_hz(Box::new(console::Term::stderr()), 4)
+        } else {
+            ProgressDrawTarget::hidden()
+        };
+        let multi = MultiProgress::with_draw_target(target);
+        let style = ProgressStyle::with_template(
+            "tensorport farm [{bar:30}] {pos}/{len} ({percent}%) {msg}",
+        )
+        .expect("a valid template")
+        .progress_chars("=> ");
+        let overall = multi.add(ProgressBar::new(inputs).with_style(style));
+        Console {
+            multi,
+            overall,
+            rows: Mutex::new(Vec::new()),
         }
-        let _ = writeln!(err, "{line}");
     }
-    fn draw(&self, lines: &[String]) {
-        if !self.tty {
-            return;
+
+    fn log(&self, line: &str) {
+        self.multi.suspend(|| eprintln!("{line}"));
+    }
+
+    /// Shows `done` inputs with `summary` beside the bar, and one line per entry of `rows`.
+    fn draw(&self, done: u64, summary: String, rows: &[String]) {
+        self.overall.set_position(done);
+        self.overall.set_message(summary);
+        let mut bars = self.rows.lock().unwrap();
+        while bars.len() < rows.len() {
+            let style = ProgressStyle::with_template("{msg}").expect("a valid template");
+            bars.push(self.multi.add(ProgressBar::new(0).with_style(style)));
         }
-        let mut drawn = self.drawn.lock().unwrap();
-        let mut err = std::io::stderr().lock();
-        if *drawn > 0 {
-            let _ = write!(err, "\r\x1b[{}A\x1b[J", *drawn);
+        for (bar, row) in bars.iter().zip(rows) {
+            bar.set_message(row.clone());
         }
-        for l in lines {
-            let _ = writeln!(err, "{l}");
-        }
-        *drawn = lines.len();
+    }
+
+    fn clear(&self) {
+        let _ = self.multi.clear();
     }
 }
 
@@ -334,10 +358,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         "never" => false,
         _ => std::io::stderr().is_terminal(),
     };
-    let console = Arc::new(Console {
-        tty,
-        drawn: Mutex::new(0),
-    });
+    let console = Arc::new(Console::new(tty, n));
     // A private directory for the socket, unless one was given.
     let tmp;
     let socket = match &args.socket {
@@ -608,15 +629,14 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                     }
                 }
                 let secs = started.elapsed().as_secs_f64();
-                let mut lines = vec![format!(
-                    "tensorport farm  {done_count}/{n} done ({:.1}%)  {:.1} images/s  handed out {in_flight}  errors {errors}  batches {} (mean {:.1})  {:.1}s",
-                    100.0 * done_count as f64 / n.max(1) as f64,
+                let summary = format!(
+                    "{:.1} images/s  handed out {in_flight}  errors {errors}  batches {} (mean {:.1})  {:.1}s",
                     done_count as f64 / secs.max(1e-3),
                     last_batches.0,
                     if last_batches.0 > 0 { last_batches.1 as f64 / last_batches.0 as f64 } else { 0.0 },
                     secs
-                )];
-                lines.push(format!(
+                );
+                let mut lines = vec![format!(
                     "  server      {}  {}",
                     match (&server, server_ready) {
                         (Some(c), true) => format!("running, pid {}", c.id()),
@@ -624,7 +644,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                         (None, _) => "restarting".into(),
                     },
                     plural(server_restarts, "restart")
-                ));
+                )];
                 for w in &workers {
                     let state = match &w.state {
                         State::Running { child, .. } => format!("running, pid {}", child.id()),
@@ -651,12 +671,12 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                         plural(w.restarts, "restart")
                     ));
                 }
-                console.draw(&lines);
+                console.draw(done_count, summary, &lines);
             }
         }
     }
     out.flush()?;
-    console.draw(&[]);
+    console.clear();
 
     // Shut down: producers first (end of their worklist), then drain the server.
     for w in workers.iter_mut() {

@@ -31,7 +31,7 @@ pub enum What {
     /// CUDA IPC hand-off, producer process to usable in the server's stream: a producer fills one
     /// of 4 device buffers on its GPU stream and hands it over; the server waits on its event,
     /// copies device-to-device, releases it (with an event), and synchronises. Measured like
-    /// PyTorch's torch.multiprocessing benchmark (../shared/bench/torch_ipc_bench.py cuda).
+    /// PyTorch's torch.multiprocessing benchmark (bench/peers/torch_ipc.py cuda).
     BenchIpc {
         /// Hand-offs per size.
         #[arg(long, default_value_t = 2000)]

@@ -5,6 +5,7 @@ mod common;
 mod ctl;
 mod farm;
 mod gpu;
+mod metrics;
 mod plot;
 mod produce;
 mod serve;

@@ -39,6 +39,11 @@ pub struct Args {
     /// CPU while idle and saves the wake-up (tens of µs) when work comes soon.
     #[arg(long, default_value_t = 50)]
     pub spin_us: u64,
+    /// Serve Prometheus metrics on http://ADDR/metrics (e.g. 127.0.0.1:9464; port 0 picks a free
+    /// one): the counters of `ctl status`, batch sizes, model time per batch and request service
+    /// time histograms. Prints `metrics http://…/metrics` on stdout after `ready`.
+    #[arg(long, value_name = "ADDR")]
+    pub metrics: Option<String>,
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
@@ -123,10 +128,18 @@ fn serve_on<D: Device<f32>>(
     sc.spin = Duration::from_micros(a.spin_us);
     sc.pin = hooks.pin;
     sc.device = hooks.device;
-    let server = Server::bind(sc)?;
+    let server = Arc::new(Server::bind(sc)?);
+    let metrics = match &a.metrics {
+        Some(addr) => Some(crate::metrics::start(addr, server.clone())?),
+        None => None,
+    };
     let stop = crate::common::stop_flag();
     println!("ready {}", path.display());
+    if let Some((_, at)) = &metrics {
+        println!("metrics http://{at}/metrics");
+    }
     std::io::stdout().flush().ok();
+    let metrics = metrics.map(|(m, _)| m);
     tracing::info!(
         image_size = cfg.image_size,
         classes = cfg.classes,
@@ -151,6 +164,8 @@ fn serve_on<D: Device<f32>>(
         if batch.is_empty() {
             continue;
         }
+        let taken = Instant::now();
+        let size = batch.len();
         let stacked = stack(&dev, &batch, shape);
         // The batch owns a copy of the pixels now: give the slots back before the model runs.
         let mut responders: Vec<Option<tensorport::Responder>> =
@@ -161,10 +176,13 @@ fn serve_on<D: Device<f32>>(
                 let _ = r.fail(e.to_string());
             }
         }
+        let mut model_time = Duration::ZERO;
         if let Some(x) = stacked.input {
             match &model {
                 Some(m) => {
+                    let t = Instant::now();
                     let scores = m.forward(x);
+                    model_time = t.elapsed();
                     for (row, i) in scores.iter().zip(stacked.used) {
                         if let Some(r) = responders[i].take() {
                             let _ = r.respond(&scores_to_bytes(row));
@@ -182,6 +200,9 @@ fn serve_on<D: Device<f32>>(
                     }
                 }
             }
+        }
+        if let Some(m) = &metrics {
+            m.record_batch(size, model_time, taken.elapsed());
         }
     }
     let secs = started.elapsed().as_secs_f64();

@@ -43,14 +43,44 @@ fn producer(socket: &Path, id: u64, count: u64) -> Result<(), Box<dyn std::error
     Ok(p.close()?)
 }
 
+/// Says what went wrong with the arguments and exits with status 2.
+fn usage_error(message: &str) -> ! {
+    eprintln!("{message}");
+    std::process::exit(2)
+}
+
+/// The counts given on the command line, in order, or their defaults; anything else is refused
+/// with the usage line.
+fn counts<const N: usize>(
+    args: &[String],
+    defaults: [u64; N],
+    usage: &str,
+) -> Result<[u64; N], String> {
+    if args.len() > N {
+        return Err(format!("{usage}\nunexpected argument '{}'", args[N]));
+    }
+    let mut out = defaults;
+    for (slot, a) in out.iter_mut().zip(args) {
+        *slot = match a.parse() {
+            Ok(n) if n > 0 => n,
+            _ => return Err(format!("{usage}\n'{a}' is not a positive count")),
+        };
+    }
+    Ok(out)
+}
+
 #[tokio::main]
 async fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("producer") {
         return producer(Path::new(&args[2]), args[3].parse()?, args[4].parse()?);
     }
-    let producers: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(2);
-    let images: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(64);
+    let [producers, images] = counts(
+        &args[1..],
+        [2, 64],
+        "usage: async_batches [PRODUCERS=2] [IMAGES=64]",
+    )
+    .unwrap_or_else(|e| usage_error(&e));
     let dir = std::env::temp_dir().join(format!("tensorport-async-{}", std::process::id()));
     let socket = dir.join("tp.sock");
     let config = ModelConfig {

@@ -25,8 +25,23 @@ const SIZE: usize = 256;
 
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
-    let socket = args.get(1).ok_or("usage: gpu_producer SOCKET [IMAGES]")?;
-    let images: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(16);
+    let usage = |why: String| -> ! {
+        eprintln!("usage: gpu_producer SOCKET [IMAGES=16]\n{why}");
+        std::process::exit(2)
+    };
+    let Some(socket) = args.get(1) else {
+        usage("give the server's socket path".into())
+    };
+    if let Some(extra) = args.get(3) {
+        usage(format!("unexpected argument '{extra}'"));
+    }
+    let images: u64 = match args.get(2) {
+        None => 16,
+        Some(a) => match a.parse() {
+            Ok(n) if n > 0 => n,
+            _ => usage(format!("'{a}' is not a positive count")),
+        },
+    };
     let gpu = Gpu::open(0)?;
     let dev = Cuda::try_build(0, 0).map_err(|e| format!("dfdx on CUDA: {e:?}"))?; // same primary context
     let bytes = 3 * SIZE * SIZE * 4;

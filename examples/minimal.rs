@@ -29,6 +29,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     if args.get(1).map(String::as_str) == Some("producer") {
         return Ok(producer(Path::new(&args[2]))?);
     }
+    if let Some(a) = args.get(1) {
+        eprintln!("usage: minimal (no arguments)\nunexpected argument '{a}'");
+        std::process::exit(2);
+    }
     let dir = std::env::temp_dir().join(format!("tensorport-minimal-{}", std::process::id()));
     let socket = dir.join("tp.sock");
     let server = Server::bind(ServerConfig::new(&socket))?;

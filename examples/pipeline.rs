@@ -62,14 +62,44 @@ fn producer(
     Ok(p.close()?)
 }
 
+/// Says what went wrong with the arguments and exits with status 2.
+fn usage_error(message: &str) -> ! {
+    eprintln!("{message}");
+    std::process::exit(2)
+}
+
+/// The counts given on the command line, in order, or their defaults; anything else is refused
+/// with the usage line.
+fn counts<const N: usize>(
+    args: &[String],
+    defaults: [u64; N],
+    usage: &str,
+) -> Result<[u64; N], String> {
+    if args.len() > N {
+        return Err(format!("{usage}\nunexpected argument '{}'", args[N]));
+    }
+    let mut out = defaults;
+    for (slot, a) in out.iter_mut().zip(args) {
+        *slot = match a.parse() {
+            Ok(n) if n > 0 => n,
+            _ => return Err(format!("{usage}\n'{a}' is not a positive count")),
+        };
+    }
+    Ok(out)
+}
+
 fn main() -> Result<(), Box<dyn std::error::Error>> {
     let args: Vec<String> = std::env::args().collect();
     if args.get(1).map(String::as_str) == Some("producer") {
         let n = |i: usize| args[i].parse::<u64>().unwrap();
         return producer(Path::new(&args[2]), n(3), n(4), n(5));
     }
-    let producers: u64 = args.get(1).and_then(|s| s.parse().ok()).unwrap_or(3);
-    let images: u64 = args.get(2).and_then(|s| s.parse().ok()).unwrap_or(96);
+    let [producers, images] = counts(
+        &args[1..],
+        [3, 96],
+        "usage: pipeline [PRODUCERS=3] [IMAGES=96]",
+    )
+    .unwrap_or_else(|e| usage_error(&e));
     let dir = std::env::temp_dir().join(format!("tensorport-pipeline-{}", std::process::id()));
     let socket = dir.join("tp.sock");
     let config = ModelConfig {

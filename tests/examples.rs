@@ -49,3 +49,33 @@ fn async_batches_serves_all() {
     assert!(out.contains("served 80 images"), "{out}");
     assert_eq!(out.matches(": 40 answers").count(), 2, "{out}");
 }
+
+#[test]
+fn examples_refuse_arguments_they_do_not_understand() {
+    for (name, args, says) in [
+        ("minimal", &["--fast"][..], "unexpected argument '--fast'"),
+        (
+            "pipeline",
+            &["three"][..],
+            "'three' is not a positive count",
+        ),
+        (
+            "pipeline",
+            &["3", "48", "extra"][..],
+            "unexpected argument 'extra'",
+        ),
+        ("async_batches", &["0"][..], "'0' is not a positive count"),
+    ] {
+        let o = Command::new(example(name)).args(args).output().unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(
+            o.status.code(),
+            Some(2),
+            "{name} {args:?} should exit 2 with its usage; stderr:\n{err}"
+        );
+        assert!(
+            err.contains("usage: ") && err.contains(says),
+            "{name} {args:?}: expected the usage line and {says:?}, got:\n{err}"
+        );
+    }
+}

@@ -458,3 +458,77 @@ fn impossible_configurations_fail_at_once() {
         );
     }
 }
+
+/// `GET path` on `addr` over plain HTTP/1.0; the whole response, headers and body.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn serve_metrics_endpoint_is_scraped() {
+    use std::io::BufRead;
+    let dir = tmp();
+    let sock = dir.path().join("s.sock");
+    let s = sock.to_str().unwrap();
+    let mut server = Command::new(EXE)
+        .args(["serve", "--socket", s, "--image-size", "32"])
+        .args(["--metrics", "127.0.0.1:0"])
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
+    let ready = lines.next().unwrap().unwrap();
+    assert!(ready.starts_with("ready"), "{ready}");
+    let announced = lines.next().unwrap().unwrap();
+    let addr = announced
+        .strip_prefix("metrics http://")
+        .and_then(|r| r.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("expected `metrics http://ADDR/metrics`, got {announced:?}"))
+        .to_string();
+    let (ok, out, err) = run(&[
+        "produce",
+        "--socket",
+        s,
+        "--synthetic",
+        "5",
+        "--image-size",
+        "32",
+    ]);
+    assert!(ok && out.lines().count() == 5, "{out}{err}");
+    let page = http_get(&addr, "/metrics");
+    assert!(
+        page.starts_with("HTTP/1.0 200") || page.starts_with("HTTP/1.1 200"),
+        "{page}"
+    );
+    for want in [
+        "tensorport_requests_submitted_total 5",
+        "tensorport_requests_completed_total 5",
+        "tensorport_sessions_opened_total 1",
+        "tensorport_batch_size_count",
+        "tensorport_batch_model_seconds_bucket{le=",
+        "tensorport_request_service_seconds_count 5",
+        "tensorport_sessions ",
+        "tensorport_in_flight ",
+        "# EOF",
+    ] {
+        assert!(
+            page.contains(want),
+            "expected {want:?} in the scrape:\n{page}"
+        );
+    }
+    // The batches' sizes add up to the five requests.
+    assert!(page.contains("tensorport_batch_size_sum 5"), "{page}");
+    let other = http_get(&addr, "/");
+    assert!(other.contains(" 404 "), "{other}");
+    let (ok, _, err) = run(&["ctl", "drain", "--socket", s]);
+    assert!(ok, "{err}");
+    assert!(server.wait().unwrap().success());
+}

@@ -232,8 +232,7 @@ fn killed_producer() {
 fn farm_on_cuda() {
     use tensorport_dfdx::dfdx::prelude::Cpu;
     use tensorport_dfdx::{ImageClassifier, ModelConfig};
-    let exe =
-        std::env::var("TENSORPORT_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tensorport").into());
+    let exe = tensorport_exe();
     let dir = tempfile::tempdir().unwrap();
     let out = dir.path().join("gpu.jsonl");
     let n = 256;
@@ -460,8 +459,7 @@ fn killed_gpu_producer(sharing: &str) {
 fn device_into_model() {
     use tensorport_dfdx::dfdx::prelude::Cpu;
     use tensorport_dfdx::{scores_from_bytes, ImageClassifier, ModelConfig};
-    let exe =
-        std::env::var("TENSORPORT_BIN").unwrap_or_else(|_| env!("CARGO_BIN_EXE_tensorport").into());
+    let exe = tensorport_exe();
     let (_dir, sock) = socket_dir();
     let size = 32usize;
     let mut server = ChildGuard(Some(
@@ -515,4 +513,21 @@ fn device_into_model() {
     }
     println!("  8 device images through the CUDA model; max relative difference from the CPU model {worst:.2e}");
     assert!(worst <= 1e-3, "{worst}");
+}
+
+/// The CUDA `tensorport` binary these tests start: `TENSORPORT_BIN` if set, else a `tensorport`
+/// beside this test binary (bin/build-gpu.sh puts `gpu-tests` and `tensorport` together in
+/// dist/gpu), else the one cargo built with this test.
+fn tensorport_exe() -> String {
+    if let Ok(p) = std::env::var("TENSORPORT_BIN") {
+        return p;
+    }
+    let sibling = std::env::current_exe()
+        .ok()
+        .and_then(|e| e.parent().map(|d| d.join("tensorport")))
+        .filter(|p| p.is_file());
+    match sibling {
+        Some(p) => p.display().to_string(),
+        None => env!("CARGO_BIN_EXE_tensorport").into(),
+    }
 }

@@ -1,0 +1,74 @@
+#!/usr/bin/env python3
+"""Write a reproducible folder of ImageNet-like JPEG files for tensorport's preprocessing
+benchmarks (the farm on real images, and the PyTorch pipelines it is compared with).
+
+Natural-image content comes from the photographs scikit-image ships (no download): each output
+is a random window of one photograph, maybe mirrored, with brightness/contrast jitter and a
+little Gaussian noise, scaled to one of the common ImageNet frame sizes and saved as a baseline
+4:2:0 JPEG at quality 94. That gives files like ImageNet validation images: ~90 KiB and ~190k
+pixels on average, with similar decode cost.
+
+    python3 bench/peers/make_jpegs.py OUT_DIR [--count 2000] [--seed 0]
+
+Needs numpy, pillow and scikit-image (pip install numpy pillow scikit-image). The same seed gives
+the same files; different seeds may share a folder.
+"""
+import argparse
+import os
+
+import numpy as np
+from PIL import Image, ImageEnhance
+from skimage import data as photos
+
+PHOTOS = ("astronaut", "chelsea", "coffee", "rocket", "retina", "hubble_deep_field",
+          "immunohistochemistry")
+FRAMES = ((500, 375), (375, 500), (500, 333), (333, 500), (500, 400), (640, 480))
+
+
+def window(rng, img):
+    """A random window covering 30-100% of the photograph, aspect ratio within 3:4..4:3."""
+    w, h = img.size
+    area = rng.uniform(0.3, 1.0) * w * h
+    ratio = np.exp(rng.uniform(np.log(0.75), np.log(4 / 3)))
+    cw = int(np.clip(np.sqrt(area * ratio), 64, w))
+    ch = int(np.clip(np.sqrt(area / ratio), 64, h))
+    x, y = int(rng.integers(0, w - cw + 1)), int(rng.integers(0, h - ch + 1))
+    return img.crop((x, y, x + cw, y + ch))
+
+
+def one(rng, sources):
+    img = window(rng, sources[rng.integers(len(sources))])
+    if rng.integers(2):
+        img = img.transpose(Image.Transpose.FLIP_LEFT_RIGHT)
+    img = img.resize(FRAMES[rng.integers(len(FRAMES))], Image.Resampling.BICUBIC)
+    img = ImageEnhance.Brightness(img).enhance(rng.uniform(0.7, 1.3))
+    img = ImageEnhance.Contrast(img).enhance(rng.uniform(0.7, 1.3))
+    px = np.asarray(img, dtype=np.float32)
+    px += rng.normal(0.0, 8.0, px.shape).astype(np.float32)
+    return Image.fromarray(np.clip(px, 0, 255).astype(np.uint8))
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("out", help="folder to write into (created if missing)")
+    ap.add_argument("--count", type=int, default=2000, help="files to write [2000]")
+    ap.add_argument("--seed", type=int, default=0, help="random seed [0]")
+    a = ap.parse_args()
+    if a.count < 1:
+        ap.error("--count must be at least 1")
+    os.makedirs(a.out, exist_ok=True)
+    rng = np.random.default_rng(a.seed)
+    sources = [Image.fromarray(getattr(photos, p)()[..., :3]) for p in PHOTOS]
+    size = pixels = 0
+    for i in range(a.count):
+        img = one(rng, sources)
+        path = os.path.join(a.out, f"s{a.seed:03d}-{i:06d}.jpg")
+        img.save(path, "JPEG", quality=94, subsampling=2)
+        size += os.path.getsize(path)
+        pixels += img.size[0] * img.size[1]
+    print(f"{a.count} JPEG files in {a.out}: mean {size / a.count / 1024:.0f} KiB, "
+          f"{pixels / a.count / 1000:.0f}k pixels")
+
+
+if __name__ == "__main__":
+    main()
