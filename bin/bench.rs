@@ -154,7 +154,7 @@ impl Ctx {
 
 /// Whether a streaming child goes on: it reads the clock every 64 messages (every peer alike).
 fn more(i: usize, deadline: Instant) -> bool {
-    i % 64 != 0 || Instant::now() < deadline
+    !i.is_multiple_of(64) || Instant::now() < deadline
 }
 
 /// Every peer writes every byte of every payload with this same loop (iceoryx2 through
@@ -240,7 +240,7 @@ fn ice_recv(
         }
         spins = spins.wrapping_add(1);
         // The clock every 32 looks and a yield every 256, as tensorport's own spin loops do.
-        if spins % 32 == 0 && Instant::now() > deadline {
+        if spins.is_multiple_of(32) && Instant::now() > deadline {
             return Err(CliError::new("iceoryx2: no sample within the deadline"));
         }
         match listener {
@@ -249,7 +249,7 @@ fn ice_recv(
             Some(l) => {
                 ice(l.timed_wait(|_| {}, Duration::from_millis(10)), "wait")?;
             }
-            None if spins % 256 == 0 => std::thread::yield_now(),
+            None if spins.is_multiple_of(256) => std::thread::yield_now(),
             None => std::hint::spin_loop(),
         }
     }
@@ -499,11 +499,11 @@ fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
         }
         // Idle: the clock every 32 looks and a yield every 256, as tensorport's consumer does.
         spins = spins.wrapping_add(1);
-        if spins % 32 != 0 {
+        if !spins.is_multiple_of(32) {
             std::hint::spin_loop();
             continue;
         }
-        if spins % 256 == 0 {
+        if spins.is_multiple_of(256) {
             std::thread::yield_now();
         }
         let now = Instant::now();

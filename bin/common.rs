@@ -204,6 +204,67 @@ pub struct ResultLine {
     pub latency_ms: f64,
     /// Which producer did it.
     pub producer: String,
+    /// Where the time went, with `--profile`.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub stages: Option<StageTimes>,
+}
+
+/// One input's time in each step, in milliseconds (`produce --profile`).
+#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
+pub struct StageTimes {
+    /// Reading the file (on the producer's reader thread, overlapping the rest).
+    pub read_ms: f64,
+    /// Decoding to RGB.
+    pub decode_ms: f64,
+    /// Resizing and cropping.
+    pub resize_ms: f64,
+    /// Normalising into the slot.
+    pub normalise_ms: f64,
+    /// Waiting for a free slot.
+    pub lease_ms: f64,
+    /// Handing the slot over (`submit`).
+    pub submit_ms: f64,
+    /// From submit to the result: the server's queue, batch wait, model, and the answer.
+    pub result_ms: f64,
+}
+
+impl std::ops::AddAssign for StageTimes {
+    fn add_assign(&mut self, o: StageTimes) {
+        self.read_ms += o.read_ms;
+        self.decode_ms += o.decode_ms;
+        self.resize_ms += o.resize_ms;
+        self.normalise_ms += o.normalise_ms;
+        self.lease_ms += o.lease_ms;
+        self.submit_ms += o.submit_ms;
+        self.result_ms += o.result_ms;
+    }
+}
+
+/// The preprocessing a producer applies (`--transform`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum TransformArg {
+    /// Resize the shorter side to size/0.875 (256 for 224), antialiased; centre-crop size×size
+    /// (torchvision's standard evaluation transform).
+    #[default]
+    Standard,
+    /// Resize the whole image to size×size, whatever its aspect ratio.
+    Square,
+}
+
+impl TransformArg {
+    pub fn for_size(self, size: u32) -> tensorport_vision::Transform {
+        match self {
+            TransformArg::Standard => tensorport_vision::Transform::standard(size),
+            TransformArg::Square => tensorport_vision::Transform::Square { size },
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TransformArg::Standard => "standard",
+            TransformArg::Square => "square",
+        }
+    }
 }
 
 /// Index of the largest score.

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tensorport_vision::{list_images, Source};
 
-use crate::common::{plural, CliError, CliResult, ModelArgs, ResultLine};
+use crate::common::{plural, CliError, CliResult, ModelArgs, ResultLine, StageTimes, TransformArg};
 
 /// Classify a set of images with one inference server and N producer processes. The farm starts
 /// the server and the producers, hands inputs to producers as they have room, restarts a
@@ -57,6 +57,13 @@ pub struct Args {
     /// `produce --ready`).
     #[arg(long)]
     pub ready: bool,
+    /// The producers' preprocessing.
+    #[arg(long, value_enum, default_value_t)]
+    pub transform: TransformArg,
+    /// Time every step of every input (read, decode, resize, normalise, lease, submit, result)
+    /// and print the mean of each in the summary; the result lines carry them as "stages".
+    #[arg(long)]
+    pub profile: bool,
     /// Log level of the server and producers (their stderr is shown prefixed with their name).
     #[arg(long, default_value = "warn", value_parser = crate::common::parse_log_filter)]
     pub child_log: String,
@@ -290,6 +297,10 @@ impl Farm {
         if a.ready {
             c.arg("--ready");
         }
+        c.arg("--transform").arg(a.transform.name());
+        if a.profile {
+            c.arg("--profile");
+        }
         let mut child = c
             .spawn()
             .map_err(|e| CliError::new(format!("cannot start {}: {e}", w.name)))?;
@@ -413,6 +424,8 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
     let mut done_count = 0u64;
     let mut errors = 0u64;
     let mut latencies: Vec<f64> = Vec::with_capacity(n as usize);
+    let mut stage_sum = StageTimes::default();
+    let mut profiled = 0u64;
     let mut stopping: Option<Instant> = None;
     let mut last_draw = Instant::now() - Duration::from_secs(1);
     let mut last_batches = (0u64, 0u64);
@@ -511,6 +524,10 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                         errors += 1;
                     }
                     latencies.push(r.latency_ms);
+                    if let Some(st) = r.stages {
+                        stage_sum += st;
+                        profiled += 1;
+                    }
                     writeln!(out, "{line}")?;
                     let w = &mut workers[slot];
                     w.done += 1;
@@ -754,6 +771,23 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         plural(restarts, "restart"),
         farm.args.output.display()
     );
+    if profiled > 0 {
+        let k = profiled as f64;
+        let s = stage_sum;
+        println!(
+            "stages      per input, mean ms: read {:.3} (read ahead), decode {:.3}, resize {:.3}, normalise {:.3}\n\
+             \x20           hand-off: lease wait {:.3}, submit {:.3}; submit to result {:.2}\n\
+             \x20           one producer prepares {:.0} inputs/s (decode + resize + normalise)",
+            s.read_ms / k,
+            s.decode_ms / k,
+            s.resize_ms / k,
+            s.normalise_ms / k,
+            s.lease_ms / k,
+            s.submit_ms / k,
+            s.result_ms / k,
+            k * 1e3 / (s.decode_ms + s.resize_ms + s.normalise_ms).max(1e-9),
+        );
+    }
     if let Some(f) = failure {
         return Err(f);
     }

@@ -7,6 +7,7 @@ mod farm;
 mod gpu;
 mod metrics;
 mod plot;
+mod prep;
 mod produce;
 mod serve;
 mod soak;
@@ -50,6 +51,8 @@ enum Command {
     Gpu(gpu::Args),
     /// Long load with random producer kills, checking the server for leaks (not for CI).
     Soak(soak::Args),
+    /// The producers' preprocessing alone on one thread: cost per step, and its tensors (--dump).
+    Prep(prep::Args),
     /// Write a weights file for the model (safetensors), from a seed.
     Weights(tools::WeightsArgs),
     /// Write sample PNG and JPEG images (a small input set to try things on).
@@ -72,6 +75,7 @@ fn main() -> ExitCode {
         Command::Soak(a) => soak::run(a),
         Command::Gpu(a) => gpu::run(a),
         Command::Bench(a) => bench::run(a),
+        Command::Prep(a) => prep::run(a),
         Command::Weights(a) => tools::weights(a),
         Command::Images(a) => tools::images(a),
     };

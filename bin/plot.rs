@@ -153,11 +153,11 @@ pub fn latency_cdf(path: &Path, rows: &[Latency]) -> CliResult<()> {
 
 fn human(x: f64) -> String {
     let b = x.round() as u64;
-    if b >= 1 << 20 && b % (1 << 20) == 0 {
+    if b >= 1 << 20 && b.is_multiple_of(1 << 20) {
         format!("{} MiB", b >> 20)
     } else if b >= 1 << 20 {
         format!("{:.1} MB", x / 1e6)
-    } else if b >= 1024 && b % 1024 == 0 {
+    } else if b >= 1024 && b.is_multiple_of(1024) {
         format!("{} KiB", b >> 10)
     } else {
         format!("{b}")

@@ -9,14 +9,16 @@ use std::time::{Duration, Instant};
 
 use tensorport::{DType, Producer, ProducerConfig, TensorSpec};
 use tensorport_dfdx::scores_from_bytes;
-use tensorport_vision::{list_images, prepare, Source};
+use tensorport_vision::{list_images, Preprocessor, Source};
 
-use crate::common::{argmax, CliError, CliResult, ResultLine, SocketArg};
+use crate::common::{argmax, CliError, CliResult, ResultLine, SocketArg, StageTimes, TransformArg};
 
 /// Preprocess images into shared memory and have the server classify them. Each image is decoded,
-/// resized to --image-size and normalised straight into a slot of this producer's pool (no copy),
-/// then submitted; up to --in-flight requests are outstanding at once. Writes one JSON line per
-/// input: {"index", "input", "class", "scores", "latency_ms", "producer"} (or "error").
+/// resized and cropped to --image-size (see --transform) and normalised straight into a slot of
+/// this producer's pool (no copy), then submitted; up to --in-flight requests are outstanding at
+/// once. Files are read ahead on a thread of their own. Writes one JSON line per input:
+/// {"index", "input", "class", "scores", "latency_ms", "producer"} (or "error"), plus "stages"
+/// with --profile.
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
@@ -44,6 +46,13 @@ pub struct Args {
     /// input (measures the hand-off without the preprocessing).
     #[arg(long)]
     pub ready: bool,
+    /// The preprocessing.
+    #[arg(long, value_enum, default_value_t)]
+    pub transform: TransformArg,
+    /// Add each input's time per step (read, decode, resize, normalise, lease, submit, result)
+    /// to its line, as "stages".
+    #[arg(long)]
+    pub profile: bool,
     /// Name shown in the server's logs and status.
     #[arg(long, default_value = "producer")]
     pub name: String,
@@ -55,10 +64,27 @@ pub struct Args {
     pub spin_us: u64,
 }
 
+/// An input, with its file's bytes read ahead (or why they could not be), and how long the read
+/// took.
+type Item = (u64, Source, Option<(std::io::Result<Vec<u8>>, Duration)>);
+
 enum Work {
-    Item(u64, Source),
+    Item(Item),
     Wait,
     Done,
+}
+
+/// Reads a file's bytes into `buf` (reused), timing it.
+fn read_ahead(src: &Source, mut buf: Vec<u8>) -> Option<(std::io::Result<Vec<u8>>, Duration)> {
+    let Source::File(path) = src else {
+        return None;
+    };
+    let t = Instant::now();
+    buf.clear();
+    let r = std::fs::File::open(path)
+        .and_then(|mut f| std::io::Read::read_to_end(&mut f, &mut buf))
+        .map(|_| buf);
+    Some((r, t.elapsed()))
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
@@ -92,14 +118,20 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             })?,
         ))
     };
-    // Inputs arrive on a channel, from the list or from stdin, so results keep flowing while
-    // the producer waits for more work.
-    let (tx, rx) = mpsc::sync_channel::<(u64, Source)>(64);
+    // Inputs arrive on a channel, from the list or from stdin, with their files already read,
+    // so results keep flowing while the producer waits for more work and file reads overlap the
+    // preprocessing. Read buffers come back on `spent` to be reused.
+    let (tx, rx) = mpsc::sync_channel::<Item>(16);
+    let (spent, reuse) = mpsc::channel::<Vec<u8>>();
+    let fill = move |i: u64, s: Source| {
+        let bytes = read_ahead(&s, reuse.try_recv().unwrap_or_default());
+        (i, s, bytes)
+    };
     match items {
         Some(list) => {
             std::thread::spawn(move || {
-                for it in list {
-                    if tx.send(it).is_err() {
+                for (i, s) in list {
+                    if tx.send(fill(i, s)).is_err() {
                         break;
                     }
                 }
@@ -118,7 +150,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                         continue;
                     };
                     let src: Source = src.trim().parse().expect("infallible");
-                    if tx.send((idx, src)).is_err() {
+                    if tx.send(fill(idx, src)).is_err() {
                         break;
                     }
                 }
@@ -138,16 +170,18 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         )));
     }
     let spec = TensorSpec::new(DType::F32, &[3, size as u64, size as u64]);
+    let mut prep = Preprocessor::new(a.transform.for_size(size as u32));
     let ready: Option<Vec<f32>> = if a.ready {
         let mut px = vec![0f32; 3 * size * size];
-        prepare(&Source::Synthetic(0), size as u32, &mut px)?;
+        prep.prepare(&Source::Synthetic(0), &mut px)?;
         Some(px)
     } else {
         None
     };
     let timeout = Duration::from_secs(a.timeout.max(1));
     let depth = (a.in_flight.max(1) as usize).min(p.max_in_flight() as usize);
-    let mut pending: HashMap<u64, (u64, String, Instant)> = HashMap::new();
+    // Request id → (index, input, when leased, when submitted, stage times so far).
+    let mut pending: HashMap<u64, (u64, String, Instant, Instant, StageTimes)> = HashMap::new();
     let mut eof = false;
     let mut written = 0u64;
     let mut emit = |out: &mut Box<dyn Write>, line: ResultLine| -> CliResult<()> {
@@ -162,19 +196,19 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         while !eof && pending.len() < depth {
             let work = if pending.is_empty() {
                 match rx.recv_timeout(Duration::from_millis(200)) {
-                    Ok((i, s)) => Work::Item(i, s),
+                    Ok(it) => Work::Item(it),
                     Err(mpsc::RecvTimeoutError::Timeout) => Work::Wait,
                     Err(mpsc::RecvTimeoutError::Disconnected) => Work::Done,
                 }
             } else {
                 match rx.try_recv() {
-                    Ok((i, s)) => Work::Item(i, s),
+                    Ok(it) => Work::Item(it),
                     Err(mpsc::TryRecvError::Empty) => Work::Wait,
                     Err(mpsc::TryRecvError::Disconnected) => Work::Done,
                 }
             };
-            let (index, source) = match work {
-                Work::Item(i, s) => (i, s),
+            let (index, source, bytes) = match work {
+                Work::Item(it) => it,
                 Work::Wait => break,
                 Work::Done => {
                     eof = true;
@@ -183,16 +217,37 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             };
             let t0 = Instant::now();
             let mut lease = p.lease(timeout)?;
-            let bytes = &mut lease.bytes_mut()[..image_bytes as usize];
-            let pixels: &mut [f32] = bytemuck::try_cast_slice_mut(bytes)
+            let leased = Instant::now();
+            let slot = &mut lease.bytes_mut()[..image_bytes as usize];
+            let pixels: &mut [f32] = bytemuck::try_cast_slice_mut(slot)
                 .map_err(|e| CliError::new(format!("slot is not f32-aligned: {e}")))?;
-            let prepared = match &ready {
-                Some(px) => {
+            let mut st = StageTimes {
+                lease_ms: ms(leased - t0),
+                ..StageTimes::default()
+            };
+            let prepared = match (&ready, bytes, &source) {
+                (Some(px), _, _) => {
                     pixels.copy_from_slice(px);
                     Ok(())
                 }
-                None => prepare(&source, size as u32, pixels),
+                (None, Some((Ok(buf), read)), Source::File(path)) => {
+                    st.read_ms = ms(read);
+                    let r = prep.prepare_encoded(&buf, path, pixels);
+                    let _ = spent.send(buf);
+                    r
+                }
+                (None, Some((Err(e), _)), _) => Err(tensorport_vision::Error::Image {
+                    path: source.to_string(),
+                    problem: e.to_string(),
+                }),
+                (None, _, _) => prep.prepare(&source, pixels),
             };
+            if ready.is_none() {
+                let s = prep.last_stages();
+                st.decode_ms = ms(s.decode);
+                st.resize_ms = ms(s.resize);
+                st.normalise_ms = ms(s.normalise);
+            }
             if let Err(e) = prepared {
                 drop(lease);
                 emit(
@@ -205,12 +260,16 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                         error: Some(e.to_string()),
                         latency_ms: t0.elapsed().as_secs_f64() * 1e3,
                         producer: a.name.clone(),
+                        stages: a.profile.then_some(st),
                     },
                 )?;
                 continue;
             }
+            let before_submit = Instant::now();
             let id = lease.submit(&spec)?;
-            pending.insert(id, (index, source.to_string(), t0));
+            let submitted = Instant::now();
+            st.submit_ms = ms(submitted - before_submit);
+            pending.insert(id, (index, source.to_string(), t0, submitted, st));
         }
         if pending.is_empty() {
             if eof {
@@ -219,9 +278,10 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             continue;
         }
         let c = p.recv_result(timeout)?;
-        let Some((index, input, t0)) = pending.remove(&c.request_id) else {
+        let Some((index, input, t0, submitted, mut st)) = pending.remove(&c.request_id) else {
             continue;
         };
+        st.result_ms = ms(submitted.elapsed());
         let (scores, error) = match c.result {
             Ok(b) => match scores_from_bytes(&b) {
                 Some(s) => (Some(s), None),
@@ -239,10 +299,15 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                 error,
                 latency_ms: t0.elapsed().as_secs_f64() * 1e3,
                 producer: a.name.clone(),
+                stages: a.profile.then_some(st),
             },
         )?;
     }
     let _ = p.close();
     tracing::info!(results = written, "producer done");
     Ok(ExitCode::SUCCESS)
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
 }

@@ -532,3 +532,46 @@ fn serve_metrics_endpoint_is_scraped() {
     assert!(ok, "{err}");
     assert!(server.wait().unwrap().success());
 }
+
+#[test]
+fn farm_on_jpeg_and_png_files_profiles_every_stage() {
+    let dir = tmp();
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "24"]);
+    assert!(ok, "{err}");
+    let out = dir.path().join("r.jsonl");
+    let o = Command::new(EXE)
+        .args(["farm", "--input", images.to_str().unwrap()])
+        .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
+        .args(["--progress", "never", "--profile", "--output"])
+        .arg(&out)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // The standard transform on real files, bitwise the same as in-process.
+    check_results(&out, 24);
+    for stage in [
+        "decode",
+        "resize",
+        "normalise",
+        "lease wait",
+        "submit to result",
+    ] {
+        assert!(
+            stdout.contains(stage),
+            "expected the summary to give the {stage} stage:\n{stdout}"
+        );
+    }
+    let first = std::fs::read_to_string(&out).unwrap();
+    let v: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+    assert!(
+        v["stages"]["decode_ms"].as_f64().is_some_and(|x| x >= 0.0),
+        "expected per-input stage times with --profile: {v}"
+    );
+}

@@ -125,7 +125,8 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("dir", help="folder of .jpg/.jpeg files")
     ap.add_argument("--workers", default="1,8,15", help="DataLoader worker counts [1,8,15]")
-    ap.add_argument("--pipelines", default="cpu-tv,cpu-pil,gpu-nvjpeg")
+    ap.add_argument("--pipelines", default="cpu-tv,cpu-pil,gpu-nvjpeg",
+                    help="comma-separated, or none (just the one-core stages and --dump)")
     ap.add_argument("--limit", type=int, default=0, help="use only the first N files")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--dump", nargs=2, metavar=("K", "OUT"), help="save reference tensors")
@@ -146,6 +147,8 @@ def main():
         torch.save({os.path.basename(f): tv_transform(f) for f in files[:k]}, a.dump[1])
         print(f"torchvision's tensors for the first {k} files in {a.dump[1]}", flush=True)
     for p in a.pipelines.split(","):
+        if p == "none":
+            continue
         if p == "gpu-nvjpeg":
             out[p] = nvjpeg_rate(files)
             print(f"{p}: {out[p]:.0f} images/s", flush=True)

@@ -182,7 +182,7 @@ impl DeviceBuffer {
         stream: &Stream,
     ) -> Result<()> {
         assert!(
-            offset % 4 == 0 && offset + bytes <= self.len,
+            offset.is_multiple_of(4) && offset + bytes <= self.len,
             "range outside the buffer"
         );
         self.gpu.bind()?;

@@ -176,7 +176,7 @@ pub fn scores_to_bytes(scores: &[f32]) -> Vec<u8> {
 
 /// The inverse of [`scores_to_bytes`]; `None` if the length is not a multiple of 4.
 pub fn scores_from_bytes(bytes: &[u8]) -> Option<Vec<f32>> {
-    if bytes.len() % 4 != 0 {
+    if !bytes.len().is_multiple_of(4) {
         return None;
     }
     Some(

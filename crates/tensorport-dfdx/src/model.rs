@@ -379,7 +379,7 @@ impl<D: Device<f32>> ImageClassifier<D> {
 impl ModelConfig {
     /// Refuses shapes the model cannot take.
     pub fn check(&self) -> Result<()> {
-        if self.image_size == 0 || self.image_size % 8 != 0 {
+        if self.image_size == 0 || !self.image_size.is_multiple_of(8) {
             return Err(Error::Config(format!(
                 "image size {} must be a positive multiple of 8",
                 self.image_size

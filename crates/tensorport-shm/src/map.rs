@@ -97,7 +97,7 @@ impl Mapping {
     /// ring positions).
     pub fn atomic_u64(&self, offset: usize) -> &std::sync::atomic::AtomicU64 {
         assert!(
-            offset % 8 == 0 && offset.checked_add(8).is_some_and(|e| e <= self.len),
+            offset.is_multiple_of(8) && offset.checked_add(8).is_some_and(|e| e <= self.len),
             "atomic word {offset} outside a mapping of {}",
             self.len
         );

@@ -1,16 +1,30 @@
-//! Image preprocessing for producers: decode (PNG, JPEG), resize to a square, normalise with the
-//! ImageNet mean and standard deviation, and write NCHW `f32` straight into a caller's buffer
-//! (a leased slot), so the prepared tensor is never copied before the model reads it.
+//! Image preprocessing for producers: decode (JPEG, PNG), resize and crop (the standard
+//! evaluation transform by default, or a plain square resize), normalise with the ImageNet mean
+//! and standard deviation, and write NCHW `f32` straight into a caller's buffer (a leased
+//! slot), so the prepared tensor is never copied before the model reads it.
+//!
+//! [`Preprocessor`] does it with buffers it keeps between images; [`prepare`] is the one-shot
+//! form. The steps live in their own modules: [`transform`] (geometry), `decode` (files to RGB),
+//! `normalise` (RGB to planes).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
+
+mod decode;
+mod normalise;
+mod preprocess;
+pub mod transform;
 
 use std::fmt;
 use std::path::{Path, PathBuf};
 use std::str::FromStr;
 
-use image::imageops::FilterType;
-use image::{Rgb, RgbImage};
+use image::RgbImage;
 use thiserror::Error;
+
+pub use decode::{RgbBuf, MAX_SIDE};
+pub use normalise::{Normaliser, IMAGENET_MEAN, IMAGENET_STD};
+pub use preprocess::{Preprocessor, Stages};
+pub use transform::Transform;
 
 /// Errors of this crate.
 #[derive(Debug, Error)]
@@ -38,11 +52,6 @@ pub enum Error {
 
 /// Results of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
-
-/// ImageNet channel means (RGB), as used by torchvision.
-pub const IMAGENET_MEAN: [f32; 3] = [0.485, 0.456, 0.406];
-/// ImageNet channel standard deviations (RGB).
-pub const IMAGENET_STD: [f32; 3] = [0.229, 0.224, 0.225];
 
 /// Where one input image comes from.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]
@@ -86,33 +95,33 @@ impl Source {
 
 /// Decodes a PNG or JPEG file to 8-bit RGB.
 pub fn decode(path: &Path) -> Result<RgbImage> {
-    let img = image::ImageReader::open(path)
-        .map_err(|e| Error::Image {
-            path: path.display().to_string(),
-            problem: e.to_string(),
-        })?
-        .with_guessed_format()
-        .map_err(|e| Error::Image {
-            path: path.display().to_string(),
-            problem: e.to_string(),
-        })?
-        .decode()
-        .map_err(|e| Error::Image {
-            path: path.display().to_string(),
-            problem: format!("cannot decode: {e}"),
-        })?;
-    Ok(img.to_rgb8())
+    let mut bytes = Vec::new();
+    decode::read_file(path, &mut bytes)?;
+    let mut rgb = RgbBuf::default();
+    decode::decode_into(&bytes, path, &mut rgb)?;
+    let (w, h) = (rgb.width, rgb.height);
+    rgb.data.truncate(3 * w as usize * h as usize);
+    Ok(RgbImage::from_raw(w, h, rgb.data).expect("sized by reshape"))
 }
 
 /// A reproducible test image: colour gradients and a pattern that depend on `n`.
 pub fn synthetic(n: u64, width: u32, height: u32) -> RgbImage {
+    let mut buf = RgbBuf::default();
+    fill_synthetic(n, width, height, &mut buf);
+    buf.data.truncate(3 * width as usize * height as usize);
+    RgbImage::from_raw(width, height, buf.data).expect("sized by reshape")
+}
+
+/// Writes [`synthetic`]'s image into a reused buffer.
+pub fn fill_synthetic(n: u64, width: u32, height: u32, out: &mut RgbBuf) {
     let (a, b) = ((n % 7) as u32 + 1, (n / 7 % 5) as u32 + 1);
-    RgbImage::from_fn(width, height, |x, y| {
-        let r = ((x * a + n as u32 * 13) % 256) as u8;
-        let g = ((y * b + n as u32 * 29) % 256) as u8;
-        let bl = (((x ^ y) * (a + b)) % 256) as u8;
-        Rgb([r, g, bl])
-    })
+    let px = out.reshape(width, height);
+    for (i, p) in px.chunks_exact_mut(3).enumerate() {
+        let (x, y) = (i as u32 % width, i as u32 / width);
+        p[0] = ((x * a + n as u32 * 13) % 256) as u8;
+        p[1] = ((y * b + n as u32 * 29) % 256) as u8;
+        p[2] = (((x ^ y) * (a + b)) % 256) as u8;
+    }
 }
 
 /// The PNG and JPEG files in `dir`, sorted by name.
@@ -142,41 +151,28 @@ pub fn list_images(dir: &Path) -> Result<Vec<PathBuf>> {
     Ok(out)
 }
 
-/// Resizes `img` to `size`×`size` (bilinear) and writes it normalised, NCHW, into `out[..3·size²]`.
+/// Resizes all of `img` to `size`×`size` (antialiased bilinear, no crop) and writes it
+/// normalised, NCHW, into `out[..3·size²]`.
 pub fn to_nchw(img: &RgbImage, size: u32, out: &mut [f32]) -> Result<()> {
-    let plane = (size * size) as usize;
-    if out.len() < 3 * plane {
-        return Err(Error::Buffer {
-            need: 3 * plane,
-            have: out.len(),
-        });
-    }
-    let resized;
-    let src = if img.width() == size && img.height() == size {
-        img
-    } else {
-        resized = image::imageops::resize(img, size, size, FilterType::Triangle);
-        &resized
-    };
-    let (r, rest) = out.split_at_mut(plane);
-    let (g, rest) = rest.split_at_mut(plane);
-    let b = &mut rest[..plane];
-    for (i, px) in src.pixels().enumerate() {
-        r[i] = (px[0] as f32 / 255.0 - IMAGENET_MEAN[0]) / IMAGENET_STD[0];
-        g[i] = (px[1] as f32 / 255.0 - IMAGENET_MEAN[1]) / IMAGENET_STD[1];
-        b[i] = (px[2] as f32 / 255.0 - IMAGENET_MEAN[2]) / IMAGENET_STD[2];
-    }
-    Ok(())
+    Preprocessor::new(Transform::Square { size }).prepare_rgb(
+        img.as_raw(),
+        img.width(),
+        img.height(),
+        out,
+    )
 }
 
-/// Loads `source` and preprocesses it into `out` (see [`to_nchw`]).
+/// Loads `source` and writes the standard transform's tensor for a model input of `size` into
+/// `out` (see [`Transform::standard`]): what `tensorport produce` does by default. For many
+/// images, keep a [`Preprocessor`] instead.
 pub fn prepare(source: &Source, size: u32, out: &mut [f32]) -> Result<()> {
-    to_nchw(&source.load()?, size, out)
+    Preprocessor::new(Transform::standard(size)).prepare(source, out)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use image::Rgb;
 
     #[test]
     fn nchw_layout_and_normalisation() {

@@ -288,7 +288,7 @@ pub fn validate_view(
             raw.len, extent
         )));
     }
-    if raw.offset % elem != 0 {
+    if !raw.offset.is_multiple_of(elem) {
         return Err(WireError::Misaligned {
             offset: raw.offset,
             elem,

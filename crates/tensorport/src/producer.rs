@@ -466,7 +466,7 @@ impl Producer {
                 return Ok(true);
             }
             // Between clock reads, a few quick looks at the queue.
-            if start.is_some() && spins % SPINS_PER_LOOK != 0 {
+            if start.is_some() && !spins.is_multiple_of(SPINS_PER_LOOK) {
                 spins += 1;
                 std::hint::spin_loop();
                 continue;

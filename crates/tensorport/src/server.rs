@@ -856,7 +856,7 @@ impl Server {
             }
             // A few quick looks between reads of the clock.
             spins = spins.wrapping_add(1);
-            if spins % 32 != 0 {
+            if !spins.is_multiple_of(32) {
                 std::hint::spin_loop();
                 continue;
             }
@@ -875,7 +875,7 @@ impl Server {
                         return Err(Error::Stopped);
                     }
                 }
-                if spins % 256 == 0 {
+                if spins.is_multiple_of(256) {
                     // Now and then give the core away (producers sharing it get to run).
                     std::thread::yield_now();
                 }
