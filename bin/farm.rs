@@ -379,8 +379,11 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                 .map(PathBuf::from)
                 .filter(|p| p.is_dir())
                 .unwrap_or_else(std::env::temp_dir);
+            // 0700, as docs/operations.md says the socket's directory must be (tempfile would
+            // leave it to the umask: 0755).
             tmp = tempfile::Builder::new()
                 .prefix("tensorport-farm-")
+                .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
                 .tempdir_in(base)?;
             tmp.path().join("tensorport.sock")
         }
@@ -425,6 +428,11 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
     let mut errors = 0u64;
     let mut latencies: Vec<f64> = Vec::with_capacity(n as usize);
     let mut stage_sum = StageTimes::default();
+    // The first and the last result: the rate between them leaves the start-up out (starting
+    // the server and its device, the producers, their pools), as the DataLoader's benchmark
+    // leaves its workers' start-up out.
+    let mut first_result: Option<Instant> = None;
+    let mut last_result = Instant::now();
     let mut profiled = 0u64;
     let mut stopping: Option<Instant> = None;
     let mut last_draw = Instant::now() - Duration::from_secs(1);
@@ -520,6 +528,8 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                     }
                     done[r.index as usize] = true;
                     done_count += 1;
+                    last_result = Instant::now();
+                    first_result.get_or_insert(last_result);
                     if r.error.is_some() {
                         errors += 1;
                     }
@@ -751,13 +761,21 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         "inputs      {n}\n\
          done        {done_count} ({errors} with errors){}\n\
          time        {secs:.2} s\n\
-         throughput  {:.1} images/s\n\
+         throughput  {:.1} images/s{}\n\
          latency     p50 {:.1} ms, p99 {:.1} ms (lease to result)\n\
          batches     {} (mean fill {fill:.1} of {}){}\n\
          producers   {} ({}), server restarts {server_restarts}\n\
          results     {}",
         if done_count < n { "  INCOMPLETE" } else { "" },
         done_count as f64 / secs.max(1e-9),
+        match first_result {
+            Some(first) if done_count > 1 && last_result > first => format!(
+                "; {:.1} after start-up ({:.2} s to the first result)",
+                (done_count - 1) as f64 / (last_result - first).as_secs_f64(),
+                (first - started).as_secs_f64()
+            ),
+            _ => String::new(),
+        },
         percentile(&latencies, 0.5),
         percentile(&latencies, 0.99),
         last_batches.0,

@@ -277,7 +277,27 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             }
             continue;
         }
-        let c = p.recv_result(timeout)?;
+        // With room in the pipeline, wait for a result only briefly before looking for new
+        // input again: an input that arrives while we wait must not sit idle for a whole
+        // result's round trip (that starved busy producers).
+        let c = if !eof && pending.len() < depth {
+            match p.recv_result(Duration::from_millis(1)) {
+                Ok(c) => c,
+                Err(tensorport::Error::Timeout(..)) => {
+                    let oldest = pending.values().map(|v| v.3).min().expect("not empty");
+                    if oldest.elapsed() > timeout {
+                        return Err(CliError::new(format!(
+                            "no result from the server within {}s",
+                            timeout.as_secs()
+                        )));
+                    }
+                    continue;
+                }
+                Err(e) => return Err(e.into()),
+            }
+        } else {
+            p.recv_result(timeout)?
+        };
         let Some((index, input, t0, submitted, mut st)) = pending.remove(&c.request_id) else {
             continue;
         };

@@ -27,8 +27,8 @@ use tensorport_shm::ring::{SqEntry, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
 use tensorport_shm::HostPool;
 use tensorport_wire::{
     validate_view, ClientMsg, DType, ErrorCode, Outcome, PoolBounds, PoolLayout, RawDeviceHandle,
-    RawLocation, RawTensorDesc, RawTensorView, Role, ServerMsg, SlotRef, StatusReport, MAX_DIMS,
-    PROTOCOL_VERSION,
+    RawLocation, RawTensorDesc, RawTensorView, Role, ServerMsg, SlotRef, StatusReport, WireError,
+    MAX_DIMS, PROTOCOL_VERSION,
 };
 
 use crate::client::{self, next_msg};
@@ -380,7 +380,17 @@ impl Producer {
 
     fn handle(&mut self, msg: ServerMsg) -> Result<()> {
         match msg {
-            ServerMsg::Grant(slots) => self.free.extend(slots),
+            ServerMsg::Grant(slots) => {
+                // A client checks what the server says too: a slot past the pool would index
+                // outside the mapping (the queue path drops such grants the same way).
+                if let Some(bad) = slots.iter().find(|s| s.slot >= self.layout.slot_count) {
+                    return Err(Error::Protocol(WireError::Malformed(format!(
+                        "the server granted slot {} of a pool of {}",
+                        bad.slot, self.layout.slot_count
+                    ))));
+                }
+                self.free.extend(slots)
+            }
             ServerMsg::Result {
                 request_id,
                 outcome,
