@@ -50,9 +50,15 @@ pub struct Args {
     /// Live progress: auto (on a terminal), always, never.
     #[arg(long, default_value = "auto", value_parser = ["auto", "always", "never"])]
     pub progress: String,
-    /// Restarts of one producer in a row without a result before the farm gives up on it.
+    /// Restarts of one producer (or of the server) in a row without a result in between before
+    /// the farm gives up on it.
     #[arg(long, default_value_t = 8)]
     pub max_restarts: u32,
+    /// A producer that holds inputs but returns no result for this many seconds, while the
+    /// server runs, is taken as hung (stopped, deadlocked in its preprocessing): the farm kills
+    /// it, restarts it and hands its inputs out again.
+    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+    pub stall_secs: f64,
     /// Producers hand over a ready tensor for every input instead of preparing each (see
     /// `produce --ready`).
     #[arg(long)]
@@ -154,6 +160,8 @@ struct Worker {
     restarts: u32,
     failures_in_row: u32,
     last_exit: Option<String>,
+    /// When it last returned a result, started, or the server became ready.
+    last_progress: Instant,
 }
 
 fn describe(st: ExitStatus) -> String {
@@ -305,6 +313,7 @@ impl Farm {
             .spawn()
             .map_err(|e| CliError::new(format!("cannot start {}: {e}", w.name)))?;
         w.generation += 1;
+        w.last_progress = Instant::now();
         pump_lines(
             child.stdout.take().expect("piped"),
             self.tx.clone(),
@@ -418,8 +427,13 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
             restarts: 0,
             failures_in_row: 0,
             last_exit: None,
+            last_progress: Instant::now(),
         })
         .collect();
+    // Server restarts since the last result: a server that keeps dying without ever serving is
+    // given up on; one that serves between its deaths is not.
+    let mut server_failures_in_row = 0u32;
+    let stall = Duration::from_secs_f64(farm.args.stall_secs.max(0.1));
 
     let depth = (farm.args.in_flight.max(1) * 2) as usize;
     let mut pending: VecDeque<u64> = (0..n).collect();
@@ -542,6 +556,8 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                     let w = &mut workers[slot];
                     w.done += 1;
                     w.failures_in_row = 0;
+                    w.last_progress = Instant::now();
+                    server_failures_in_row = 0;
                 }
                 Ev::Eof { slot, generation } => {
                     let w = &mut workers[slot];
@@ -591,6 +607,11 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                 Ev::ServerReady { generation } => {
                     if generation == server_gen {
                         server_ready = true;
+                        // Time without a server is nobody's stall.
+                        let now = Instant::now();
+                        for w in workers.iter_mut() {
+                            w.last_progress = now;
+                        }
                     }
                 }
                 Ev::ServerEof { generation } => {
@@ -609,12 +630,13 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                         )));
                     } else if done_count < n && stopping.is_none() {
                         server_restarts += 1;
-                        if server_restarts > farm.args.max_restarts {
+                        server_failures_in_row += 1;
+                        if server_failures_in_row > farm.args.max_restarts {
                             failure = Some(CliError::new(format!(
-                                "the server failed {server_restarts} times ({status}); see its messages above"
+                                "the server failed {server_failures_in_row} times in a row without a result ({status}); see its messages above"
                             )));
                         } else {
-                            let d = backoff(server_restarts - 1);
+                            let d = backoff(server_failures_in_row - 1);
                             console.log(&format!(
                                 "server ended ({status}); restarting in {:.1}s, producers reconnect and redo their inputs",
                                 d.as_secs_f64()
@@ -627,6 +649,25 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         }
         if failure.is_some() {
             break;
+        }
+        // Hung producers: inputs held, no result for `stall`, with the server up. SIGKILL works
+        // on a stopped process too; its end of output then restarts it like any other death.
+        if server_ready && stopping.is_none() {
+            for w in workers.iter_mut() {
+                if let State::Running { child, .. } = &mut w.state {
+                    if !w.assigned.is_empty() && w.last_progress.elapsed() > stall {
+                        console.log(&format!(
+                            "{} returned no result for {:.0}s with {} inputs (stopped or hung?); killing it, its inputs are redone",
+                            w.name,
+                            w.last_progress.elapsed().as_secs_f64(),
+                            w.assigned.len()
+                        ));
+                        let _ = child.kill();
+                        // Once: its EOF restarts it and resets the clock.
+                        w.last_progress = Instant::now();
+                    }
+                }
+            }
         }
         if workers.iter().all(|w| matches!(w.state, State::GaveUp)) && done_count < n {
             failure = Some(CliError::new(

@@ -166,10 +166,25 @@ fn count_lines(p: &Path) -> usize {
 /// `needle` once results flow, and checks that every input still got exactly one right line.
 /// Returns the farm's stdout and stderr.
 fn farm_with_a_kill(needle: &str, children_expected: usize) -> (String, String) {
+    farm_with_a_signal(
+        needle,
+        children_expected,
+        nix::sys::signal::Signal::SIGKILL,
+        &[],
+    )
+}
+
+/// [`farm_with_a_kill`] with another signal, and more options for the farm.
+fn farm_with_a_signal(
+    needle: &str,
+    children_expected: usize,
+    signal: nix::sys::signal::Signal,
+    extra: &[&str],
+) -> (String, String) {
     let dir = tmp();
     let out = dir.path().join("r.jsonl");
     let n = 600;
-    let child = farm_cmd(&out, n, 3).spawn().unwrap();
+    let child = farm_cmd(&out, n, 3).args(extra).spawn().unwrap();
     let farm_pid = child.id();
     let t = Instant::now();
     let victim = loop {
@@ -183,17 +198,34 @@ fn farm_with_a_kill(needle: &str, children_expected: usize) -> (String, String) 
         );
         std::thread::sleep(Duration::from_millis(10));
     };
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(victim),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
+    nix::sys::signal::kill(nix::unistd::Pid::from_raw(victim), signal).unwrap();
     let o = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
     let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
     assert!(o.status.success(), "farm failed:\n{stdout}\n{stderr}");
     check_results(&out, n);
     (stdout, stderr)
+}
+
+#[test]
+fn farm_replaces_a_stopped_producer_every_input_once() {
+    // SIGSTOP: the producer neither dies nor answers. The farm must notice on its own.
+    let (stdout, stderr) = farm_with_a_signal(
+        "produce",
+        3,
+        nix::sys::signal::Signal::SIGSTOP,
+        &["--stall-secs", "3"],
+    );
+    assert!(
+        stderr.contains("returned no result for") && stderr.contains("killing it"),
+        "expected the farm to call the stopped producer hung:\n{stderr}"
+    );
+    // At least the stopped one was restarted (a producer slowed past 3 s by a loaded machine
+    // would be replaced too, which costs time, never a result).
+    assert!(
+        !stdout.contains("(0 restarts)"),
+        "expected a restart in the summary:\n{stdout}"
+    );
 }
 
 #[test]
