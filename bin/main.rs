@@ -1,12 +1,10 @@
 //! `tensorport`: the inference server, the producer, the farm that runs both, and a control tool.
 
-mod bench;
 mod common;
 mod ctl;
 mod farm;
 mod gpu;
 mod metrics;
-mod plot;
 mod prep;
 mod produce;
 mod serve;
@@ -26,7 +24,7 @@ use clap::{Parser, Subcommand};
 #[command(name = "tensorport", version, about, long_about = None, propagate_version = true)]
 struct Cli {
     /// Log level for messages on stderr: off, error, warn, info, debug, trace, or a filter such
-    /// as `warn,tensorport=debug` [default: info; warn for bench, whose tables go to stdout].
+    /// as `warn,tensorport=debug` [default: info].
     #[arg(long, global = true, env = "TENSORPORT_LOG", value_parser = common::parse_log_filter)]
     log: Option<String>,
     #[command(subcommand)]
@@ -43,10 +41,6 @@ enum Command {
     Farm(farm::Args),
     /// Ask a running server for its status, or tell it to drain.
     Ctl(ctl::Args),
-    /// tensorport against its peers (iceoryx2, a Unix-socket copy, memcpy) on the same payloads, in
-    /// one run: throughput with 1..N producer processes, one-way latency polling and blocking,
-    /// markdown tables and (with --plots) SVG plots. See docs/benchmarks.md.
-    Bench(bench::Args),
     /// What this machine's CUDA can do, and host-to-device bandwidth from pinned pools.
     Gpu(gpu::Args),
     /// Long load with random producer kills, checking the server for leaks (not for CI).
@@ -61,11 +55,7 @@ enum Command {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let default_log = match cli.command {
-        Command::Bench(_) => "warn",
-        _ => "info",
-    };
-    common::init_logging(cli.log.as_deref().unwrap_or(default_log));
+    common::init_logging(cli.log.as_deref().unwrap_or("info"));
     common::die_with_farm();
     let r = match cli.command {
         Command::Serve(a) => serve::run(a),
@@ -74,7 +64,6 @@ fn main() -> ExitCode {
         Command::Ctl(a) => ctl::run(a),
         Command::Soak(a) => soak::run(a),
         Command::Gpu(a) => gpu::run(a),
-        Command::Bench(a) => bench::run(a),
         Command::Prep(a) => prep::run(a),
         Command::Weights(a) => tools::weights(a),
         Command::Images(a) => tools::images(a),

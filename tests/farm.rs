@@ -306,7 +306,6 @@ fn help_explains_every_subcommand() {
         (vec!["ctl"], vec!["status", "drain", "--socket"]),
         // Global options show (and work) after the subcommand too.
         (vec!["ctl", "status"], vec!["--socket", "--log", "--json"]),
-        (vec!["bench"], vec!["--log"]),
         (vec!["weights"], vec!["--out", "--seed"]),
     ] {
         let mut args: Vec<&str> = sub.clone();

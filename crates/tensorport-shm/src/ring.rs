@@ -583,7 +583,7 @@ mod tests {
             generation: (i * 3) as u32,
             dtype: 3,
             rank: 2,
-            has_strides: i % 2 == 0,
+            has_strides: i.is_multiple_of(2),
             offset: 64,
             len: 4096 + i,
             ..SqEntry::default()

@@ -286,7 +286,7 @@ mod tests {
                 Ok(()) => assert_eq!(f, "cut.jpg"),
             }
         }
-        let short = &mut vec![0f32; 10];
+        let short = &mut [0f32; 10];
         assert!(matches!(
             p.prepare(&Source::Synthetic(1), short),
             Err(Error::Buffer { .. })

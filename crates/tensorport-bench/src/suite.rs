@@ -1,4 +1,4 @@
-//! `tensorport bench`: tensorport and its peers on the same payloads, in one run.
+//! The suite: tensorport and its peers on the same payloads, in one run.
 
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
@@ -11,7 +11,7 @@ use iceoryx2::port::subscriber::Subscriber;
 use iceoryx2::prelude::*;
 use tensorport::{DType, Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
 
-use crate::common::{CliError, CliResult};
+use crate::{CliError, CliResult};
 
 /// Measure tensorport's host hand-off against its peers on this machine, in one run, with the
 /// same payloads: iceoryx2 publish/subscribe (zero-copy shared memory, safe overflow off so
@@ -121,15 +121,13 @@ impl Ctx {
         cpu: Option<usize>,
     ) -> CliResult<Child> {
         let mut c = Command::new(&self.exe);
-        c.args([
-            "--log", "error", "bench", "--role", role, "--target", target,
-        ])
-        .args(["--size", &size.to_string()])
-        .args(["--seconds", &self.seconds.to_string()])
-        .args(["--round-trips", &self.round_trips.to_string()])
-        .args(["--poll", if poll { "1" } else { "0" }])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped());
+        c.args(["--log", "error", "--role", role, "--target", target])
+            .args(["--size", &size.to_string()])
+            .args(["--seconds", &self.seconds.to_string()])
+            .args(["--round-trips", &self.round_trips.to_string()])
+            .args(["--poll", if poll { "1" } else { "0" }])
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped());
         if let Some(cpu) = cpu {
             c.args(["--cpu", &cpu.to_string()]);
         }
@@ -724,7 +722,7 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         None => "unpinned".into(),
     };
     println!(
-        "tensorport bench — {cores} cores; throughput: median of {} runs of {} s per cell; {} round trips per latency cell; one producer {pinning}",
+        "tensorport-bench — {cores} cores; throughput: median of {} runs of {} s per cell; {} round trips per latency cell; one producer {pinning}",
         a.repeat.max(1),
         a.seconds,
         a.round_trips,

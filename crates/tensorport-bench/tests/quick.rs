@@ -6,8 +6,8 @@ use std::process::Command;
 #[test]
 fn bench_quick_mode_measures_every_peer() {
     let plots = tempfile::tempdir().unwrap();
-    let o = Command::new(env!("CARGO_BIN_EXE_tensorport"))
-        .args(["--log", "warn", "bench", "--quick", "--plots"])
+    let o = Command::new(env!("CARGO_BIN_EXE_tensorport-bench"))
+        .args(["--quick", "--plots"])
         .arg(plots.path())
         .output()
         .unwrap();

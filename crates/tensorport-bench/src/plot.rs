@@ -4,8 +4,8 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::bench::{Latency, Throughput};
-use crate::common::{CliError, CliResult};
+use crate::suite::{Latency, Throughput};
+use crate::{CliError, CliResult};
 
 fn err<E: std::fmt::Display>(e: E) -> CliError {
     CliError::new(format!("plotting: {e}"))

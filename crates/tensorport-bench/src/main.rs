@@ -1,0 +1,90 @@
+//! `tensorport-bench`: tensorport's host hand-off against its peers (iceoryx2, a Unix-socket
+//! copy, memcpy) on the same payloads, in one run. See docs/benchmarks.md.
+//!
+//! ```sh
+//! cargo run --release -p tensorport-bench -- --quick
+//! ```
+
+mod plot;
+mod suite;
+
+use std::process::ExitCode;
+
+use clap::Parser;
+
+/// A command's failure: a message for the user and an exit code (2: usage).
+#[derive(Debug)]
+pub struct CliError {
+    message: String,
+    code: u8,
+}
+
+impl CliError {
+    pub fn new(message: impl Into<String>) -> CliError {
+        CliError {
+            message: message.into(),
+            code: 1,
+        }
+    }
+    pub fn usage(message: impl Into<String>) -> CliError {
+        CliError {
+            message: message.into(),
+            code: 2,
+        }
+    }
+}
+
+impl std::fmt::Display for CliError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl From<tensorport::Error> for CliError {
+    fn from(e: tensorport::Error) -> CliError {
+        CliError::new(e.to_string())
+    }
+}
+
+impl From<std::io::Error> for CliError {
+    fn from(e: std::io::Error) -> CliError {
+        CliError::new(e.to_string())
+    }
+}
+
+pub type CliResult<T> = Result<T, CliError>;
+
+#[derive(Parser, Debug)]
+#[command(name = "tensorport-bench", version, about, long_about = None)]
+struct Cli {
+    /// Log level for messages on stderr (the tables go to stdout): off, error, warn, info,
+    /// debug, trace, or a filter such as `warn,tensorport=debug`.
+    #[arg(long, env = "TENSORPORT_LOG", default_value = "warn")]
+    log: String,
+    #[command(flatten)]
+    args: suite::Args,
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    match tracing_subscriber::EnvFilter::try_new(&cli.log) {
+        Ok(filter) => {
+            let _ = tracing_subscriber::fmt()
+                .with_env_filter(filter)
+                .with_writer(std::io::stderr)
+                .with_target(false)
+                .try_init();
+        }
+        Err(e) => {
+            eprintln!("error: --log {}: {e}", cli.log);
+            return ExitCode::from(2);
+        }
+    }
+    match suite::run(cli.args) {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e}");
+            ExitCode::from(e.code)
+        }
+    }
+}
