@@ -24,6 +24,7 @@ fn main() {
             ("hostile_slot_abuse_and_fd_floods", hostile_slots),
             ("truncated_and_lying_frames", lying_frames),
             ("device_registrations_on_a_cpu_server", device_on_cpu),
+            ("many_descriptors_per_message_all_closed", many_fds),
             ("another_uid_is_refused", other_uid),
             ("a_server_of_another_uid_is_not_trusted", untrusted_server),
             ("connection_flood_is_bounded", flood),
@@ -860,4 +861,90 @@ fn protocol_1_client() {
         .unwrap();
     assert_eq!(ok2.load(Ordering::SeqCst), 1);
     stop2.store(true, Ordering::SeqCst);
+}
+
+/// Sends `msg` as one frame with `n` descriptors (of /dev/null) attached to it.
+fn send_with_fds(r: &mut Raw, msg: &ClientMsg, n: usize) {
+    let frame = encode_frame(msg).unwrap();
+    let files: Vec<std::fs::File> = (0..n)
+        .map(|_| std::fs::File::open("/dev/null").unwrap())
+        .collect();
+    let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
+    nix::sys::socket::sendmsg::<()>(
+        r.s.as_raw_fd(),
+        &[std::io::IoSlice::new(&frame)],
+        &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
+        nix::sys::socket::MsgFlags::empty(),
+        None,
+    )
+    .unwrap();
+}
+
+/// The next error frame's code and message.
+fn next_error_text(r: &mut Raw) -> (ErrorCode, String) {
+    loop {
+        match r.recv() {
+            Some(ServerMsg::Error { code, message, .. }) => {
+                return (ErrorCode::from_u16(code), message)
+            }
+            Some(_) => continue,
+            None => panic!("expected an error frame, the connection closed"),
+        }
+    }
+}
+
+/// Messages carrying more descriptors than any message takes — in the handshake and in a
+/// session, up to the kernel's 253 per message — are refused with the count that arrived, every
+/// descriptor is closed (the server's fd count comes back), and the server serves on.
+fn many_fds() {
+    let (_dir, sock) = socket_dir();
+    let (server, _ok, _torn, stop) = checking_server(ServerConfig::new(&sock));
+    std::thread::sleep(Duration::from_millis(50));
+    let fds0 = open_fds();
+    // In the handshake: a Hello with 6 descriptors, on 100 connections.
+    let hello = ClientMsg::Hello(tensorport::wire::Hello {
+        magic: tensorport::wire::MAGIC,
+        min_version: 1,
+        max_version: 2,
+        role: tensorport::wire::Role::Producer,
+        name: "fd-flood".into(),
+        want_slots: 2,
+        want_slot_size: 4096,
+    });
+    for _ in 0..100 {
+        let mut r = Raw::connect(&sock);
+        send_with_fds(&mut r, &hello, 6);
+        let (code, text) = next_error_text(&mut r);
+        assert_eq!(code, ErrorCode::FdsNotExpected, "{text}");
+        assert!(
+            text.starts_with("6 file descriptor(s)"),
+            "expected the error to say how many arrived: {text}"
+        );
+    }
+    // In a session: Status frames with 5, 8 and 253 descriptors, 300 in all.
+    let mut r = Raw::connect(&sock);
+    r.hello(2);
+    for i in 0..300 {
+        let n = [5, 8, 253][i % 3];
+        send_with_fds(&mut r, &ClientMsg::Status, n);
+        let (code, text) = next_error_text(&mut r);
+        assert_eq!(code, ErrorCode::FdsNotExpected, "{text}");
+        assert!(
+            text.starts_with(&format!("{n} file descriptor(s)")),
+            "expected the error to say {n} arrived: {text}"
+        );
+    }
+    drop(r);
+    assert!(
+        eventually(PATIENCE, || open_fds() <= fds0),
+        "the server's descriptors grew from {fds0} to {} after the floods",
+        open_fds()
+    );
+    assert_still_served(&sock, 2);
+    let t = server.status().totals;
+    assert!(
+        t.protocol_errors >= 300 && t.connections_refused >= 100,
+        "expected 300 refused messages and 100 refused handshakes counted: {t:?}"
+    );
+    stop.store(true, Ordering::SeqCst);
 }

@@ -1,7 +1,8 @@
 //! Framed messages over a Unix stream socket, with file descriptors passed by `SCM_RIGHTS`.
 //!
-//! Every read is a `recvmsg` with room for a few descriptors, so descriptors a peer attaches are
-//! always seen (and closed if unexpected), and `MSG_CTRUNC` is always noticed. Every write is a
+//! Every read is a `recvmsg` with room for as many descriptors as one message can carry, so
+//! every descriptor a peer attaches is received, owned, and closed unless a message adopts it;
+//! `MSG_CTRUNC` is still noticed. Every write is a
 //! `sendmsg` with `MSG_NOSIGNAL`, so a dead peer is an `EPIPE` error, never a `SIGPIPE`.
 
 use std::collections::VecDeque;
@@ -20,8 +21,13 @@ use tensorport_wire::{encode_frame_into, FrameBuffer, WireError};
 
 use crate::{Error, Result};
 
-/// Most descriptors accepted with one read; more sets `MSG_CTRUNC` and the kernel closes them.
-pub(crate) const MAX_FDS_PER_READ: usize = 4;
+/// Room for descriptors in one read: Linux's `SCM_MAX_FD`, the most one `sendmsg` can attach.
+///
+/// Not fewer: when the control buffer is too small the message comes back with `MSG_CTRUNC`, and
+/// then the descriptors that did fit are installed in our table but cannot be read out of the
+/// truncated buffer (nix refuses to iterate it), so each such message leaked them — a peer
+/// sending five descriptors at a time could exhaust the server's table (`EMFILE`).
+pub(crate) const MAX_FDS_PER_READ: usize = 253;
 
 /// Sends frames. Cheap to put behind a mutex: one buffer, reused.
 #[derive(Debug)]
@@ -157,12 +163,17 @@ impl FrameReader {
             ) {
                 Ok(msg) => {
                     let mut received = Vec::new();
-                    if let Ok(cmsgs) = msg.cmsgs() {
-                        for c in cmsgs {
-                            if let ControlMessageOwned::ScmRights(fds) = c {
-                                received.extend(fds);
+                    match msg.cmsgs() {
+                        Ok(cmsgs) => {
+                            for c in cmsgs {
+                                if let ControlMessageOwned::ScmRights(fds) = c {
+                                    received.extend(fds);
+                                }
                             }
                         }
+                        // Only a control message over SCM_MAX_FD descriptors, which the kernel
+                        // does not send: reported as truncated below.
+                        Err(e) => tracing::warn!("unreadable control message: {e}"),
                     }
                     (
                         msg.bytes,

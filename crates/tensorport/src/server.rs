@@ -1155,10 +1155,10 @@ fn read_hello(reader: &mut FrameReader, timeout: Duration) -> Handshake {
         match reader.fill() {
             Ok(info) if info.bytes == 0 => return Handshake::Gone,
             Ok(info) if info.fds > 0 || info.truncated => {
-                reader.drop_fds();
+                let n = reader.drop_fds();
                 return Handshake::Refused(
                     ErrorCode::FdsNotExpected,
-                    "file descriptors attached to the handshake".into(),
+                    format!("{n} file descriptor(s) attached to the handshake, which carries none; closed them"),
                 );
             }
             Ok(_) => {}
@@ -1495,7 +1495,9 @@ fn serve_producer(shared: &Arc<Shared>, session: &Arc<Session>, reader: &mut Fra
                 shared,
                 ErrorCode::FdsNotExpected,
                 None,
-                format!("{n} file descriptor(s) attached to a message that carries none (or too many at once); closed them"),
+                format!(
+                    "{n} file descriptor(s) attached to a message that carries none; closed them"
+                ),
             );
         }
         if !session.alive.load(Ordering::SeqCst) || shared.stopping.load(Ordering::SeqCst) {
