@@ -25,6 +25,7 @@ fn main() {
             ("truncated_and_lying_frames", lying_frames),
             ("device_registrations_on_a_cpu_server", device_on_cpu),
             ("many_descriptors_per_message_all_closed", many_fds),
+            ("drain_is_the_operators_not_a_producers", drain_authority),
             ("another_uid_is_refused", other_uid),
             ("a_server_of_another_uid_is_not_trusted", untrusted_server),
             ("connection_flood_is_bounded", flood),
@@ -945,6 +946,33 @@ fn many_fds() {
     assert!(
         t.protocol_errors >= 300 && t.connections_refused >= 100,
         "expected 300 refused messages and 100 refused handshakes counted: {t:?}"
+    );
+    stop.store(true, Ordering::SeqCst);
+}
+
+/// A producer session's `Drain` is refused (not fatal) and changes nothing; a control session's
+/// drains the server.
+fn drain_authority() {
+    let (_dir, sock) = socket_dir();
+    let (server, _ok, _torn, stop) = checking_server(ServerConfig::new(&sock));
+    let mut r = Raw::connect(&sock);
+    r.hello(2);
+    r.send(&ClientMsg::Drain);
+    let (code, text) = next_error_text(&mut r);
+    assert_eq!(code, ErrorCode::PermissionDenied, "{text}");
+    assert!(
+        text.contains("tensorport ctl drain"),
+        "expected the refusal to say who may drain: {text}"
+    );
+    assert!(!server.is_draining(), "a producer drained the server");
+    assert_still_served(&sock, 2);
+    // The operator may.
+    let mut c = tensorport::Control::connect(&sock, Duration::from_secs(10)).unwrap();
+    c.drain().unwrap();
+    assert!(server.is_draining());
+    assert!(
+        logs().contains("drain asked by a control session"),
+        "expected the log to say who drained"
     );
     stop.store(true, Ordering::SeqCst);
 }

@@ -1236,7 +1236,7 @@ fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) {
     };
     let writer = FrameWriter::new(wstream);
     match hello.role {
-        Role::Control => serve_control(shared, reader, writer, version),
+        Role::Control => serve_control(shared, reader, writer, version, &creds, &hello.name),
         Role::Producer => {
             let session = match open_session(shared, &hello, creds.pid() as u32, version, writer) {
                 Ok(s) => s,
@@ -1460,7 +1460,21 @@ fn serve_producer(shared: &Arc<Shared>, session: &Arc<Session>, reader: &mut Fra
                 ClientMsg::Status => {
                     let _ = session.send(&ServerMsg::Status(shared.status()));
                 }
-                ClientMsg::Drain => drain(shared),
+                // Draining is the operator's (a control session: `tensorport ctl drain`), not
+                // any producer's: one producer could otherwise stop everyone's work.
+                ClientMsg::Drain => {
+                    tracing::warn!(
+                        session = session.id,
+                        "refused Drain from a producer session"
+                    );
+                    session.send_error(
+                        shared,
+                        ErrorCode::PermissionDenied,
+                        None,
+                        "Drain is for control sessions (`tensorport ctl drain`), not producers"
+                            .into(),
+                    );
+                }
                 ClientMsg::Goodbye => return true,
                 ClientMsg::RegisterDevice {
                     buffer,
@@ -1777,6 +1791,8 @@ fn serve_control(
     mut reader: FrameReader,
     mut writer: FrameWriter,
     version: u16,
+    creds: &nix::sys::socket::UnixCredentials,
+    name: &str,
 ) {
     let welcome = ServerMsg::Welcome(Welcome {
         version,
@@ -1804,6 +1820,12 @@ fn serve_control(
         let reply = match msg {
             Ok(ClientMsg::Status) => ServerMsg::Status(shared.status()),
             Ok(ClientMsg::Drain) => {
+                tracing::info!(
+                    pid = creds.pid(),
+                    uid = creds.uid(),
+                    client = name,
+                    "drain asked by a control session"
+                );
                 drain(shared);
                 ServerMsg::Draining
             }
