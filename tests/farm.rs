@@ -606,3 +606,46 @@ fn farm_on_jpeg_and_png_files_profiles_every_stage() {
         "expected per-input stage times with --profile: {v}"
     );
 }
+
+#[test]
+fn a_pool_over_the_file_size_limit_is_refused_not_fatal() {
+    use std::io::BufRead;
+    let dir = tmp();
+    let sock = dir.path().join("s.sock");
+    let s = sock.to_str().unwrap();
+    // 64 KiB of file size allowed; a producer's pool of 8 slots of 48 KiB is over it.
+    let mut server = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -f 64 && exec {EXE} serve --socket {s} --image-size 64"
+        ))
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
+    let ready = lines.next().unwrap().unwrap();
+    assert!(ready.starts_with("ready"), "{ready}");
+    let (ok, _, err) = run(&[
+        "produce",
+        "--socket",
+        s,
+        "--synthetic",
+        "2",
+        "--image-size",
+        "64",
+    ]);
+    assert!(!ok, "the producer should have been refused");
+    assert!(
+        err.contains("file size limit (ulimit -f)"),
+        "expected the refusal to name the limit:\n{err}"
+    );
+    assert!(
+        server.try_wait().unwrap().is_none(),
+        "the server died (SIGXFSZ?) instead of refusing one producer"
+    );
+    let (ok, _, err) = run(&["ctl", "drain", "--socket", s]);
+    assert!(ok, "{err}");
+    assert!(server.wait().unwrap().success());
+}

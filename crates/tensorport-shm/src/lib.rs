@@ -48,6 +48,12 @@ pub enum ShmError {
         #[source]
         source: nix::Error,
     },
+    /// The pool is larger than this process may make a file (`RLIMIT_FSIZE`, `ulimit -f`).
+    #[error("cannot create a pool of {bytes} bytes: it is over this process's file size limit (ulimit -f); raise the limit (ulimit -f unlimited) or use fewer or smaller slots")]
+    FileSizeLimit {
+        /// Bytes asked for.
+        bytes: u64,
+    },
     /// The pool received from a peer is not sealed as required.
     #[error("pool fd is missing seals (has {have:#x}, needs {need:#x}); refusing to map memory the peer could truncate")]
     NotSealed {

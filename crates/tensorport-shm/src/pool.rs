@@ -89,12 +89,19 @@ impl HostPool {
             .ok_or_else(|| ShmError::BadLayout("pool size overflows".into()))?;
         let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
             .map_err(sys("memfd_create"))?;
-        ftruncate(&fd, len as i64).map_err(sys("ftruncate"))?;
+        // Over RLIMIT_FSIZE both calls fail with EFBIG — and raise SIGXFSZ, whose default action
+        // kills the process: a server must ignore or catch it (`tensorport serve` does).
+        match ftruncate(&fd, len as i64) {
+            Ok(()) => {}
+            Err(nix::Error::EFBIG) => return Err(ShmError::FileSizeLimit { bytes: len }),
+            Err(e) => return Err(sys("ftruncate")(e)),
+        }
         // Reserve the pages now: on a full tmpfs or memory cgroup this fails here with ENOSPC
         // instead of killing a process with SIGBUS when it first touches the page.
         match nix::fcntl::fallocate(&fd, nix::fcntl::FallocateFlags::empty(), 0, len as i64) {
             Ok(()) => {}
             Err(nix::Error::EOPNOTSUPP) => {}
+            Err(nix::Error::EFBIG) => return Err(ShmError::FileSizeLimit { bytes: len }),
             Err(source) => return Err(ShmError::NoSpace { bytes: len, source }),
         }
         fcntl(
