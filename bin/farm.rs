@@ -369,10 +369,13 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         }
     }
     let n = inputs.len() as u64;
-    let mut out =
-        std::io::BufWriter::new(std::fs::File::create(&args.output).map_err(|e| {
-            CliError::usage(format!("cannot create {}: {e}", args.output.display()))
-        })?);
+    let mut out = crate::results::ResultsFile::create(&args.output)?;
+    // Past a file size limit a write raises SIGXFSZ, which would kill the farm: catch it, so the
+    // write fails (EFBIG) and the results file is cut back to whole lines.
+    let _ = signal_hook::flag::register(
+        signal_hook::consts::SIGXFSZ,
+        Arc::new(std::sync::atomic::AtomicBool::new(false)),
+    );
     let tty = match args.progress.as_str() {
         "always" => true,
         "never" => false,
@@ -552,7 +555,10 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                         stage_sum += st;
                         profiled += 1;
                     }
-                    writeln!(out, "{line}")?;
+                    if let Err(e) = out.push(&line) {
+                        failure = Some(e);
+                        break;
+                    }
                     let w = &mut workers[slot];
                     w.done += 1;
                     w.failures_in_row = 0;
@@ -686,6 +692,11 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         }
         if Instant::now().duration_since(last_draw) >= Duration::from_millis(250) {
             last_draw = Instant::now();
+            // Results reach the file at least four times a second.
+            if let Err(e) = out.flush() {
+                failure = Some(e);
+                break;
+            }
             if tty {
                 if server_ready {
                     if let Ok(mut c) =
@@ -743,7 +754,9 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
             }
         }
     }
-    out.flush()?;
+    if let Err(e) = out.flush() {
+        failure.get_or_insert(e);
+    }
     console.clear();
 
     // Shut down: producers first (end of their worklist), then drain the server.

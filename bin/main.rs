@@ -7,6 +7,7 @@ mod gpu;
 mod metrics;
 mod prep;
 mod produce;
+mod results;
 mod serve;
 mod soak;
 mod tools;

@@ -649,3 +649,37 @@ fn a_pool_over_the_file_size_limit_is_refused_not_fatal() {
     assert!(ok, "{err}");
     assert!(server.wait().unwrap().success());
 }
+
+#[test]
+fn a_results_file_that_cannot_grow_keeps_whole_lines_and_is_named() {
+    // A file size limit stands in for a full disk: writes past it fail (EFBIG). 48 KiB holds
+    // a couple of hundred lines; the pools (memfds count too) stay under it with 16x16 images.
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let o = Command::new("bash")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -f 48 && exec {EXE} farm --synthetic 2000 --image-size 16 --producers 2 \
+             --progress never --output {}",
+            out.display()
+        ))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "the farm should fail:\n{stderr}");
+    assert!(
+        stderr.contains(&format!("writing results to {} failed", out.display())),
+        "expected the error to name the results file:\n{stderr}"
+    );
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert!(
+        !text.is_empty() && text.ends_with('\n'),
+        "expected whole lines only, the file ends with {:?}",
+        &text[text.len().saturating_sub(40)..]
+    );
+    for l in text.lines() {
+        serde_json::from_str::<serde_json::Value>(l)
+            .unwrap_or_else(|e| panic!("a torn line {l:?}: {e}"));
+    }
+}
