@@ -410,7 +410,23 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         tx,
         server_said: Arc::new(Mutex::new(String::new())),
     };
-    let stop = crate::common::stop_flag();
+    // SIGINT/SIGTERM, counted: the first drains, the second quits at once — but through this
+    // function's own exit, so the children are ended and the socket directory removed (exiting
+    // from the signal handler left both behind).
+    let signals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let mut it = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+            .map_err(|e| CliError::new(format!("cannot handle SIGINT/SIGTERM: {e}")))?;
+        let count = signals.clone();
+        std::thread::spawn(move || {
+            for _ in it.forever() {
+                count.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+    }
+    let stop = StopFlag(signals.clone());
+    let quit_now = || signals.load(Ordering::SeqCst) >= 2;
     let started = Instant::now();
 
     let mut server_gen = 1u64;
@@ -458,6 +474,9 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
 
     loop {
         let now = Instant::now();
+        if quit_now() {
+            break;
+        }
         if stop.load(Ordering::SeqCst) && stopping.is_none() {
             stopping = Some(now + Duration::from_secs(15));
             console.log("stopping: finishing the work in flight (Ctrl-C again to quit at once)");
@@ -768,7 +787,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
     let deadline = Instant::now() + Duration::from_secs(10);
     for w in workers.iter_mut() {
         if let State::Running { child, .. } = &mut w.state {
-            while Instant::now() < deadline {
+            while Instant::now() < deadline && !quit_now() {
                 if let Ok(Some(_)) = child.try_wait() {
                     break;
                 }
@@ -777,6 +796,16 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
             let _ = child.kill();
             let _ = child.wait();
         }
+    }
+    if quit_now() {
+        // The second Ctrl-C: no drain, no summary; the children go now, and the socket
+        // directory with this function's return.
+        if let Some(mut s) = server.take() {
+            let _ = s.kill();
+            let _ = s.wait();
+        }
+        console.log("stopped at once (second signal)");
+        return Ok(ExitCode::from(130));
     }
     if let Ok(mut c) = tensorport::Control::connect(&farm.socket, Duration::from_secs(2)) {
         if let Ok(s) = c.status() {
@@ -789,7 +818,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         loop {
             match s.try_wait() {
                 Ok(Some(_)) => break,
-                _ if Instant::now() >= deadline => {
+                _ if Instant::now() >= deadline || quit_now() => {
                     let _ = s.kill();
                     let _ = s.wait();
                     break;
@@ -871,4 +900,13 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         }));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// "A signal came": the first of the counted SIGINT/SIGTERM.
+struct StopFlag(Arc<std::sync::atomic::AtomicUsize>);
+
+impl StopFlag {
+    fn load(&self, o: Ordering) -> bool {
+        self.0.load(o) >= 1
+    }
 }

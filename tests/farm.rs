@@ -683,3 +683,77 @@ fn a_results_file_that_cannot_grow_keeps_whole_lines_and_is_named() {
             .unwrap_or_else(|e| panic!("a torn line {l:?}: {e}"));
     }
 }
+
+#[test]
+fn two_ctrl_c_stop_at_once_and_leave_nothing_behind() {
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    // No --socket: the farm makes (and must remove) a private socket directory.
+    let mut c = farm_cmd(&out, 1_000_000, 2);
+    let child = c.spawn().unwrap();
+    let farm_pid = child.id();
+    let t = Instant::now();
+    let (server, socket_dir) = loop {
+        let servers = children(farm_pid, "serve");
+        if let (Some(&pid), true) = (servers.first(), count_lines(&out) >= 10) {
+            let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap();
+            let args: Vec<String> = cmd
+                .split(|&b| b == 0)
+                .map(|a| String::from_utf8_lossy(a).into_owned())
+                .collect();
+            let sock = args
+                .iter()
+                .position(|a| a == "--socket")
+                .map(|i| PathBuf::from(&args[i + 1]))
+                .expect("the server's --socket");
+            break (pid, sock.parent().unwrap().to_path_buf());
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "the farm wrote no results in 5 minutes"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let producers = children(farm_pid, "produce");
+    assert!(socket_dir.is_dir(), "{}", socket_dir.display());
+    // The directory is the farm's alone.
+    use std::os::unix::fs::PermissionsExt;
+    let mode = std::fs::metadata(&socket_dir).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode, 0o700, "socket directory mode {mode:o}");
+    let pid = nix::unistd::Pid::from_raw(farm_pid as i32);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    std::thread::sleep(Duration::from_millis(100));
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGINT).unwrap();
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert_eq!(o.status.code(), Some(130), "{stderr}");
+    assert!(
+        !socket_dir.exists(),
+        "the socket directory {} was left behind:\n{stderr}",
+        socket_dir.display()
+    );
+    for p in producers.iter().chain([&server]) {
+        assert!(
+            eventually_gone(*p),
+            "child {p} outlived the farm:\n{stderr}"
+        );
+    }
+}
+
+/// Whether process `pid` is gone (or a zombie) within a minute.
+fn eventually_gone(pid: i32) -> bool {
+    let t = Instant::now();
+    while t.elapsed() < Duration::from_secs(60) {
+        match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+            Err(_) => return true,
+            Ok(s)
+                if s.rsplit_once(')')
+                    .is_some_and(|(_, r)| r.trim_start().starts_with('Z')) =>
+            {
+                return true
+            }
+            Ok(_) => std::thread::sleep(Duration::from_millis(20)),
+        }
+    }
+    false
+}
