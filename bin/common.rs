@@ -310,6 +310,36 @@ pub fn die_with_farm() {
     }
 }
 
+/// A size in bytes: a number, optionally with K, M, G or T (powers of 1024; `KiB`, `MB`, `g`
+/// all read alike).
+pub fn parse_size(s: &str) -> Result<u64, String> {
+    let t = s.trim();
+    let digits = t
+        .find(|c: char| !(c.is_ascii_digit() || c == '.'))
+        .unwrap_or(t.len());
+    let (num, unit) = t.split_at(digits);
+    let n: f64 = num
+        .parse()
+        .map_err(|_| format!("'{s}' is not a size; give bytes, or a number with K, M, G or T"))?;
+    let shift = match unit
+        .trim()
+        .to_ascii_lowercase()
+        .trim_end_matches(['b', 'i'])
+    {
+        "" => 0,
+        "k" => 10,
+        "m" => 20,
+        "g" => 30,
+        "t" => 40,
+        _ => return Err(format!("'{s}': unknown unit '{unit}'; use K, M, G or T")),
+    };
+    let bytes = n * (1u64 << shift) as f64;
+    if !(bytes >= 1.0 && bytes < u64::MAX as f64) {
+        return Err(format!("'{s}' is not a positive size"));
+    }
+    Ok(bytes as u64)
+}
+
 /// `n` and the noun, singular or plural: "1 restart", "3 restarts".
 pub fn plural(n: impl Into<u64>, noun: &str) -> String {
     let n = n.into();
@@ -338,6 +368,18 @@ mod tests {
         for bad in ["bogus", "", "warn,loud", "=debug", "tensorport=loud"] {
             let e = parse_log_filter(bad).unwrap_err();
             assert!(e.contains("use off, error, warn"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn sizes_take_binary_units() {
+        assert_eq!(parse_size("4096"), Ok(4096));
+        assert_eq!(parse_size("8GiB"), Ok(8 << 30));
+        assert_eq!(parse_size("512M"), Ok(512 << 20));
+        assert_eq!(parse_size("1.5g"), Ok(3 << 29));
+        assert_eq!(parse_size("64 KB"), Ok(64 << 10));
+        for bad in ["", "lots", "0", "5X", "-3G"] {
+            assert!(parse_size(bad).is_err(), "{bad}");
         }
     }
 

@@ -32,6 +32,14 @@ pub struct Args {
     /// Most producers at once.
     #[arg(long, default_value_t = 64)]
     pub max_sessions: u32,
+    /// Memory all producers' pools may reserve together, e.g. 8G [default: a quarter of
+    /// physical memory]. A producer whose pool does not fit is refused (MemoryBudget) until
+    /// another leaves.
+    #[arg(long, value_name = "SIZE", value_parser = crate::common::parse_size)]
+    pub memory_budget: Option<u64>,
+    /// Memory one producer's pool may reserve, e.g. 1G [default: a quarter of the budget].
+    #[arg(long, value_name = "SIZE", value_parser = crate::common::parse_size)]
+    pub max_session_memory: Option<u64>,
     /// Threads for the model's matrix products [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
@@ -131,6 +139,8 @@ fn serve_on<D: Device<f32>>(
     sc.slots_per_session = a.slots.max(1);
     sc.slot_size = a.slot_size.unwrap_or(image_bytes);
     sc.max_sessions = a.max_sessions;
+    sc.memory_budget = a.memory_budget.unwrap_or(0);
+    sc.max_session_bytes = a.max_session_memory.unwrap_or(0);
     sc.spin = Duration::from_micros(a.spin_us);
     sc.pin = hooks.pin;
     sc.device = hooks.device;

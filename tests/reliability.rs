@@ -26,6 +26,7 @@ fn main() {
             ("device_registrations_on_a_cpu_server", device_on_cpu),
             ("many_descriptors_per_message_all_closed", many_fds),
             ("drain_is_the_operators_not_a_producers", drain_authority),
+            ("memory_budget_holds_against_a_hello_flood", memory_budget),
             ("another_uid_is_refused", other_uid),
             ("a_server_of_another_uid_is_not_trusted", untrusted_server),
             ("connection_flood_is_bounded", flood),
@@ -973,6 +974,85 @@ fn drain_authority() {
     assert!(
         logs().contains("drain asked by a control session"),
         "expected the log to say who drained"
+    );
+    stop.store(true, Ordering::SeqCst);
+}
+
+/// A `Hello` with the given slots and slot size.
+fn hello_asking(slots: u32, slot_size: u64) -> ClientMsg {
+    ClientMsg::Hello(tensorport::wire::Hello {
+        magic: tensorport::wire::MAGIC,
+        min_version: 1,
+        max_version: 2,
+        role: tensorport::wire::Role::Producer,
+        name: "greedy".into(),
+        want_slots: slots,
+        want_slot_size: slot_size,
+    })
+}
+
+/// Hellos asking for the most memory each: a pool over the per-session cap is refused, pools
+/// are accepted until the budget is spent and refused after, the reserved bytes never pass the
+/// budget, and a reclaimed session's bytes come back for a newcomer.
+fn memory_budget() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.memory_budget = 64 << 20;
+    cfg.max_session_bytes = 24 << 20;
+    let (server, _ok, _torn, stop) = checking_server(cfg);
+    assert_eq!(server.pool_memory(), (0, 64 << 20));
+    // The most a Hello may ask for: 256 slots of 256 MiB.
+    let mut r = Raw::connect(&sock);
+    r.send(&hello_asking(256, 256 << 20));
+    let (code, text) = next_error_text(&mut r);
+    assert_eq!(code, ErrorCode::MemoryBudget, "{text}");
+    assert!(text.contains("fewer or smaller slots"), "{text}");
+    // 20 MiB each: three fit in 64 MiB, the rest of a flood of twelve is refused.
+    let mut held = Vec::new();
+    let mut refused = 0;
+    for _ in 0..12 {
+        let mut r = Raw::connect(&sock);
+        r.send(&hello_asking(5, 4 << 20));
+        match r.recv() {
+            Some(ServerMsg::Welcome(_)) => held.push(r),
+            Some(ServerMsg::Error { code, message, .. }) => {
+                assert_eq!(
+                    ErrorCode::from_u16(code),
+                    ErrorCode::MemoryBudget,
+                    "{message}"
+                );
+                assert!(message.contains("--memory-budget"), "{message}");
+                refused += 1;
+            }
+            other => panic!("expected Welcome or a refusal, got {other:?}"),
+        }
+        let (used, limit) = server.pool_memory();
+        assert!(
+            used <= limit,
+            "{used} bytes reserved, over the budget of {limit}"
+        );
+    }
+    assert_eq!(
+        (held.len(), refused),
+        (3, 9),
+        "expected 3 pools of 20 MiB in 64 MiB"
+    );
+    // One leaves: its 20 MiB come back, and a newcomer fits again.
+    held.pop();
+    assert!(
+        eventually(PATIENCE, || server.pool_memory().0 == 40 << 20),
+        "expected 40 MiB reserved after a session left, got {:?}",
+        server.pool_memory()
+    );
+    let mut r = Raw::connect(&sock);
+    r.send(&hello_asking(5, 4 << 20));
+    assert!(matches!(r.recv(), Some(ServerMsg::Welcome(_))));
+    drop(r);
+    drop(held);
+    assert!(
+        eventually(PATIENCE, || server.pool_memory().0 == 0),
+        "expected every pool given back, got {:?}",
+        server.pool_memory()
     );
     stop.store(true, Ordering::SeqCst);
 }

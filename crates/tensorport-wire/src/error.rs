@@ -51,6 +51,9 @@ pub enum ErrorCode {
     TooLong = 21,
     /// The session has too many requests in flight.
     TooManyInFlight = 22,
+    /// The pool asked for is over the per-session cap, or the server's memory budget for pools
+    /// is spent.
+    MemoryBudget = 23,
     /// A code this version does not know (kept as received).
     Unknown = 0xFFFF,
 }
@@ -82,6 +85,7 @@ impl ErrorCode {
             20 => HandlerFailed,
             21 => TooLong,
             22 => TooManyInFlight,
+            23 => MemoryBudget,
             _ => Unknown,
         }
     }

@@ -10,6 +10,7 @@
 //! See `docs/architecture.md` for the data flow and `docs/protocol.md` for the wire protocol.
 #![warn(missing_docs)]
 
+mod budget;
 mod client;
 mod conn;
 mod control;

@@ -54,6 +54,10 @@ pub struct ServerConfig {
     pub max_in_flight: u32,
     /// Most producer sessions at once.
     pub max_sessions: u32,
+    /// Bytes all producers' pools may reserve together; 0: a quarter of physical memory.
+    pub memory_budget: u64,
+    /// Bytes one producer's pool may reserve; 0: a quarter of the budget.
+    pub max_session_bytes: u64,
     /// Time a new connection has to send `Hello`.
     pub handshake_timeout: Duration,
     /// Time a write to a producer may block before the producer is dropped as stalled.
@@ -87,7 +91,8 @@ impl std::fmt::Debug for ServerConfig {
 
 impl ServerConfig {
     /// Defaults: 8 slots of 1 MiB per producer (at most 256 slots of 256 MiB), 64 producers,
-    /// 2 s to say hello, 5 s write timeout, own uid only, no pinning.
+    /// pools within a quarter of physical memory together (a quarter of that each), 2 s to say
+    /// hello, 5 s write timeout, own uid only, no pinning.
     pub fn new(socket: impl Into<PathBuf>) -> ServerConfig {
         ServerConfig {
             socket: socket.into(),
@@ -97,6 +102,8 @@ impl ServerConfig {
             max_slot_size: 256 << 20,
             max_in_flight: 0,
             max_sessions: 64,
+            memory_budget: 0,
+            max_session_bytes: 0,
             handshake_timeout: Duration::from_secs(2),
             write_timeout: Duration::from_secs(5),
             allowed_uids: Vec::new(),
@@ -140,6 +147,9 @@ impl AtomicCounters {
 
 struct Shared {
     config: ServerConfig,
+    /// What the pools may reserve together, and the per-session cap.
+    budget: crate::budget::MemoryBudget,
+    max_session_bytes: u64,
     started: Instant,
     next_session: AtomicU64,
     sessions: Mutex<HashMap<u64, Arc<Session>>>,
@@ -231,6 +241,9 @@ struct Session {
     name: String,
     pid: u32,
     pool: Arc<HostPool>,
+    /// The pool's share of the memory budget, given back when the session's last reference
+    /// (and so the pool's mapping here) goes.
+    _charge: crate::budget::Charge,
     bounds: PoolBounds,
     max_in_flight: u32,
     state: Mutex<SessionState>,
@@ -743,7 +756,18 @@ impl Server {
         epoll
             .add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, 0))
             .map_err(Error::sys("epoll_ctl"))?;
+        let budget = match config.memory_budget {
+            0 => crate::budget::physical_memory().map_or(u64::MAX, |m| m / 4),
+            b => b,
+        };
+        let max_session_bytes = match config.max_session_bytes {
+            0 => budget / 4,
+            b => b.min(budget),
+        };
+        tracing::debug!(budget, max_session_bytes, "memory budget for pools");
         let shared = Arc::new(Shared {
+            budget: crate::budget::MemoryBudget::new(budget),
+            max_session_bytes,
             config,
             started: Instant::now(),
             next_session: AtomicU64::new(1),
@@ -1018,6 +1042,12 @@ impl Server {
     /// [`Server::recv_timeout`] returns [`Error::Stopped`] once they have all left.
     pub fn drain(&self) {
         drain(&self.shared);
+    }
+
+    /// Bytes the producers' pools reserve now, and the budget they share
+    /// ([`ServerConfig::memory_budget`]).
+    pub fn pool_memory(&self) -> (u64, u64) {
+        (self.shared.budget.used(), self.shared.budget.limit())
     }
 
     /// Whether [`Server::drain`] was called (here or by a control client).
@@ -1303,6 +1333,29 @@ fn open_session(
         0 => cfg.slot_size,
         n => n.min(cfg.max_slot_size),
     };
+    // Charge the budget before a byte is reserved: the pool's size as HostPool will make it.
+    let want = slot_size
+        .checked_next_multiple_of(tensorport_shm::page_size())
+        .and_then(|s| s.checked_mul(u64::from(slots)))
+        .unwrap_or(u64::MAX);
+    if want > shared.max_session_bytes {
+        return Err((
+            ErrorCode::MemoryBudget,
+            format!(
+                "a pool of {want} bytes ({slots} slots of {slot_size}) is over the {} bytes one producer may have; ask for fewer or smaller slots",
+                shared.max_session_bytes
+            ),
+        ));
+    }
+    let charge = shared.budget.charge(want).map_err(|used| {
+        (
+            ErrorCode::MemoryBudget,
+            format!(
+                "the server's memory for pools is spent ({used} of {} bytes reserved; this pool needs {want}); try again later, or start the server with a larger --memory-budget",
+                shared.budget.limit()
+            ),
+        )
+    })?;
     let id = shared.next_session.fetch_add(1, Ordering::SeqCst);
     let mut pool = HostPool::create("tensorport-pool", slots, slot_size)
         .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
@@ -1367,6 +1420,7 @@ fn open_session(
             slot_size: layout.slot_size,
         },
         pool: Arc::new(pool),
+        _charge: charge,
         max_in_flight,
         state: Mutex::new(SessionState {
             slots: table,
