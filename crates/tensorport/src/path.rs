@@ -28,8 +28,22 @@ pub fn default_socket_path() -> PathBuf {
     PathBuf::from(format!("/tmp/tensorport-{uid}/tensorport.sock"))
 }
 
-/// Makes sure `dir` exists, belongs to us, and no one else can write it.
+/// Makes sure `dir` exists, belongs to us, and no one else can write it. A symbolic link in its
+/// place must be ours too: in a shared directory such as /tmp, another user could plant one at
+/// our default path to choose where our socket goes, and swap it later.
 fn ensure_private_dir(dir: &Path) -> Result<()> {
+    let me = nix::unistd::geteuid().as_raw();
+    if let Ok(link) = fs::symlink_metadata(dir) {
+        if link.file_type().is_symlink() && link.uid() != me {
+            return Err(Error::UnsafeDir {
+                path: dir.to_owned(),
+                problem: format!(
+                    "is a symbolic link owned by uid {}, not by you (uid {me}); remove it, or choose another --socket",
+                    link.uid()
+                ),
+            });
+        }
+    }
     match DirBuilder::new().recursive(true).mode(0o700).create(dir) {
         Ok(()) => {}
         Err(e) => {
@@ -40,7 +54,6 @@ fn ensure_private_dir(dir: &Path) -> Result<()> {
         }
     }
     let md = fs::metadata(dir).map_err(Error::io("stat socket directory"))?;
-    let me = nix::unistd::geteuid().as_raw();
     if md.uid() != me {
         return Err(Error::UnsafeDir {
             path: dir.to_owned(),
@@ -140,6 +153,47 @@ mod tests {
             bind_listener(&open.join("s.sock")),
             Err(Error::UnsafeDir { .. })
         ));
+    }
+
+    #[test]
+    fn refuses_another_users_symlink_and_directory() {
+        if !nix::unistd::geteuid().is_root() {
+            eprintln!("SKIPPED: giving files to another uid needs root");
+            return;
+        }
+        let nobody = 65534;
+        let dir = tempfile::tempdir().unwrap();
+        // A directory of ours, reached through a link another user planted.
+        let mine = dir.path().join("mine");
+        fs::create_dir(&mine).unwrap();
+        fs::set_permissions(&mine, fs::Permissions::from_mode(0o700)).unwrap();
+        let link = dir.path().join("planted");
+        std::os::unix::fs::symlink(&mine, &link).unwrap();
+        std::os::unix::fs::lchown(&link, Some(nobody), Some(nobody)).unwrap();
+        match bind_listener(&link.join("s.sock")) {
+            Err(Error::UnsafeDir { problem, .. }) => {
+                assert!(
+                    problem.contains("symbolic link owned by uid 65534"),
+                    "{problem}"
+                )
+            }
+            other => panic!("expected UnsafeDir, got {other:?}"),
+        }
+        // Our own link is fine.
+        let own = dir.path().join("own-link");
+        std::os::unix::fs::symlink(&mine, &own).unwrap();
+        drop(bind_listener(&own.join("s.sock")).unwrap());
+        // A directory another user owns.
+        let theirs = dir.path().join("theirs");
+        fs::create_dir(&theirs).unwrap();
+        fs::set_permissions(&theirs, fs::Permissions::from_mode(0o700)).unwrap();
+        std::os::unix::fs::chown(&theirs, Some(nobody), Some(nobody)).unwrap();
+        match bind_listener(&theirs.join("s.sock")) {
+            Err(Error::UnsafeDir { problem, .. }) => {
+                assert!(problem.contains("belongs to uid 65534"), "{problem}")
+            }
+            other => panic!("expected UnsafeDir, got {other:?}"),
+        }
     }
 
     #[test]
