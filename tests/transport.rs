@@ -38,6 +38,7 @@ fn main() {
             ("pool_fd_is_sealed_against_truncation", sealed_pool),
             ("handshake_timeout_and_session_limit", limits),
             ("stale_socket_replaced_live_socket_kept", socket_file),
+            ("a_grant_past_the_pool_is_refused", bad_grant),
         ],
         child,
     );
@@ -543,4 +544,58 @@ fn socket_file() {
     drop(s2);
     drop(s1);
     assert!(!sock.exists(), "socket file removed on clean shutdown");
+}
+
+/// A server that lies: it grants a slot past the pool it sent. The producer refuses the grant
+/// with an error instead of indexing outside its mapping later.
+fn bad_grant() {
+    use std::os::fd::AsRawFd;
+    use tensorport::wire::{encode_frame, PoolLayout, ServerMsg, Welcome};
+    let (_dir, sock) = socket_dir();
+    let listener = std::os::unix::net::UnixListener::bind(&sock).unwrap();
+    let liar = std::thread::spawn(move || {
+        let (s, _) = listener.accept().unwrap();
+        let pool = tensorport_shm::HostPool::create("liar", 2, 4096).unwrap();
+        let welcome = encode_frame(&ServerMsg::Welcome(Welcome {
+            version: 1,
+            session_id: 1,
+            pool: PoolLayout {
+                slot_count: pool.slot_count(),
+                slot_size: pool.slot_size(),
+                pool_len: pool.len(),
+            },
+            max_in_flight: 4,
+            fds: 1,
+        }))
+        .unwrap();
+        let fds = [pool.fd().as_raw_fd()];
+        nix::sys::socket::sendmsg::<()>(
+            s.as_raw_fd(),
+            &[std::io::IoSlice::new(&welcome)],
+            &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
+            nix::sys::socket::MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
+        let grant = encode_frame(&ServerMsg::Grant(vec![SlotRef {
+            slot: 7,
+            generation: 1,
+        }]))
+        .unwrap();
+        (&s).write_all(&grant).unwrap();
+        // Hold the connection until the producer hangs up.
+        let mut buf = [0u8; 256];
+        while std::io::Read::read(&mut &s, &mut buf).is_ok_and(|n| n > 0) {}
+    });
+    let mut cfg = ProducerConfig::new("trusting");
+    cfg.rings = false;
+    let e = match Producer::connect(&sock, cfg) {
+        Err(e) => e,
+        Ok(mut p) => p.lease(Duration::from_secs(10)).map(|_| ()).unwrap_err(),
+    };
+    assert!(
+        e.to_string().contains("granted slot 7 of a pool of 2"),
+        "expected the bad grant refused by name, got: {e}"
+    );
+    liar.join().unwrap();
 }
