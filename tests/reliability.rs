@@ -27,6 +27,10 @@ fn main() {
             ("many_descriptors_per_message_all_closed", many_fds),
             ("drain_is_the_operators_not_a_producers", drain_authority),
             ("memory_budget_holds_against_a_hello_flood", memory_budget),
+            (
+                "a_refused_socket_submit_names_its_request",
+                refused_submit_named,
+            ),
             ("another_uid_is_refused", other_uid),
             ("a_server_of_another_uid_is_not_trusted", untrusted_server),
             ("connection_flood_is_bounded", flood),
@@ -1054,5 +1058,33 @@ fn memory_budget() {
         "expected every pool given back, got {:?}",
         server.pool_memory()
     );
+    stop.store(true, Ordering::SeqCst);
+}
+
+/// A socket `Submit` refused before validation (a rank over 8 fails the decoder's size checks)
+/// carries its request id, as every other refusal of a Submit does.
+fn refused_submit_named() {
+    let (_dir, sock) = socket_dir();
+    let (_server, _ok, _torn, stop) = checking_server(ServerConfig::new(&sock));
+    let mut r = Raw::connect(&sock);
+    let (_, g) = r.hello(2);
+    let mut msg = submit(g[0], 4242);
+    if let ClientMsg::Submit { tensor, .. } = &mut msg {
+        tensor.shape = vec![1; 9];
+    }
+    r.send(&msg);
+    loop {
+        match r.recv() {
+            Some(ServerMsg::Error {
+                code, request_id, ..
+            }) => {
+                assert_eq!(ErrorCode::from_u16(code), ErrorCode::BadRank);
+                assert_eq!(request_id, Some(4242), "the refusal must name the request");
+                break;
+            }
+            Some(_) => continue,
+            None => panic!("the connection closed without a refusal"),
+        }
+    }
     stop.store(true, Ordering::SeqCst);
 }

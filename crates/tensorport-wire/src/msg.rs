@@ -347,8 +347,23 @@ fn check_desc_sizes(t: &RawTensorDesc) -> Result<(), WireError> {
 
 /// Decodes one frame payload from a client, checking sizes of every string and list.
 pub fn decode_client(payload: &[u8]) -> Result<ClientMsg, WireError> {
-    let msg: ClientMsg = decode(payload)?;
-    match &msg {
+    decode_client_naming(payload).map_err(|(e, _)| e)
+}
+
+/// [`decode_client`], and when a `Submit` decodes but fails the size checks, its `request_id`
+/// beside the error, so the refusal can name the request.
+pub fn decode_client_naming(payload: &[u8]) -> Result<ClientMsg, (WireError, Option<u64>)> {
+    let msg: ClientMsg = decode(payload).map_err(|e| (e, None))?;
+    let id = match &msg {
+        ClientMsg::Submit { request_id, .. } => Some(*request_id),
+        _ => None,
+    };
+    check_client_sizes(&msg).map_err(|e| (e, id))?;
+    Ok(msg)
+}
+
+fn check_client_sizes(msg: &ClientMsg) -> Result<(), WireError> {
+    match msg {
         ClientMsg::Hello(h) => check_len("client name", h.name.len(), MAX_NAME_LEN)?,
         ClientMsg::Submit { tensor, .. } => check_desc_sizes(tensor)?,
         ClientMsg::RegisterDevice {
@@ -364,7 +379,7 @@ pub fn decode_client(payload: &[u8]) -> Result<ClientMsg, WireError> {
         } => check_handle("IPC memory handle", memory)?,
         _ => {}
     }
-    Ok(msg)
+    Ok(())
 }
 
 /// Decodes one frame payload from a server, checking sizes of every string and list.

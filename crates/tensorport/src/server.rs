@@ -1473,7 +1473,7 @@ fn serve_producer(shared: &Arc<Shared>, session: &Arc<Session>, reader: &mut Fra
     loop {
         loop {
             let msg = match reader.next_payload() {
-                Ok(Some(p)) => decode_client(p),
+                Ok(Some(p)) => tensorport_wire::decode_client_naming(p),
                 Ok(None) => break,
                 Err(e) => {
                     fatal(shared, session, e);
@@ -1482,12 +1482,13 @@ fn serve_producer(shared: &Arc<Shared>, session: &Arc<Session>, reader: &mut Fra
             };
             let msg = match msg {
                 Ok(m) => m,
-                Err(e) if e.is_fatal() => {
+                Err((e, _)) if e.is_fatal() => {
                     fatal(shared, session, e);
                     return false;
                 }
-                Err(e) => {
-                    session.send_error(shared, e.code(), None, e.to_string());
+                // A Submit refused for its sizes (rank over 8, say) names its request.
+                Err((e, request_id)) => {
+                    session.send_error(shared, e.code(), request_id, e.to_string());
                     continue;
                 }
             };
