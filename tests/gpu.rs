@@ -146,7 +146,9 @@ impl GpuServer {
                     req.desc().numel(),
                     req.desc().dtype(),
                 );
-                dev.copy_from_host_async(req.bytes(), &stream).unwrap();
+                // SAFETY: `req` holds the slot (and its bytes unchanged) until it is answered
+                // below, after the event recorded behind the copy has completed.
+                unsafe { dev.copy_from_host_async(req.bytes(), &stream).unwrap() };
                 stream.copy_done().unwrap().wait().unwrap(); // the DMA has read the slot
                                                              // Now the slot may be reused. A producer killed meanwhile: SessionGone, fine.
                 let _ = req.respond(&answer);

@@ -154,10 +154,15 @@ impl DeviceBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// Copies `src` to the start of this buffer on `stream` (asynchronously). The borrow of
-    /// `src` ends when this returns, so the caller must keep the bytes alive and unchanged until
-    /// an event recorded after this call completes: [`Stream::copy_done`] does that.
-    pub fn copy_from_host_async(&self, src: &[u8], stream: &Stream) -> Result<()> {
+    /// Copies `src` to the start of this buffer on `stream` (asynchronously).
+    ///
+    /// # Safety
+    ///
+    /// The copy reads `src` after this returns, while the borrow has ended: the caller must keep
+    /// those bytes allocated and unchanged until the stream has passed this point — wait for an
+    /// event recorded after this call ([`Stream::copy_done`]) or synchronize the stream — before
+    /// freeing, reusing or writing them. (Safe code could otherwise free the slice mid-DMA.)
+    pub unsafe fn copy_from_host_async(&self, src: &[u8], stream: &Stream) -> Result<()> {
         assert!(src.len() <= self.len, "copy larger than the buffer");
         self.gpu.bind()?;
         // SAFETY: dst is this buffer (long enough, checked); src is valid now, and the caller
@@ -536,17 +541,25 @@ pub struct H2dBench {
 
 fn time_copies(gpu: &Arc<Gpu>, dst: &DeviceBuffer, src: &[u8], iters: usize) -> Result<f64> {
     let stream = Stream::new(gpu)?;
-    // One warm-up copy.
-    dst.copy_from_host_async(src, &stream)?;
+    let timed = || -> Result<f64> {
+        // One warm-up copy.
+        // SAFETY: `src` is borrowed for this whole function, which synchronizes the stream
+        // before it returns, on every path (below), so no DMA outlives the bytes.
+        unsafe { dst.copy_from_host_async(src, &stream)? };
+        stream.synchronize()?;
+        let start = stream.record()?;
+        for _ in 0..iters {
+            // SAFETY: as above.
+            unsafe { dst.copy_from_host_async(src, &stream)? };
+        }
+        let end = stream.record()?;
+        end.wait()?;
+        Ok(end.elapsed_since(&start)? as f64)
+    };
+    let ms = timed();
+    // Also after a failure part way: copies already queued still read `src`.
     stream.synchronize()?;
-    let start = stream.record()?;
-    for _ in 0..iters {
-        dst.copy_from_host_async(src, &stream)?;
-    }
-    let end = stream.record()?;
-    end.wait()?;
-    let ms = end.elapsed_since(&start)? as f64;
-    Ok((src.len() * iters) as f64 / (ms / 1e3) / 1e9)
+    Ok((src.len() * iters) as f64 / (ms? / 1e3) / 1e9)
 }
 
 /// Measures host-to-device bandwidth from a registered pool, `cuMemAllocHost` memory and
