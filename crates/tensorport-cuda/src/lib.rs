@@ -14,6 +14,8 @@
 //! - [`bench_h2d`]: host-to-device bandwidth from a registered memfd pool, from `cuMemAllocHost`
 //!   memory and from pageable memory, measured in one run.
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod driver;
 mod gpu;

@@ -14,6 +14,8 @@
 //!
 //! `unsafe` is confined to [`map`], which owns the one mapping call and the raw views.
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 mod map;
 mod pool;

@@ -268,6 +268,7 @@ mod tests {
         assert_eq!(unsafe { other.slot_bytes(2, 0, 4) }.unwrap(), b"abcd");
         // SAFETY: as above; the request is out of bounds and must be refused.
         assert!(unsafe { other.slot_bytes(2, pool.slot_size() - 2, 4) }.is_none());
+        // SAFETY: slot 4 does not exist; the call must refuse it without reading.
         assert!(unsafe { other.slot_bytes(4, 0, 1) }.is_none());
     }
 

@@ -9,6 +9,8 @@
 //!
 //! See `docs/architecture.md` for the data flow and `docs/protocol.md` for the wire protocol.
 #![warn(missing_docs)]
+#![deny(unsafe_op_in_unsafe_fn)]
+#![warn(clippy::undocumented_unsafe_blocks)]
 
 mod budget;
 mod client;
