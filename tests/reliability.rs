@@ -31,6 +31,7 @@ fn main() {
                 "a_refused_socket_submit_names_its_request",
                 refused_submit_named,
             ),
+            ("idle_sessions_make_room_for_newcomers", idle_eviction),
             ("another_uid_is_refused", other_uid),
             ("a_server_of_another_uid_is_not_trusted", untrusted_server),
             ("connection_flood_is_bounded", flood),
@@ -1062,5 +1063,52 @@ fn refused_submit_named() {
             None => panic!("the connection closed without a refusal"),
         }
     }
+    stop.store(true, Ordering::SeqCst);
+}
+
+/// Every producer place held, one by a session that does nothing: a newcomer still gets in, and
+/// the idle one is told why it was closed. The busy session is not the one closed.
+fn idle_eviction() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.max_sessions = 2;
+    cfg.idle_eviction = Duration::from_millis(300);
+    let (server, _ok, _torn, stop) = checking_server(cfg);
+    let mut idle = Raw::connect(&sock);
+    idle.hello(2);
+    // The second place: a producer that keeps working (a submit every few milliseconds).
+    let busy = {
+        let sock = sock.clone();
+        std::thread::spawn(move || {
+            let mut p = Producer::connect(&sock, ProducerConfig::new("busy")).unwrap();
+            let spec = TensorSpec::new(DType::U8, &[64]);
+            for i in 0..400u64 {
+                let mut l = p.lease(Duration::from_secs(30)).unwrap();
+                fill(i, &mut l.bytes_mut()[..64]);
+                l.submit(&spec).unwrap();
+                p.recv_result(Duration::from_secs(30)).unwrap();
+                std::thread::sleep(Duration::from_millis(5));
+            }
+        })
+    };
+    assert!(eventually(PATIENCE, || server.status().sessions.len() == 2));
+    std::thread::sleep(Duration::from_millis(400));
+    // Full; the idle one has been idle long enough: the newcomer gets its place.
+    let newcomer = Producer::connect(&sock, ProducerConfig::new("newcomer"));
+    assert!(
+        newcomer.is_ok(),
+        "the newcomer was refused: {:?}",
+        newcomer.err()
+    );
+    let mut told = None;
+    while let Some(m) = idle.recv() {
+        if let ServerMsg::Error { code, message, .. } = m {
+            told = Some((ErrorCode::from_u16(code), message));
+        }
+    }
+    let (code, message) = told.expect("the idle session was closed without a word");
+    assert_eq!(code, ErrorCode::TooManySessions, "{message}");
+    assert!(message.contains("idle for"), "{message}");
+    busy.join().expect("the busy producer was disturbed");
     stop.store(true, Ordering::SeqCst);
 }

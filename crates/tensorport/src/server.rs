@@ -62,6 +62,10 @@ pub struct ServerConfig {
     pub handshake_timeout: Duration,
     /// Time a write to a producer may block before the producer is dropped as stalled.
     pub write_timeout: Duration,
+    /// When every producer place is taken and another producer asks for one, a session with
+    /// nothing in flight and no submit or answer for this long is closed to make room (the
+    /// longest idle first). `Duration::ZERO`: never.
+    pub idle_eviction: Duration,
     /// Uids allowed to connect besides the server's own.
     pub allowed_uids: Vec<u32>,
     /// Pins each pool (the CUDA build registers it with `cuMemHostRegister`).
@@ -106,6 +110,7 @@ impl ServerConfig {
             max_session_bytes: 0,
             handshake_timeout: Duration::from_secs(2),
             write_timeout: Duration::from_secs(5),
+            idle_eviction: Duration::from_secs(30),
             allowed_uids: Vec::new(),
             pin: None,
             device: None,
@@ -214,6 +219,8 @@ struct SessionState {
     submitted: u64,
     completed: u64,
     errors: u64,
+    /// The session's last submit or answer (its opening, before either).
+    last_active: Instant,
 }
 
 impl SessionState {
@@ -221,6 +228,7 @@ impl SessionState {
     fn settle(&mut self, request_id: u64) -> bool {
         let owed = self.in_flight.remove(&request_id);
         self.completed += owed as u64;
+        self.last_active = Instant::now();
         owed
     }
 }
@@ -1297,6 +1305,44 @@ impl Drop for Reservation<'_> {
     }
 }
 
+/// Closes the producer session that has been idle longest, if one has been idle (nothing in
+/// flight, no submit or answer) for `idle_eviction`; returns whether it did.
+fn evict_idle(shared: &Shared) -> bool {
+    let after = shared.config.idle_eviction;
+    if after.is_zero() {
+        return false;
+    }
+    let victim = lock(&shared.sessions)
+        .values()
+        .filter(|s| s.alive.load(Ordering::SeqCst))
+        .filter_map(|s| {
+            let st = lock(&s.state);
+            let idle = st.last_active.elapsed();
+            (st.in_flight.is_empty() && idle >= after).then(|| (idle, s.clone()))
+        })
+        .max_by_key(|(idle, _)| *idle);
+    let Some((idle, s)) = victim else {
+        return false;
+    };
+    tracing::warn!(
+        session = s.id,
+        producer = %s.name,
+        idle_s = idle.as_secs_f64(),
+        "closing an idle session to make room for a new producer"
+    );
+    let _ = s.send(&ServerMsg::Error {
+        code: ErrorCode::TooManySessions.as_u16(),
+        request_id: None,
+        fatal: true,
+        message: format!(
+            "closed: idle for {:.0} s while every producer place was taken and another producer asked for one",
+            idle.as_secs_f64()
+        ),
+    });
+    s.kill();
+    true
+}
+
 /// Creates the pool, registers the session, sends `Welcome` (with the fd) and the first grant.
 fn open_session(
     shared: &Arc<Shared>,
@@ -1309,15 +1355,26 @@ fn open_session(
     if shared.draining.load(Ordering::SeqCst) {
         return Err((ErrorCode::Draining, "the server is draining".into()));
     }
-    // Reserve a place among the producers before building anything.
+    // Reserve a place among the producers before building anything; when all are taken, an
+    // idle session may give its place up (it leaves through its reader thread, so wait for it).
     let max = cfg.max_sessions;
-    if shared
-        .producers
-        .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
-            (n < max).then_some(n + 1)
-        })
-        .is_err()
-    {
+    let take = || {
+        shared
+            .producers
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
+    };
+    let mut placed = take();
+    if !placed && evict_idle(shared) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !placed && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+            placed = take();
+        }
+    }
+    if !placed {
         return Err((
             ErrorCode::TooManySessions,
             format!("the server has its maximum of {max} producers; try again later or raise --max-sessions"),
@@ -1431,6 +1488,7 @@ fn open_session(
                 Default::default(),
             ),
             submitted: 0,
+            last_active: Instant::now(),
             completed: 0,
             errors: 0,
         }),
@@ -1730,6 +1788,7 @@ fn admit(
         }
         st.in_flight.insert(request_id);
         st.submitted += 1;
+        st.last_active = Instant::now();
     }
     drop(st);
     shared.counters.submitted.fetch_add(1, Ordering::Relaxed);
