@@ -534,7 +534,18 @@ fn serve_metrics_endpoint_is_scraped() {
         "32",
     ]);
     assert!(ok && out.lines().count() == 5, "{out}{err}");
-    let page = http_get(&addr, "/metrics");
+    // The serving loop records a batch's histograms after it has answered the batch, so the
+    // last batch may land a moment after the producer has its results: scrape until it has.
+    let t = Instant::now();
+    let page = loop {
+        let page = http_get(&addr, "/metrics");
+        if page.contains("tensorport_request_service_seconds_count 5")
+            || t.elapsed() > Duration::from_secs(60)
+        {
+            break page;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
     assert!(
         page.starts_with("HTTP/1.0 200") || page.starts_with("HTTP/1.1 200"),
         "{page}"
