@@ -292,6 +292,16 @@ pub fn stop_flag() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
     stop
 }
 
+/// A write past the file size limit (`ulimit -f`; memfd pools count) raises SIGXFSZ, whose
+/// default action kills the process: catch it, so the call fails with EFBIG and the caller can
+/// refuse or report it.
+pub fn catch_sigxfsz() {
+    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
+    if let Err(e) = signal_hook::flag::register(signal_hook::consts::SIGXFSZ, flag) {
+        tracing::warn!("cannot catch SIGXFSZ: {e}");
+    }
+}
+
 /// When started by a farm (`TENSORPORT_FARM_PID` set), ask the kernel to send us SIGTERM if the
 /// farm dies, so no producer or server outlives it.
 pub fn die_with_farm() {

@@ -370,12 +370,9 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
     }
     let n = inputs.len() as u64;
     let mut out = crate::results::ResultsFile::create(&args.output)?;
-    // Past a file size limit a write raises SIGXFSZ, which would kill the farm: catch it, so the
-    // write fails (EFBIG) and the results file is cut back to whole lines.
-    let _ = signal_hook::flag::register(
-        signal_hook::consts::SIGXFSZ,
-        Arc::new(std::sync::atomic::AtomicBool::new(false)),
-    );
+    // A results write past the file size limit then fails (and the file is cut back to whole
+    // lines) instead of killing the farm.
+    crate::common::catch_sigxfsz();
     let tty = match args.progress.as_str() {
         "always" => true,
         "never" => false,
@@ -425,7 +422,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
             }
         });
     }
-    let stop = StopFlag(signals.clone());
+    let stopped = || signals.load(Ordering::SeqCst) >= 1;
     let quit_now = || signals.load(Ordering::SeqCst) >= 2;
     let started = Instant::now();
 
@@ -477,7 +474,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         if quit_now() {
             break;
         }
-        if stop.load(Ordering::SeqCst) && stopping.is_none() {
+        if stopped() && stopping.is_none() {
             stopping = Some(now + Duration::from_secs(15));
             console.log("stopping: finishing the work in flight (Ctrl-C again to quit at once)");
         }
@@ -893,20 +890,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         return Err(f);
     }
     if done_count < n {
-        return Ok(ExitCode::from(if stop.load(Ordering::SeqCst) {
-            130
-        } else {
-            1
-        }));
+        return Ok(ExitCode::from(if stopped() { 130 } else { 1 }));
     }
     Ok(ExitCode::SUCCESS)
-}
-
-/// "A signal came": the first of the counted SIGINT/SIGTERM.
-struct StopFlag(Arc<std::sync::atomic::AtomicUsize>);
-
-impl StopFlag {
-    fn load(&self, o: Ordering) -> bool {
-        self.0.load(o) >= 1
-    }
 }

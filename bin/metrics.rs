@@ -6,7 +6,7 @@
 //! status`); the histograms are filled by the serving loop as batches run.
 
 use std::net::SocketAddr;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 use std::time::Duration;
 
 use prometheus_client::collector::Collector;
@@ -175,15 +175,14 @@ pub fn start(addr: &str, server: Arc<Server>) -> CliResult<(Metrics, SocketAddr)
         .server_addr()
         .to_ip()
         .ok_or_else(|| CliError::usage(format!("--metrics {addr}: not a TCP address")))?;
-    let reg = Arc::new(Mutex::new(reg));
+    // The registry moves into the thread that serves it; the histograms are shared handles.
     std::thread::Builder::new()
         .name("metrics".into())
         .spawn(move || {
             for req in http.incoming_requests() {
                 let reply = if req.url() == "/metrics" {
                     let mut text = String::new();
-                    let encoded =
-                        prometheus_client::encoding::text::encode(&mut text, &reg.lock().unwrap());
+                    let encoded = prometheus_client::encoding::text::encode(&mut text, &reg);
                     match encoded {
                         Ok(()) => tiny_http::Response::from_string(text).with_header(
                             tiny_http::Header::from_bytes(

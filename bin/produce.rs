@@ -66,7 +66,11 @@ pub struct Args {
 
 /// An input, with its file's bytes read ahead (or why they could not be), and how long the read
 /// took.
-type Item = (u64, Source, Option<(std::io::Result<Vec<u8>>, Duration)>);
+type Item = (
+    u64,
+    Source,
+    Option<(tensorport_vision::Result<Vec<u8>>, Duration)>,
+);
 
 enum Work {
     Item(Item),
@@ -75,15 +79,15 @@ enum Work {
 }
 
 /// Reads a file's bytes into `buf` (reused), timing it.
-fn read_ahead(src: &Source, mut buf: Vec<u8>) -> Option<(std::io::Result<Vec<u8>>, Duration)> {
+fn read_ahead(
+    src: &Source,
+    mut buf: Vec<u8>,
+) -> Option<(tensorport_vision::Result<Vec<u8>>, Duration)> {
     let Source::File(path) = src else {
         return None;
     };
     let t = Instant::now();
-    buf.clear();
-    let r = std::fs::File::open(path)
-        .and_then(|mut f| std::io::Read::read_to_end(&mut f, &mut buf))
-        .map(|_| buf);
+    let r = tensorport_vision::read_file(path, &mut buf).map(|()| buf);
     Some((r, t.elapsed()))
 }
 
@@ -236,10 +240,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                     let _ = spent.send(buf);
                     r
                 }
-                (None, Some((Err(e), _)), _) => Err(tensorport_vision::Error::Image {
-                    path: source.to_string(),
-                    problem: e.to_string(),
-                }),
+                (None, Some((Err(e), _)), _) => Err(e),
                 (None, _, _) => prep.prepare(&source, pixels),
             };
             if ready.is_none() {

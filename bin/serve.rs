@@ -55,12 +55,8 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
-    // A pool over the file size limit (`ulimit -f`) raises SIGXFSZ, which by default kills the
-    // server: catch it, so the call fails with EFBIG and that one producer is refused instead.
-    let xfsz = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    if let Err(e) = signal_hook::flag::register(signal_hook::consts::SIGXFSZ, xfsz) {
-        tracing::warn!("cannot catch SIGXFSZ: {e}");
-    }
+    // A pool over the file size limit is then one producer refused, not the server killed.
+    crate::common::catch_sigxfsz();
     if let Some(n) = a.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))

@@ -359,20 +359,8 @@ fn errors_are_one_line_and_say_what_to_do() {
     );
     assert_one_line_error(&["produce", "--socket", s], "--synthetic N");
     // A socket already in use by a live server.
-    let mut server = Command::new(EXE)
-        .args(["serve", "--socket", s, "--image-size", "32"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    std::io::BufRead::read_line(
-        &mut std::io::BufReader::new(server.stdout.take().unwrap()),
-        &mut line,
-    )
-    .unwrap();
-    assert!(line.starts_with("ready"), "{line}");
+    let (mut server, _lines) =
+        serve_until_ready(Command::new(EXE).args(["serve", "--socket", s, "--image-size", "32"]));
     assert_one_line_error(
         &["serve", "--socket", s, "--image-size", "32"],
         "already listening",
@@ -503,21 +491,14 @@ fn http_get(addr: &str, path: &str) -> String {
 
 #[test]
 fn serve_metrics_endpoint_is_scraped() {
-    use std::io::BufRead;
     let dir = tmp();
     let sock = dir.path().join("s.sock");
     let s = sock.to_str().unwrap();
-    let mut server = Command::new(EXE)
-        .args(["serve", "--socket", s, "--image-size", "32"])
-        .args(["--metrics", "127.0.0.1:0"])
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
-    let ready = lines.next().unwrap().unwrap();
-    assert!(ready.starts_with("ready"), "{ready}");
+    let (mut server, mut lines) = serve_until_ready(
+        Command::new(EXE)
+            .args(["serve", "--socket", s, "--image-size", "32"])
+            .args(["--metrics", "127.0.0.1:0"]),
+    );
     let announced = lines.next().unwrap().unwrap();
     let addr = announced
         .strip_prefix("metrics http://")
@@ -570,9 +551,7 @@ fn serve_metrics_endpoint_is_scraped() {
     assert!(page.contains("tensorport_batch_size_sum 5"), "{page}");
     let other = http_get(&addr, "/");
     assert!(other.contains(" 404 "), "{other}");
-    let (ok, _, err) = run(&["ctl", "drain", "--socket", s]);
-    assert!(ok, "{err}");
-    assert!(server.wait().unwrap().success());
+    drain_and_wait(s, &mut server);
 }
 
 #[test]
@@ -620,24 +599,13 @@ fn farm_on_jpeg_and_png_files_profiles_every_stage() {
 
 #[test]
 fn a_pool_over_the_file_size_limit_is_refused_not_fatal() {
-    use std::io::BufRead;
     let dir = tmp();
     let sock = dir.path().join("s.sock");
     let s = sock.to_str().unwrap();
     // 64 KiB of file size allowed; a producer's pool of 8 slots of 48 KiB is over it.
-    let mut server = Command::new("bash")
-        .arg("-c")
-        .arg(format!(
-            "ulimit -f 64 && exec {EXE} serve --socket {s} --image-size 64"
-        ))
-        .stdin(Stdio::null())
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
-    let ready = lines.next().unwrap().unwrap();
-    assert!(ready.starts_with("ready"), "{ready}");
+    let (mut server, _lines) = serve_until_ready(Command::new("bash").arg("-c").arg(format!(
+        "ulimit -f 64 && exec {EXE} serve --socket {s} --image-size 64"
+    )));
     let (ok, _, err) = run(&[
         "produce",
         "--socket",
@@ -656,9 +624,7 @@ fn a_pool_over_the_file_size_limit_is_refused_not_fatal() {
         server.try_wait().unwrap().is_none(),
         "the server died (SIGXFSZ?) instead of refusing one producer"
     );
-    let (ok, _, err) = run(&["ctl", "drain", "--socket", s]);
-    assert!(ok, "{err}");
-    assert!(server.wait().unwrap().success());
+    drain_and_wait(s, &mut server);
 }
 
 #[test]
@@ -767,4 +733,32 @@ fn eventually_gone(pid: i32) -> bool {
         }
     }
     false
+}
+
+/// Starts a server (`cmd` runs `serve`), waits for its `ready` line, and returns it with the
+/// rest of its stdout.
+fn serve_until_ready(
+    cmd: &mut Command,
+) -> (
+    std::process::Child,
+    std::io::Lines<std::io::BufReader<std::process::ChildStdout>>,
+) {
+    use std::io::BufRead;
+    let mut server = cmd
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut lines = std::io::BufReader::new(server.stdout.take().unwrap()).lines();
+    let ready = lines.next().unwrap().unwrap();
+    assert!(ready.starts_with("ready"), "{ready}");
+    (server, lines)
+}
+
+/// `ctl drain` on socket `s`, then the server must exit cleanly.
+fn drain_and_wait(s: &str, server: &mut std::process::Child) {
+    let (ok, _, err) = run(&["ctl", "drain", "--socket", s]);
+    assert!(ok, "{err}");
+    assert!(server.wait().unwrap().success());
 }

@@ -307,7 +307,7 @@ fn hostile_slots() {
     ));
     assert_eq!(r.next_error(), ErrorCode::SlotNotLeased);
     // Ten descriptors on one message that carries none: all closed, refused.
-    send_with_fds(&mut r, &ClientMsg::Status, 10);
+    r.send_with_fds(&ClientMsg::Status, 10);
     assert_eq!(r.next_error(), ErrorCode::FdsNotExpected);
     // The session still works after all of that.
     r.send(&ClientMsg::Status);
@@ -573,7 +573,7 @@ fn device_on_cpu() {
     r.hello(2);
     std::thread::sleep(Duration::from_millis(50));
     let fds0 = open_fds();
-    let send_with_fd = |r: &mut Raw, msg: &ClientMsg| send_with_fds(r, msg, 1);
+    let send_with_fd = |r: &mut Raw, msg: &ClientMsg| r.send_with_fds(msg, 1);
     let vmm = ClientMsg::RegisterDevice {
         buffer: 0,
         len: 1 << 20,
@@ -846,36 +846,6 @@ fn protocol_1_client() {
     stop2.store(true, Ordering::SeqCst);
 }
 
-/// Sends `msg` as one frame with `n` descriptors (of /dev/null) attached to it.
-fn send_with_fds(r: &mut Raw, msg: &ClientMsg, n: usize) {
-    let frame = encode_frame(msg).unwrap();
-    let files: Vec<std::fs::File> = (0..n)
-        .map(|_| std::fs::File::open("/dev/null").unwrap())
-        .collect();
-    let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
-    nix::sys::socket::sendmsg::<()>(
-        r.s.as_raw_fd(),
-        &[std::io::IoSlice::new(&frame)],
-        &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
-        nix::sys::socket::MsgFlags::empty(),
-        None,
-    )
-    .unwrap();
-}
-
-/// The next error frame's code and message.
-fn next_error_text(r: &mut Raw) -> (ErrorCode, String) {
-    loop {
-        match r.recv() {
-            Some(ServerMsg::Error { code, message, .. }) => {
-                return (ErrorCode::from_u16(code), message)
-            }
-            Some(_) => continue,
-            None => panic!("expected an error frame, the connection closed"),
-        }
-    }
-}
-
 /// Messages carrying more descriptors than any message takes — in the handshake and in a
 /// session, up to the kernel's 253 per message — are refused with the count that arrived, every
 /// descriptor is closed (the server's fd count comes back), and the server serves on.
@@ -896,8 +866,8 @@ fn many_fds() {
     });
     for _ in 0..100 {
         let mut r = Raw::connect(&sock);
-        send_with_fds(&mut r, &hello, 6);
-        let (code, text) = next_error_text(&mut r);
+        r.send_with_fds(&hello, 6);
+        let (code, text) = r.next_error_text();
         assert_eq!(code, ErrorCode::FdsNotExpected, "{text}");
         assert!(
             text.starts_with("6 file descriptor(s)"),
@@ -909,8 +879,8 @@ fn many_fds() {
     r.hello(2);
     for i in 0..300 {
         let n = [5, 8, 253][i % 3];
-        send_with_fds(&mut r, &ClientMsg::Status, n);
-        let (code, text) = next_error_text(&mut r);
+        r.send_with_fds(&ClientMsg::Status, n);
+        let (code, text) = r.next_error_text();
         assert_eq!(code, ErrorCode::FdsNotExpected, "{text}");
         assert!(
             text.starts_with(&format!("{n} file descriptor(s)")),
@@ -940,7 +910,7 @@ fn drain_authority() {
     let mut r = Raw::connect(&sock);
     r.hello(2);
     r.send(&ClientMsg::Drain);
-    let (code, text) = next_error_text(&mut r);
+    let (code, text) = r.next_error_text();
     assert_eq!(code, ErrorCode::PermissionDenied, "{text}");
     assert!(
         text.contains("tensorport ctl drain"),
@@ -985,7 +955,7 @@ fn memory_budget() {
     // The most a Hello may ask for: 256 slots of 256 MiB.
     let mut r = Raw::connect(&sock);
     r.send(&hello_asking(256, 256 << 20));
-    let (code, text) = next_error_text(&mut r);
+    let (code, text) = r.next_error_text();
     assert_eq!(code, ErrorCode::MemoryBudget, "{text}");
     assert!(text.contains("fewer or smaller slots"), "{text}");
     // 20 MiB each: three fit in 64 MiB, the rest of a flood of twelve is refused.
@@ -1076,13 +1046,17 @@ fn idle_eviction() {
     let (server, _ok, _torn, stop) = checking_server(cfg);
     let mut idle = Raw::connect(&sock);
     idle.hello(2);
-    // The second place: a producer that keeps working (a submit every few milliseconds).
+    // The second place: a producer that keeps working (a submit every few milliseconds) until
+    // the test is over, however slow the machine.
+    let done = Arc::new(AtomicBool::new(false));
     let busy = {
-        let sock = sock.clone();
+        let (sock, done) = (sock.clone(), done.clone());
         std::thread::spawn(move || {
             let mut p = Producer::connect(&sock, ProducerConfig::new("busy")).unwrap();
             let spec = TensorSpec::new(DType::U8, &[64]);
-            for i in 0..400u64 {
+            let mut i = 0u64;
+            while !done.load(Ordering::SeqCst) {
+                i += 1;
                 let mut l = p.lease(Duration::from_secs(30)).unwrap();
                 fill(i, &mut l.bytes_mut()[..64]);
                 l.submit(&spec).unwrap();
@@ -1109,6 +1083,7 @@ fn idle_eviction() {
     let (code, message) = told.expect("the idle session was closed without a word");
     assert_eq!(code, ErrorCode::TooManySessions, "{message}");
     assert!(message.contains("idle for"), "{message}");
+    done.store(true, Ordering::SeqCst);
     busy.join().expect("the busy producer was disturbed");
     stop.store(true, Ordering::SeqCst);
 }

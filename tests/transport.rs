@@ -8,15 +8,12 @@ mod support;
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Write};
-use std::os::fd::AsRawFd;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use support::*;
-use tensorport::wire::{
-    encode_frame, ClientMsg, ErrorCode, RawLocation, RawTensorDesc, ServerMsg, SlotRef,
-};
+use tensorport::wire::{ClientMsg, ErrorCode, RawLocation, RawTensorDesc, ServerMsg, SlotRef};
 use tensorport::{DType, Error, Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
 
 fn main() {
@@ -400,17 +397,7 @@ fn bad_input() {
         }
     }
     // Descriptors attached to a frame that carries none are closed and refused.
-    let frame = encode_frame(&ClientMsg::Status).unwrap();
-    let devnull = std::fs::File::open("/dev/null").unwrap();
-    let fds = [devnull.as_raw_fd()];
-    nix::sys::socket::sendmsg::<()>(
-        r.s.as_raw_fd(),
-        &[std::io::IoSlice::new(&frame)],
-        &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
-        nix::sys::socket::MsgFlags::empty(),
-        None,
-    )
-    .unwrap();
+    r.send_with_fds(&ClientMsg::Status, 1);
     let (mut saw_err, mut saw_status) = (false, false);
     while !(saw_err && saw_status) {
         match r.recv() {

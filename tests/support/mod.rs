@@ -340,14 +340,39 @@ impl Raw {
 
     /// Reads until an error frame and returns its code (grants and results are skipped).
     pub fn next_error(&mut self) -> tensorport::wire::ErrorCode {
+        self.next_error_text().0
+    }
+
+    /// Reads until an error frame and returns its code and message.
+    pub fn next_error_text(&mut self) -> (tensorport::wire::ErrorCode, String) {
         use tensorport::wire::{ErrorCode, ServerMsg};
         loop {
             match self.recv() {
-                Some(ServerMsg::Error { code, .. }) => return ErrorCode::from_u16(code),
+                Some(ServerMsg::Error { code, message, .. }) => {
+                    return (ErrorCode::from_u16(code), message)
+                }
                 Some(_) => {}
                 None => panic!("connection closed before an error frame"),
             }
         }
+    }
+
+    /// Sends `msg` as one frame with `n` descriptors (of /dev/null) attached to it.
+    pub fn send_with_fds(&mut self, msg: &tensorport::wire::ClientMsg, n: usize) {
+        use std::os::fd::AsRawFd;
+        let frame = tensorport::wire::encode_frame(msg).unwrap();
+        let files: Vec<std::fs::File> = (0..n)
+            .map(|_| std::fs::File::open("/dev/null").unwrap())
+            .collect();
+        let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
+        nix::sys::socket::sendmsg::<()>(
+            self.s.as_raw_fd(),
+            &[std::io::IoSlice::new(&frame)],
+            &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
+            nix::sys::socket::MsgFlags::empty(),
+            None,
+        )
+        .unwrap();
     }
 }
 

@@ -70,22 +70,26 @@ pub struct HostPool {
 }
 
 impl HostPool {
+    /// The slot size (rounded up to the page size) and the bytes a pool of `slot_count` such
+    /// slots reserves, as [`HostPool::create`] would make it; `None` if that overflows.
+    pub fn size_for(slot_count: u32, slot_size: u64) -> Option<(u64, u64)> {
+        let slot = slot_size.checked_next_multiple_of(page_size())?;
+        let len = slot
+            .checked_mul(u64::from(slot_count))
+            .filter(|&l| l <= isize::MAX as u64)?;
+        Some((slot, len))
+    }
+
     /// Creates a pool of `slot_count` slots of at least `slot_size` bytes each (rounded up to the
     /// page size, so every slot starts page-aligned). The memory is reserved and sealed before
     /// this returns.
     pub fn create(name: &str, slot_count: u32, slot_size: u64) -> Result<HostPool> {
-        let page = page_size();
         if slot_count == 0 || slot_size == 0 {
             return Err(ShmError::BadLayout(format!(
                 "{slot_count} slots of {slot_size} bytes"
             )));
         }
-        let slot_size = slot_size
-            .checked_next_multiple_of(page)
-            .ok_or_else(|| ShmError::BadLayout("slot size overflows".into()))?;
-        let len = slot_size
-            .checked_mul(slot_count as u64)
-            .filter(|&l| l <= isize::MAX as u64)
+        let (slot_size, len) = HostPool::size_for(slot_count, slot_size)
             .ok_or_else(|| ShmError::BadLayout("pool size overflows".into()))?;
         let fd = memfd_create(name, MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING)
             .map_err(sys("memfd_create"))?;

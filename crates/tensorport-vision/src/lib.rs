@@ -21,7 +21,7 @@ use std::str::FromStr;
 use image::RgbImage;
 use thiserror::Error;
 
-pub use decode::{RgbBuf, MAX_SIDE};
+pub use decode::{read_file, RgbBuf, MAX_SIDE};
 pub use normalise::{Normaliser, IMAGENET_MEAN, IMAGENET_STD};
 pub use preprocess::{Preprocessor, Stages};
 pub use transform::Transform;

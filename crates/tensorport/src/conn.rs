@@ -111,6 +111,8 @@ pub(crate) struct FrameReader {
     stream: UnixStream,
     buf: FrameBuffer,
     fds: VecDeque<OwnedFd>,
+    /// Room for one read's control message (about 1 KiB), made once and reused by every read.
+    cmsg: Vec<u8>,
 }
 
 impl FrameReader {
@@ -119,6 +121,7 @@ impl FrameReader {
             stream,
             buf: FrameBuffer::new(max_frame),
             fds: VecDeque::new(),
+            cmsg: nix::cmsg_space!([RawFd; MAX_FDS_PER_READ]),
         }
     }
 
@@ -154,11 +157,10 @@ impl FrameReader {
         loop {
             let spare = self.buf.spare();
             let mut iov = [IoSliceMut::new(spare)];
-            let mut cmsg = nix::cmsg_space!([RawFd; MAX_FDS_PER_READ]);
             let (bytes, received, truncated) = match recvmsg::<()>(
                 self.stream.as_raw_fd(),
                 &mut iov,
-                Some(&mut cmsg),
+                Some(&mut self.cmsg),
                 MsgFlags::MSG_CMSG_CLOEXEC,
             ) {
                 Ok(msg) => {

@@ -1391,10 +1391,7 @@ fn open_session(
         n => n.min(cfg.max_slot_size),
     };
     // Charge the budget before a byte is reserved: the pool's size as HostPool will make it.
-    let want = slot_size
-        .checked_next_multiple_of(tensorport_shm::page_size())
-        .and_then(|s| s.checked_mul(u64::from(slots)))
-        .unwrap_or(u64::MAX);
+    let want = HostPool::size_for(slots, slot_size).map_or(u64::MAX, |(_, len)| len);
     if want > shared.max_session_bytes {
         return Err((
             ErrorCode::MemoryBudget,
