@@ -56,6 +56,9 @@ pub enum Error {
     /// The producer whose request this is has left; its result has nowhere to go.
     #[error("the producer's session has ended")]
     SessionGone,
+    /// The producer does not read what the server sends it, so it is being dropped.
+    #[error("the producer is dropped: {0}")]
+    PeerNotReading(String),
     /// `recv_result` was called with nothing in flight.
     #[error("no request is in flight, so no result will come")]
     NothingInFlight,

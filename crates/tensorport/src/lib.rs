@@ -12,7 +12,6 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
-mod budget;
 mod client;
 mod conn;
 mod control;

@@ -1,0 +1,225 @@
+//! The acceptor thread and each connection's thread up to its role: credentials, `Hello`,
+//! version, then a control session or a producer session (which this thread then serves until
+//! the producer leaves).
+
+use std::os::fd::AsFd;
+use std::os::unix::net::{UnixListener, UnixStream};
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tensorport_wire::{
+    clip_message, decode_client, negotiate, ClientMsg, ErrorCode, Hello, Role, ServerMsg,
+    MAX_FRAME_LEN,
+};
+
+use crate::conn::{peer_credentials, FrameReader, FrameWriter};
+use crate::server::admission::open_session;
+use crate::server::control::serve_control;
+use crate::server::reader::{close_session, serve_producer};
+use crate::server::shared::Shared;
+
+pub(crate) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    while !shared.stopping.load(Ordering::SeqCst) {
+        let mut pfd = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
+        if let Ok(0) | Err(_) = poll(&mut pfd, PollTimeout::from(100u16)) {
+            continue;
+        }
+        let stream = match listener.accept() {
+            Ok((s, _)) => s,
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
+            Err(e) => {
+                tracing::warn!("accept failed: {e}");
+                std::thread::sleep(Duration::from_millis(10));
+                continue;
+            }
+        };
+        let _ = stream.set_nonblocking(false);
+        let _ = stream.set_write_timeout(Some(shared.config.write_timeout));
+        // Connections in handshake count too, so a flood of idle connections is bounded.
+        let limit = shared.config.max_sessions.saturating_add(16);
+        if shared.connections.load(Ordering::SeqCst) >= limit {
+            shared
+                .counters
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!("refusing connection: {limit} connections open");
+            refuse(
+                &stream,
+                ErrorCode::TooManySessions,
+                "too many connections".into(),
+            );
+            continue;
+        }
+        shared.connections.fetch_add(1, Ordering::SeqCst);
+        let sh = shared.clone();
+        let spawned = std::thread::Builder::new()
+            .name("tensorport-session".into())
+            .spawn(move || {
+                serve_connection(&sh, stream);
+                sh.connections.fetch_sub(1, Ordering::SeqCst);
+            });
+        if let Err(e) = spawned {
+            shared.connections.fetch_sub(1, Ordering::SeqCst);
+            tracing::error!("cannot spawn session thread: {e}");
+        }
+    }
+}
+
+fn refuse(stream: &UnixStream, code: ErrorCode, message: String) {
+    if let Ok(s) = stream.try_clone() {
+        let _ = s.set_write_timeout(Some(Duration::from_millis(200)));
+        let mut w = FrameWriter::new(s);
+        let _ = w.send(
+            &ServerMsg::Error {
+                code: code.as_u16(),
+                request_id: None,
+                fatal: true,
+                message: clip_message(message),
+            },
+            &[],
+        );
+        w.shutdown();
+    }
+}
+
+enum Handshake {
+    Hello(Hello),
+    Refused(ErrorCode, String),
+    Gone,
+}
+
+fn read_hello(reader: &mut FrameReader, timeout: Duration) -> Handshake {
+    let deadline = Instant::now() + timeout;
+    loop {
+        match reader.next_payload() {
+            Ok(Some(p)) => {
+                return match decode_client(p) {
+                    Ok(ClientMsg::Hello(h)) => Handshake::Hello(h),
+                    Ok(other) => Handshake::Refused(
+                        ErrorCode::HandshakeRequired,
+                        format!("first message must be Hello, got {}", msg_name(&other)),
+                    ),
+                    Err(e) => Handshake::Refused(e.code(), e.to_string()),
+                };
+            }
+            Ok(None) => {}
+            Err(e) => return Handshake::Refused(e.code(), e.to_string()),
+        }
+        let left = deadline.saturating_duration_since(Instant::now());
+        match reader.wait(Some(left)) {
+            Ok(true) => {}
+            Ok(false) => {
+                return Handshake::Refused(
+                    ErrorCode::HandshakeTimeout,
+                    format!("no Hello within {timeout:?}"),
+                )
+            }
+            Err(_) => return Handshake::Gone,
+        }
+        match reader.fill() {
+            Ok(info) if info.bytes == 0 => return Handshake::Gone,
+            Ok(info) if info.fds > 0 || info.truncated => {
+                let n = reader.drop_fds();
+                return Handshake::Refused(
+                    ErrorCode::FdsNotExpected,
+                    format!("{n} file descriptor(s) attached to the handshake, which carries none; closed them"),
+                );
+            }
+            Ok(_) => {}
+            Err(_) => return Handshake::Gone,
+        }
+    }
+}
+
+pub(crate) fn msg_name(m: &ClientMsg) -> &'static str {
+    match m {
+        ClientMsg::Hello(_) => "Hello",
+        ClientMsg::Submit { .. } => "Submit",
+        ClientMsg::Return(_) => "Return",
+        ClientMsg::Status => "Status",
+        ClientMsg::Drain => "Drain",
+        ClientMsg::Goodbye => "Goodbye",
+        ClientMsg::RegisterDevice { .. } => "RegisterDevice",
+    }
+}
+
+fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) {
+    let creds = match peer_credentials(&stream) {
+        Ok(c) => c,
+        Err(e) => {
+            tracing::warn!("no peer credentials: {e}");
+            return;
+        }
+    };
+    let me = nix::unistd::geteuid().as_raw();
+    if creds.uid() != me && !shared.config.allowed_uids.contains(&creds.uid()) {
+        shared
+            .counters
+            .connections_refused
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            pid = creds.pid(),
+            uid = creds.uid(),
+            "refusing connection from another user"
+        );
+        refuse(
+            &stream,
+            ErrorCode::PermissionDenied,
+            format!("uid {} may not use this server", creds.uid()),
+        );
+        return;
+    }
+    let Ok(wstream) = stream.try_clone() else {
+        return;
+    };
+    let mut reader = FrameReader::new(stream, MAX_FRAME_LEN);
+    let hello = match read_hello(&mut reader, shared.config.handshake_timeout) {
+        Handshake::Hello(h) => h,
+        Handshake::Gone => return,
+        Handshake::Refused(code, message) => {
+            shared
+                .counters
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(pid = creds.pid(), ?code, "handshake refused: {message}");
+            refuse(reader.stream(), code, message);
+            return;
+        }
+    };
+    let version = match negotiate(&hello) {
+        Ok(v) => v,
+        Err(e) => {
+            shared
+                .counters
+                .connections_refused
+                .fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(pid = creds.pid(), "handshake refused: {e}");
+            refuse(reader.stream(), e.code(), e.to_string());
+            return;
+        }
+    };
+    match hello.role {
+        Role::Control => {
+            let writer = FrameWriter::new(wstream);
+            serve_control(shared, reader, writer, version, &creds, &hello.name)
+        }
+        Role::Producer => {
+            let session = match open_session(shared, &hello, creds.pid() as u32, version, wstream) {
+                Ok(s) => s,
+                Err((code, message)) => {
+                    shared
+                        .counters
+                        .connections_refused
+                        .fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(pid = creds.pid(), ?code, "session refused: {message}");
+                    refuse(reader.stream(), code, message);
+                    return;
+                }
+            };
+            let clean = serve_producer(shared, &session, &mut reader);
+            close_session(shared, &session, clean);
+        }
+    }
+}

@@ -1,0 +1,414 @@
+//! Admission: who gets a producer place and a pool (`open_session`, with the memory budget and
+//! idle eviction), which submissions become requests (`admit`), and device buffer registration.
+//! Every refusal is a protocol error code and a message that says what to do.
+
+use std::collections::HashMap;
+use std::os::unix::net::UnixStream;
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use nix::sys::epoll::{EpollEvent, EpollFlags};
+use tensorport_shm::ring::CqWriter;
+use tensorport_shm::{HostPool, SlotTable};
+use tensorport_wire::{
+    validate_view, ErrorCode, Hello, PoolBounds, PoolLayout, RawDeviceHandle, RawTensorView,
+    ServerMsg, SlotRef, Welcome, MAX_DEVICE_BUFFERS,
+};
+
+use crate::conn::FrameWriter;
+use crate::device::DeviceTensor;
+use crate::fast::{IdSet, ServerRing};
+use crate::server::outbox::Outbox;
+use crate::server::request::{Request, Responder};
+use crate::server::session::{DeviceEntry, Session, SessionState};
+use crate::server::shared::{lock, Shared};
+
+/// Releases a reservation in `Shared::producers` when dropped, unless disarmed.
+struct Reservation<'a>(&'a AtomicU32, bool);
+
+impl Drop for Reservation<'_> {
+    fn drop(&mut self) {
+        if self.1 {
+            self.0.fetch_sub(1, Ordering::SeqCst);
+        }
+    }
+}
+
+/// Closes the producer session that has been idle longest, if one has been idle (nothing in
+/// flight, no submit or answer) for `idle_eviction`; returns whether it did.
+pub(crate) fn evict_idle(shared: &Shared) -> bool {
+    let after = shared.config.idle_eviction;
+    if after.is_zero() {
+        return false;
+    }
+    let victim = lock(&shared.sessions)
+        .values()
+        .filter(|s| s.is_alive())
+        .filter_map(|s| {
+            let st = lock(&s.state);
+            let idle = st.last_active.elapsed();
+            (st.in_flight.is_empty() && idle >= after).then(|| (idle, s.clone()))
+        })
+        .max_by_key(|(idle, _)| *idle);
+    let Some((idle, s)) = victim else {
+        return false;
+    };
+    tracing::warn!(
+        session = s.id,
+        producer = %s.name,
+        idle_s = idle.as_secs_f64(),
+        "closing an idle session to make room for a new producer"
+    );
+    let _ = s.post(&ServerMsg::Error {
+        code: ErrorCode::TooManySessions.as_u16(),
+        request_id: None,
+        fatal: true,
+        message: format!(
+            "closed: idle for {:.0} s while every producer place was taken and another producer asked for one",
+            idle.as_secs_f64()
+        ),
+    });
+    s.kill();
+    true
+}
+
+/// Creates the pool, registers the session, sends `Welcome` (with the fd) and the first grant.
+pub(crate) fn open_session(
+    shared: &Arc<Shared>,
+    hello: &Hello,
+    pid: u32,
+    version: u16,
+    stream: UnixStream,
+) -> std::result::Result<Arc<Session>, (ErrorCode, String)> {
+    let cfg = &shared.config;
+    if shared.is_draining() {
+        return Err((ErrorCode::Draining, "the server is draining".into()));
+    }
+    // Reserve a place among the producers before building anything; when all are taken, an
+    // idle session may give its place up (it leaves through its reader thread, so wait for it).
+    let max = cfg.max_sessions;
+    let take = || {
+        shared
+            .producers
+            .fetch_update(Ordering::SeqCst, Ordering::SeqCst, |n| {
+                (n < max).then_some(n + 1)
+            })
+            .is_ok()
+    };
+    let mut placed = take();
+    if !placed && evict_idle(shared) {
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while !placed && Instant::now() < deadline {
+            std::thread::sleep(Duration::from_millis(2));
+            placed = take();
+        }
+    }
+    if !placed {
+        return Err((
+            ErrorCode::TooManySessions,
+            format!("the server has its maximum of {max} producers; try again later or raise --max-sessions"),
+        ));
+    }
+    let mut reservation = Reservation(&shared.producers, true);
+    let slots = match hello.want_slots {
+        0 => cfg.slots_per_session,
+        n => n.min(cfg.max_slots_per_session),
+    }
+    .max(1);
+    let slot_size = match hello.want_slot_size {
+        0 => cfg.slot_size,
+        n => n.min(cfg.max_slot_size),
+    };
+    // Charge the budget before a byte is reserved: the pool's size as HostPool will make it.
+    let want = HostPool::size_for(slots, slot_size).map_or(u64::MAX, |(_, len)| len);
+    if want > shared.max_session_bytes {
+        return Err((
+            ErrorCode::MemoryBudget,
+            format!(
+                "a pool of {want} bytes ({slots} slots of {slot_size}) is over the {} bytes one producer may have; ask for fewer or smaller slots",
+                shared.max_session_bytes
+            ),
+        ));
+    }
+    let charge = shared.budget.charge(want).map_err(|used| {
+        (
+            ErrorCode::MemoryBudget,
+            format!(
+                "the server's memory for pools is spent ({used} of {} bytes reserved; this pool needs {want}); try again later, or start the server with a larger --memory-budget",
+                shared.budget.limit()
+            ),
+        )
+    })?;
+    let id = shared.next_session.fetch_add(1, Ordering::SeqCst);
+    let mut pool = HostPool::create("tensorport-pool", slots, slot_size)
+        .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
+    if let Some(pin) = &cfg.pin {
+        pool.pin_with(pin.as_ref())
+            .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
+    }
+    let layout = PoolLayout {
+        slot_count: pool.slot_count(),
+        slot_size: pool.slot_size(),
+        pool_len: pool.len(),
+    };
+    let max_in_flight = match cfg.max_in_flight {
+        0 => slots.saturating_mul(2),
+        n => n,
+    };
+    let mut table = SlotTable::new(slots);
+    let grant: Vec<SlotRef> = table
+        .grant_free()
+        .into_iter()
+        .map(|(slot, generation)| SlotRef { slot, generation })
+        .collect();
+    // Protocol 2: the hot path moves to shared-memory queues. Every submission occupies at most
+    // one submission entry until the server takes it, and every completion entry answers a
+    // request in flight or grants a slot, so these sizes never make a side wait on the other.
+    let ring = if version >= 2 && cfg.rings {
+        let cq = slots.saturating_add(max_in_flight).saturating_add(8);
+        Some(
+            ServerRing::create(max_in_flight.max(8), cq)
+                .map_err(|e| (ErrorCode::Internal, e.to_string()))?,
+        )
+    } else {
+        None
+    };
+    let mut fds = vec![pool.fd()];
+    if let Some(r) = &ring {
+        fds.extend(r.fds());
+    }
+    // The handshake is written on the session's own thread, blocking (with the write timeout):
+    // the Welcome carries descriptors and nothing else waits on it.
+    let outbox_stream = stream
+        .try_clone()
+        .map_err(|e| (ErrorCode::Internal, format!("dup socket: {e}")))?;
+    let mut writer = FrameWriter::new(stream);
+    let welcome = ServerMsg::Welcome(Welcome {
+        version,
+        session_id: id,
+        pool: layout,
+        max_in_flight,
+        fds: fds.len() as u8,
+    });
+    writer
+        .send(&welcome, &fds)
+        .map_err(|e| (ErrorCode::Internal, format!("sending Welcome: {e}")))?;
+    drop(fds);
+    // The slot table is not shared until registration below, so the grant cannot race a submit.
+    for chunk in grant.chunks(tensorport_wire::MAX_GRANT) {
+        writer
+            .send(&ServerMsg::Grant(chunk.to_vec()), &[])
+            .map_err(|e| (ErrorCode::Internal, format!("sending Grant: {e}")))?;
+    }
+    let session = Arc::new(Session {
+        id,
+        name: hello.name.clone(),
+        pid,
+        bounds: PoolBounds {
+            slot_count: layout.slot_count,
+            slot_size: layout.slot_size,
+        },
+        pool: Arc::new(pool),
+        _charge: charge,
+        max_in_flight,
+        state: Mutex::new(SessionState {
+            slots: table,
+            cq: CqWriter::default(),
+            devices: HashMap::new(),
+            in_flight: IdSet::with_capacity_and_hasher(
+                max_in_flight.min(4096) as usize,
+                Default::default(),
+            ),
+            submitted: 0,
+            last_active: Instant::now(),
+            completed: 0,
+            errors: 0,
+        }),
+        outbox: Outbox::new(outbox_stream, cfg.max_queued_output)
+            .map_err(|e| (ErrorCode::Internal, e.to_string()))?,
+        alive: AtomicBool::new(true),
+        ring,
+    });
+    lock(&shared.sessions).insert(id, session.clone());
+    if let Some(r) = &session.ring {
+        if let Err(e) = shared
+            .epoll
+            .add(&r.to_server, EpollEvent::new(EpollFlags::EPOLLIN, id))
+        {
+            lock(&shared.sessions).remove(&id);
+            return Err((ErrorCode::Internal, format!("epoll_ctl: {e}")));
+        }
+        shared.ring_generation.fetch_add(1, Ordering::SeqCst);
+        shared.wake_consumer();
+    }
+    // From here the reservation is released by `close_session`.
+    reservation.1 = false;
+    shared
+        .counters
+        .sessions_opened
+        .fetch_add(1, Ordering::Relaxed);
+    tracing::info!(
+        session = id,
+        producer = %hello.name,
+        pid,
+        slots,
+        slot_size = layout.slot_size,
+        "producer connected"
+    );
+    Ok(session)
+}
+
+/// Checks a submission against the session (descriptor, slot state, limits) and makes it a
+/// [`Request`].
+pub(crate) fn admit(
+    shared: &Arc<Shared>,
+    session: &Arc<Session>,
+    request_id: u64,
+    tensor: &RawTensorView<'_>,
+) -> std::result::Result<Request, (ErrorCode, String)> {
+    if shared.is_draining() {
+        return Err((ErrorCode::Draining, "the server is draining".into()));
+    }
+    let mut st = lock(&session.state);
+    let desc = {
+        let devices = &st.devices;
+        validate_view(tensor, &session.bounds, &|b| {
+            devices.get(&b).map(|e| e.imported.len())
+        })
+        .map_err(|e| (e.code(), e.to_string()))?
+    };
+    let slot = desc.slot();
+    let mut device = None;
+    {
+        if st.in_flight.contains(&request_id) {
+            return Err((
+                ErrorCode::DuplicateRequest,
+                format!("request {request_id} is already in flight"),
+            ));
+        }
+        if st.in_flight.len() >= session.max_in_flight as usize {
+            return Err((
+                ErrorCode::TooManyInFlight,
+                format!("{} requests already in flight", st.in_flight.len()),
+            ));
+        }
+        if desc.is_device() {
+            let e = st
+                .devices
+                .get_mut(&slot.slot)
+                .expect("validated: registered");
+            if e.in_flight || e.generation != slot.generation {
+                return Err((
+                    ErrorCode::SlotNotLeased,
+                    format!(
+                        "device buffer {} is {} at generation {}, not free at {}",
+                        slot.slot,
+                        if e.in_flight { "in flight" } else { "free" },
+                        e.generation,
+                        slot.generation
+                    ),
+                ));
+            }
+            if e.imported.timeline() != desc.timeline().is_some() {
+                let why = if e.imported.timeline() {
+                    "is timeline-fenced: each submit needs a Timeline fence"
+                } else {
+                    "is event-fenced: submits carry no fence"
+                };
+                return Err((
+                    ErrorCode::Unsupported,
+                    format!("device buffer {} {why}", slot.slot),
+                ));
+            }
+            e.in_flight = true;
+            device = Some(DeviceTensor {
+                buffer: e.imported.clone(),
+                offset: desc.offset(),
+                len: desc.byte_len(),
+                timeline: desc.timeline(),
+            });
+        } else {
+            st.slots
+                .submit(slot.slot, slot.generation)
+                .map_err(|e| (ErrorCode::SlotNotLeased, e.to_string()))?;
+        }
+        st.in_flight.insert(request_id);
+        st.submitted += 1;
+        st.last_active = Instant::now();
+    }
+    drop(st);
+    shared.counters.submitted.fetch_add(1, Ordering::Relaxed);
+    shared
+        .counters
+        .bytes
+        .fetch_add(desc.byte_len(), Ordering::Relaxed);
+    Ok(Request {
+        desc,
+        device,
+        responder: Some(Responder {
+            session: session.clone(),
+            shared: shared.clone(),
+            request_id,
+            answered: false,
+        }),
+    })
+}
+
+pub(crate) fn register_device(
+    shared: &Arc<Shared>,
+    session: &Arc<Session>,
+    buffer: u32,
+    len: u64,
+    handle: &RawDeviceHandle,
+    fd: Option<std::os::fd::OwnedFd>,
+) -> std::result::Result<(), (ErrorCode, String)> {
+    let importer = shared.config.device.as_ref().ok_or((
+        ErrorCode::Unsupported,
+        "this server takes no device buffers (it was started without a GPU)".to_string(),
+    ))?;
+    if buffer >= MAX_DEVICE_BUFFERS || len == 0 {
+        return Err((
+            ErrorCode::OutOfBounds,
+            format!("device buffer {buffer} of {len} bytes (buffers 0..{MAX_DEVICE_BUFFERS}, non-empty)"),
+        ));
+    }
+    if lock(&session.state).devices.contains_key(&buffer) {
+        return Err((
+            ErrorCode::DuplicateRequest,
+            format!("device buffer {buffer} is already registered"),
+        ));
+    }
+    if matches!(handle, RawDeviceHandle::VmmPosixFd) && fd.is_none() {
+        return Err((
+            ErrorCode::Malformed,
+            format!("device buffer {buffer}: a VMM handle needs its file descriptor attached"),
+        ));
+    }
+    let imported = importer.import(len, handle, fd).map_err(|e| {
+        (
+            ErrorCode::Internal,
+            format!("cannot open device buffer {buffer}: {e}"),
+        )
+    })?;
+    let release_event = imported.release_event_handle();
+    lock(&session.state).devices.insert(
+        buffer,
+        DeviceEntry {
+            imported,
+            generation: 0,
+            in_flight: false,
+        },
+    );
+    tracing::info!(
+        session = session.id,
+        buffer,
+        len,
+        "device buffer registered"
+    );
+    let _ = session.post(&ServerMsg::DeviceRegistered {
+        buffer,
+        release_event,
+    });
+    Ok(())
+}

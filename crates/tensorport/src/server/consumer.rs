@@ -1,0 +1,261 @@
+//! The consumer: whoever calls `Server::recv_*` polls every session's submission queue (round
+//! robin, a burst at a time) and the channel the socket readers feed, then sleeps on the
+//! doorbells. The queue cursors are the consumer's alone: no lock on the hot path.
+
+use std::sync::atomic::{fence, Ordering};
+use std::sync::mpsc::{Receiver, TryRecvError};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::sys::epoll::{EpollEvent, EpollTimeout};
+use tensorport_shm::ring::{SqEntry, SqReader};
+use tensorport_wire::{ErrorCode, RawLocation, RawTensorView, SlotRef, WireError};
+
+use crate::server::admission::admit;
+use crate::server::request::Request;
+use crate::server::session::Session;
+use crate::server::shared::{lock, Shared};
+use crate::{Error, Result};
+
+/// A session the consumer polls, with its submission-queue cursor.
+struct Polled {
+    session: Arc<Session>,
+    sq: SqReader,
+}
+
+/// What the one consumer at a time (the caller of `recv_*`) keeps between calls.
+pub(crate) struct Consumer {
+    rx: Receiver<Request>,
+    /// Sessions with queues, refreshed when `ring_generation` moves.
+    sessions: Vec<Polled>,
+    generation: u64,
+    /// Where the next round-robin pass starts.
+    next: usize,
+    /// Requests taken in a row from the session at `next`.
+    burst: u32,
+    events: Vec<EpollEvent>,
+}
+
+impl Consumer {
+    pub(crate) fn new(rx: Receiver<Request>) -> Consumer {
+        Consumer {
+            rx,
+            sessions: Vec::new(),
+            generation: u64::MAX,
+            next: 0,
+            burst: 0,
+            events: vec![EpollEvent::empty(); 64],
+        }
+    }
+
+    /// The next request, or `None` at `deadline`; `Err(Error::Stopped)` once the server is
+    /// finished.
+    pub(crate) fn next_request(
+        &mut self,
+        sh: &Arc<Shared>,
+        deadline: Instant,
+    ) -> Result<Option<Request>> {
+        let spin = sh.config.spin;
+        // The clock is first read after 32 empty looks: a request already waiting costs none.
+        let (mut start, mut checked) = (None, None);
+        let mut spins = 0u32;
+        loop {
+            if let Some(r) = self.try_take(sh) {
+                return Ok(Some(r));
+            }
+            // A few quick looks between reads of the clock.
+            spins = spins.wrapping_add(1);
+            if !spins.is_multiple_of(32) {
+                std::hint::spin_loop();
+                continue;
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                if sh.is_finished() {
+                    return Err(Error::Stopped);
+                }
+                return Ok(None);
+            }
+            if now.duration_since(*start.get_or_insert(now)) < spin {
+                // Look at the (locked) session table only now and then while spinning.
+                if now.duration_since(*checked.get_or_insert(now)) > Duration::from_millis(5) {
+                    checked = Some(now);
+                    if sh.is_finished() {
+                        return Err(Error::Stopped);
+                    }
+                }
+                if spins.is_multiple_of(256) {
+                    // Now and then give the core away (producers sharing it get to run).
+                    std::thread::yield_now();
+                }
+                continue;
+            }
+            if sh.is_finished() {
+                return Err(Error::Stopped);
+            }
+            let step = deadline
+                .saturating_duration_since(now)
+                .min(Duration::from_millis(50));
+            if let Some(r) = self.sleep(sh, step) {
+                return Ok(Some(r));
+            }
+        }
+    }
+
+    /// One request from the queues (one per session per pass, round robin) or the channel.
+    pub(crate) fn try_take(&mut self, sh: &Arc<Shared>) -> Option<Request> {
+        let c = self;
+        let g = sh.ring_generation.load(Ordering::SeqCst);
+        if g != c.generation {
+            c.generation = g;
+            // Sessions that stay keep their queue cursor; new ones start at the beginning.
+            let mut old = std::mem::take(&mut c.sessions);
+            c.sessions = lock(&sh.sessions)
+                .values()
+                .filter(|s| s.ring.is_some())
+                .map(|s| {
+                    let sq = old
+                        .iter_mut()
+                        .find(|o| o.session.id == s.id)
+                        .map(|o| std::mem::take(&mut o.sq))
+                        .unwrap_or_default();
+                    // Awake and about to poll it: its producer need not ring (a new ring starts
+                    // with the flag set, for a consumer that was asleep when it opened).
+                    if let Some(r) = &s.ring {
+                        r.mem.set_server_waiting(false);
+                    }
+                    Polled {
+                        session: s.clone(),
+                        sq,
+                    }
+                })
+                .collect();
+            c.sessions.sort_by_key(|p| p.session.id);
+        }
+        // Up to BURST requests from one session before the next one's turn: its queue, slots
+        // and lock stay in cache, and no session waits more than (sessions − 1) × BURST.
+        const BURST: u32 = 16;
+        let n = c.sessions.len();
+        for k in 0..n {
+            let i = (c.next + k) % n;
+            let p = &mut c.sessions[i];
+            if let Some(r) = take_from_ring(sh, &p.session, &mut p.sq) {
+                if k > 0 {
+                    c.burst = 0;
+                }
+                c.burst += 1;
+                if c.burst >= BURST {
+                    c.burst = 0;
+                    c.next = (i + 1) % n;
+                } else {
+                    c.next = i;
+                }
+                return Some(r);
+            }
+        }
+        c.burst = 0;
+        loop {
+            match c.rx.try_recv() {
+                Ok(r) if r.session().is_alive() => return Some(r),
+                Ok(_) => continue,
+                Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return None,
+            }
+        }
+    }
+
+    /// Says it sleeps (to every queue and the socket readers), looks once more, then waits on
+    /// the doorbells for at most `step`.
+    fn sleep(&mut self, sh: &Arc<Shared>, step: Duration) -> Option<Request> {
+        let c = &mut *self;
+        sh.consumer_sleeping.store(true, Ordering::SeqCst);
+        for p in &c.sessions {
+            if let Some(ring) = &p.session.ring {
+                ring.mem.set_server_waiting(true);
+            }
+        }
+        fence(Ordering::SeqCst);
+        let got = if c.sessions.iter_mut().any(|p| {
+            p.session
+                .ring
+                .as_ref()
+                .is_some_and(|r| r.has_work(&mut p.sq))
+        }) {
+            None
+        } else {
+            let ms = step.as_millis().clamp(1, 1000) as u16;
+            let n = sh
+                .epoll
+                .wait(&mut c.events, EpollTimeout::from(ms))
+                .unwrap_or(0);
+            for ev in &c.events[..n] {
+                match ev.data() {
+                    0 => sh.wake.clear(),
+                    id => {
+                        if let Some(ring) = c
+                            .sessions
+                            .iter()
+                            .find(|p| p.session.id == id)
+                            .and_then(|p| p.session.ring.as_ref())
+                        {
+                            ring.to_server.clear();
+                        }
+                    }
+                }
+            }
+            None
+        };
+        sh.consumer_sleeping.store(false, Ordering::SeqCst);
+        for p in &c.sessions {
+            if let Some(ring) = &p.session.ring {
+                ring.mem.set_server_waiting(false);
+            }
+        }
+        got.or_else(|| self.try_take(sh))
+    }
+}
+
+/// The next valid submission on `session`'s queue, if any. Invalid ones are refused on the
+/// socket, one error each, as on the socket path; a corrupted queue closes the session.
+fn take_from_ring(
+    shared: &Arc<Shared>,
+    session: &Arc<Session>,
+    sq: &mut SqReader,
+) -> Option<Request> {
+    let ring = session.ring.as_ref()?;
+    if !session.is_alive() {
+        return None;
+    }
+    loop {
+        let e: SqEntry = match sq.pop(&ring.mem) {
+            Ok(Some(e)) => e,
+            Ok(None) => return None,
+            Err(err) => {
+                session.close_with(shared, ErrorCode::Malformed, err.to_string());
+                return None;
+            }
+        };
+        let rank = e.rank as usize;
+        if rank > tensorport_wire::MAX_DIMS {
+            let w = WireError::BadRank(rank);
+            session.refuse(shared, w.code(), Some(e.request_id), w.to_string());
+            continue;
+        }
+        let location = RawLocation::HostSlot(SlotRef {
+            slot: e.slot,
+            generation: e.generation,
+        });
+        let view = RawTensorView {
+            dtype: e.dtype,
+            shape: &e.shape[..rank],
+            strides: e.has_strides.then_some(&e.strides[..rank]),
+            offset: e.offset,
+            len: e.len,
+            location: &location,
+            fence: None,
+        };
+        match admit(shared, session, e.request_id, &view) {
+            Ok(r) => return Some(r),
+            Err((code, message)) => session.refuse(shared, code, Some(e.request_id), message),
+        }
+    }
+}

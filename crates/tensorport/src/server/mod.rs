@@ -1,0 +1,237 @@
+//! The inference side: accepts producer sessions, hands their tensors to the caller as zero-copy
+//! views, and sends each result back to the producer that asked.
+//!
+//! # Threads
+//! - **The acceptor** (`accept.rs`) takes connections and gives each its own thread.
+//! - **A connection's thread** checks credentials and `Hello`, then serves a control session
+//!   (`control.rs`) or a producer session (`reader.rs`): it reads the producer's messages and
+//!   writes the output its socket did not take at once, and reclaims the session at the end.
+//! - **The consumer** — whoever calls [`Server::recv_timeout`] / [`Server::recv_batch`]
+//!   (`consumer.rs`) — polls every session's shared-memory queue and the channel the readers
+//!   feed, and answers through [`Request`] / [`Responder`] (`request.rs`).
+//!
+//! Nothing one session does makes another wait: every message to a producer goes through its
+//! [`outbox`], which never blocks (the socket takes it, or it waits in a bounded queue that the
+//! producer's own thread flushes; a producer that does not read is dropped).
+//!
+//! # Lock order
+//! `Server::consumer` → `Shared::sessions` → `Session::state` → `Outbox::queue`. A thread holding
+//! one may take the ones after it, never those before; the outbox's lock is a leaf (nothing is
+//! taken while it is held, and no system call under it can block).
+
+mod accept;
+mod admission;
+mod budget;
+mod config;
+mod consumer;
+mod control;
+pub(crate) mod outbox;
+mod reader;
+mod request;
+mod session;
+mod shared;
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::{mpsc, Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use nix::sys::epoll::{Epoll, EpollCreateFlags, EpollEvent, EpollFlags};
+use tensorport_wire::{StatusReport, PROTOCOL_VERSION};
+
+use crate::fast::Doorbell;
+use crate::{path, Error, Result};
+
+pub use config::ServerConfig;
+pub use request::{Request, Responder};
+
+use accept::accept_loop;
+use consumer::Consumer;
+use shared::{lock, AtomicCounters, Shared};
+
+/// A running server. Dropping it stops accepting, disconnects every session and removes the
+/// socket file.
+pub struct Server {
+    shared: Arc<Shared>,
+    consumer: Mutex<Consumer>,
+    acceptor: Option<JoinHandle<()>>,
+    socket: PathBuf,
+}
+
+impl std::fmt::Debug for Server {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Server")
+            .field("socket", &self.socket)
+            .finish()
+    }
+}
+
+impl Server {
+    /// Binds the socket (see [`crate::path::bind_listener`]) and starts accepting producers.
+    pub fn bind(config: ServerConfig) -> Result<Server> {
+        let listener = path::bind_listener(&config.socket)?;
+        listener
+            .set_nonblocking(true)
+            .map_err(Error::io("set listener non-blocking"))?;
+        let (tx, rx) = mpsc::channel();
+        let socket = config.socket.clone();
+        let epoll =
+            Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(Error::sys("epoll_create"))?;
+        let wake = Doorbell::new()?;
+        epoll
+            .add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, 0))
+            .map_err(Error::sys("epoll_ctl"))?;
+        let budget = match config.memory_budget {
+            0 => budget::physical_memory().map_or(u64::MAX, |m| m / 4),
+            b => b,
+        };
+        let max_session_bytes = match config.max_session_bytes {
+            0 => budget / 4,
+            b => b.min(budget),
+        };
+        tracing::debug!(budget, max_session_bytes, "memory budget for pools");
+        let shared = Arc::new(Shared {
+            budget: budget::MemoryBudget::new(budget),
+            max_session_bytes,
+            config,
+            started: Instant::now(),
+            next_session: AtomicU64::new(1),
+            sessions: Mutex::new(HashMap::new()),
+            connections: AtomicU32::new(0),
+            producers: AtomicU32::new(0),
+            counters: AtomicCounters::default(),
+            draining: AtomicBool::new(false),
+            stopping: AtomicBool::new(false),
+            tx,
+            epoll,
+            wake,
+            consumer_sleeping: AtomicBool::new(false),
+            ring_generation: AtomicU64::new(0),
+        });
+        let sh = shared.clone();
+        let acceptor = std::thread::Builder::new()
+            .name("tensorport-accept".into())
+            .spawn(move || accept_loop(sh, listener))
+            .map_err(Error::io("spawn acceptor thread"))?;
+        tracing::info!(socket = %socket.display(), "tensorport server listening");
+        Ok(Server {
+            shared,
+            consumer: Mutex::new(Consumer::new(rx)),
+            acceptor: Some(acceptor),
+            socket,
+        })
+    }
+
+    /// The socket path.
+    pub fn socket_path(&self) -> &Path {
+        &self.socket
+    }
+
+    /// The next request, waiting at most `timeout`. `Ok(None)` on timeout;
+    /// `Err(Error::Stopped)` once the server drains and every producer has left.
+    ///
+    /// Polls the sessions' shared-memory queues (round robin) and the socket path for
+    /// [`ServerConfig::spin`], then sleeps on the doorbells. Requests from producers that died
+    /// after submitting are skipped (and their slots freed).
+    pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Request>> {
+        lock(&self.consumer).next_request(&self.shared, Instant::now() + timeout)
+    }
+
+    /// A batch: waits up to `timeout` for a first request, then collects more until there are
+    /// `max` or `max_wait` has passed since the first arrived (like `ready_chunks(max)` with a
+    /// deadline). Empty on timeout; `Err(Error::Stopped)` as for [`Server::recv_timeout`].
+    pub fn recv_batch(
+        &self,
+        max: usize,
+        timeout: Duration,
+        max_wait: Duration,
+    ) -> Result<Vec<Request>> {
+        let mut out = Vec::with_capacity(max);
+        self.recv_batch_into(&mut out, max, timeout, max_wait)?;
+        Ok(out)
+    }
+
+    /// [`Server::recv_batch`] into a vector the caller keeps (cleared first), so a serving
+    /// loop allocates nothing per batch.
+    pub fn recv_batch_into(
+        &self,
+        out: &mut Vec<Request>,
+        max: usize,
+        timeout: Duration,
+        max_wait: Duration,
+    ) -> Result<()> {
+        out.clear();
+        let mut c = lock(&self.consumer);
+        let Some(first) = c.next_request(&self.shared, Instant::now() + timeout)? else {
+            return Ok(());
+        };
+        out.push(first);
+        let deadline = (!max_wait.is_zero()).then(|| Instant::now() + max_wait);
+        while out.len() < max {
+            match (c.try_take(&self.shared), deadline) {
+                (Some(r), _) => out.push(r),
+                (None, None) => break,
+                (None, Some(d)) if Instant::now() >= d => break,
+                (None, Some(d)) => match c.next_request(&self.shared, d) {
+                    Ok(Some(r)) => out.push(r),
+                    Ok(None) | Err(Error::Stopped) => break,
+                    Err(e) => return Err(e),
+                },
+            }
+        }
+        drop(c);
+        let k = &self.shared.counters;
+        k.batches.fetch_add(1, Ordering::Relaxed);
+        k.batched.fetch_add(out.len() as u64, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Figures for `tensorport ctl status`.
+    pub fn status(&self) -> StatusReport {
+        self.shared.status()
+    }
+
+    /// Stops taking new work: new producers are refused, open sessions are told to finish, and
+    /// [`Server::recv_timeout`] returns [`Error::Stopped`] once they have all left.
+    pub fn drain(&self) {
+        self.shared.drain();
+    }
+
+    /// Bytes the producers' pools reserve now, and the budget they share
+    /// ([`ServerConfig::memory_budget`]).
+    pub fn pool_memory(&self) -> (u64, u64) {
+        (self.shared.budget.used(), self.shared.budget.limit())
+    }
+
+    /// Whether [`Server::drain`] was called (here or by a control client).
+    pub fn is_draining(&self) -> bool {
+        self.shared.is_draining()
+    }
+}
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        self.shared.stopping.store(true, Ordering::SeqCst);
+        if let Some(a) = self.acceptor.take() {
+            let _ = a.join();
+        }
+        let sessions: Vec<_> = lock(&self.shared.sessions)
+            .drain()
+            .map(|(_, s)| s)
+            .collect();
+        for s in sessions {
+            s.kill();
+        }
+        let _ = std::fs::remove_file(&self.socket);
+    }
+}
+
+/// The version this server speaks (for logs and `--version`).
+pub fn protocol_version() -> u16 {
+    PROTOCOL_VERSION
+}
+
+#[cfg(test)]
+mod tests;

@@ -1,0 +1,197 @@
+//! What the caller of `Server::recv_*` holds: a [`Request`] (a zero-copy view of a submitted
+//! tensor) and, once its bytes are released, a [`Responder`]. Either answers exactly once;
+//! dropping one unanswered answers with a failure.
+
+use std::sync::Arc;
+
+use tensorport_wire::{ErrorCode, TensorDesc};
+
+use crate::device::DeviceTensor;
+use crate::server::session::{Answer, Session};
+use crate::server::shared::Shared;
+use crate::Result;
+
+/// A tensor a producer submitted: a zero-copy view into its pool, valid until released.
+///
+/// Dropping a `Request` releases its slot (the producer may reuse it) and, if no result was
+/// sent, sends the producer a `HandlerFailed` result, so every request gets exactly one answer.
+pub struct Request {
+    pub(crate) desc: TensorDesc,
+    pub(crate) device: Option<DeviceTensor>,
+    pub(crate) responder: Option<Responder>,
+}
+
+impl std::fmt::Debug for Request {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Request").field("desc", &self.desc).finish()
+    }
+}
+
+impl Request {
+    pub(crate) fn session(&self) -> &Arc<Session> {
+        &self
+            .responder
+            .as_ref()
+            .expect("responder present until drop")
+            .session
+    }
+
+    /// The checked descriptor.
+    pub fn desc(&self) -> &TensorDesc {
+        &self.desc
+    }
+
+    /// The producer's id for this request.
+    pub fn request_id(&self) -> u64 {
+        self.responder.as_ref().map(|r| r.request_id).unwrap_or(0)
+    }
+
+    /// The session it came from.
+    pub fn session_id(&self) -> u64 {
+        self.session().id
+    }
+
+    /// The producer's name (from its `Hello`).
+    pub fn producer(&self) -> &str {
+        &self.session().name
+    }
+
+    /// For a tensor in a producer's device buffer (`desc().is_device()`): where it is, and the
+    /// events that order the GPU work around it.
+    pub fn device(&self) -> Option<&DeviceTensor> {
+        self.device.as_ref()
+    }
+
+    /// The tensor's bytes, in place in the producer's pool (no copy was made). Empty for a
+    /// device tensor (see [`Request::device`]).
+    pub fn bytes(&self) -> &[u8] {
+        if self.desc.is_device() {
+            return &[];
+        }
+        let s = self.session();
+        let slot = self.desc.slot();
+        // SAFETY: the slot is in state Submitted in the session's table until this request
+        // releases it (in `release` or `drop`), so the honest producer does not write it; the
+        // descriptor was validated against this pool's bounds; the `Arc<HostPool>` held through
+        // the session keeps the mapping alive for the borrow of `self`.
+        unsafe {
+            s.pool
+                .slot_bytes(slot.slot, self.desc.offset(), self.desc.byte_len())
+        }
+        .expect("validated descriptor lies inside the pool")
+    }
+
+    /// The tensor's elements as `T`, if it is contiguous and `T` has the dtype's size.
+    pub fn as_slice<T: bytemuck::Pod>(&self) -> Option<&[T]> {
+        if self.desc.is_device()
+            || !self.desc.is_contiguous()
+            || std::mem::size_of::<T>() as u64 != self.desc.dtype().size()
+        {
+            return None;
+        }
+        let bytes = &self.bytes()[..(self.desc.numel() * self.desc.dtype().size()) as usize];
+        bytemuck::try_cast_slice(bytes).ok()
+    }
+
+    /// Releases the slot now (the producer gets it back) and returns what answers the request.
+    pub fn release(mut self) -> Responder {
+        let r = self.responder.take().expect("responder present until drop");
+        r.session.give_back(&r.shared, &self.desc);
+        r
+    }
+
+    /// Releases the slot and sends `payload` as the result. On the shared-memory queues a
+    /// result of up to 232 bytes travels in one completion with the slot's grant (no system
+    /// call, no allocation); longer results go on the socket.
+    pub fn respond(mut self, payload: &[u8]) -> Result<()> {
+        self.settle(Answer::Ok(payload))
+    }
+
+    /// Releases the slot and sends a failure as the result.
+    pub fn fail(mut self, message: impl Into<String>) -> Result<()> {
+        self.settle(Answer::Failed(ErrorCode::HandlerFailed, message.into()))
+    }
+
+    /// Gives the bytes back and answers, once.
+    fn settle(&mut self, answer: Answer<'_>) -> Result<()> {
+        let mut r = self.responder.take().expect("responder present until drop");
+        r.answered = true;
+        let slot = if self.desc.is_device() {
+            r.session.release_device(self.desc.slot());
+            None
+        } else {
+            Some(self.desc.slot())
+        };
+        r.session.answer(&r.shared, r.request_id, answer, slot)
+    }
+}
+
+impl Drop for Request {
+    fn drop(&mut self) {
+        if let Some(r) = self.responder.take() {
+            r.session.give_back(&r.shared, &self.desc);
+        }
+    }
+}
+
+/// Answers one request, after its slot was released. Dropping it unanswered sends a failure.
+pub struct Responder {
+    pub(crate) session: Arc<Session>,
+    pub(crate) shared: Arc<Shared>,
+    pub(crate) request_id: u64,
+    pub(crate) answered: bool,
+}
+
+impl std::fmt::Debug for Responder {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Responder")
+            .field("session", &self.session.id)
+            .field("request_id", &self.request_id)
+            .finish()
+    }
+}
+
+impl Responder {
+    /// The producer's id for this request.
+    pub fn request_id(&self) -> u64 {
+        self.request_id
+    }
+
+    /// The session it came from.
+    pub fn session_id(&self) -> u64 {
+        self.session.id
+    }
+
+    /// Whether the producer is still connected.
+    pub fn is_alive(&self) -> bool {
+        self.session.is_alive()
+    }
+
+    /// Sends the answer, once; the slot was released before.
+    fn settle(&mut self, answer: Answer<'_>) -> Result<()> {
+        self.answered = true;
+        self.session
+            .answer(&self.shared, self.request_id, answer, None)
+    }
+
+    /// Sends `payload` as the result. Fails with [`crate::Error::SessionGone`] if the producer left.
+    pub fn respond(mut self, payload: &[u8]) -> Result<()> {
+        self.settle(Answer::Ok(payload))
+    }
+
+    /// Sends a failure as the result.
+    pub fn fail(mut self, message: impl Into<String>) -> Result<()> {
+        self.settle(Answer::Failed(ErrorCode::HandlerFailed, message.into()))
+    }
+}
+
+impl Drop for Responder {
+    fn drop(&mut self) {
+        if !self.answered {
+            let _ = self.settle(Answer::Failed(
+                ErrorCode::HandlerFailed,
+                "the server dropped the request without a result".into(),
+            ));
+        }
+    }
+}

@@ -1,0 +1,343 @@
+//! One producer session: its pool, slot table, requests in flight, device buffers, queues and
+//! outbox, and the two ways the server speaks to it — [`Session::answer`] (a request's one
+//! result, with the slot given back) and [`Session::post`] (any other message).
+
+use std::collections::HashMap;
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
+
+use tensorport_shm::ring::{CqHeader, CqWriter, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
+use tensorport_shm::{HostPool, RingError, SlotState, SlotTable};
+use tensorport_wire::{
+    clip_message, ErrorCode, Outcome, PoolBounds, ServerMsg, SessionStatus, SlotRef, TensorDesc,
+    MAX_FRAME_LEN,
+};
+
+use crate::device::ImportedDevice;
+use crate::fast::{IdSet, ServerRing};
+use crate::server::budget::Charge;
+use crate::server::outbox::Outbox;
+use crate::server::shared::{lock, Shared};
+use crate::{Error, Result};
+
+/// The largest result a request may have: it must fit one frame with its envelope.
+pub(crate) const MAX_RESULT_LEN: usize = MAX_FRAME_LEN as usize - 64;
+
+/// A registered device buffer: open in the server, generation, whether a request holds it.
+pub(crate) struct DeviceEntry {
+    pub(crate) imported: Arc<dyn ImportedDevice>,
+    pub(crate) generation: u32,
+    pub(crate) in_flight: bool,
+}
+
+/// A session's bookkeeping, under one lock.
+pub(crate) struct SessionState {
+    pub(crate) slots: SlotTable,
+    /// The server's end of the completion queue (unused without one).
+    pub(crate) cq: CqWriter,
+    pub(crate) devices: HashMap<u32, DeviceEntry>,
+    pub(crate) in_flight: IdSet,
+    pub(crate) submitted: u64,
+    pub(crate) completed: u64,
+    pub(crate) errors: u64,
+    /// The session's last submit or answer (its opening, before either).
+    pub(crate) last_active: Instant,
+}
+
+impl SessionState {
+    /// Whether `request_id` was still owed its answer (it is not any more).
+    pub(crate) fn settle(&mut self, request_id: u64) -> bool {
+        let owed = self.in_flight.remove(&request_id);
+        self.completed += owed as u64;
+        self.last_active = Instant::now();
+        owed
+    }
+}
+
+/// What a request is answered with.
+#[derive(Debug)]
+pub(crate) enum Answer<'a> {
+    Ok(&'a [u8]),
+    Failed(ErrorCode, String),
+}
+
+pub(crate) struct Session {
+    pub(crate) id: u64,
+    pub(crate) name: String,
+    pub(crate) pid: u32,
+    pub(crate) pool: Arc<HostPool>,
+    /// The pool's share of the memory budget, given back when the session's last reference
+    /// (and so the pool's mapping here) goes.
+    pub(crate) _charge: Charge,
+    pub(crate) bounds: PoolBounds,
+    pub(crate) max_in_flight: u32,
+    pub(crate) state: Mutex<SessionState>,
+    pub(crate) outbox: Outbox,
+    pub(crate) alive: AtomicBool,
+    /// The shared-memory queues (protocol 2), if the session has them.
+    pub(crate) ring: Option<ServerRing>,
+}
+
+impl Session {
+    pub(crate) fn is_alive(&self) -> bool {
+        self.alive.load(Ordering::SeqCst)
+    }
+
+    pub(crate) fn status(&self) -> SessionStatus {
+        let st = lock(&self.state);
+        SessionStatus {
+            session_id: self.id,
+            name: self.name.clone(),
+            pid: self.pid,
+            slots: st.slots.len(),
+            granted: st.slots.count(SlotState::Granted),
+            in_flight: st.in_flight.len() as u32,
+            submitted: st.submitted,
+            completed: st.completed,
+            errors: st.errors,
+        }
+    }
+
+    /// Sends `msg` on the socket without waiting for the producer to read it. A producer that
+    /// does not read is dropped here (its output is over the limit) or by its own thread (its
+    /// output waited for the write timeout).
+    pub(crate) fn post(&self, msg: &ServerMsg) -> Result<()> {
+        if !self.is_alive() {
+            return Err(Error::SessionGone);
+        }
+        match self.outbox.post(msg) {
+            Ok(wrote) => {
+                if wrote.0 {
+                    self.note_socket_write();
+                }
+                Ok(())
+            }
+            Err(e @ Error::ResultTooLarge(_)) => Err(e),
+            Err(e) => {
+                tracing::warn!(session = self.id, producer = %self.name, "dropping session: {e}");
+                self.kill();
+                Err(e)
+            }
+        }
+    }
+
+    /// Tells a producer polling its queues that the socket has news.
+    pub(crate) fn note_socket_write(&self) {
+        if let Some(ring) = &self.ring {
+            ring.mem.note_socket_message();
+        }
+    }
+
+    /// Marks the session dead and closes its socket; its own thread then reclaims it.
+    pub(crate) fn kill(&self) {
+        self.alive.store(false, Ordering::SeqCst);
+        self.outbox.close();
+    }
+
+    /// Refuses something the producer sent, with an error it may act on (not fatal).
+    pub(crate) fn refuse(
+        &self,
+        shared: &Shared,
+        code: ErrorCode,
+        request_id: Option<u64>,
+        message: String,
+    ) {
+        shared
+            .counters
+            .protocol_errors
+            .fetch_add(1, Ordering::Relaxed);
+        lock(&self.state).errors += 1;
+        tracing::warn!(session = self.id, producer = %self.name, ?code, request_id, "refused: {message}");
+        let _ = self.post(&ServerMsg::Error {
+            code: code.as_u16(),
+            request_id,
+            fatal: false,
+            message: clip_message(message),
+        });
+    }
+
+    /// Tells the producer why the session ends, then ends it.
+    pub(crate) fn close_with(&self, shared: &Shared, code: ErrorCode, message: String) {
+        shared
+            .counters
+            .protocol_errors
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(session = self.id, producer = %self.name, ?code, "closing session: {message}");
+        let _ = self.post(&ServerMsg::Error {
+            code: code.as_u16(),
+            request_id: None,
+            fatal: true,
+            message: clip_message(message),
+        });
+        self.kill();
+    }
+
+    /// Answers `request_id`, once: settles it and sends the result — with `slot` (a host slot
+    /// the request held) taken back and granted again unless the server drains. One completion
+    /// on the shared-memory queue when the session has one and the result fits inline (no
+    /// system call, no allocation); socket messages otherwise. A result over the frame limit is
+    /// answered with a failure and returned as [`Error::ResultTooLarge`].
+    pub(crate) fn answer(
+        &self,
+        shared: &Shared,
+        request_id: u64,
+        answer: Answer<'_>,
+        slot: Option<SlotRef>,
+    ) -> Result<()> {
+        let (answer, too_large) = match answer {
+            Answer::Ok(p) if p.len() > MAX_RESULT_LEN => (
+                Answer::Failed(
+                    ErrorCode::HandlerFailed,
+                    format!("result of {} bytes is over the frame limit", p.len()),
+                ),
+                Some(p.len()),
+            ),
+            a => (a, None),
+        };
+        let mut st = lock(&self.state);
+        let grant = slot.and_then(|s| self.regrant(&mut st, shared, s));
+        let owed = st.settle(request_id);
+        if owed {
+            shared.counters.completed.fetch_add(1, Ordering::Relaxed);
+        }
+        if !self.is_alive() {
+            return Err(Error::SessionGone);
+        }
+        let inline = match (&self.ring, &answer) {
+            (Some(ring), Answer::Ok(p)) if owed && p.len() <= CQ_INLINE_BYTES => Some((ring, *p)),
+            _ => None,
+        };
+        if let Some((ring, payload)) = inline {
+            let h = CqHeader {
+                flags: CQ_RESULT | if grant.is_some() { CQ_GRANT } else { 0 },
+                len: payload.len() as u32,
+                request_id,
+                slot: grant.map_or(0, |g| g.slot),
+                generation: grant.map_or(0, |g| g.generation),
+            };
+            let r = st.cq.push(&ring.mem, &h, payload);
+            drop(st);
+            if self.published(r) {
+                return Ok(());
+            }
+        } else {
+            drop(st);
+        }
+        if let Some(g) = grant {
+            self.grant(g);
+        }
+        if owed {
+            let outcome = match answer {
+                Answer::Ok(payload) => Outcome::Ok(payload.to_vec()),
+                Answer::Failed(code, message) => Outcome::Err {
+                    code: code.as_u16(),
+                    message: clip_message(message),
+                },
+            };
+            self.post(&ServerMsg::Result {
+                request_id,
+                outcome,
+            })?;
+        }
+        match too_large {
+            Some(n) => Err(Error::ResultTooLarge(n)),
+            None => Ok(()),
+        }
+    }
+
+    /// Gives a request's bytes back without answering it: a host slot (granted again at once
+    /// unless the server drains) or a device buffer.
+    pub(crate) fn give_back(&self, shared: &Shared, desc: &TensorDesc) {
+        if desc.is_device() {
+            self.release_device(desc.slot());
+        } else {
+            let g = self.regrant(&mut lock(&self.state), shared, desc.slot());
+            if let Some(g) = g {
+                self.grant(g);
+            }
+        }
+    }
+
+    /// Gives a device buffer back to its producer under the next generation.
+    pub(crate) fn release_device(&self, buffer: SlotRef) {
+        let released = {
+            let mut st = lock(&self.state);
+            match st.devices.get_mut(&buffer.slot) {
+                Some(e) if e.in_flight && e.generation == buffer.generation => {
+                    e.in_flight = false;
+                    e.generation = e.generation.wrapping_add(1);
+                    Some(SlotRef {
+                        slot: buffer.slot,
+                        generation: e.generation,
+                    })
+                }
+                _ => {
+                    tracing::error!(session = self.id, "internal: releasing device {buffer:?}");
+                    None
+                }
+            }
+        };
+        if let Some(r) = released {
+            let _ = self.post(&ServerMsg::DeviceReleased(r));
+        }
+    }
+
+    /// Grants a slot: on the completion queue if there is one and it has room, else on the
+    /// socket.
+    fn grant(&self, g: SlotRef) {
+        if let Some(ring) = &self.ring {
+            if !self.is_alive() {
+                return;
+            }
+            let h = CqHeader {
+                flags: CQ_GRANT,
+                slot: g.slot,
+                generation: g.generation,
+                ..CqHeader::default()
+            };
+            let r = lock(&self.state).cq.push(&ring.mem, &h, &[]);
+            if self.published(r) {
+                return;
+            }
+        }
+        let _ = self.post(&ServerMsg::Grant(vec![g]));
+    }
+
+    /// What a push on the completion queue came to: `true` when it is done with (published, and
+    /// the producer woken; or the queue was corrupted and the session is closed), `false` when
+    /// the queue was full and the socket must carry it.
+    fn published(&self, r: std::result::Result<bool, RingError>) -> bool {
+        match r {
+            Ok(true) => {
+                if let Some(ring) = &self.ring {
+                    ring.wake();
+                }
+                true
+            }
+            Ok(false) => false,
+            Err(e) => {
+                tracing::warn!(session = self.id, producer = %self.name, "closing session: {e}");
+                self.kill();
+                true
+            }
+        }
+    }
+
+    /// Takes a submitted slot back; the grant to send, unless the session is gone or the server
+    /// drains.
+    fn regrant(&self, st: &mut SessionState, shared: &Shared, slot: SlotRef) -> Option<SlotRef> {
+        if let Err(e) = st.slots.release(slot.slot, slot.generation) {
+            tracing::error!(session = self.id, "internal: releasing {slot:?}: {e}");
+            return None;
+        }
+        if self.is_alive() && !shared.is_draining() {
+            st.slots.grant(slot.slot).ok().map(|generation| SlotRef {
+                slot: slot.slot,
+                generation,
+            })
+        } else {
+            None
+        }
+    }
+}

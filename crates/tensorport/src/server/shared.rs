@@ -1,0 +1,126 @@
+//! What every server thread sees: the configuration, the session table, the counters, the
+//! memory budget and the consumer's doorbells.
+
+use std::collections::HashMap;
+use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Instant;
+
+use nix::sys::epoll::Epoll;
+use tensorport_wire::{Counters, ServerMsg, SessionStatus, StatusReport};
+
+use crate::fast::Doorbell;
+use crate::server::budget::MemoryBudget;
+use crate::server::request::Request;
+use crate::server::session::Session;
+use crate::server::ServerConfig;
+
+/// Locks `m`, whatever a panicking holder left: the server's locks guard plain bookkeeping that
+/// stays usable.
+pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+#[derive(Default)]
+pub(crate) struct AtomicCounters {
+    pub(crate) submitted: AtomicU64,
+    pub(crate) completed: AtomicU64,
+    pub(crate) bytes: AtomicU64,
+    pub(crate) protocol_errors: AtomicU64,
+    pub(crate) sessions_opened: AtomicU64,
+    pub(crate) sessions_reclaimed: AtomicU64,
+    pub(crate) connections_refused: AtomicU64,
+    pub(crate) batches: AtomicU64,
+    pub(crate) batched: AtomicU64,
+}
+
+impl AtomicCounters {
+    pub(crate) fn snapshot(&self) -> Counters {
+        let l = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        Counters {
+            submitted: l(&self.submitted),
+            completed: l(&self.completed),
+            bytes: l(&self.bytes),
+            protocol_errors: l(&self.protocol_errors),
+            sessions_opened: l(&self.sessions_opened),
+            sessions_reclaimed: l(&self.sessions_reclaimed),
+            connections_refused: l(&self.connections_refused),
+            batches: l(&self.batches),
+            batched: l(&self.batched),
+        }
+    }
+}
+
+pub(crate) struct Shared {
+    pub(crate) config: ServerConfig,
+    /// What the pools may reserve together, and the per-session cap.
+    pub(crate) budget: MemoryBudget,
+    pub(crate) max_session_bytes: u64,
+    pub(crate) started: Instant,
+    pub(crate) next_session: AtomicU64,
+    /// Producer sessions by id. Locked before any session's state (see the lock order in
+    /// `server/mod.rs`).
+    pub(crate) sessions: Mutex<HashMap<u64, Arc<Session>>>,
+    /// Connections with a thread: handshaking, control and producer.
+    pub(crate) connections: AtomicU32,
+    /// Producer places taken (reserved before a pool is built).
+    pub(crate) producers: AtomicU32,
+    pub(crate) counters: AtomicCounters,
+    pub(crate) draining: AtomicBool,
+    pub(crate) stopping: AtomicBool,
+    pub(crate) tx: Sender<Request>,
+    /// The consumer sleeps on this: every session's "to server" doorbell (data: session id) and
+    /// `wake` (data 0), rung for requests that arrive on a socket and for new sessions.
+    pub(crate) epoll: Epoll,
+    pub(crate) wake: Doorbell,
+    pub(crate) consumer_sleeping: AtomicBool,
+    /// Bumped whenever a session with queues opens or closes, so the consumer refreshes its list.
+    pub(crate) ring_generation: AtomicU64,
+}
+
+impl Shared {
+    /// Wakes the consumer if it sleeps (after a request went into the channel, or a session
+    /// opened).
+    pub(crate) fn wake_consumer(&self) {
+        fence(Ordering::SeqCst);
+        if self.consumer_sleeping.load(Ordering::SeqCst) {
+            self.wake.ring();
+        }
+    }
+
+    pub(crate) fn is_draining(&self) -> bool {
+        self.draining.load(Ordering::SeqCst)
+    }
+
+    /// The consumer is done: the server stops, or it drains and every producer has left.
+    pub(crate) fn is_finished(&self) -> bool {
+        self.stopping.load(Ordering::SeqCst)
+            || (self.is_draining() && lock(&self.sessions).is_empty())
+    }
+
+    pub(crate) fn status(&self) -> StatusReport {
+        let sessions = lock(&self.sessions);
+        let mut list: Vec<SessionStatus> =
+            sessions.values().take(256).map(|s| s.status()).collect();
+        list.sort_by_key(|s| s.session_id);
+        StatusReport {
+            pid: std::process::id(),
+            uptime_ms: self.started.elapsed().as_millis() as u64,
+            draining: self.is_draining(),
+            sessions: list,
+            totals: self.counters.snapshot(),
+        }
+    }
+
+    /// Stops taking new work and tells every producer to finish (once).
+    pub(crate) fn drain(&self) {
+        if !self.draining.swap(true, Ordering::SeqCst) {
+            tracing::info!("draining: finishing work in flight, refusing new producers");
+            let sessions: Vec<_> = lock(&self.sessions).values().cloned().collect();
+            for s in sessions {
+                let _ = s.post(&ServerMsg::Draining);
+            }
+        }
+    }
+}
