@@ -18,8 +18,8 @@ use tensorport_cuda::{
 fn main() {
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 10 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 10 skipped");
+            println!("skipped: 11 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 11 skipped");
             return;
         }
     }
@@ -56,6 +56,10 @@ fn main() {
                 "device_vmm_killed_producer_frees_gpu_memory",
                 device_vmm_killed_producer,
             ),
+            (
+                "device_registrations_that_lie_about_their_length_are_refused",
+                lying_registrations,
+            ),
         ],
         child,
     );
@@ -66,6 +70,7 @@ fn child(role: &str) {
     match role {
         "producer" => checked_producer(&socket),
         "gpu-producer" => gpu_producer(&socket),
+        "lying-device" => lying_device(&socket),
         r => panic!("unknown role {r}"),
     }
 }
@@ -532,4 +537,104 @@ fn tensorport_exe() -> String {
         Some(p) => p.display().to_string(),
         None => env!("CARGO_BIN_EXE_tensorport").into(),
     }
+}
+
+/// A producer that registers device buffers with lengths longer than their allocations (legacy
+/// IPC and VMM), and one past any GPU: each is refused, saying why, and the honest registration
+/// of the same buffer after it is accepted.
+fn lying_device(socket: &str) {
+    use std::os::fd::AsRawFd;
+    use tensorport::wire::{ClientMsg, ErrorCode, RawDeviceHandle, ServerMsg};
+    let gpu = Gpu::open(0).unwrap();
+    gpu.bind().unwrap();
+    let mut r = Raw::connect(std::path::Path::new(socket));
+    r.hello(1);
+    let register =
+        |r: &mut Raw, buffer: u32, len: u64, handle: RawDeviceHandle, fd: Option<i32>| {
+            let msg = ClientMsg::RegisterDevice {
+                buffer,
+                len,
+                handle,
+            };
+            match fd {
+                None => r.send(&msg),
+                Some(fd) => {
+                    let frame = tensorport::wire::encode_frame(&msg).unwrap();
+                    nix::sys::socket::sendmsg::<()>(
+                        r.s.as_raw_fd(),
+                        &[std::io::IoSlice::new(&frame)],
+                        &[nix::sys::socket::ControlMessage::ScmRights(&[fd])],
+                        nix::sys::socket::MsgFlags::empty(),
+                        None,
+                    )
+                    .unwrap();
+                }
+            }
+            match r.recv() {
+                Some(ServerMsg::DeviceRegistered { .. }) => Ok(()),
+                Some(ServerMsg::Error { code, message, .. }) => {
+                    Err((ErrorCode::from_u16(code), message))
+                }
+                other => panic!("unexpected {other:?}"),
+            }
+        };
+    // Legacy IPC, timeline-fenced: 1 MiB allocated (data, then 16 bytes of semaphores).
+    let mem = DeviceBuffer::new(&gpu, 1 << 20).unwrap();
+    let handle = gpu.driver().ipc_get_mem_handle(mem.ptr()).unwrap();
+    let ipc = || RawDeviceHandle::LegacyIpcTimeline {
+        memory: handle.to_vec(),
+    };
+    let (code, why) = register(&mut r, 0, 64 << 20, ipc(), None).unwrap_err();
+    println!("  64 MiB claimed for a 1 MiB IPC allocation: {code:?}: {why}");
+    assert_eq!(code, ErrorCode::OutOfBounds);
+    assert!(why.contains("register its true length"), "{why}");
+    // One byte too many for what the driver says the allocation holds: the semaphores would
+    // not fit. Its true length is accepted.
+    let (_, held) = gpu.driver().mem_address_range(mem.ptr()).unwrap();
+    let (code, _) = register(&mut r, 0, held as u64 - 15, ipc(), None).unwrap_err();
+    assert_eq!(code, ErrorCode::OutOfBounds);
+    register(&mut r, 0, held as u64 - 16, ipc(), None).unwrap();
+    // Past any GPU (and near overflowing the arithmetic): refused before the driver is asked.
+    let (code, _) = register(&mut r, 1, u64::MAX - 8, ipc(), None).unwrap_err();
+    assert_eq!(code, ErrorCode::OutOfBounds);
+    // VMM: the allocation is one granule; a length of 64 MiB cannot be mapped from it.
+    let vmm = DeviceBuffer::new_exportable(&gpu, 1 << 20).unwrap();
+    let fd = vmm.export_fd().unwrap();
+    let (code, why) = register(
+        &mut r,
+        2,
+        64 << 20,
+        RawDeviceHandle::VmmPosixFd,
+        Some(fd.as_raw_fd()),
+    )
+    .unwrap_err();
+    println!(
+        "  64 MiB claimed for a {} byte VMM allocation: {code:?}: {why}",
+        vmm.len()
+    );
+    assert!(
+        matches!(code, ErrorCode::OutOfBounds | ErrorCode::Malformed),
+        "{code:?}"
+    );
+    register(
+        &mut r,
+        2,
+        vmm.len() as u64 - 16,
+        RawDeviceHandle::VmmPosixFd,
+        Some(fd.as_raw_fd()),
+    )
+    .unwrap();
+    println!("ok");
+}
+
+fn lying_registrations() {
+    let (_dir, sock) = socket_dir();
+    let srv = GpuServer::start(&sock);
+    let mut k = spawn_child("lying-device", &[socket_env(&sock)]);
+    let out = k.wait_ok(PATIENCE);
+    print!("{}", String::from_utf8_lossy(&out.stdout));
+    assert!(String::from_utf8_lossy(&out.stdout).contains("ok"));
+    // Only the two honest registrations were ever open, and they close with the session.
+    assert!(eventually(PATIENCE, || live_imports() == 0));
+    srv.stop.store(true, Ordering::SeqCst);
 }

@@ -3,6 +3,8 @@
 //! counters for leak checks.
 #![allow(dead_code)]
 
+pub mod session_ops;
+
 use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};

@@ -352,6 +352,16 @@ impl Driver {
         Ok(p)
     }
 
+    /// `cuMemGetAddressRange`: the allocation that contains `p` (its base and size).
+    pub fn mem_address_range(&self, p: sys::CUdeviceptr) -> Result<(sys::CUdeviceptr, usize)> {
+        let (mut base, mut size) = (0, 0);
+        // SAFETY: writes one address and one size; the driver checks that `p` is mapped here.
+        check("cuMemGetAddressRange", unsafe {
+            sys::cuMemGetAddressRange_v2(&mut base, &mut size, p)
+        })?;
+        Ok((base, size))
+    }
+
     /// `cuIpcCloseMemHandle`.
     ///
     /// # Safety

@@ -14,7 +14,9 @@ use std::time::Duration;
 
 use cudarc::driver::sys;
 use tensorport::wire::RawDeviceHandle;
-use tensorport::{DeviceImporter, ImportedDevice, Producer, ProducerConfig, TensorSpec};
+use tensorport::{
+    DeviceImporter, ImportError, ImportedDevice, Producer, ProducerConfig, TensorSpec,
+};
 
 use crate::gpu::{DeviceBuffer, Gpu, Stream};
 use crate::{Error, Result};
@@ -26,10 +28,13 @@ pub fn live_imports() -> usize {
     LIVE_IMPORTS.load(Ordering::SeqCst)
 }
 
-fn handle64(v: &[u8]) -> std::result::Result<[u8; 64], String> {
+fn handle64(v: &[u8]) -> std::result::Result<[u8; 64], ImportError> {
     v.try_into()
-        .map_err(|_| format!("handle of {} bytes, expected 64", v.len()))
+        .map_err(|_| ImportError::BadHandle(format!("handle of {} bytes, expected 64", v.len())))
 }
+
+/// Bytes after a timeline buffer's data: the "ready" and "released" semaphores.
+const SEMAPHORE_BYTES: u64 = 16;
 
 /// How a buffer's hand-offs are fenced.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -82,34 +87,59 @@ impl DeviceImporter for CudaImporter {
         len: u64,
         handle: &RawDeviceHandle,
         fd: Option<std::os::fd::OwnedFd>,
-    ) -> std::result::Result<Arc<dyn ImportedDevice>, String> {
+    ) -> std::result::Result<Arc<dyn ImportedDevice>, ImportError> {
         let d = self.gpu.driver();
-        self.gpu.bind().map_err(|e| e.to_string())?;
-        let err = |e: Error| e.to_string();
+        self.gpu
+            .bind()
+            .map_err(|e| ImportError::Driver(e.to_string()))?;
+        // Opening a handle fails for a handle that is not a live allocation of this device.
+        let bad = |e: Error| ImportError::BadHandle(e.to_string());
+        let driver = |e: Error| ImportError::Driver(e.to_string());
+        let extra = match handle {
+            RawDeviceHandle::LegacyIpc { .. } => 0,
+            _ => SEMAPHORE_BYTES,
+        };
+        let registered = len
+            .checked_add(extra)
+            .ok_or(ImportError::LongerThanAllocation {
+                registered: u64::MAX,
+                available: 0,
+            })?;
         let (ptr, vmm, event, fence) = match handle {
             RawDeviceHandle::LegacyIpc { memory, event } => {
-                let ptr = d.ipc_open_mem_handle(&handle64(memory)?).map_err(err)?;
+                let ptr = d.ipc_open_mem_handle(&handle64(memory)?).map_err(bad)?;
                 (ptr, None, Some(handle64(event)?), Fence::Event)
             }
             RawDeviceHandle::LegacyIpcTimeline { memory } => {
-                let ptr = d.ipc_open_mem_handle(&handle64(memory)?).map_err(err)?;
+                let ptr = d.ipc_open_mem_handle(&handle64(memory)?).map_err(bad)?;
                 (ptr, None, None, Fence::Timeline)
             }
             RawDeviceHandle::VmmPosixFd => {
-                let fd = fd.ok_or("a VMM handle without its file descriptor")?;
+                let fd = fd.ok_or_else(|| {
+                    ImportError::BadHandle("a VMM handle without its file descriptor".into())
+                })?;
+                // The producer allocated the data, then the semaphores, rounded up to the
+                // granularity: the same size (one device), which must be mapped whole. The
+                // driver refuses to map more than the allocation holds.
+                let gran = d.vmm_granularity(self.gpu.dev()).map_err(driver)?;
+                let size = usize::try_from(registered)
+                    .ok()
+                    .and_then(|r| r.checked_next_multiple_of(gran))
+                    .ok_or(ImportError::LongerThanAllocation {
+                        registered,
+                        available: 0,
+                    })?;
                 let h = d
                     .vmm_import_fd(std::os::fd::AsFd::as_fd(&fd))
-                    .map_err(err)?;
-                // The producer allocated the data, then the semaphores, rounded up to the
-                // granularity: the same size (one device), which must be mapped whole.
-                let gran = d.vmm_granularity(self.gpu.dev()).map_err(err)?;
-                let size = (len as usize + 16).next_multiple_of(gran);
+                    .map_err(bad)?;
                 match d.vmm_map(self.gpu.dev(), h, size) {
                     Ok(ptr) => (ptr, Some((h, size)), None, Fence::Timeline),
                     Err(e) => {
                         // SAFETY: imported above and mapped nowhere; released once.
                         unsafe { sys::cuMemRelease(h) };
-                        return Err(e.to_string());
+                        return Err(ImportError::BadHandle(format!(
+                            "mapping {size} bytes of the VMM allocation failed ({e}); is the registered length ({len}) more than the allocation holds?"
+                        )));
                     }
                 }
                 // `fd` closes here: the imported handle keeps the memory.
@@ -127,16 +157,27 @@ impl DeviceImporter for CudaImporter {
         };
         LIVE_IMPORTS.fetch_add(1, Ordering::SeqCst);
         // From here `made` cleans up whatever was opened if a later step fails.
+        // The producer's length is a claim: the allocation behind the handle must hold it (and
+        // the semaphores after it), or every read past its end would fault our context.
+        let (base, size) = d.mem_address_range(ptr).map_err(driver)?;
+        let available = (base + size as u64).saturating_sub(ptr);
+        if registered > available {
+            return Err(ImportError::LongerThanAllocation {
+                registered,
+                available,
+            });
+        }
+        let err = |e: Error| ImportError::Driver(e.to_string());
         match event {
             Some(event) => {
-                made.ready = d.ipc_open_event_handle(&event).map_err(|e| e.to_string())?;
-                made.release = d.event_create_interprocess().map_err(|e| e.to_string())?;
+                made.ready = d.ipc_open_event_handle(&event).map_err(bad)?;
+                made.release = d.event_create_interprocess().map_err(err)?;
                 // SAFETY: `release` was just created as an interprocess event.
                 made.release_handle = unsafe { d.ipc_get_event_handle(made.release) }
-                    .map_err(|e| e.to_string())?
+                    .map_err(err)?
                     .to_vec();
             }
-            None => made.release = d.event_create().map_err(|e| e.to_string())?,
+            None => made.release = d.event_create().map_err(err)?,
         }
         Ok(Arc::new(made))
     }

@@ -41,20 +41,20 @@ use std::sync::atomic::{AtomicU64, Ordering};
 
 use crate::{HostPool, Result, ShmError};
 
+// The entries' codec is the wire crate's (beside the socket's frames); the queues are ours.
+pub use tensorport_wire::entry::{
+    CqHeader, SqEntry, CQ_ENTRY_WORDS, CQ_GRANT, CQ_HEADER_WORDS, CQ_INLINE_BYTES, CQ_RESULT,
+    SQ_ENTRY_WORDS,
+};
+/// Most dimensions a submission entry holds.
+pub const RING_MAX_DIMS: usize = tensorport_wire::MAX_DIMS;
+
 /// First word of a ring mapping.
 pub const RING_MAGIC: u64 = u64::from_le_bytes(*b"TPRING01");
 /// Version of the layout above.
 pub const RING_LAYOUT_VERSION: u64 = 1;
 /// Bytes before the first submission entry.
 pub const RING_HEADER_BYTES: usize = 1024;
-/// Words in a submission entry.
-pub const SQ_ENTRY_WORDS: usize = 24;
-/// Words in a completion entry.
-pub const CQ_ENTRY_WORDS: usize = 32;
-/// Most dimensions a submission entry carries.
-pub const RING_MAX_DIMS: usize = 8;
-/// Result bytes a completion entry carries inline; longer results travel on the socket.
-pub const CQ_INLINE_BYTES: usize = (CQ_ENTRY_WORDS - 3) * 8;
 /// Largest ring accepted from a peer (entries per queue).
 pub const MAX_RING_ENTRIES: u64 = 1 << 16;
 
@@ -72,11 +72,6 @@ const OFF_SERVER_WAITING: usize = 640;
 const OFF_PRODUCER_WAITING: usize = 768;
 const OFF_SOCKET_SEQ: usize = 896;
 
-/// Completion flag: the entry grants a slot back to the producer.
-pub const CQ_GRANT: u32 = 1;
-/// Completion flag: the entry carries a request's successful result.
-pub const CQ_RESULT: u32 = 2;
-
 /// Why a ring operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum RingError {
@@ -88,79 +83,6 @@ pub enum RingError {
         /// What was wrong.
         what: String,
     },
-}
-
-/// One submission: a request id and a full tensor descriptor in a host slot, raw (the server
-/// validates it like any descriptor from a peer).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct SqEntry {
-    /// The producer's id for the request.
-    pub request_id: u64,
-    /// Slot index.
-    pub slot: u32,
-    /// Slot generation.
-    pub generation: u32,
-    /// DType number.
-    pub dtype: u8,
-    /// Number of dimensions (the server refuses more than [`RING_MAX_DIMS`]).
-    pub rank: u8,
-    /// Whether `strides` are given (otherwise row-major).
-    pub has_strides: bool,
-    /// Byte offset of element 0 in the slot.
-    pub offset: u64,
-    /// Bytes covered from `offset`.
-    pub len: u64,
-    /// Dimensions, the first `rank` used.
-    pub shape: [u64; RING_MAX_DIMS],
-    /// Strides in elements, the first `rank` used if `has_strides`.
-    pub strides: [u64; RING_MAX_DIMS],
-}
-
-impl SqEntry {
-    fn to_words(self) -> [u64; SQ_ENTRY_WORDS] {
-        let mut w = [0u64; SQ_ENTRY_WORDS];
-        w[0] = self.request_id;
-        w[1] = self.slot as u64 | (self.generation as u64) << 32;
-        w[2] = self.dtype as u64 | (self.rank as u64) << 8 | (self.has_strides as u64) << 16;
-        w[3] = self.offset;
-        w[4] = self.len;
-        w[5..5 + RING_MAX_DIMS].copy_from_slice(&self.shape);
-        w[5 + RING_MAX_DIMS..5 + 2 * RING_MAX_DIMS].copy_from_slice(&self.strides);
-        w
-    }
-
-    fn from_words(w: &[u64; SQ_ENTRY_WORDS]) -> SqEntry {
-        let mut e = SqEntry {
-            request_id: w[0],
-            slot: w[1] as u32,
-            generation: (w[1] >> 32) as u32,
-            dtype: w[2] as u8,
-            rank: (w[2] >> 8) as u8,
-            has_strides: (w[2] >> 16) & 1 == 1,
-            offset: w[3],
-            len: w[4],
-            ..SqEntry::default()
-        };
-        e.shape.copy_from_slice(&w[5..5 + RING_MAX_DIMS]);
-        e.strides
-            .copy_from_slice(&w[5 + RING_MAX_DIMS..5 + 2 * RING_MAX_DIMS]);
-        e
-    }
-}
-
-/// The fixed part of a completion (its inline result bytes travel separately).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub struct CqHeader {
-    /// [`CQ_GRANT`] and/or [`CQ_RESULT`].
-    pub flags: u32,
-    /// Result bytes inline (at most [`CQ_INLINE_BYTES`]).
-    pub len: u32,
-    /// The request answered (with [`CQ_RESULT`]).
-    pub request_id: u64,
-    /// Slot granted (with [`CQ_GRANT`]).
-    pub slot: u32,
-    /// Its generation.
-    pub generation: u32,
 }
 
 /// A session's two queues in one sealed memfd, mapped by both sides.
@@ -439,13 +361,15 @@ impl SqWriter {
         }
         // Only the words the entry uses: the header, `rank` dimensions, strides if given.
         let (w, t) = (e.to_words(), self.0.tail);
-        let rank = (e.rank as usize).min(RING_MAX_DIMS);
-        for (i, &v) in w.iter().enumerate().take(5 + rank) {
+        for (i, &v) in w.iter().enumerate().take(5) {
             r.sq_word(t, i).store(v, Ordering::Relaxed);
         }
-        if e.has_strides {
-            for (i, &v) in w.iter().enumerate().skip(5 + RING_MAX_DIMS).take(rank) {
-                r.sq_word(t, i).store(v, Ordering::Relaxed);
+        let (rank, strides) = SqEntry::words_used(w[2]);
+        for d in 0..rank {
+            let (size, stride) = SqEntry::dim_words(d);
+            r.sq_word(t, size).store(w[size], Ordering::Relaxed);
+            if strides {
+                r.sq_word(t, stride).store(w[stride], Ordering::Relaxed);
             }
         }
         self.0.publish(r, Queue::Submission);
@@ -474,13 +398,12 @@ impl SqReader {
         for (i, v) in w.iter_mut().enumerate().take(5) {
             *v = r.sq_word(h, i).load(Ordering::Relaxed);
         }
-        let rank = ((w[2] >> 8) as u8 as usize).min(RING_MAX_DIMS);
-        for (i, v) in w.iter_mut().enumerate().skip(5).take(rank) {
-            *v = r.sq_word(h, i).load(Ordering::Relaxed);
-        }
-        if (w[2] >> 16) & 1 == 1 {
-            for (i, v) in w.iter_mut().enumerate().skip(5 + RING_MAX_DIMS).take(rank) {
-                *v = r.sq_word(h, i).load(Ordering::Relaxed);
+        let (rank, strides) = SqEntry::words_used(w[2]);
+        for d in 0..rank {
+            let (size, stride) = SqEntry::dim_words(d);
+            w[size] = r.sq_word(h, size).load(Ordering::Relaxed);
+            if strides {
+                w[stride] = r.sq_word(h, stride).load(Ordering::Relaxed);
             }
         }
         self.0.release(r, Queue::Submission);
@@ -506,19 +429,17 @@ impl CqWriter {
             return Ok(false);
         }
         let t = self.0.tail;
-        r.cq_word(t, 0).store(
-            h.flags as u64 | (payload.len() as u64) << 32,
-            Ordering::Relaxed,
-        );
-        r.cq_word(t, 1).store(h.request_id, Ordering::Relaxed);
-        r.cq_word(t, 2).store(
-            h.slot as u64 | (h.generation as u64) << 32,
-            Ordering::Relaxed,
-        );
+        let header = CqHeader {
+            len: payload.len() as u32,
+            ..*h
+        };
+        for (i, word) in header.to_words().into_iter().enumerate() {
+            r.cq_word(t, i).store(word, Ordering::Relaxed);
+        }
         for (i, chunk) in payload.chunks(8).enumerate() {
             let mut b = [0u8; 8];
             b[..chunk.len()].copy_from_slice(chunk);
-            r.cq_word(t, 3 + i)
+            r.cq_word(t, CQ_HEADER_WORDS + i)
                 .store(u64::from_le_bytes(b), Ordering::Relaxed);
         }
         self.0.publish(r, Queue::Completion);
@@ -547,18 +468,17 @@ impl CqReader {
             return Ok(None);
         }
         let h0 = self.0.head;
-        let w0 = r.cq_word(h0, 0).load(Ordering::Relaxed);
-        let len = ((w0 >> 32) as usize).min(CQ_INLINE_BYTES);
-        let w2 = r.cq_word(h0, 2).load(Ordering::Relaxed);
-        let h = CqHeader {
-            flags: w0 as u32,
-            len: len as u32,
-            request_id: r.cq_word(h0, 1).load(Ordering::Relaxed),
-            slot: w2 as u32,
-            generation: (w2 >> 32) as u32,
-        };
+        let mut w = [0u64; CQ_HEADER_WORDS];
+        for (i, v) in w.iter_mut().enumerate() {
+            *v = r.cq_word(h0, i).load(Ordering::Relaxed);
+        }
+        let h = CqHeader::from_words(&w);
+        let len = h.len as usize;
         for i in 0..len.div_ceil(8) {
-            let b = r.cq_word(h0, 3 + i).load(Ordering::Relaxed).to_le_bytes();
+            let b = r
+                .cq_word(h0, CQ_HEADER_WORDS + i)
+                .load(Ordering::Relaxed)
+                .to_le_bytes();
             let n = (len - i * 8).min(8);
             payload[i * 8..i * 8 + n].copy_from_slice(&b[..n]);
         }

@@ -117,5 +117,37 @@ fn main() {
         overflow.extend(v.to_le_bytes());
     }
     std::fs::write(dir.join("overflow"), &overflow).unwrap();
+    // Queue entries: a valid submission (as words, then a completion header), a strided one,
+    // and one with rank 200. Even words are shifted right by 44 in the target: these are odd.
+    let dir = std::path::Path::new("corpus/ring_entry");
+    std::fs::create_dir_all(dir).unwrap();
+    let entry = |rank: u8, strides: bool| {
+        let mut e = entry::SqEntry {
+            request_id: 7,
+            slot: 1,
+            generation: 3,
+            dtype: 0,
+            rank,
+            has_strides: strides,
+            offset: 0,
+            len: 3 * 224 * 224 * 4,
+            ..Default::default()
+        };
+        e.shape[..3].copy_from_slice(&[3, 224, 224]);
+        e.strides[..3].copy_from_slice(&[1, 672, 3]);
+        let mut b: Vec<u8> = e.to_words().iter().flat_map(|w| (w | 1).to_le_bytes()).collect();
+        let h = entry::CqHeader {
+            flags: entry::CQ_GRANT | entry::CQ_RESULT,
+            len: 8,
+            request_id: 7,
+            slot: 1,
+            generation: 4,
+        };
+        b.extend(h.to_words().iter().flat_map(|w| w.to_le_bytes()));
+        b
+    };
+    std::fs::write(dir.join("plain"), entry(3, false)).unwrap();
+    std::fs::write(dir.join("strided"), entry(3, true)).unwrap();
+    std::fs::write(dir.join("rank200"), entry(200, false)).unwrap();
     println!("seed corpus written under corpus/");
 }

@@ -15,7 +15,9 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+mod bounded;
 pub mod desc;
+pub mod entry;
 pub mod error;
 pub mod frame;
 pub mod msg;

@@ -41,6 +41,7 @@ pub struct Hello {
     /// Producer or control.
     pub role: Role,
     /// A name for logs and status (at most [`MAX_NAME_LEN`] bytes).
+    #[serde(deserialize_with = "crate::bounded::string::<_, crate::bounded::Name>")]
     pub name: String,
     /// Slots the client would like (0: the server's default). The server may give fewer.
     pub want_slots: u32,
@@ -66,8 +67,10 @@ pub enum RawDeviceHandle {
     /// and before each `Submit` (64 bytes each).
     LegacyIpc {
         /// The memory handle.
+        #[serde(deserialize_with = "crate::bounded::vec::<_, _, crate::bounded::Handle>")]
         memory: Vec<u8>,
         /// The "ready" event handle.
+        #[serde(deserialize_with = "crate::bounded::vec::<_, _, crate::bounded::Handle>")]
         event: Vec<u8>,
     },
     /// Legacy CUDA IPC with timeline fences: a `cuIpcGetMemHandle` of an allocation that holds
@@ -77,6 +80,7 @@ pub enum RawDeviceHandle {
     /// the same value there on its stream after its reads).
     LegacyIpcTimeline {
         /// The memory handle.
+        #[serde(deserialize_with = "crate::bounded::vec::<_, _, crate::bounded::Handle>")]
         memory: Vec<u8>,
     },
     /// A VMM allocation (`cuMemCreate`) exported as a POSIX file descriptor, which is attached
@@ -89,7 +93,9 @@ pub enum RawDeviceHandle {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum RawFence {
     /// A `cuIpcGetEventHandle` handle (64 bytes).
-    CudaIpcEvent(Vec<u8>),
+    CudaIpcEvent(
+        #[serde(deserialize_with = "crate::bounded::vec::<_, _, crate::bounded::Handle>")] Vec<u8>,
+    ),
     /// Wait until a shared 64-bit semaphore reaches `value`.
     Timeline {
         /// Which semaphore of the session.
@@ -105,8 +111,10 @@ pub struct RawTensorDesc {
     /// [`crate::DType`] number.
     pub dtype: u8,
     /// Dimensions, outermost first.
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, crate::bounded::Shape>")]
     pub shape: Vec<u64>,
     /// Strides in elements; `None` means row-major contiguous.
+    #[serde(deserialize_with = "crate::bounded::opt_vec::<_, _, crate::bounded::Strides>")]
     pub strides: Option<Vec<u64>>,
     /// Byte offset of element 0 inside the slot.
     pub offset: u64,
@@ -187,6 +195,7 @@ pub enum Outcome {
         /// [`crate::ErrorCode`] number.
         code: u16,
         /// What went wrong (at most [`MAX_MESSAGE_LEN`] bytes).
+        #[serde(deserialize_with = "crate::bounded::string::<_, crate::bounded::Message>")]
         message: String,
     },
 }
@@ -197,6 +206,7 @@ pub struct SessionStatus {
     /// Session id.
     pub session_id: u64,
     /// The client's name from `Hello`.
+    #[serde(deserialize_with = "crate::bounded::string::<_, crate::bounded::Name>")]
     pub name: String,
     /// The client's pid (from the socket's peer credentials).
     pub pid: u32,
@@ -247,6 +257,7 @@ pub struct StatusReport {
     /// Whether the server is draining.
     pub draining: bool,
     /// Open producer sessions (the first 256).
+    #[serde(deserialize_with = "crate::bounded::vec::<_, _, crate::bounded::Sessions>")]
     pub sessions: Vec<SessionStatus>,
     /// Totals since start.
     pub totals: Counters,
@@ -258,7 +269,10 @@ pub enum ServerMsg {
     /// The answer to `Hello`; a producer's carries the pool's fd.
     Welcome(Welcome),
     /// These slots are the client's to write (at most [`MAX_GRANT`]).
-    Grant(Vec<SlotRef>),
+    Grant(
+        #[serde(deserialize_with = "crate::bounded::vec::<_, _, crate::bounded::Grants>")]
+        Vec<SlotRef>,
+    ),
     /// The result of a request.
     Result {
         /// The request's id.
@@ -275,6 +289,7 @@ pub enum ServerMsg {
         /// Whether the server closes the connection after this frame.
         fatal: bool,
         /// What went wrong (at most [`MAX_MESSAGE_LEN`] bytes).
+        #[serde(deserialize_with = "crate::bounded::string::<_, crate::bounded::Message>")]
         message: String,
     },
     /// The answer to `Status`.
@@ -290,6 +305,7 @@ pub enum ServerMsg {
         /// The client's buffer number.
         buffer: u32,
         /// The server's "released" event.
+        #[serde(deserialize_with = "crate::bounded::vec::<_, _, crate::bounded::Handle>")]
         release_event: Vec<u8>,
     },
     /// The server has enqueued everything that reads this buffer (and recorded its release
@@ -298,8 +314,13 @@ pub enum ServerMsg {
 }
 
 fn decode<'a, T: Deserialize<'a>>(bytes: &'a [u8]) -> Result<T, WireError> {
-    let (v, rest) =
-        postcard::take_from_bytes::<T>(bytes).map_err(|e| WireError::Malformed(e.to_string()))?;
+    crate::bounded::take_overrun();
+    let (v, rest) = postcard::take_from_bytes::<T>(bytes).map_err(|e| {
+        match crate::bounded::take_overrun() {
+            Some(o) => o.into_error(),
+            None => WireError::Malformed(e.to_string()),
+        }
+    })?;
     if !rest.is_empty() {
         return Err(WireError::Malformed(format!(
             "{} trailing bytes after the message",
@@ -353,13 +374,30 @@ pub fn decode_client(payload: &[u8]) -> Result<ClientMsg, WireError> {
 /// [`decode_client`], and when a `Submit` decodes but fails the size checks, its `request_id`
 /// beside the error, so the refusal can name the request.
 pub fn decode_client_naming(payload: &[u8]) -> Result<ClientMsg, (WireError, Option<u64>)> {
-    let msg: ClientMsg = decode(payload).map_err(|e| (e, None))?;
+    let msg: ClientMsg = decode(payload).map_err(|e| {
+        // A Submit refused for a size (its rank, say) while decoding: its id came first.
+        let id = match e {
+            WireError::Malformed(_) => None,
+            _ => submit_request_id(payload),
+        };
+        (e, id)
+    })?;
     let id = match &msg {
         ClientMsg::Submit { request_id, .. } => Some(*request_id),
         _ => None,
     };
     check_client_sizes(&msg).map_err(|e| (e, id))?;
     Ok(msg)
+}
+
+/// The `request_id` of a Submit from the first bytes of its payload (the variant's index, then
+/// the id), however the rest decodes.
+fn submit_request_id(payload: &[u8]) -> Option<u64> {
+    const SUBMIT: u32 = 1;
+    match postcard::take_from_bytes::<(u32, u64)>(payload) {
+        Ok(((SUBMIT, id), _)) => Some(id),
+        _ => None,
+    }
 }
 
 fn check_client_sizes(msg: &ClientMsg) -> Result<(), WireError> {

@@ -16,16 +16,51 @@ use std::sync::Arc;
 
 use tensorport_wire::RawDeviceHandle;
 
+/// Why a registered device buffer could not be opened; each says whose fault it is, so the
+/// server answers with the right protocol code.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum ImportError {
+    /// The producer said the buffer has more bytes than the allocation behind its handle holds
+    /// (refused: reads past the allocation would fault the server's context).
+    #[error("the buffer was registered as {registered} bytes, but the allocation behind its handle holds {available}; register its true length")]
+    LongerThanAllocation {
+        /// Bytes the producer registered (with the 16 bytes of semaphores a timeline needs).
+        registered: u64,
+        /// Bytes the allocation holds from the buffer's start.
+        available: u64,
+    },
+    /// The handle is not one this server can open (wrong size, another device, a stale or
+    /// forged handle, a missing descriptor).
+    #[error("{0}")]
+    BadHandle(String),
+    /// The driver failed on our side (out of memory, a broken context).
+    #[error("{0}")]
+    Driver(String),
+}
+
+impl ImportError {
+    /// The protocol code a refusal carries.
+    pub fn code(&self) -> tensorport_wire::ErrorCode {
+        use tensorport_wire::ErrorCode;
+        match self {
+            ImportError::LongerThanAllocation { .. } => ErrorCode::OutOfBounds,
+            ImportError::BadHandle(_) => ErrorCode::Malformed,
+            ImportError::Driver(_) => ErrorCode::Internal,
+        }
+    }
+}
+
 /// Opens device buffers that producers register (implemented by `tensorport_cuda::CudaImporter`).
 pub trait DeviceImporter: Send + Sync {
-    /// Opens a buffer of `len` bytes shared by `handle`.
-    /// `fd` is the descriptor attached to the registration (VMM handles), if any.
+    /// Opens a buffer of `len` bytes shared by `handle`, after checking that the allocation
+    /// behind the handle really holds them. `fd` is the descriptor attached to the registration
+    /// (VMM handles), if any.
     fn import(
         &self,
         len: u64,
         handle: &RawDeviceHandle,
         fd: Option<OwnedFd>,
-    ) -> std::result::Result<Arc<dyn ImportedDevice>, String>;
+    ) -> std::result::Result<Arc<dyn ImportedDevice>, ImportError>;
 }
 
 /// A producer's device buffer, open in the server. Dropping the last reference closes it.

@@ -11,12 +11,10 @@ use std::sync::atomic::{fence, Ordering};
 use nix::sys::eventfd::{EfdFlags, EventFd};
 use tensorport_shm::ring::{CqHeader, CqReader, SqEntry, SqReader, SqWriter};
 
-use tensorport_shm::ring::{CQ_INLINE_BYTES, RING_MAX_DIMS};
+use tensorport_shm::ring::CQ_INLINE_BYTES;
 use tensorport_shm::RingMem;
 
 use crate::{Error, Result};
-
-const _: () = assert!(RING_MAX_DIMS == tensorport_wire::MAX_DIMS);
 
 /// An eventfd one side writes to wake the other.
 #[derive(Debug)]

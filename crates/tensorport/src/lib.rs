@@ -25,7 +25,7 @@ mod server;
 pub mod stream;
 
 pub use control::Control;
-pub use device::{DeviceImporter, DeviceTensor, ImportedDevice};
+pub use device::{DeviceImporter, DeviceTensor, ImportError, ImportedDevice};
 pub use error::{Error, Result};
 pub use producer::{Completion, Producer, ProducerConfig, RemoteError, SlotLease, TensorSpec};
 pub use server::{protocol_version, Request, Responder, Server, ServerConfig};

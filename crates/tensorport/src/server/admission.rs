@@ -17,6 +17,10 @@ use tensorport_wire::{
 };
 
 use crate::conn::FrameWriter;
+
+/// The longest device buffer a producer may register (1 TiB: more than any GPU holds, and far
+/// from overflowing the arithmetic on offsets, lengths and the semaphores after them).
+pub(crate) const MAX_DEVICE_BUFFER_LEN: u64 = 1 << 40;
 use crate::device::DeviceTensor;
 use crate::fast::{IdSet, ServerRing};
 use crate::server::outbox::Outbox;
@@ -191,15 +195,13 @@ pub(crate) fn open_session(
         max_in_flight,
         fds: fds.len() as u8,
     });
-    writer
-        .send(&welcome, &fds)
-        .map_err(|e| (ErrorCode::Internal, format!("sending Welcome: {e}")))?;
+    writer.send(&welcome, &fds).map_err(handshake_write)?;
     drop(fds);
     // The slot table is not shared until registration below, so the grant cannot race a submit.
     for chunk in grant.chunks(tensorport_wire::MAX_GRANT) {
         writer
             .send(&ServerMsg::Grant(chunk.to_vec()), &[])
-            .map_err(|e| (ErrorCode::Internal, format!("sending Grant: {e}")))?;
+            .map_err(handshake_write)?;
     }
     let session = Arc::new(Session {
         id,
@@ -367,10 +369,10 @@ pub(crate) fn register_device(
         ErrorCode::Unsupported,
         "this server takes no device buffers (it was started without a GPU)".to_string(),
     ))?;
-    if buffer >= MAX_DEVICE_BUFFERS || len == 0 {
+    if buffer >= MAX_DEVICE_BUFFERS || len == 0 || len > MAX_DEVICE_BUFFER_LEN {
         return Err((
             ErrorCode::OutOfBounds,
-            format!("device buffer {buffer} of {len} bytes (buffers 0..{MAX_DEVICE_BUFFERS}, non-empty)"),
+            format!("device buffer {buffer} of {len} bytes (buffers 0..{MAX_DEVICE_BUFFERS}, 1 byte to {MAX_DEVICE_BUFFER_LEN})"),
         ));
     }
     if lock(&session.state).devices.contains_key(&buffer) {
@@ -385,12 +387,9 @@ pub(crate) fn register_device(
             format!("device buffer {buffer}: a VMM handle needs its file descriptor attached"),
         ));
     }
-    let imported = importer.import(len, handle, fd).map_err(|e| {
-        (
-            ErrorCode::Internal,
-            format!("cannot open device buffer {buffer}: {e}"),
-        )
-    })?;
+    let imported = importer
+        .import(len, handle, fd)
+        .map_err(|e| (e.code(), format!("cannot open device buffer {buffer}: {e}")))?;
     let release_event = imported.release_event_handle();
     lock(&session.state).devices.insert(
         buffer,
@@ -411,4 +410,17 @@ pub(crate) fn register_device(
         release_event,
     });
     Ok(())
+}
+
+/// A write of the handshake failed: the producer left (or stopped reading) before it was told
+/// its pool.
+fn handshake_write(e: crate::Error) -> (ErrorCode, String) {
+    let why = match e {
+        crate::Error::ServerGone => "the producer closed its connection".to_string(),
+        e => e.to_string(),
+    };
+    (
+        ErrorCode::Internal,
+        format!("writing the Welcome and first grants: {why}"),
+    )
 }

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::epoll::{EpollEvent, EpollTimeout};
 use tensorport_shm::ring::{SqEntry, SqReader};
-use tensorport_wire::{ErrorCode, RawLocation, RawTensorView, SlotRef, WireError};
+use tensorport_wire::ErrorCode;
 
 use crate::server::admission::admit;
 use crate::server::request::Request;
@@ -234,24 +234,13 @@ fn take_from_ring(
                 return None;
             }
         };
-        let rank = e.rank as usize;
-        if rank > tensorport_wire::MAX_DIMS {
-            let w = WireError::BadRank(rank);
-            session.refuse(shared, w.code(), Some(e.request_id), w.to_string());
-            continue;
-        }
-        let location = RawLocation::HostSlot(SlotRef {
-            slot: e.slot,
-            generation: e.generation,
-        });
-        let view = RawTensorView {
-            dtype: e.dtype,
-            shape: &e.shape[..rank],
-            strides: e.has_strides.then_some(&e.strides[..rank]),
-            offset: e.offset,
-            len: e.len,
-            location: &location,
-            fence: None,
+        let location = e.location();
+        let view = match e.view(&location) {
+            Ok(v) => v,
+            Err(w) => {
+                session.refuse(shared, w.code(), Some(e.request_id), w.to_string());
+                continue;
+            }
         };
         match admit(shared, session, e.request_id, &view) {
             Ok(r) => return Some(r),
