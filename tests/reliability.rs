@@ -1056,7 +1056,7 @@ fn many_fds() {
     let (_dir, sock) = socket_dir();
     let (server, _ok, _torn, stop) = checking_server(ServerConfig::new(&sock));
     std::thread::sleep(Duration::from_millis(50));
-    let fds0 = open_fds();
+    let (fds0, rss0) = (open_fds(), rss_kib());
     // In the handshake: a Hello with 6 descriptors, on 100 connections.
     let hello = ClientMsg::Hello(tensorport::wire::Hello {
         magic: tensorport::wire::MAGIC,
@@ -1095,6 +1095,12 @@ fn many_fds() {
         eventually(PATIENCE, || open_fds() <= fds0),
         "the server's descriptors grew from {fds0} to {} after the floods",
         open_fds()
+    );
+    println!(
+        "  {} descriptors sent in 400 messages: open fds {fds0} -> {}, RSS {rss0} -> {} KiB",
+        100 * 6 + 100 * (5 + 8 + 253),
+        open_fds(),
+        rss_kib()
     );
     assert_still_served(&sock, 2);
     let t = server.status().totals;
@@ -1163,7 +1169,7 @@ fn memory_budget() {
     assert!(text.contains("fewer or smaller slots"), "{text}");
     // 20 MiB each: three fit in 64 MiB, the rest of a flood of twelve is refused.
     let mut held = Vec::new();
-    let mut refused = 0;
+    let (mut refused, mut most) = (0, 0);
     for _ in 0..12 {
         let mut r = Raw::connect(&sock);
         r.send(&hello_asking(5, 4 << 20));
@@ -1185,7 +1191,12 @@ fn memory_budget() {
             used <= limit,
             "{used} bytes reserved, over the budget of {limit}"
         );
+        most = most.max(used);
     }
+    println!(
+        "  a Hello asking 64 GiB and 12 asking 20 MiB: at most {} MiB reserved of a 64 MiB budget",
+        most >> 20
+    );
     assert_eq!(
         (held.len(), refused),
         (3, 9),
