@@ -36,6 +36,7 @@ fn main() {
             ("handshake_timeout_and_session_limit", limits),
             ("stale_socket_replaced_live_socket_kept", socket_file),
             ("a_grant_past_the_pool_is_refused", bad_grant),
+            ("several_loans_out_written_on_threads", loans),
         ],
         child,
     );
@@ -531,6 +532,65 @@ fn socket_file() {
     drop(s2);
     drop(s1);
     assert!(!sock.exists(), "socket file removed on clean shutdown");
+}
+
+/// Loans do not borrow the producer: four are out at once, written on four threads, then
+/// submitted; a loan dropped unsubmitted gives its slot back; another producer's loan is refused.
+fn loans() {
+    let (_dir, sock) = socket_dir();
+    let cs = CheckingServer::start(ServerConfig::new(&sock));
+    let mut cfg = ProducerConfig::new("loans");
+    cfg.slots = 4;
+    let mut p = Producer::connect(&sock, cfg.clone()).unwrap();
+    for round in 0..50u64 {
+        let mut out: Vec<tensorport::Loan> = (0..4).map(|_| p.loan(PATIENCE).unwrap()).collect();
+        let slots: std::collections::HashSet<u32> = out.iter().map(|l| l.slot().slot).collect();
+        assert_eq!(slots.len(), 4, "four distinct slots out at once");
+        std::thread::scope(|s| {
+            for (k, l) in out.iter_mut().enumerate() {
+                s.spawn(move || fill(round * 4 + k as u64, &mut l.bytes_mut()[..4096]));
+            }
+        });
+        let mut sums = HashMap::new();
+        for mut l in out {
+            let sum = checksum(&l.bytes_mut()[..4096]);
+            let id = p
+                .submit_loan(l, &TensorSpec::new(DType::U8, &[4096]))
+                .unwrap();
+            sums.insert(id, encode_answer(sum, 4096, DType::U8));
+        }
+        for _ in 0..4 {
+            let c = p.recv_result(PATIENCE).unwrap();
+            let want = sums
+                .remove(&c.request_id)
+                .expect("a result for a submitted loan");
+            assert_eq!(
+                c.result.as_deref().ok(),
+                Some(&want[..]),
+                "request {}",
+                c.request_id
+            );
+        }
+    }
+    assert_eq!(cs.verified.load(Ordering::SeqCst), 200);
+    assert_eq!(cs.torn.load(Ordering::SeqCst), 0);
+    // All four out: no fifth (the slots and the in-flight limit are spent), until one comes back.
+    let held: Vec<tensorport::Loan> = (0..4).map(|_| p.loan(PATIENCE).unwrap()).collect();
+    assert!(matches!(
+        p.loan(Duration::from_millis(50)),
+        Err(Error::Timeout(..))
+    ));
+    let back: Vec<u32> = held.iter().map(|l| l.slot().slot).collect();
+    drop(held);
+    let again = p.loan(PATIENCE).unwrap();
+    assert!(back.contains(&again.slot().slot));
+    // Another producer's loan.
+    let mut q = Producer::connect(&sock, cfg).unwrap();
+    let theirs = q.loan(PATIENCE).unwrap();
+    let e = p
+        .submit_loan(theirs, &TensorSpec::new(DType::U8, &[16]))
+        .unwrap_err();
+    assert!(e.to_string().contains("another producer"), "{e}");
 }
 
 /// A server that lies: it grants a slot past the pool it sent. The producer refuses the grant

@@ -25,9 +25,17 @@ mod server;
 pub mod stream;
 
 pub use control::Control;
+
+/// Locks `m`, whatever a panicking holder left: every lock in this crate guards plain
+/// bookkeeping that stays usable.
+pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
 pub use device::{DeviceImporter, DeviceTensor, ImportError, ImportedDevice};
 pub use error::{Error, Result};
-pub use producer::{Completion, Producer, ProducerConfig, RemoteError, SlotLease, TensorSpec};
+pub use producer::{
+    Completion, Loan, Producer, ProducerConfig, RemoteError, SlotLease, TensorSpec,
+};
 pub use server::{protocol_version, Request, Responder, Server, ServerConfig};
 pub use tensorport_shm::{HostPool, PinHook, PinRegistration};
 pub use tensorport_wire::{self as wire, DType, StatusReport, TensorDesc};

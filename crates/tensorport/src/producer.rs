@@ -20,6 +20,7 @@ use std::collections::{HashMap, VecDeque};
 use std::os::fd::{AsFd, BorrowedFd};
 use std::path::Path;
 use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -231,7 +232,11 @@ impl Done {
 pub struct Producer {
     reader: FrameReader,
     writer: FrameWriter,
-    pool: HostPool,
+    pool: Arc<HostPool>,
+    /// Where dropped [`Loan`]s leave their slots; also what makes a loan ours.
+    home: Arc<LoanHome>,
+    /// Loans out (not yet submitted or given back).
+    loaned: usize,
     layout: PoolLayout,
     session_id: u64,
     max_in_flight: u32,
@@ -308,7 +313,9 @@ impl Producer {
         Ok(Producer {
             reader: c.reader,
             writer: c.writer,
-            pool,
+            pool: Arc::new(pool),
+            home: Arc::new(LoanHome::default()),
+            loaned: 0,
             layout,
             session_id: c.welcome.session_id,
             max_in_flight: c.welcome.max_in_flight.max(1),
@@ -600,6 +607,9 @@ impl Producer {
 
     /// Handles everything already received, without waiting.
     pub fn poll(&mut self) -> Result<()> {
+        if self.loaned > 0 {
+            self.reclaim_loans();
+        }
         if self.ring.is_none() {
             while self.pump(Some(Instant::now()))? {}
             return Ok(());
@@ -624,19 +634,79 @@ impl Producer {
     /// A free slot to write, waiting up to `timeout` for one (backpressure: all slots are in
     /// flight, or the session has its maximum of requests in flight).
     pub fn lease(&mut self, timeout: Duration) -> Result<SlotLease<'_>> {
+        let slot = self.take_slot(timeout)?;
+        Ok(SlotLease {
+            producer: self,
+            slot: Some(slot),
+        })
+    }
+
+    /// A free slot to write that does not borrow the producer: hold several at once, write
+    /// them on other threads, and submit each with [`Producer::submit_loan`] (as iceoryx2's
+    /// loans). Waits up to `timeout` as [`Producer::lease`] does; loans out count against the
+    /// in-flight limit.
+    pub fn loan(&mut self, timeout: Duration) -> Result<Loan> {
+        let slot = self.take_slot(timeout)?;
+        self.loaned += 1;
+        Ok(Loan {
+            slot,
+            pool: self.pool.clone(),
+            home: self.home.clone(),
+            submitted: false,
+        })
+    }
+
+    /// Hands a loaned slot to the server as the tensor `spec`; returns the request id.
+    pub fn submit_loan(&mut self, loan: Loan, spec: &TensorSpec) -> Result<u64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.submit_loan_as(loan, id, spec)?;
+        Ok(id)
+    }
+
+    /// [`Producer::submit_loan`] with a request id of the caller's choosing.
+    pub fn submit_loan_as(
+        &mut self,
+        mut loan: Loan,
+        request_id: u64,
+        spec: &TensorSpec,
+    ) -> Result<()> {
+        if !Arc::ptr_eq(&loan.home, &self.home) {
+            return Err(Error::InvalidTensor(
+                "this loan is another producer's slot; submit it with the producer that lent it"
+                    .into(),
+            ));
+        }
+        loan.submitted = true;
+        self.loaned -= 1;
+        let slot = loan.slot;
+        self.submit_slot(slot, request_id, spec).inspect_err(|_| {
+            self.free.push_back(slot);
+        })
+    }
+
+    /// Slots of loans dropped unsubmitted go back to the free list.
+    fn reclaim_loans(&mut self) {
+        let back = std::mem::take(&mut *crate::lock(&self.home.returned));
+        self.loaned -= back.len();
+        self.free.extend(back);
+    }
+
+    /// A free slot, within the in-flight limit, waiting up to `timeout`.
+    fn take_slot(&mut self, timeout: Duration) -> Result<SlotRef> {
         // The clock is read only if no slot is free at once.
         let mut deadline = None;
         loop {
             if self.draining {
                 return Err(Error::Draining);
             }
-            if self.in_flight.len() < self.max_in_flight as usize {
+            if self.loaned > 0 {
+                self.reclaim_loans();
+            }
+            if self.in_flight.len() + self.loaned < self.max_in_flight as usize {
                 // The slot given back last: its pages are the likeliest to be in cache.
                 if let Some(slot) = self.free.pop_back() {
-                    return Ok(SlotLease {
-                        producer: self,
-                        slot: Some(slot),
-                    });
+                    return Ok(slot);
                 }
             }
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
@@ -928,6 +998,62 @@ impl Producer {
         )?;
         self.in_flight.insert(request_id, held);
         Ok(())
+    }
+}
+
+/// Where loans dropped unsubmitted leave their slots, for the producer to take back.
+#[derive(Debug, Default)]
+struct LoanHome {
+    returned: std::sync::Mutex<Vec<SlotRef>>,
+}
+
+/// A slot of the pool lent by [`Producer::loan`]: ours to write until it is submitted with
+/// [`Producer::submit_loan`]. It does not borrow the producer, so several can be out at once
+/// and be written on other threads. Dropped unsubmitted, its slot goes back to the producer.
+pub struct Loan {
+    slot: SlotRef,
+    pool: Arc<HostPool>,
+    home: Arc<LoanHome>,
+    submitted: bool,
+}
+
+impl std::fmt::Debug for Loan {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Loan").field("slot", &self.slot).finish()
+    }
+}
+
+impl Loan {
+    /// The slot's bytes, to write in place.
+    pub fn bytes_mut(&mut self) -> &mut [u8] {
+        // SAFETY: the server granted this slot to us and it is not submitted; the producer took
+        // it off its free list for this loan alone, so no other loan, lease or (honest) server
+        // code touches it, and `&mut self` makes this the only view of it in this process. The
+        // `Arc<HostPool>` keeps the mapping alive for the borrow.
+        unsafe { self.pool.slot_bytes_mut(self.slot.slot) }.expect("granted slot is in the pool")
+    }
+
+    /// Bytes in the slot.
+    pub fn len(&self) -> usize {
+        self.pool.slot_size() as usize
+    }
+
+    /// Whether the slot has no bytes (never).
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// Which slot (and generation) this is.
+    pub fn slot(&self) -> SlotRef {
+        self.slot
+    }
+}
+
+impl Drop for Loan {
+    fn drop(&mut self) {
+        if !self.submitted {
+            crate::lock(&self.home.returned).push(self.slot);
+        }
     }
 }
 

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use nix::sys::epoll::Epoll;
@@ -16,11 +16,7 @@ use crate::server::request::Request;
 use crate::server::session::Session;
 use crate::server::ServerConfig;
 
-/// Locks `m`, whatever a panicking holder left: the server's locks guard plain bookkeeping that
-/// stays usable.
-pub(crate) fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
-    m.lock().unwrap_or_else(|p| p.into_inner())
-}
+pub(crate) use crate::lock;
 
 #[derive(Default)]
 pub(crate) struct AtomicCounters {
