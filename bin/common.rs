@@ -113,13 +113,39 @@ impl SocketArg {
     }
 }
 
+/// What the server runs on each batch.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ModelKind {
+    /// The bundled image classifier.
+    Classifier,
+    /// None: the batch is only moved onto the device (a transport benchmark, like PyTorch's
+    /// DataLoader one).
+    None,
+}
+
+/// Where the model runs.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU.
+    Cpu,
+    /// The first CUDA GPU (needs a build with `--features cuda`).
+    Cuda,
+}
+
+/// The name clap knows a value by, to pass an option on to a child process.
+pub fn arg_name<T: clap::ValueEnum>(v: &T) -> String {
+    v.to_possible_value()
+        .map(|p| p.get_name().to_string())
+        .unwrap_or_default()
+}
+
 /// The model, and how the server runs it; server and producers must agree on the image size.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
     /// What the server runs on each batch: the bundled image classifier, or none (the batch is
     /// only moved onto the device: a transport benchmark, like PyTorch's DataLoader one).
-    #[arg(long, default_value = "classifier", value_parser = ["classifier", "none"])]
-    pub model: String,
+    #[arg(long, value_enum, default_value_t = ModelKind::Classifier)]
+    pub model: ModelKind,
     /// Side of the square input images, in pixels (a multiple of 8).
     #[arg(long, default_value_t = 224)]
     pub image_size: usize,
@@ -137,8 +163,8 @@ pub struct ModelArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Run the model on this device. `cuda` needs a build with `--features cuda`.
-    #[arg(long, default_value = "cpu", value_parser = ["cpu", "cuda"])]
-    pub device: String,
+    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    pub device: Device,
     /// Largest batch the model runs.
     #[arg(long, default_value_t = 32)]
     pub max_batch: usize,
@@ -160,7 +186,7 @@ impl ModelArgs {
     pub fn to_args(&self) -> Vec<String> {
         let mut v = vec![
             "--model".into(),
-            self.model.clone(),
+            arg_name(&self.model),
             "--image-size".into(),
             self.image_size.to_string(),
             "--classes".into(),
@@ -170,7 +196,7 @@ impl ModelArgs {
             "--seed".into(),
             self.seed.to_string(),
             "--device".into(),
-            self.device.clone(),
+            arg_name(&self.device),
             "--max-batch".into(),
             self.max_batch.to_string(),
             "--max-wait-ms".into(),

@@ -13,7 +13,20 @@ use std::time::{Duration, Instant};
 use indicatif::{MultiProgress, ProgressBar, ProgressDrawTarget, ProgressStyle};
 use tensorport_vision::{list_images, Source};
 
-use crate::common::{plural, CliError, CliResult, ModelArgs, ResultLine, StageTimes, TransformArg};
+use crate::common::{
+    plural, CliError, CliResult, Device, ModelArgs, ResultLine, StageTimes, TransformArg,
+};
+
+/// When to draw live progress.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// On a terminal.
+    Auto,
+    /// Always (even into a file or pipe).
+    Always,
+    /// Never.
+    Never,
+}
 
 /// Classify a set of images with one inference server and N producer processes. The farm starts
 /// the server and the producers, hands inputs to producers as they have room, restarts a
@@ -48,8 +61,8 @@ pub struct Args {
     #[arg(long)]
     pub socket: Option<PathBuf>,
     /// Live progress: auto (on a terminal), always, never.
-    #[arg(long, default_value = "auto", value_parser = ["auto", "always", "never"])]
-    pub progress: String,
+    #[arg(long, value_enum, default_value_t = Progress::Auto)]
+    pub progress: Progress,
     /// Restarts of one producer (or of the server) in a row without a result in between before
     /// the farm gives up on it.
     #[arg(long, default_value_t = 8)]
@@ -345,7 +358,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         return Err(CliError::usage("--producers must be at least 1"));
     }
     args.model.config().check()?;
-    if args.model.device == "cuda" && !cfg!(feature = "cuda") {
+    if args.model.device == Device::Cuda && !cfg!(feature = "cuda") {
         return Err(CliError::usage(
             "--device cuda: this tensorport was built without CUDA; rebuild with `--features cuda` \
              (see docs/operations.md), or use --device cpu",
@@ -373,10 +386,10 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
     // A results write past the file size limit then fails (and the file is cut back to whole
     // lines) instead of killing the farm.
     crate::common::catch_sigxfsz();
-    let tty = match args.progress.as_str() {
-        "always" => true,
-        "never" => false,
-        _ => std::io::stderr().is_terminal(),
+    let tty = match args.progress {
+        Progress::Always => true,
+        Progress::Never => false,
+        Progress::Auto => std::io::stderr().is_terminal(),
     };
     let console = Arc::new(Console::new(tty, n));
     // A private directory for the socket, unless one was given.

@@ -41,16 +41,36 @@ pub enum What {
         bytes: Vec<usize>,
         /// Fences to measure: event (interprocess CUDA events), timeline (semaphores in IPC
         /// memory), or both.
-        #[arg(long, default_value = "both", value_parser = ["event", "timeline", "both"])]
-        fence: String,
+        #[arg(long, value_enum, default_value_t = FenceArg::Both)]
+        fence: FenceArg,
         /// What the producer's GPU does per hand-off: fill the tensor (as PyTorch's benchmark
         /// does), or nothing (the tensor is ready; only the hand-off is measured).
-        #[arg(long, default_value = "fill", value_parser = ["fill", "none"])]
-        producer_work: String,
+        #[arg(long, value_enum, default_value_t = Work::Fill)]
+        producer_work: Work,
         /// (internal) run as the benchmark's producer on this socket.
         #[arg(long, hide = true)]
         producer_socket: Option<std::path::PathBuf>,
     },
+}
+
+/// Which fences `bench-ipc` measures.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FenceArg {
+    /// Interprocess CUDA events.
+    Event,
+    /// Semaphores in the IPC memory.
+    Timeline,
+    /// Both, one after the other.
+    Both,
+}
+
+/// What the benchmark's producer GPU does per hand-off.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Work {
+    /// Fills the tensor, as PyTorch's benchmark does.
+    Fill,
+    /// Nothing: only the hand-off is measured.
+    None,
 }
 
 fn cuda(e: tensorport_cuda::Error) -> CliError {
@@ -115,18 +135,16 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         } => {
             let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
             match producer_socket {
-                Some(sock) => {
-                    ipc_producer(&gpu, &sock, handoffs, bytes[0], &fence, &producer_work)?
-                }
+                Some(sock) => ipc_producer(&gpu, &sock, handoffs, bytes[0], fence, producer_work)?,
                 None => {
                     println!("CUDA IPC hand-off, producer process -> usable in the server's stream (pool of 4 buffers):");
-                    let fences: Vec<&str> = match fence.as_str() {
-                        "both" => vec!["event", "timeline"],
+                    let fences = match fence {
+                        FenceArg::Both => vec![FenceArg::Event, FenceArg::Timeline],
                         f => vec![f],
                     };
                     for f in fences {
                         for &b in &bytes {
-                            ipc_server(&gpu, handoffs, b, f, &producer_work)?;
+                            ipc_server(&gpu, handoffs, b, f, producer_work)?;
                         }
                     }
                 }
@@ -141,23 +159,22 @@ fn ipc_producer(
     sock: &std::path::Path,
     handoffs: usize,
     bytes: usize,
-    fence: &str,
-    work: &str,
+    fence: FenceArg,
+    work: Work,
 ) -> CliResult<()> {
     use std::time::Duration;
     use tensorport::{DType, TensorSpec};
     use tensorport_cuda::{Fence, GpuProducer};
-    let fence = if fence == "timeline" {
-        Fence::Timeline
-    } else {
-        Fence::Event
+    let fence = match fence {
+        FenceArg::Timeline => Fence::Timeline,
+        _ => Fence::Event,
     };
     let mut p = GpuProducer::connect_with(sock, "bench-ipc", gpu, 4, bytes, fence).map_err(cuda)?;
     let words_bytes = bytes / 4 * 4;
     let spec = TensorSpec::new(DType::U8, &[bytes as u64]);
     for i in 0..handoffs {
         let b = p.acquire(Duration::from_secs(30)).map_err(cuda)?;
-        if work == "fill" {
+        if work == Work::Fill {
             p.buffer(b)
                 .fill_u32_range_async(0, words_bytes, i as u32, p.stream())
                 .map_err(cuda)?;
@@ -175,8 +192,8 @@ fn ipc_server(
     gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
     handoffs: usize,
     bytes: usize,
-    fence: &str,
-    work: &str,
+    fence: FenceArg,
+    work: Work,
 ) -> CliResult<()> {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -200,9 +217,9 @@ fn ipc_server(
             "--bytes",
             &bytes.to_string(),
             "--fence",
-            fence,
+            &crate::common::arg_name(&fence),
             "--producer-work",
-            work,
+            &crate::common::arg_name(&work),
             "--producer-socket",
         ])
         .arg(&sock)
@@ -242,7 +259,9 @@ fn ipc_server(
     lat.sort_by(f64::total_cmp);
     let pct = |p: f64| lat[((lat.len() - 1) as f64 * p).round() as usize];
     println!(
-        "  {fence:>8} fence, producer {work:>4}, {bytes:>9} B: {:>8.0} hand-offs/s, {:>6.2} GB/s; latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us (first, with start-up: {:.0} us)",
+        "  {:>8} fence, producer {:>4}, {bytes:>9} B: {:>8.0} hand-offs/s, {:>6.2} GB/s; latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us (first, with start-up: {:.0} us)",
+        crate::common::arg_name(&fence),
+        crate::common::arg_name(&work),
         (handoffs - 1) as f64 / secs,
         (handoffs - 1) as f64 * bytes as f64 / secs / 1e9,
         pct(0.5),

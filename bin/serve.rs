@@ -66,7 +66,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     if a.model.max_batch == 0 {
         return Err(CliError::usage("--max-batch must be at least 1"));
     }
-    if a.model.device == "cuda" {
+    if a.model.device == crate::common::Device::Cuda {
         return run_cuda(a);
     }
     serve_on(Cpu::default(), a, Hooks::default(), &stack_images)
@@ -123,8 +123,8 @@ fn serve_on<D: Device<f32>>(
     stack: &StackFn<D>,
 ) -> CliResult<ExitCode> {
     let cfg = a.model.config();
-    let model = match (a.model.model.as_str(), &a.model.weights) {
-        ("none", _) => None,
+    let model = match (a.model.model, &a.model.weights) {
+        (crate::common::ModelKind::None, _) => None,
         (_, Some(p)) => Some(ImageClassifier::load(&dev, cfg, p)?),
         (_, None) => Some(ImageClassifier::from_seed(&dev, cfg, a.model.seed)?),
     };

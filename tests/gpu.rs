@@ -65,12 +65,11 @@ fn main() {
     );
 }
 
-fn child(role: &str) {
-    let socket = std::env::var("TP_SOCKET").expect("TP_SOCKET");
+fn child(role: &str, socket: &str) {
     match role {
-        "producer" => checked_producer(&socket),
-        "gpu-producer" => gpu_producer(&socket),
-        "lying-device" => lying_device(&socket),
+        "producer" => checked_producer(socket),
+        "gpu-producer" => gpu_producer(socket),
+        "lying-device" => lying_device(socket),
         r => panic!("unknown role {r}"),
     }
 }

@@ -49,12 +49,11 @@ fn main() {
     );
 }
 
-fn child(role: &str) {
-    let socket = std::env::var("TP_SOCKET").expect("TP_SOCKET");
+fn child(role: &str, socket: &str) {
     match role {
-        "chaos-producer" => chaos_producer(&socket),
-        "other-uid" => other_uid_client(&socket),
-        "other-uid-server" => other_uid_server(&socket),
+        "chaos-producer" => chaos_producer(socket),
+        "other-uid" => other_uid_client(socket),
+        "other-uid-server" => other_uid_server(socket),
         r => panic!("unknown role {r}"),
     }
 }

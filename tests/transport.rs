@@ -128,12 +128,11 @@ impl Drop for CheckingServer {
 // ---------------------------------------------------------------------------------------------
 // Child processes.
 
-fn child(role: &str) {
-    let socket = std::env::var("TP_SOCKET").expect("TP_SOCKET");
+fn child(role: &str, socket: &str) {
     match role {
-        "producer" => checked_producer(&socket),
-        "slow-producer" => child_slow_producer(&socket),
-        "server-hold" => child_server_hold(&socket),
+        "producer" => checked_producer(socket),
+        "slow-producer" => child_slow_producer(socket),
+        "server-hold" => child_server_hold(socket),
         other => panic!("unknown child role {other}"),
     }
 }

@@ -17,12 +17,14 @@ pub const CHILD_ENV: &str = "TP_TEST_CHILD";
 /// A test: name and body. A body fails by panicking.
 pub type TestFn = fn();
 
-/// Runs `tests` (or the ones whose name contains the first non-flag argument), or dispatches to
-/// `child` when this process was started as a child. Prints one line per test and the
-/// `N passed, N failed` summary; exits non-zero on any failure.
-pub fn main(tests: &[(&str, TestFn)], child: fn(&str)) {
+/// Runs `tests` (or the ones whose name contains the first non-flag argument), or, when this
+/// process was started as a child ([`spawn_child`]), calls `child` with its role and the
+/// server's socket path. Prints one line per test and the `N passed, N failed` summary; exits
+/// non-zero on any failure.
+pub fn main(tests: &[(&str, TestFn)], child: fn(&str, &str)) {
     if let Ok(role) = std::env::var(CHILD_ENV) {
-        child(&role);
+        let socket = std::env::var("TP_SOCKET").expect("a child needs TP_SOCKET");
+        child(&role, &socket);
         return;
     }
     install_log_capture();

@@ -55,8 +55,8 @@ pub struct Args {
     #[arg(long)]
     pub no_pin: bool,
     /// (internal) run as a benchmark child.
-    #[arg(long, hide = true)]
-    pub role: Option<String>,
+    #[arg(long, hide = true, value_enum)]
+    pub role: Option<Role>,
     /// (internal) where the child connects (socket path or iceoryx2 service prefix).
     #[arg(long, hide = true)]
     pub target: Option<String>,
@@ -111,17 +111,37 @@ struct Ctx {
     round_trips: usize,
 }
 
+/// What a benchmark child process does: stream into a sink, or answer pings; over tensorport,
+/// iceoryx2, or a Unix socket.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Role {
+    TpStream,
+    TpPing,
+    IceStream,
+    IcePing,
+    UdsStream,
+    UdsPing,
+}
+
+impl Role {
+    fn name(self) -> String {
+        clap::ValueEnum::to_possible_value(&self)
+            .map(|p| p.get_name().to_string())
+            .unwrap_or_default()
+    }
+}
+
 impl Ctx {
     fn child(
         &self,
-        role: &str,
+        role: Role,
         target: &str,
         size: usize,
         poll: bool,
         cpu: Option<usize>,
     ) -> CliResult<Child> {
         let mut c = Command::new(&self.exe);
-        c.args(["--log", "error", "--role", role, "--target", target])
+        c.args(["--log", "error", "--role", &role.name(), "--target", target])
             .args(["--size", &size.to_string()])
             .args(["--seconds", &self.seconds.to_string()])
             .args(["--round-trips", &self.round_trips.to_string()])
@@ -254,7 +274,7 @@ fn ice_recv(
 }
 
 /// The children.
-fn run_child(a: &Args, role: &str) -> CliResult<ExitCode> {
+fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
     if let Some(cpu) = a.cpu {
         pin(cpu)?;
     }
@@ -268,14 +288,14 @@ fn run_child(a: &Args, role: &str) -> CliResult<ExitCode> {
     let total = a.round_trips + WARMUP;
     let mut rtts = Vec::with_capacity(total);
     match role {
-        "tp-stream" | "tp-ping" => {
-            let mut cfg = ProducerConfig::new(role);
+        Role::TpStream | Role::TpPing => {
+            let mut cfg = ProducerConfig::new(role.name());
             cfg.slots = 8;
             cfg.slot_size = size as u64;
             cfg.spin = if poll { FOREVER } else { Duration::ZERO };
             let mut p = Producer::connect(&target, cfg)?;
             let spec = TensorSpec::new(DType::U8, &[size as u64]);
-            let ping = role == "tp-ping";
+            let ping = role == Role::TpPing;
             let mut i = 0;
             while if ping { i < total } else { more(i, deadline) } {
                 let t = ping.then(Instant::now);
@@ -295,7 +315,7 @@ fn run_child(a: &Args, role: &str) -> CliResult<ExitCode> {
             }
             let _ = p.close();
         }
-        "ice-stream" => {
+        Role::IceStream => {
             let node = ice_node()?;
             let svc = ice_data(&node, &format!("{target}/data"), 64)?;
             let publisher = ice_publisher(&svc, size)?;
@@ -305,7 +325,7 @@ fn run_child(a: &Args, role: &str) -> CliResult<ExitCode> {
                 i += 1;
             }
         }
-        "ice-ping" => {
+        Role::IcePing => {
             let node = ice_node()?;
             let ping = ice_data(&node, &format!("{target}/ping"), 1)?;
             let pong = ice_data(&node, &format!("{target}/pong"), 1)?;
@@ -336,11 +356,11 @@ fn run_child(a: &Args, role: &str) -> CliResult<ExitCode> {
                 rtts.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
             }
         }
-        "uds-stream" | "uds-ping" => {
+        Role::UdsStream | Role::UdsPing => {
             let mut s = UnixStream::connect(&target)?;
             let mut buf = vec![0u8; size];
             let mut ack = [0u8; 8];
-            let ping = role == "uds-ping";
+            let ping = role == Role::UdsPing;
             let mut i = 0;
             while if ping { i < total } else { more(i, deadline) } {
                 let t = Instant::now();
@@ -353,7 +373,6 @@ fn run_child(a: &Args, role: &str) -> CliResult<ExitCode> {
                 i += 1;
             }
         }
-        other => return Err(CliError::usage(format!("unknown role {other}"))),
     }
     let mut out = std::io::stdout().lock();
     for x in rtts.iter().skip(WARMUP) {
@@ -427,7 +446,7 @@ fn tp_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
     let server = tp_server(&sock, size, true)?;
     let target = sock.to_string_lossy();
     let kids: Vec<Child> = (0..n)
-        .map(|_| cx.child("tp-stream", &target, size, true, kid))
+        .map(|_| cx.child(Role::TpStream, &target, size, true, kid))
         .collect::<CliResult<_>>()?;
     let (mut count, mut first, mut last) = (0u64, None, Instant::now());
     let mut batch = Vec::with_capacity(64);
@@ -465,7 +484,7 @@ fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
     let svc = ice_data(&node, &format!("{tag}/data"), 64)?;
     let sub = ice(svc.subscriber_builder().create(), "subscriber")?;
     let mut kids: Vec<Child> = (0..n)
-        .map(|_| cx.child("ice-stream", &tag, size, true, kid))
+        .map(|_| cx.child(Role::IceStream, &tag, size, true, kid))
         .collect::<CliResult<_>>()?;
     let (mut count, mut first, mut last) = (0u64, None, Instant::now());
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + 5.0);
@@ -528,7 +547,7 @@ fn uds_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
     }
     let target = sock.to_string_lossy();
     let kids: Vec<Child> = (0..n)
-        .map(|_| cx.child("uds-stream", &target, size, true, kid))
+        .map(|_| cx.child(Role::UdsStream, &target, size, true, kid))
         .collect::<CliResult<_>>()?;
     let readers: Vec<_> = (0..n)
         .map(|_| {
@@ -580,7 +599,7 @@ fn tp_latency(cx: &Ctx, size: usize, poll: bool) -> CliResult<Vec<f64>> {
         pin(c)?;
     }
     let server = tp_server(&sock, size, poll)?;
-    let child = cx.child("tp-ping", &sock.to_string_lossy(), size, poll, kid)?;
+    let child = cx.child(Role::TpPing, &sock.to_string_lossy(), size, poll, kid)?;
     for _ in 0..cx.round_trips + WARMUP {
         let r = server
             .recv_timeout(Duration::from_secs(10))?
@@ -613,7 +632,7 @@ fn ice_latency(cx: &Ctx, size: usize, poll: bool) -> CliResult<Vec<f64>> {
             Some(ice(to_me.listener_builder().create(), "listener")?),
         )
     };
-    let child = cx.child("ice-ping", &tag, size, poll, kid)?;
+    let child = cx.child(Role::IcePing, &tag, size, poll, kid)?;
     for i in 0..cx.round_trips + WARMUP {
         ice_recv(
             &sub,
@@ -637,7 +656,7 @@ fn uds_latency(cx: &Ctx, size: usize) -> CliResult<Vec<f64>> {
         pin(c)?;
     }
     let listener = UnixListener::bind(&sock)?;
-    let child = cx.child("uds-ping", &sock.to_string_lossy(), size, false, kid)?;
+    let child = cx.child(Role::UdsPing, &sock.to_string_lossy(), size, false, kid)?;
     let (mut s, _) = listener.accept()?;
     let mut buf = vec![0u8; size];
     for _ in 0..cx.round_trips + WARMUP {
@@ -684,8 +703,8 @@ fn fmt_p(v: &mut [f64]) -> String {
 }
 
 pub fn run(mut a: Args) -> CliResult<ExitCode> {
-    if let Some(role) = a.role.clone() {
-        return run_child(&a, &role);
+    if let Some(role) = a.role {
+        return run_child(&a, role);
     }
     if a.quick {
         a.sizes = vec![4096, 65536];

@@ -8,10 +8,10 @@ use crate::WireError;
 /// Most dimensions a tensor may have.
 pub const MAX_DIMS: usize = 8;
 
+numbered! {
 /// Element types. The numbers are the wire encoding and never change.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, Deserialize)]
-#[repr(u8)]
-pub enum DType {
+pub enum DType: u8 {
     /// IEEE 754 binary32.
     F32 = 0,
     /// IEEE 754 binary16.
@@ -29,21 +29,12 @@ pub enum DType {
     /// Signed byte.
     I8 = 7,
 }
+}
 
 impl DType {
     /// The dtype for a wire number, if known.
     pub fn from_u8(v: u8) -> Option<DType> {
-        Some(match v {
-            0 => DType::F32,
-            1 => DType::F16,
-            2 => DType::BF16,
-            3 => DType::U8,
-            4 => DType::I32,
-            5 => DType::I64,
-            6 => DType::F64,
-            7 => DType::I8,
-            _ => return None,
-        })
+        DType::from_number(v)
     }
 
     /// Bytes per element.

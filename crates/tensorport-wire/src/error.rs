@@ -2,11 +2,11 @@
 
 use thiserror::Error;
 
+numbered! {
 /// A numeric error code, as carried in an `Error` frame or a failed `Result`. The numbers are part
 /// of the protocol (see `docs/protocol.md`); new codes are only ever appended.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-#[repr(u16)]
-pub enum ErrorCode {
+pub enum ErrorCode: u16 {
     /// The bytes of a frame do not decode as a message of this protocol.
     Malformed = 1,
     /// A frame's length field is over the limit; the frame was not read.
@@ -57,37 +57,12 @@ pub enum ErrorCode {
     /// A code this version does not know (kept as received).
     Unknown = 0xFFFF,
 }
+}
 
 impl ErrorCode {
     /// The code for a number received from a peer; unknown numbers map to [`ErrorCode::Unknown`].
     pub fn from_u16(v: u16) -> ErrorCode {
-        use ErrorCode::*;
-        match v {
-            1 => Malformed,
-            2 => FrameTooLarge,
-            3 => VersionMismatch,
-            4 => HandshakeRequired,
-            5 => UnknownDType,
-            6 => ShapeOverflow,
-            7 => OutOfBounds,
-            8 => BadStrides,
-            9 => SlotNotLeased,
-            10 => FdsNotExpected,
-            11 => Unsupported,
-            12 => TooManySessions,
-            13 => PermissionDenied,
-            14 => Draining,
-            15 => Internal,
-            16 => HandshakeTimeout,
-            17 => BadRank,
-            18 => Misaligned,
-            19 => DuplicateRequest,
-            20 => HandlerFailed,
-            21 => TooLong,
-            22 => TooManyInFlight,
-            23 => MemoryBudget,
-            _ => Unknown,
-        }
+        ErrorCode::from_number(v).unwrap_or(ErrorCode::Unknown)
     }
 
     /// The number that travels on the wire.

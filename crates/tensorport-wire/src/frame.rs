@@ -45,6 +45,25 @@ pub fn encode_frame_into<T: Serialize>(msg: &T, out: &mut Vec<u8>) -> Result<(),
     Ok(())
 }
 
+/// Splits a byte stream into frames as a reader would, taking it in reads of at most `chunk`
+/// bytes, and calls `each` with every complete payload. Stops at the first framing error.
+pub fn for_each_frame(
+    mut stream: &[u8],
+    chunk: usize,
+    max: u32,
+    mut each: impl FnMut(&[u8]),
+) -> Result<(), WireError> {
+    let mut fb = FrameBuffer::new(max);
+    while !stream.is_empty() {
+        let n = fb.feed(stream, chunk.max(1));
+        stream = &stream[n..];
+        while let Some(p) = fb.next_frame()? {
+            each(p);
+        }
+    }
+    Ok(())
+}
+
 /// Reads a frame header. Returns the payload length, checked against `max`.
 pub fn parse_header(header: [u8; FRAME_HEADER_LEN], max: u32) -> Result<usize, WireError> {
     let len = u32::from_le_bytes(header);
@@ -122,6 +141,16 @@ impl FrameBuffer {
         self.end = (self.end + n).min(self.buf.len());
     }
 
+    /// Copies up to `most` bytes of `input` into the buffer (as a read would) and returns how
+    /// many it took: fewer when the frame in progress needs no more room than that.
+    pub fn feed(&mut self, input: &[u8], most: usize) -> usize {
+        let spare = self.spare();
+        let n = most.min(spare.len()).min(input.len());
+        spare[..n].copy_from_slice(&input[..n]);
+        self.commit(n);
+        n
+    }
+
     /// The next complete frame's payload, `Ok(None)` if more bytes are needed, or an error if the
     /// stream is broken (the connection must then be closed).
     pub fn next_frame(&mut self) -> Result<Option<&[u8]>, WireError> {
@@ -150,18 +179,9 @@ impl FrameBuffer {
 mod tests {
     use super::*;
 
-    fn feed(fb: &mut FrameBuffer, mut bytes: &[u8], chunk: usize) -> Vec<Vec<u8>> {
+    fn frames(bytes: &[u8], chunk: usize) -> Vec<Vec<u8>> {
         let mut out = Vec::new();
-        while !bytes.is_empty() {
-            let spare = fb.spare();
-            let n = chunk.min(spare.len()).min(bytes.len());
-            spare[..n].copy_from_slice(&bytes[..n]);
-            fb.commit(n);
-            bytes = &bytes[n..];
-            while let Some(f) = fb.next_frame().unwrap() {
-                out.push(f.to_vec());
-            }
-        }
+        for_each_frame(bytes, chunk, MAX_FRAME_LEN, |f| out.push(f.to_vec())).unwrap();
         out
     }
 
@@ -176,17 +196,14 @@ mod tests {
             stream.extend_from_slice(p);
         }
         for chunk in [1, 3, 4, 5, 1000, 65536] {
-            let mut fb = FrameBuffer::new(MAX_FRAME_LEN);
-            assert_eq!(feed(&mut fb, &stream, chunk), payloads, "chunk {chunk}");
+            assert_eq!(frames(&stream, chunk), payloads, "chunk {chunk}");
         }
     }
 
     #[test]
     fn oversize_is_refused_before_allocation() {
         let mut fb = FrameBuffer::new(1024);
-        let spare = fb.spare();
-        spare[..4].copy_from_slice(&u32::MAX.to_le_bytes());
-        fb.commit(4);
+        fb.feed(&u32::MAX.to_le_bytes(), 4);
         let err = fb.next_frame().unwrap_err();
         assert_eq!(err.code(), crate::ErrorCode::FrameTooLarge);
         // The buffer did not grow towards the announced 4 GiB.
@@ -196,8 +213,7 @@ mod tests {
     #[test]
     fn empty_frame_is_an_error() {
         let mut fb = FrameBuffer::new(1024);
-        fb.spare()[..4].copy_from_slice(&0u32.to_le_bytes());
-        fb.commit(4);
+        fb.feed(&0u32.to_le_bytes(), 4);
         assert_eq!(fb.next_frame().unwrap_err(), WireError::EmptyFrame);
     }
 

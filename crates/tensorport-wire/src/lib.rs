@@ -15,6 +15,8 @@
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+#[macro_use]
+mod numbered;
 mod bounded;
 pub mod desc;
 pub mod entry;
@@ -27,7 +29,9 @@ pub use desc::{
     MAX_DIMS,
 };
 pub use error::{ErrorCode, WireError};
-pub use frame::{encode_frame, encode_frame_into, parse_header, FrameBuffer, FRAME_HEADER_LEN};
+pub use frame::{
+    encode_frame, encode_frame_into, for_each_frame, parse_header, FrameBuffer, FRAME_HEADER_LEN,
+};
 pub use msg::*;
 
 /// The protocol version this crate speaks. A peer negotiates it in the handshake. Version 2 adds

@@ -473,7 +473,7 @@ pub fn clip_message(mut message: String) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::{encode_frame, ErrorCode, FrameBuffer, MAX_FRAME_LEN};
+    use crate::{encode_frame, ErrorCode, MAX_FRAME_LEN};
     use proptest::prelude::*;
 
     fn hello() -> Hello {
@@ -590,22 +590,9 @@ mod tests {
 
         #[test]
         fn framing_arbitrary_bytes_never_panics(bytes in proptest::collection::vec(any::<u8>(), 0..4096), chunk in 1usize..300) {
-            let mut fb = FrameBuffer::new(MAX_FRAME_LEN);
-            let mut rest = &bytes[..];
-            'outer: while !rest.is_empty() {
-                let spare = fb.spare();
-                let n = chunk.min(spare.len()).min(rest.len());
-                spare[..n].copy_from_slice(&rest[..n]);
-                fb.commit(n);
-                rest = &rest[n..];
-                loop {
-                    match fb.next_frame() {
-                        Ok(Some(p)) => { let _ = decode_client(p); }
-                        Ok(None) => break,
-                        Err(_) => break 'outer,
-                    }
-                }
-            }
+            let _ = crate::frame::for_each_frame(&bytes, chunk, MAX_FRAME_LEN, |p| {
+                let _ = decode_client(p);
+            });
         }
 
         #[test]

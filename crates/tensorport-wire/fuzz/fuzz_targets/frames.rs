@@ -4,7 +4,7 @@
 
 use libfuzzer_sys::fuzz_target;
 use tensorport_wire::{
-    decode_client, decode_server, validate, ClientMsg, FrameBuffer, PoolBounds, MAX_FRAME_LEN,
+    decode_client, decode_server, for_each_frame, validate, ClientMsg, PoolBounds, MAX_FRAME_LEN,
 };
 
 fuzz_target!(|data: &[u8]| {
@@ -17,30 +17,14 @@ fuzz_target!(|data: &[u8]| {
         slot_count: 8,
         slot_size: 1 << 20,
     };
-    let mut fb = FrameBuffer::new(MAX_FRAME_LEN);
-    let mut input = rest;
-    'stream: while !input.is_empty() {
-        let spare = fb.spare();
-        assert!(!spare.is_empty());
-        let n = chunk.min(spare.len()).min(input.len());
-        spare[..n].copy_from_slice(&input[..n]);
-        fb.commit(n);
-        input = &input[n..];
-        loop {
-            match fb.next_frame() {
-                Ok(Some(payload)) => {
-                    assert!(payload.len() <= MAX_FRAME_LEN as usize);
-                    if let Ok(ClientMsg::Submit { tensor, .. }) = decode_client(payload) {
-                        if let Ok(d) = validate(&tensor, &pool) {
-                            assert!(d.offset() + d.byte_len() <= pool.slot_size);
-                            assert!(d.slot().slot < pool.slot_count);
-                        }
-                    }
-                    let _ = decode_server(payload);
-                }
-                Ok(None) => break,
-                Err(_) => break 'stream,
+    let _ = for_each_frame(rest, chunk, MAX_FRAME_LEN, |payload| {
+        assert!(payload.len() <= MAX_FRAME_LEN as usize);
+        if let Ok(ClientMsg::Submit { tensor, .. }) = decode_client(payload) {
+            if let Ok(d) = validate(&tensor, &pool) {
+                assert!(d.offset() + d.byte_len() <= pool.slot_size);
+                assert!(d.slot().slot < pool.slot_count);
             }
         }
-    }
+        let _ = decode_server(payload);
+    });
 });
