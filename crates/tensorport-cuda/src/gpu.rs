@@ -135,11 +135,7 @@ impl DeviceBuffer {
 
     /// A POSIX fd for this VMM buffer, to pass to another process (`SCM_RIGHTS`).
     pub fn export_fd(&self) -> Result<std::os::fd::OwnedFd> {
-        let (h, _) = self.vmm.ok_or_else(|| crate::Error::Call {
-            call: "export_fd",
-            code: 0,
-            message: "not a VMM buffer (use DeviceBuffer::new_exportable)".into(),
-        })?;
+        let (h, _) = self.vmm.ok_or(crate::Error::NotExportable)?;
         self.gpu.driver.vmm_export_fd(h)
     }
     /// Device address.
@@ -567,12 +563,7 @@ fn time_copies(gpu: &Arc<Gpu>, dst: &DeviceBuffer, src: &[u8], iters: usize) -> 
 pub fn bench_h2d(gpu: &Arc<Gpu>, bytes: usize, iters: usize) -> Result<H2dBench> {
     let dst = DeviceBuffer::new(gpu, bytes)?;
     // The pool: one slot of `bytes`, created and sealed as the server does, then pinned.
-    let mut pool =
-        HostPool::create("tensorport-pool", 1, bytes as u64).map_err(|e| Error::Call {
-            call: "HostPool::create",
-            code: 0,
-            message: e.to_string(),
-        })?;
+    let mut pool = HostPool::create("tensorport-pool", 1, bytes as u64)?;
     // SAFETY: we are the only user of the pool's single slot.
     unsafe { pool.slot_bytes_mut(0) }
         .expect("slot 0")
@@ -580,12 +571,7 @@ pub fn bench_h2d(gpu: &Arc<Gpu>, bytes: usize, iters: usize) -> Result<H2dBench>
         .enumerate()
         .for_each(|(i, b)| *b = i as u8);
     let t = Instant::now();
-    pool.pin_with(&CudaPin::new(gpu.clone()))
-        .map_err(|e| Error::Call {
-            call: "cuMemHostRegister",
-            code: 0,
-            message: e.to_string(),
-        })?;
+    pool.pin_with(&CudaPin::new(gpu.clone()))?;
     let register_ms = t.elapsed().as_secs_f64() * 1e3;
     // SAFETY: as above; nobody writes the slot while we copy from it.
     let pool_src = unsafe { pool.slot_bytes(0, 0, bytes as u64) }.expect("slot 0");

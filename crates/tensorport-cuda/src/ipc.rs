@@ -441,10 +441,8 @@ impl GpuProducer {
             )?;
             let released = match fence {
                 Fence::Event => {
-                    let rel: [u8; 64] = rel.as_slice().try_into().map_err(|_| Error::Call {
-                        call: "DeviceRegistered",
-                        code: 0,
-                        message: "release event handle is not 64 bytes".into(),
+                    let rel: [u8; 64] = rel.as_slice().try_into().map_err(|_| {
+                        Error::BadAnswer("a release event handle that is not 64 bytes")
                     })?;
                     d.ipc_open_event_handle(&rel)?
                 }

@@ -53,6 +53,15 @@ pub enum Error {
     /// No device with that ordinal.
     #[error("no CUDA device {0} (the machine has {1})")]
     NoDevice(i32, i32),
+    /// The buffer cannot be exported as a file descriptor: it is not a VMM allocation.
+    #[error("not a VMM buffer: only a DeviceBuffer::new_exportable can be exported as a file descriptor")]
+    NotExportable,
+    /// The host pool could not be made or pinned.
+    #[error(transparent)]
+    Host(#[from] tensorport_shm::ShmError),
+    /// The server answered something this crate cannot use (the protocol was broken).
+    #[error("the server sent {0}")]
+    BadAnswer(&'static str),
 }
 
 /// Results of this crate.

@@ -88,9 +88,23 @@ pub enum Error {
     /// The server has stopped: drained, or shut down.
     #[error("the server has stopped")]
     Stopped,
-    /// A tensor spec that cannot be submitted (caught before sending).
+    /// A tensor spec that cannot be submitted, caught before sending with the server's own
+    /// rules: the wire error it would have been refused with ([`WireError::code`] gives the
+    /// protocol code).
     #[error("invalid tensor: {0}")]
-    InvalidTensor(String),
+    InvalidTensor(WireError),
+    /// A request id already in flight in this session.
+    #[error("request id {0} is already in flight")]
+    DuplicateRequest(u64),
+    /// A device buffer that was never registered.
+    #[error("device buffer {0} is not registered")]
+    UnknownDevice(u32),
+    /// A device buffer still in flight (wait for `DeviceReleased` with `wait_device`).
+    #[error("device buffer {0} is in flight; wait_device first")]
+    DeviceInFlight(u32),
+    /// A loan submitted to a producer that did not lend it.
+    #[error("this loan is another producer's slot; submit it with the producer that lent it")]
+    ForeignLoan,
     /// A result's payload is over the frame limit.
     #[error("result of {0} bytes is over the protocol's frame limit")]
     ResultTooLarge(usize),

@@ -135,13 +135,10 @@ impl TensorSpec {
     /// The byte length a descriptor of this spec announces.
     fn byte_len(&self) -> Result<u64> {
         if self.shape.len() > MAX_DIMS {
-            return Err(Error::InvalidTensor(format!(
-                "{} dimensions, at most {MAX_DIMS}",
-                self.shape.len()
-            )));
+            return Err(Error::InvalidTensor(WireError::BadRank(self.shape.len())));
         }
         self.extent()
-            .ok_or_else(|| Error::InvalidTensor(format!("shape {:?} overflows", self.shape)))
+            .ok_or_else(|| Error::InvalidTensor(WireError::ShapeOverflow(self.shape.clone())))
     }
 
     fn to_raw(&self, location: RawLocation) -> Result<RawTensorDesc> {
@@ -672,10 +669,7 @@ impl Producer {
         spec: &TensorSpec,
     ) -> Result<()> {
         if !Arc::ptr_eq(&loan.home, &self.home) {
-            return Err(Error::InvalidTensor(
-                "this loan is another producer's slot; submit it with the producer that lent it"
-                    .into(),
-            ));
+            return Err(Error::ForeignLoan);
         }
         loan.submitted = true;
         self.loaned -= 1;
@@ -860,11 +854,7 @@ impl Producer {
         let deadline = Instant::now() + timeout;
         loop {
             match self.devices.get(&buffer) {
-                None => {
-                    return Err(Error::InvalidTensor(format!(
-                        "device buffer {buffer} is not registered"
-                    )))
-                }
+                None => return Err(Error::UnknownDevice(buffer)),
                 Some(d) if !d.in_flight && self.in_flight.len() < self.max_in_flight as usize => {
                     return Ok(())
                 }
@@ -888,13 +878,13 @@ impl Producer {
         spec: &TensorSpec,
         timeline: Option<u64>,
     ) -> Result<u64> {
-        let d = self.devices.get(&buffer).cloned().ok_or_else(|| {
-            Error::InvalidTensor(format!("device buffer {buffer} is not registered"))
-        })?;
+        let d = self
+            .devices
+            .get(&buffer)
+            .cloned()
+            .ok_or(Error::UnknownDevice(buffer))?;
         if d.in_flight {
-            return Err(Error::InvalidTensor(format!(
-                "device buffer {buffer} is in flight; wait_device first"
-            )));
+            return Err(Error::DeviceInFlight(buffer));
         }
         let id = self.next_id;
         self.next_id += 1;
@@ -978,11 +968,9 @@ impl Producer {
             },
             &|b| devices.get(&b).map(|d| d.len),
         )
-        .map_err(|e| Error::InvalidTensor(e.to_string()))?;
+        .map_err(Error::InvalidTensor)?;
         if self.in_flight.contains_key(&request_id) {
-            return Err(Error::InvalidTensor(format!(
-                "request id {request_id} is already in flight"
-            )));
+            return Err(Error::DuplicateRequest(request_id));
         }
         Ok(())
     }

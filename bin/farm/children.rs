@@ -1,0 +1,236 @@
+//! The farm's child processes: how the server and a producer are started, their output turned
+//! into events, their stderr shown, and how an exit is described.
+
+use std::collections::BTreeSet;
+use std::io::{BufRead, BufReader};
+use std::os::unix::process::{CommandExt, ExitStatusExt};
+use std::path::PathBuf;
+use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
+use std::sync::mpsc::Sender;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use super::view::Console;
+use super::Args;
+use crate::common::{CliError, CliResult};
+
+pub(super) enum Ev {
+    Line { slot: usize, line: String },
+    Eof { slot: usize, generation: u64 },
+    ServerReady { generation: u64 },
+    ServerEof { generation: u64 },
+}
+
+/// `slot` of `usize::MAX` is the server.
+pub(super) const SERVER: usize = usize::MAX;
+
+pub(super) enum State {
+    Running {
+        child: Child,
+        stdin: Option<ChildStdin>,
+    },
+    Waiting {
+        until: Instant,
+    },
+    GaveUp,
+}
+
+pub(super) struct Worker {
+    pub(super) name: String,
+    pub(super) state: State,
+    pub(super) generation: u64,
+    pub(super) assigned: BTreeSet<u64>,
+    pub(super) done: u64,
+    pub(super) restarts: u32,
+    pub(super) failures_in_row: u32,
+    pub(super) last_exit: Option<String>,
+    /// When it last returned a result, started, or the server became ready.
+    pub(super) last_progress: Instant,
+}
+
+impl Worker {
+    pub(super) fn new(name: String) -> Worker {
+        Worker {
+            name,
+            state: State::Waiting {
+                until: Instant::now(),
+            },
+            generation: 0,
+            assigned: BTreeSet::new(),
+            done: 0,
+            restarts: 0,
+            failures_in_row: 0,
+            last_exit: None,
+            last_progress: Instant::now(),
+        }
+    }
+}
+
+pub(super) fn describe(st: ExitStatus) -> String {
+    match (st.code(), st.signal()) {
+        (Some(c), _) => format!("exit {c}"),
+        (_, Some(9)) => "killed by SIGKILL".into(),
+        (_, Some(s)) => format!("killed by signal {s}"),
+        _ => "ended".into(),
+    }
+}
+
+pub(super) fn backoff(failures: u32) -> Duration {
+    Duration::from_millis((100u64 << failures.min(6)).min(5_000))
+}
+
+/// Sends each line of `r` as an event, then EOF.
+pub(super) fn pump_lines(
+    r: impl std::io::Read + Send + 'static,
+    tx: Sender<Ev>,
+    slot: usize,
+    generation: u64,
+) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(r).lines() {
+            let Ok(line) = line else { break };
+            let ev = if slot == SERVER {
+                if line.starts_with("ready") {
+                    Ev::ServerReady { generation }
+                } else {
+                    continue;
+                }
+            } else {
+                Ev::Line { slot, line }
+            };
+            if tx.send(ev).is_err() {
+                return;
+            }
+        }
+        let _ = tx.send(if slot == SERVER {
+            Ev::ServerEof { generation }
+        } else {
+            Ev::Eof { slot, generation }
+        });
+    });
+}
+
+/// Shows a child's stderr lines on the console, prefixed with its name; keeps the last one in
+/// `last` (the server's, so a startup failure can be quoted).
+pub(super) fn forward_stderr(
+    r: impl std::io::Read + Send + 'static,
+    name: String,
+    console: Arc<Console>,
+    last: Option<Arc<Mutex<String>>>,
+) {
+    std::thread::spawn(move || {
+        for line in BufReader::new(r).lines() {
+            let Ok(line) = line else { break };
+            console.log(&format!("[{name}] {line}"));
+            if let Some(last) = &last {
+                *last.lock().unwrap() = line;
+            }
+        }
+    });
+}
+
+/// Whether a server that ended this way, never having listened, would fail the same way again:
+/// `serve` exits with 2 for configuration it refuses (a CUDA device on a build without CUDA, no
+/// driver, a bad weights file, a socket path it will not use).
+pub(super) fn unfixable_start(status: &ExitStatus, was_ready: bool) -> bool {
+    !was_ready && status.code() == Some(2)
+}
+
+/// What starting children needs: the binary, the options, the socket, where their output goes.
+pub(super) struct Farm {
+    pub(super) exe: PathBuf,
+    pub(super) args: Args,
+    pub(super) socket: PathBuf,
+    pub(super) console: Arc<Console>,
+    pub(super) tx: Sender<Ev>,
+    /// The server's last stderr line.
+    pub(super) server_said: Arc<Mutex<String>>,
+}
+
+impl Farm {
+    fn command(&self, sub: &str) -> Command {
+        let mut c = Command::new(&self.exe);
+        c.arg("--log")
+            .arg(&self.args.child_log)
+            .arg(sub)
+            .arg("--socket")
+            .arg(&self.socket)
+            .env("TENSORPORT_FARM_PID", std::process::id().to_string())
+            .stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped())
+            // Their own process group: a terminal's Ctrl-C reaches only the farm, which drains.
+            .process_group(0);
+        c
+    }
+
+    pub(super) fn start_server(&self, generation: u64) -> CliResult<Child> {
+        let a = &self.args;
+        let mut c = self.command("serve");
+        c.args(a.model.to_args())
+            .arg("--slots")
+            .arg(a.in_flight.to_string())
+            .arg("--max-sessions")
+            .arg((a.producers + 4).to_string());
+        if let Some(t) = a.threads {
+            c.arg("--threads").arg(t.to_string());
+        }
+        let mut child = c
+            .spawn()
+            .map_err(|e| CliError::new(format!("cannot start the server: {e}")))?;
+        pump_lines(
+            child.stdout.take().expect("piped"),
+            self.tx.clone(),
+            SERVER,
+            generation,
+        );
+        self.server_said.lock().unwrap().clear();
+        forward_stderr(
+            child.stderr.take().expect("piped"),
+            "server".into(),
+            self.console.clone(),
+            Some(self.server_said.clone()),
+        );
+        Ok(child)
+    }
+
+    pub(super) fn start_producer(&self, slot: usize, w: &mut Worker) -> CliResult<()> {
+        let a = &self.args;
+        let mut c = self.command("produce");
+        c.arg("--worklist")
+            .arg("--name")
+            .arg(&w.name)
+            .arg("--image-size")
+            .arg(a.model.image_size.to_string())
+            .arg("--in-flight")
+            .arg(a.in_flight.to_string())
+            .stdin(Stdio::piped());
+        if a.ready {
+            c.arg("--ready");
+        }
+        c.arg("--transform").arg(a.transform.name());
+        if a.profile {
+            c.arg("--profile");
+        }
+        let mut child = c
+            .spawn()
+            .map_err(|e| CliError::new(format!("cannot start {}: {e}", w.name)))?;
+        w.generation += 1;
+        w.last_progress = Instant::now();
+        pump_lines(
+            child.stdout.take().expect("piped"),
+            self.tx.clone(),
+            slot,
+            w.generation,
+        );
+        forward_stderr(
+            child.stderr.take().expect("piped"),
+            w.name.clone(),
+            self.console.clone(),
+            None,
+        );
+        let stdin = child.stdin.take();
+        w.state = State::Running { child, stdin };
+        Ok(())
+    }
+}

@@ -1,0 +1,246 @@
+//! `tensorport farm`: one inference server and N supervised producers over a set of inputs.
+//!
+//! `run` sets up (checks, results file, socket directory, signals) and loops: the
+//! [`Supervisor`] decides (hand out inputs, react to events, restart, give up), `view` shows
+//! (progress, summary), `children` starts the processes.
+
+mod children;
+mod supervisor;
+mod view;
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::atomic::Ordering;
+use std::sync::mpsc::{self, Receiver, Sender};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use tensorport_vision::{list_images, Source};
+
+use crate::common::{CliError, CliResult, Device, ModelArgs, TransformArg};
+use children::{Ev, Farm};
+use supervisor::Supervisor;
+use view::Console;
+
+/// When to draw live progress.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// On a terminal.
+    Auto,
+    /// Always (even into a file or pipe).
+    Always,
+    /// Never.
+    Never,
+}
+
+/// Classify a set of images with one inference server and N producer processes. The farm starts
+/// the server and the producers, hands inputs to producers as they have room, restarts a
+/// producer (or the server) that dies — with back-off — and redoes its unfinished inputs, so
+/// every input gets exactly one line in --output. Ctrl-C finishes the work in flight and stops;
+/// a second Ctrl-C stops at once. Shows live progress on a terminal, stays quiet otherwise, and
+/// ends with a summary.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Folder of PNG/JPEG images to classify.
+    #[arg(long, conflicts_with = "synthetic")]
+    pub input: Option<PathBuf>,
+    /// Classify N generated images instead of files.
+    #[arg(long, value_name = "N")]
+    pub synthetic: Option<u64>,
+    /// Number of producer processes.
+    #[arg(long, short = 'p', default_value_t = 3)]
+    pub producers: usize,
+    /// Where to write the results, one JSON line per input.
+    #[arg(long, short, default_value = "results.jsonl")]
+    pub output: PathBuf,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Requests each producer keeps in flight. The farm hands each producer up to twice as many
+    /// inputs, so the next ones are ready; progress shows them as "handed out".
+    #[arg(long, default_value_t = 8)]
+    pub in_flight: u32,
+    /// Threads for the server's model [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Socket path [default: a fresh private directory, removed afterwards].
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Live progress: auto (on a terminal), always, never.
+    #[arg(long, value_enum, default_value_t = Progress::Auto)]
+    pub progress: Progress,
+    /// Restarts of one producer (or of the server) in a row without a result in between before
+    /// the farm gives up on it.
+    #[arg(long, default_value_t = 8)]
+    pub max_restarts: u32,
+    /// A producer that holds inputs but returns no result for this many seconds, while the
+    /// server runs, is taken as hung (stopped, deadlocked in its preprocessing): the farm kills
+    /// it, restarts it and hands its inputs out again.
+    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+    pub stall_secs: f64,
+    /// Producers hand over a ready tensor for every input instead of preparing each (see
+    /// `produce --ready`).
+    #[arg(long)]
+    pub ready: bool,
+    /// The producers' preprocessing.
+    #[arg(long, value_enum, default_value_t)]
+    pub transform: TransformArg,
+    /// Time every step of every input (read, decode, resize, normalise, lease, submit, result)
+    /// and print the mean of each in the summary; the result lines carry them as "stages".
+    #[arg(long)]
+    pub profile: bool,
+    /// Log level of the server and producers (their stderr is shown prefixed with their name).
+    #[arg(long, default_value = "warn", value_parser = crate::common::parse_log_filter)]
+    pub child_log: String,
+}
+
+pub fn run(args: Args) -> CliResult<ExitCode> {
+    if args.producers == 0 {
+        return Err(CliError::usage("--producers must be at least 1"));
+    }
+    args.model.config().check()?;
+    if args.model.device == Device::Cuda && !cfg!(feature = "cuda") {
+        return Err(CliError::usage(
+            "--device cuda: this tensorport was built without CUDA; rebuild with `--features cuda` \
+             (see docs/operations.md), or use --device cpu",
+        ));
+    }
+    let inputs: Vec<Source> = match (&args.input, args.synthetic) {
+        (Some(dir), _) => list_images(dir)?.into_iter().map(Source::File).collect(),
+        (None, Some(n)) => (0..n).map(Source::Synthetic).collect(),
+        (None, None) => {
+            return Err(CliError::usage(
+                "say what to classify: --input DIR (PNG/JPEG files) or --synthetic N",
+            ))
+        }
+    };
+    if let Some(w) = &args.model.weights {
+        if !w.is_file() {
+            return Err(CliError::usage(format!(
+                "weights file {} does not exist; write one with `tensorport weights --out FILE`, or leave --weights out to use --seed",
+                w.display()
+            )));
+        }
+    }
+    let n = inputs.len() as u64;
+    let mut out = crate::results::ResultsFile::create(&args.output)?;
+    // A results write past the file size limit then fails (and the file is cut back to whole
+    // lines) instead of killing the farm.
+    crate::common::catch_sigxfsz();
+    let tty = match args.progress {
+        Progress::Always => true,
+        Progress::Never => false,
+        Progress::Auto => std::io::stderr().is_terminal(),
+    };
+    let console = Arc::new(Console::new(tty, n));
+    // A private directory for the socket, unless one was given.
+    let tmp;
+    let socket = match &args.socket {
+        Some(s) => s.clone(),
+        None => {
+            let base = std::env::var_os("XDG_RUNTIME_DIR")
+                .map(PathBuf::from)
+                .filter(|p| p.is_dir())
+                .unwrap_or_else(std::env::temp_dir);
+            // 0700, as docs/operations.md says the socket's directory must be (tempfile would
+            // leave it to the umask: 0755).
+            tmp = tempfile::Builder::new()
+                .prefix("tensorport-farm-")
+                .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
+                .tempdir_in(base)?;
+            tmp.path().join("tensorport.sock")
+        }
+    };
+    let (tx, rx): (Sender<Ev>, Receiver<Ev>) = mpsc::channel();
+    let exe = std::env::current_exe()?;
+    let farm = Farm {
+        exe,
+        args,
+        socket,
+        console: console.clone(),
+        tx,
+        server_said: Arc::new(Mutex::new(String::new())),
+    };
+    // SIGINT/SIGTERM, counted: the first drains, the second quits at once — but through this
+    // function's own exit, so the children are ended and the socket directory removed (exiting
+    // from the signal handler left both behind).
+    let signals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let mut it = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+            .map_err(|e| CliError::new(format!("cannot handle SIGINT/SIGTERM: {e}")))?;
+        let count = signals.clone();
+        std::thread::spawn(move || {
+            for _ in it.forever() {
+                count.fetch_add(1, Ordering::SeqCst);
+            }
+        });
+    }
+    let stopped = || signals.load(Ordering::SeqCst) >= 1;
+    let quit_now = || signals.load(Ordering::SeqCst) >= 2;
+    let started = Instant::now();
+    let mut sup = Supervisor::start(farm, inputs)?;
+    let mut last_draw = Instant::now() - Duration::from_secs(1);
+    let mut batches = (0u64, 0u64);
+    loop {
+        if quit_now() {
+            break;
+        }
+        if stopped() {
+            sup.stop();
+        }
+        sup.start_due()?;
+        sup.hand_out();
+        sup.handle_events(&rx, Duration::from_millis(50), &mut out);
+        sup.kill_stalled();
+        if sup.is_over() {
+            break;
+        }
+        if last_draw.elapsed() >= Duration::from_millis(250) {
+            last_draw = Instant::now();
+            // Results reach the file at least four times a second.
+            if let Err(e) = out.flush() {
+                sup.failure = Some(e);
+                break;
+            }
+            if tty {
+                if sup.server_ready {
+                    if let Ok(mut c) =
+                        tensorport::Control::connect(&sup.farm.socket, Duration::from_millis(200))
+                    {
+                        if let Ok(s) = c.status() {
+                            batches = (s.totals.batches, s.totals.batched);
+                        }
+                    }
+                }
+                let (summary, rows) = view::progress(&sup, started, batches);
+                console.draw(sup.done_count, summary, &rows);
+            }
+        }
+    }
+    if let Err(e) = out.flush() {
+        sup.failure.get_or_insert(e);
+    }
+    console.clear();
+    // Producers first (end of their worklists), then the server: drained, or on a second
+    // Ctrl-C killed, with no summary; the socket directory goes with this function's return.
+    if let Some(b) = sup.shut_down(&quit_now) {
+        batches = b;
+    }
+    if quit_now() {
+        console.log("stopped at once (second signal)");
+        return Ok(ExitCode::from(130));
+    }
+    if let Some(f) = sup.failure.as_ref().filter(|f| f.code == 2) {
+        // Nothing ran: a summary of zeros would only bury the one line that matters.
+        return Err(CliError::usage(f.message.clone()));
+    }
+    view::print_summary(&mut sup, started, batches);
+    if let Some(f) = sup.failure {
+        return Err(f);
+    }
+    if sup.done_count < sup.n {
+        return Ok(ExitCode::from(if stopped() { 130 } else { 1 }));
+    }
+    Ok(ExitCode::SUCCESS)
+}

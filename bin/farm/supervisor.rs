@@ -1,0 +1,410 @@
+//! The farm's supervisor: which inputs are handed to whom, what each event means (a result, a
+//! child that ended, the server ready), when a child is restarted or given up on, and when the
+//! run is over. It decides; `view` shows; `children` starts processes.
+
+use std::collections::VecDeque;
+use std::io::Write;
+use std::process::Child;
+use std::sync::mpsc::Receiver;
+use std::time::{Duration, Instant};
+
+use tensorport_vision::Source;
+
+use super::children::{backoff, describe, unfixable_start, Ev, Farm, State, Worker};
+use crate::common::{CliError, CliResult, ResultLine, StageTimes};
+use crate::results::ResultsFile;
+
+pub(super) struct Supervisor {
+    pub(super) farm: Farm,
+    inputs: Vec<Source>,
+    pub(super) n: u64,
+    pub(super) server: Option<Child>,
+    server_gen: u64,
+    pub(super) server_ready: bool,
+    pub(super) server_restarts: u32,
+    server_wait_until: Option<Instant>,
+    /// Server restarts since the last result: a server that keeps dying without ever serving
+    /// is given up on; one that serves between its deaths is not.
+    server_failures_in_row: u32,
+    pub(super) workers: Vec<Worker>,
+    stall: Duration,
+    /// Inputs each producer may hold: twice its in-flight requests, so the next are ready.
+    depth: usize,
+    pending: VecDeque<u64>,
+    done: Vec<bool>,
+    pub(super) done_count: u64,
+    pub(super) errors: u64,
+    pub(super) latencies: Vec<f64>,
+    pub(super) stage_sum: StageTimes,
+    pub(super) profiled: u64,
+    /// The first and the last result: the rate between them leaves the start-up out (starting
+    /// the server and its device, the producers, their pools), as the DataLoader's benchmark
+    /// leaves its workers' start-up out.
+    pub(super) first_result: Option<Instant>,
+    pub(super) last_result: Instant,
+    /// Set by the first Ctrl-C: no new work, finish what is in flight by then.
+    stopping: Option<Instant>,
+    /// Why the run ends early, if it does.
+    pub(super) failure: Option<CliError>,
+}
+
+impl Supervisor {
+    /// Starts the server; producers follow once it listens.
+    pub(super) fn start(farm: Farm, inputs: Vec<Source>) -> CliResult<Supervisor> {
+        let n = inputs.len() as u64;
+        let server = Some(farm.start_server(1)?);
+        let workers = (0..farm.args.producers)
+            .map(|i| Worker::new(format!("producer-{i}")))
+            .collect();
+        Ok(Supervisor {
+            stall: Duration::from_secs_f64(farm.args.stall_secs.max(0.1)),
+            depth: (farm.args.in_flight.max(1) * 2) as usize,
+            farm,
+            inputs,
+            n,
+            server,
+            server_gen: 1,
+            server_ready: false,
+            server_restarts: 0,
+            server_wait_until: None,
+            server_failures_in_row: 0,
+            workers,
+            pending: (0..n).collect(),
+            done: vec![false; n as usize],
+            done_count: 0,
+            errors: 0,
+            latencies: Vec::with_capacity(n as usize),
+            stage_sum: StageTimes::default(),
+            profiled: 0,
+            first_result: None,
+            last_result: Instant::now(),
+            stopping: None,
+            failure: None,
+        })
+    }
+
+    /// The first Ctrl-C: hand out nothing more, give the work in flight 15 s.
+    pub(super) fn stop(&mut self) {
+        if self.stopping.is_none() {
+            self.stopping = Some(Instant::now() + Duration::from_secs(15));
+            self.farm
+                .console
+                .log("stopping: finishing the work in flight (Ctrl-C again to quit at once)");
+        }
+    }
+
+    /// Inputs handed out and not answered yet.
+    pub(super) fn in_flight(&self) -> usize {
+        self.workers.iter().map(|w| w.assigned.len()).sum()
+    }
+
+    /// Restarts the server when its back-off is over, and starts producers that are due once
+    /// it listens.
+    pub(super) fn start_due(&mut self) -> CliResult<()> {
+        if self.stopping.is_some() {
+            return Ok(());
+        }
+        let now = Instant::now();
+        if self.server.is_none() && self.server_wait_until.is_some_and(|t| now >= t) {
+            self.server_gen += 1;
+            self.server = Some(self.farm.start_server(self.server_gen)?);
+            self.server_wait_until = None;
+        }
+        if self.server_ready && self.done_count < self.n {
+            for (slot, w) in self.workers.iter_mut().enumerate() {
+                if matches!(w.state, State::Waiting { until } if now >= until) {
+                    self.farm.start_producer(slot, w)?;
+                }
+            }
+        }
+        Ok(())
+    }
+
+    /// Gives each running producer inputs up to its depth, on its worklist (stdin).
+    pub(super) fn hand_out(&mut self) {
+        if self.stopping.is_some() {
+            return;
+        }
+        for w in self.workers.iter_mut() {
+            let State::Running {
+                stdin: Some(stdin), ..
+            } = &mut w.state
+            else {
+                continue;
+            };
+            let mut batch = String::new();
+            let mut given = Vec::new();
+            while w.assigned.len() + given.len() < self.depth {
+                let Some(i) = self.pending.pop_front() else {
+                    break;
+                };
+                if self.done[i as usize] {
+                    continue;
+                }
+                batch.push_str(&format!("{i}\t{}\n", self.inputs[i as usize]));
+                given.push(i);
+            }
+            if given.is_empty() {
+                continue;
+            }
+            if stdin
+                .write_all(batch.as_bytes())
+                .and_then(|_| stdin.flush())
+                .is_ok()
+            {
+                w.assigned.extend(given);
+            } else {
+                // It is dying; its EOF will come. Keep the inputs for someone else.
+                for i in given.into_iter().rev() {
+                    self.pending.push_front(i);
+                }
+            }
+        }
+    }
+
+    /// Handles the events that came within `wait` (all that are queued once one has).
+    pub(super) fn handle_events(
+        &mut self,
+        rx: &Receiver<Ev>,
+        wait: Duration,
+        out: &mut ResultsFile,
+    ) {
+        let Ok(first) = rx.recv_timeout(wait) else {
+            return;
+        };
+        let mut next = Some(first);
+        while let Some(ev) = next {
+            match ev {
+                Ev::Line { slot, line } => self.on_line(slot, &line, out),
+                Ev::Eof { slot, generation } => self.on_producer_end(slot, generation),
+                Ev::ServerReady { generation } => self.on_server_ready(generation),
+                Ev::ServerEof { generation } => self.on_server_end(generation),
+            }
+            if self.failure.is_some() {
+                return;
+            }
+            next = rx.try_recv().ok();
+        }
+    }
+
+    fn on_line(&mut self, slot: usize, line: &str, out: &mut ResultsFile) {
+        let Ok(r) = serde_json::from_str::<ResultLine>(line) else {
+            return; // a line torn by a kill: the input is redone
+        };
+        for w in self.workers.iter_mut() {
+            w.assigned.remove(&r.index);
+        }
+        if r.index >= self.n || self.done[r.index as usize] {
+            return;
+        }
+        self.done[r.index as usize] = true;
+        self.done_count += 1;
+        self.last_result = Instant::now();
+        self.first_result.get_or_insert(self.last_result);
+        if r.error.is_some() {
+            self.errors += 1;
+        }
+        self.latencies.push(r.latency_ms);
+        if let Some(st) = r.stages {
+            self.stage_sum += st;
+            self.profiled += 1;
+        }
+        if let Err(e) = out.push(line) {
+            self.failure = Some(e);
+            return;
+        }
+        let w = &mut self.workers[slot];
+        w.done += 1;
+        w.failures_in_row = 0;
+        w.last_progress = Instant::now();
+        self.server_failures_in_row = 0;
+    }
+
+    /// A producer's output ended: its unfinished inputs go back to the front of the queue, and
+    /// it is restarted after a back-off, or given up on after too many failures in a row.
+    fn on_producer_end(&mut self, slot: usize, generation: u64) {
+        let w = &mut self.workers[slot];
+        if generation != w.generation {
+            return;
+        }
+        let status = match std::mem::replace(&mut w.state, State::GaveUp) {
+            State::Running { mut child, stdin } => {
+                drop(stdin);
+                child.wait().map(describe).unwrap_or_else(|e| e.to_string())
+            }
+            _ => "ended".into(),
+        };
+        for i in std::mem::take(&mut w.assigned).into_iter().rev() {
+            if !self.done[i as usize] {
+                self.pending.push_front(i);
+            }
+        }
+        w.last_exit = Some(status.clone());
+        if self.done_count >= self.n || self.stopping.is_some() {
+            w.state = State::Waiting {
+                until: Instant::now() + Duration::from_secs(3600),
+            };
+            return;
+        }
+        w.failures_in_row += 1;
+        w.restarts += 1;
+        let console = &self.farm.console;
+        if w.failures_in_row > self.farm.args.max_restarts {
+            console.log(&format!(
+                "{} failed {} times in a row ({status}); giving up on it",
+                w.name, w.failures_in_row
+            ));
+            w.state = State::GaveUp;
+        } else {
+            let d = backoff(w.failures_in_row - 1);
+            console.log(&format!(
+                "{} ended ({status}); restarting in {:.1}s, its unfinished inputs are redone",
+                w.name,
+                d.as_secs_f64()
+            ));
+            w.state = State::Waiting {
+                until: Instant::now() + d,
+            };
+        }
+    }
+
+    fn on_server_ready(&mut self, generation: u64) {
+        if generation == self.server_gen {
+            self.server_ready = true;
+            // Time without a server is nobody's stall.
+            let now = Instant::now();
+            for w in self.workers.iter_mut() {
+                w.last_progress = now;
+            }
+        }
+    }
+
+    /// The server ended: stop at once if restarting cannot help, else restart it after a
+    /// back-off (producers reconnect and redo their inputs), unless it keeps failing.
+    fn on_server_end(&mut self, generation: u64) {
+        if generation != self.server_gen {
+            return;
+        }
+        let was_ready = std::mem::replace(&mut self.server_ready, false);
+        let exit = self.server.take().and_then(|mut c| c.wait().ok());
+        let status = exit.map(describe).unwrap_or_else(|| "ended".into());
+        if exit.is_some_and(|st| unfixable_start(&st, was_ready)) {
+            let said = self.farm.server_said.lock().unwrap().clone();
+            self.failure = Some(CliError::usage(format!(
+                "the server cannot start ({status}): {}",
+                said.trim_start_matches("error: ")
+            )));
+            return;
+        }
+        if self.done_count >= self.n || self.stopping.is_some() {
+            return;
+        }
+        self.server_restarts += 1;
+        self.server_failures_in_row += 1;
+        if self.server_failures_in_row > self.farm.args.max_restarts {
+            self.failure = Some(CliError::new(format!(
+                "the server failed {} times in a row without a result ({status}); see its messages above",
+                self.server_failures_in_row
+            )));
+        } else {
+            let d = backoff(self.server_failures_in_row - 1);
+            self.farm.console.log(&format!(
+                "server ended ({status}); restarting in {:.1}s, producers reconnect and redo their inputs",
+                d.as_secs_f64()
+            ));
+            self.server_wait_until = Some(Instant::now() + d);
+        }
+    }
+
+    /// Hung producers: inputs held, no result for the stall time, with the server up. SIGKILL
+    /// works on a stopped process too; its end of output then restarts it like any other death.
+    pub(super) fn kill_stalled(&mut self) {
+        if !self.server_ready || self.stopping.is_some() {
+            return;
+        }
+        for w in self.workers.iter_mut() {
+            if let State::Running { child, .. } = &mut w.state {
+                if !w.assigned.is_empty() && w.last_progress.elapsed() > self.stall {
+                    self.farm.console.log(&format!(
+                        "{} returned no result for {:.0}s with {} inputs (stopped or hung?); killing it, its inputs are redone",
+                        w.name,
+                        w.last_progress.elapsed().as_secs_f64(),
+                        w.assigned.len()
+                    ));
+                    let _ = child.kill();
+                    // Once: its EOF restarts it and resets the clock.
+                    w.last_progress = Instant::now();
+                }
+            }
+        }
+    }
+
+    /// Whether the run is over: every input done, a failure, every producer given up on, or
+    /// stopping with nothing left in flight (or out of time).
+    pub(super) fn is_over(&mut self) -> bool {
+        if self.failure.is_some() || self.done_count >= self.n {
+            return true;
+        }
+        if self
+            .workers
+            .iter()
+            .all(|w| matches!(w.state, State::GaveUp))
+        {
+            self.failure = Some(CliError::new(
+                "every producer failed repeatedly; see their messages above",
+            ));
+            return true;
+        }
+        self.stopping
+            .is_some_and(|deadline| self.in_flight() == 0 || Instant::now() >= deadline)
+    }
+
+    /// Ends the producers (end of their worklists, then a kill after 10 s) and, unless `now`,
+    /// drains the server; `now` kills it at once. Returns the server's last batch counters.
+    pub(super) fn shut_down(&mut self, now: &dyn Fn() -> bool) -> Option<(u64, u64)> {
+        for w in self.workers.iter_mut() {
+            if let State::Running { stdin, .. } = &mut w.state {
+                stdin.take();
+            }
+        }
+        let deadline = Instant::now() + Duration::from_secs(10);
+        for w in self.workers.iter_mut() {
+            if let State::Running { child, .. } = &mut w.state {
+                while Instant::now() < deadline && !now() {
+                    if let Ok(Some(_)) = child.try_wait() {
+                        break;
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+                let _ = child.kill();
+                let _ = child.wait();
+            }
+        }
+        let mut batches = None;
+        if !now() {
+            if let Ok(mut c) =
+                tensorport::Control::connect(&self.farm.socket, Duration::from_secs(2))
+            {
+                if let Ok(s) = c.status() {
+                    batches = Some((s.totals.batches, s.totals.batched));
+                }
+                let _ = c.drain();
+            }
+        }
+        if let Some(mut s) = self.server.take() {
+            let deadline = Instant::now() + Duration::from_secs(10);
+            loop {
+                match s.try_wait() {
+                    Ok(Some(_)) => break,
+                    _ if now() || Instant::now() >= deadline => {
+                        let _ = s.kill();
+                        let _ = s.wait();
+                        break;
+                    }
+                    _ => std::thread::sleep(Duration::from_millis(20)),
+                }
+            }
+        }
+        batches
+    }
+}
