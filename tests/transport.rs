@@ -37,6 +37,10 @@ fn main() {
             ("stale_socket_replaced_live_socket_kept", socket_file),
             ("a_grant_past_the_pool_is_refused", bad_grant),
             ("several_loans_out_written_on_threads", loans),
+            (
+                "three_consumers_share_six_producers_none_starved",
+                several_consumers,
+            ),
         ],
         child,
     );
@@ -52,11 +56,13 @@ struct CheckingServer {
     held: Arc<Mutex<Vec<tensorport::Request>>>,
     hold_from: Arc<Mutex<Option<(String, usize)>>>,
     per_producer: Arc<Mutex<HashMap<String, u64>>>,
-    thread: Option<std::thread::JoinHandle<()>>,
+    threads: Vec<std::thread::JoinHandle<()>>,
 }
 
 impl CheckingServer {
+    /// A consumer thread per `config.consumers`, all checking and answering.
     fn start(config: ServerConfig) -> CheckingServer {
+        let consumers = config.consumers.max(1);
         let server = Arc::new(Server::bind(config).expect("bind"));
         let stop = Arc::new(AtomicBool::new(false));
         let verified = Arc::new(AtomicU64::new(0));
@@ -64,45 +70,50 @@ impl CheckingServer {
         let held = Arc::new(Mutex::new(Vec::new()));
         let hold_from: Arc<Mutex<Option<(String, usize)>>> = Arc::new(Mutex::new(None));
         let per_producer = Arc::new(Mutex::new(HashMap::new()));
-        let (s, st, v, t, h, hf, pp) = (
-            server.clone(),
-            stop.clone(),
-            verified.clone(),
-            torn.clone(),
-            held.clone(),
-            hold_from.clone(),
-            per_producer.clone(),
-        );
-        let thread = std::thread::spawn(move || {
-            while !st.load(Ordering::SeqCst) {
-                let req = match s.recv_timeout(Duration::from_millis(50)) {
-                    Ok(Some(r)) => r,
-                    Ok(None) => continue,
-                    Err(_) => break,
-                };
-                let bytes = req.bytes();
-                if verify(bytes) {
-                    v.fetch_add(1, Ordering::SeqCst);
-                } else {
-                    t.fetch_add(1, Ordering::SeqCst);
-                }
-                *pp.lock()
-                    .unwrap()
-                    .entry(req.producer().to_string())
-                    .or_default() += 1;
-                let answer = encode_answer(checksum(bytes), req.desc().numel(), req.desc().dtype());
-                let mut hold = hf.lock().unwrap();
-                if let Some((prefix, n)) = hold.as_mut() {
-                    if req.producer().starts_with(prefix.as_str()) && *n > 0 {
-                        *n -= 1;
-                        h.lock().unwrap().push(req);
-                        continue;
+        let threads = (0..consumers)
+            .map(|_| {
+                let (s, st, v, t, h, hf, pp) = (
+                    server.clone(),
+                    stop.clone(),
+                    verified.clone(),
+                    torn.clone(),
+                    held.clone(),
+                    hold_from.clone(),
+                    per_producer.clone(),
+                );
+                std::thread::spawn(move || {
+                    while !st.load(Ordering::SeqCst) {
+                        let req = match s.recv_timeout(Duration::from_millis(50)) {
+                            Ok(Some(r)) => r,
+                            Ok(None) => continue,
+                            Err(_) => break,
+                        };
+                        let bytes = req.bytes();
+                        if verify(bytes) {
+                            v.fetch_add(1, Ordering::SeqCst);
+                        } else {
+                            t.fetch_add(1, Ordering::SeqCst);
+                        }
+                        *pp.lock()
+                            .unwrap()
+                            .entry(req.producer().to_string())
+                            .or_default() += 1;
+                        let answer =
+                            encode_answer(checksum(bytes), req.desc().numel(), req.desc().dtype());
+                        let mut hold = hf.lock().unwrap();
+                        if let Some((prefix, n)) = hold.as_mut() {
+                            if req.producer().starts_with(prefix.as_str()) && *n > 0 {
+                                *n -= 1;
+                                h.lock().unwrap().push(req);
+                                continue;
+                            }
+                        }
+                        drop(hold);
+                        let _ = req.respond(&answer);
                     }
-                }
-                drop(hold);
-                let _ = req.respond(&answer);
-            }
-        });
+                })
+            })
+            .collect();
         CheckingServer {
             server,
             stop,
@@ -111,7 +122,7 @@ impl CheckingServer {
             held,
             hold_from,
             per_producer,
-            thread: Some(thread),
+            threads,
         }
     }
 }
@@ -119,7 +130,7 @@ impl CheckingServer {
 impl Drop for CheckingServer {
     fn drop(&mut self) {
         self.stop.store(true, Ordering::SeqCst);
-        if let Some(t) = self.thread.take() {
+        for t in self.threads.drain(..) {
             let _ = t.join();
         }
     }
@@ -531,6 +542,25 @@ fn socket_file() {
     drop(s2);
     drop(s1);
     assert!(!sock.exists(), "socket file removed on clean shutdown");
+}
+
+/// Three consumer threads, six producer processes: the sessions are dealt out two per
+/// consumer, every tensor is checked and answered exactly once, and every producer finishes
+/// (none is starved by the sharding).
+fn several_consumers() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.consumers = 3;
+    let srv = CheckingServer::start(cfg);
+    let mut kids = spawn_checked_producers(&sock, 6, 500);
+    wait_all_ok(&mut kids, PATIENCE * 2);
+    assert_eq!(srv.verified.load(Ordering::SeqCst), 3000);
+    assert_eq!(srv.torn.load(Ordering::SeqCst), 0);
+    let t = srv.server.status().totals;
+    assert_eq!((t.submitted, t.completed), (3000, 3000));
+    let per = srv.per_producer.lock().unwrap().clone();
+    assert_eq!(per.len(), 6, "{per:?}");
+    assert!(per.values().all(|&n| n == 500), "{per:?}");
 }
 
 /// Loans do not borrow the producer: four are out at once, written on four threads, then

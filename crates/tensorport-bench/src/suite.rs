@@ -39,6 +39,11 @@ pub struct Args {
     /// Producer counts for the throughput runs.
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub producers: Vec<usize>,
+    /// Consumer threads on tensorport's side of a throughput run with more than one producer
+    /// (`ServerConfig::consumers`; each serves its share of the sessions). 0: half the cores,
+    /// at most one per producer. One producer always has one consumer.
+    #[arg(long, default_value_t = 1)]
+    pub consumers: usize,
     /// Seconds per throughput measurement.
     #[arg(long, default_value_t = 2.0)]
     pub seconds: f64,
@@ -428,6 +433,7 @@ fn socket_dir() -> CliResult<tempfile::TempDir> {
     Ok(tempfile::Builder::new().prefix("tp-bench-").tempdir()?)
 }
 
+/// A server for the latency runs: one producer, one consumer.
 fn tp_server(sock: &Path, size: usize, poll: bool) -> CliResult<Server> {
     let mut cfg = ServerConfig::new(sock);
     cfg.slot_size = size as u64;
@@ -435,42 +441,101 @@ fn tp_server(sock: &Path, size: usize, poll: bool) -> CliResult<Server> {
     Ok(Server::bind(cfg)?)
 }
 
-/// tensorport: `n` producer processes streaming into one in-process server.
-fn tp_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
+/// What one tensorport throughput run measured: the rate, and the slowest producer's share
+/// against the mean (1.0: all equal).
+struct TpRun {
+    rate: f64,
+    fairness: f64,
+}
+
+/// tensorport: `n` producer processes streaming into one in-process server, taken by
+/// `consumers` threads (each serving its share of the sessions).
+fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult<TpRun> {
     let dir = socket_dir()?;
     let sock = dir.path().join("tp.sock");
-    let (me, kid) = if n == 1 { cx.pair() } else { (None, None) };
+    let (me, kid) = if n == 1 && consumers == 1 {
+        cx.pair()
+    } else {
+        (None, None)
+    };
     if let Some(c) = me {
         pin(c)?;
     }
-    let server = tp_server(&sock, size, true)?;
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.slot_size = size as u64;
+    cfg.spin = FOREVER;
+    cfg.consumers = consumers.max(1);
+    let server = Server::bind(cfg)?;
     let target = sock.to_string_lossy();
     let kids: Vec<Child> = (0..n)
         .map(|_| cx.child(Role::TpStream, &target, size, true, kid))
         .collect::<CliResult<_>>()?;
-    let (mut count, mut first, mut last) = (0u64, None, Instant::now());
-    let mut batch = Vec::with_capacity(64);
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + 5.0);
-    while Instant::now() < deadline {
-        server.recv_batch_into(&mut batch, 64, Duration::from_millis(100), Duration::ZERO)?;
-        if batch.is_empty() {
-            if first.is_some() && server.status().sessions.is_empty() {
-                break;
-            }
-            continue;
-        }
-        first.get_or_insert_with(Instant::now);
-        for r in batch.drain(..) {
-            std::hint::black_box(r.bytes().first());
-            count += 1;
-            let _ = r.respond(&[]);
-        }
-        last = Instant::now();
-    }
+    // Each consumer: its count, first and last message, and messages per session id.
+    let runs: Vec<CliResult<(u64, Option<Instant>, Instant, Vec<u64>)>> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..consumers.max(1))
+            .map(|_| {
+                let server = &server;
+                s.spawn(move || {
+                    let (mut count, mut first, mut last) = (0u64, None, Instant::now());
+                    let mut per_session = vec![0u64; n + 2];
+                    let mut batch = Vec::with_capacity(64);
+                    while Instant::now() < deadline {
+                        server.recv_batch_into(
+                            &mut batch,
+                            64,
+                            Duration::from_millis(100),
+                            Duration::ZERO,
+                        )?;
+                        if batch.is_empty() {
+                            if first.is_some() && server.status().sessions.is_empty() {
+                                break;
+                            }
+                            continue;
+                        }
+                        first.get_or_insert_with(Instant::now);
+                        for r in batch.drain(..) {
+                            std::hint::black_box(r.bytes().first());
+                            count += 1;
+                            if let Some(c) = per_session.get_mut(r.session_id() as usize) {
+                                *c += 1;
+                            }
+                            let _ = r.respond(&[]);
+                        }
+                        last = Instant::now();
+                    }
+                    Ok((count, first, last, per_session))
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("consumer thread"))
+            .collect()
+    });
     drop(server);
     cx.unpin();
     wait_ok(kids, "tensorport")?;
-    Ok(rate(count, first, last))
+    let (mut count, mut first, mut last) = (0u64, None::<Instant>, None::<Instant>);
+    let mut per_session = vec![0u64; n + 2];
+    for r in runs {
+        let (c, f, l, per) = r?;
+        count += c;
+        if let Some(f) = f {
+            first = Some(first.map_or(f, |x| x.min(f)));
+            last = Some(last.map_or(l, |x| x.max(l)));
+        }
+        for (a, b) in per_session.iter_mut().zip(per) {
+            *a += b;
+        }
+    }
+    let got: Vec<u64> = per_session.into_iter().filter(|&c| c > 0).collect();
+    let mean = got.iter().sum::<u64>() as f64 / got.len().max(1) as f64;
+    let fairness = got.iter().min().map_or(1.0, |&m| m as f64 / mean.max(1e-9));
+    Ok(TpRun {
+        rate: rate(count, first, last.unwrap_or_else(Instant::now)),
+        fairness,
+    })
 }
 
 /// iceoryx2: `n` publisher processes, one subscriber in this process.
@@ -749,16 +814,32 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
     println!("\n| payload | producers | tensorport msgs/s | tensorport GB/s | iceoryx2 msgs/s | iceoryx2 GB/s | Unix socket msgs/s | Unix socket GB/s | memcpy GB/s | tensorport / iceoryx2 |");
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");
     let mut tput = Vec::new();
+    let mut fairness_rows = Vec::new();
     for &size in &a.sizes {
         let mem = memcpy_gbps(size, a.seconds.min(1.0));
         for &n in &a.producers {
             let (mut tps, mut ics, mut udss) = (Vec::new(), Vec::new(), Vec::new());
+            let consumers = match (n, a.consumers) {
+                (1, _) => 1,
+                (_, 0) => (cores / 2).clamp(1, n),
+                (_, k) => k.min(n),
+            };
+            let mut fair = Vec::new();
             for _ in 0..a.repeat.max(1) {
-                tps.push(tp_throughput(&cx, size, n)?);
+                let run = tp_throughput(&cx, size, n, consumers)?;
+                tps.push(run.rate);
+                fair.push(run.fairness);
                 ics.push(ice_throughput(&cx, size, n)?);
                 udss.push(uds_throughput(&cx, size, n)?);
             }
             let (tp, ic, uds) = (median(&mut tps), median(&mut ics), median(&mut udss));
+            let fairness = fair.iter().copied().fold(f64::INFINITY, f64::min);
+            if n > 1 {
+                fairness_rows.push(format!(
+                    "| {size} B | {n} | {consumers} | {:.2} |",
+                    fairness
+                ));
+            }
             let gb = |x: f64| x * size as f64 / 1e9;
             println!(
                 "| {size} B | {n} | {tp:.0} | {} | {ic:.0} | {} | {uds:.0} | {} | {} | {} |",
@@ -776,6 +857,14 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
                 uds,
                 memcpy: mem,
             });
+        }
+    }
+    if !fairness_rows.is_empty() {
+        println!("\nFairness between tensorport's producers (the slowest one's messages / the mean, worst of the runs):\n");
+        println!("| payload | producers | consumers | slowest / mean |");
+        println!("| --- | --- | --- | --- |");
+        for r in &fairness_rows {
+            println!("{r}");
         }
     }
     println!("\n| payload | waiting | tensorport one-way p50 / p99 / p99.9 | iceoryx2 one-way p50 / p99 / p99.9 | Unix socket one-way p50 / p99 / p99.9 | p50 tensorport / iceoryx2 |");

@@ -203,8 +203,10 @@ pub(crate) fn open_session(
             .send(&ServerMsg::Grant(chunk.to_vec()), &[])
             .map_err(handshake_write)?;
     }
+    let shard = shared.least_loaded_shard();
     let session = Arc::new(Session {
         id,
+        shard,
         name: hello.name.clone(),
         pid,
         bounds: PoolBounds {
@@ -233,16 +235,19 @@ pub(crate) fn open_session(
         ring,
     });
     lock(&shared.sessions).insert(id, session.clone());
+    let sh = &shared.shards[shard];
+    sh.sessions.fetch_add(1, Ordering::SeqCst);
     if let Some(r) = &session.ring {
-        if let Err(e) = shared
+        if let Err(e) = sh
             .epoll
             .add(&r.to_server, EpollEvent::new(EpollFlags::EPOLLIN, id))
         {
             lock(&shared.sessions).remove(&id);
+            sh.sessions.fetch_sub(1, Ordering::SeqCst);
             return Err((ErrorCode::Internal, format!("epoll_ctl: {e}")));
         }
-        shared.ring_generation.fetch_add(1, Ordering::SeqCst);
-        shared.wake_consumer();
+        sh.ring_generation.fetch_add(1, Ordering::SeqCst);
+        sh.wake_consumer();
     }
     // From here the reservation is released by `close_session`.
     reservation.1 = false;

@@ -51,6 +51,13 @@ pub struct ServerConfig {
     /// Offer protocol-2 producers the shared-memory queues (on by default; off, every tensor
     /// travels on the socket as in protocol 1).
     pub rings: bool,
+    /// Consumers: threads that may call [`Server::recv_batch`] / [`Server::recv_timeout`] at
+    /// once, each taking the requests of its own share of the sessions (a new session joins
+    /// the share with the fewest). 1: one consumer sees every session.
+    ///
+    /// [`Server::recv_batch`]: crate::Server::recv_batch
+    /// [`Server::recv_timeout`]: crate::Server::recv_timeout
+    pub consumers: usize,
     /// How long [`Server::recv_timeout`] polls the queues before it sleeps on the doorbells:
     /// longer spins cost CPU and save the wake-up (a few microseconds) when work comes soon.
     pub spin: Duration,
@@ -92,6 +99,7 @@ impl ServerConfig {
             pin: None,
             device: None,
             rings: true,
+            consumers: 1,
             spin: Duration::from_micros(50),
         }
     }

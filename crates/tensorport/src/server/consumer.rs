@@ -25,6 +25,8 @@ struct Polled {
 
 /// What the one consumer at a time (the caller of `recv_*`) keeps between calls.
 pub(crate) struct Consumer {
+    /// Which shard of the sessions it serves.
+    shard: usize,
     rx: Receiver<Request>,
     /// Sessions with queues, refreshed when `ring_generation` moves.
     sessions: Vec<Polled>,
@@ -37,8 +39,9 @@ pub(crate) struct Consumer {
 }
 
 impl Consumer {
-    pub(crate) fn new(rx: Receiver<Request>) -> Consumer {
+    pub(crate) fn new(shard: usize, rx: Receiver<Request>) -> Consumer {
         Consumer {
+            shard,
             rx,
             sessions: Vec::new(),
             generation: u64::MAX,
@@ -105,14 +108,15 @@ impl Consumer {
     /// One request from the queues (one per session per pass, round robin) or the channel.
     pub(crate) fn try_take(&mut self, sh: &Arc<Shared>) -> Option<Request> {
         let c = self;
-        let g = sh.ring_generation.load(Ordering::SeqCst);
+        let me = c.shard;
+        let g = sh.shards[me].ring_generation.load(Ordering::SeqCst);
         if g != c.generation {
             c.generation = g;
             // Sessions that stay keep their queue cursor; new ones start at the beginning.
             let mut old = std::mem::take(&mut c.sessions);
             c.sessions = lock(&sh.sessions)
                 .values()
-                .filter(|s| s.ring.is_some())
+                .filter(|s| s.ring.is_some() && s.shard == me)
                 .map(|s| {
                     let sq = old
                         .iter_mut()
@@ -167,7 +171,8 @@ impl Consumer {
     /// the doorbells for at most `step`.
     fn sleep(&mut self, sh: &Arc<Shared>, step: Duration) -> Option<Request> {
         let c = &mut *self;
-        sh.consumer_sleeping.store(true, Ordering::SeqCst);
+        let shard = &sh.shards[c.shard];
+        shard.sleeping.store(true, Ordering::SeqCst);
         for p in &c.sessions {
             if let Some(ring) = &p.session.ring {
                 ring.mem.set_server_waiting(true);
@@ -183,13 +188,13 @@ impl Consumer {
             None
         } else {
             let ms = step.as_millis().clamp(1, 1000) as u16;
-            let n = sh
+            let n = shard
                 .epoll
                 .wait(&mut c.events, EpollTimeout::from(ms))
                 .unwrap_or(0);
             for ev in &c.events[..n] {
                 match ev.data() {
-                    0 => sh.wake.clear(),
+                    0 => shard.wake.clear(),
                     id => {
                         if let Some(ring) = c
                             .sessions
@@ -204,7 +209,7 @@ impl Consumer {
             }
             None
         };
-        sh.consumer_sleeping.store(false, Ordering::SeqCst);
+        shard.sleeping.store(false, Ordering::SeqCst);
         for p in &c.sessions {
             if let Some(ring) = &p.session.ring {
                 ring.mem.set_server_waiting(false);

@@ -6,16 +6,19 @@
 //! - **A connection's thread** checks credentials and `Hello`, then serves a control session
 //!   (`control.rs`) or a producer session (`reader.rs`): it reads the producer's messages and
 //!   writes the output its socket did not take at once, and reclaims the session at the end.
-//! - **The consumer** — whoever calls [`Server::recv_timeout`] / [`Server::recv_batch`]
-//!   (`consumer.rs`) — polls every session's shared-memory queue and the channel the readers
-//!   feed, and answers through [`Request`] / [`Responder`] (`request.rs`).
+//! - **The consumers** — whoever calls [`Server::recv_timeout`] / [`Server::recv_batch`]
+//!   (`consumer.rs`) — poll their sessions' shared-memory queues and the channel the readers
+//!   feed, and answer through [`Request`] / [`Responder`] (`request.rs`). With
+//!   [`ServerConfig::consumers`] = N the sessions are dealt out to N shards, and N threads may
+//!   receive at once, each from its own shard (one thread alone takes the shards in turn).
 //!
 //! Nothing one session does makes another wait: every message to a producer goes through its
 //! [`outbox`], which never blocks (the socket takes it, or it waits in a bounded queue that the
 //! producer's own thread flushes; a producer that does not read is dropped).
 //!
 //! # Lock order
-//! `Server::consumer` → `Shared::sessions` → `Session::state` → `Outbox::queue`. A thread holding
+//! a shard's `Consumer` (one at a time per thread) → `Shared::sessions` → `Session::state` →
+//! `Outbox::queue`. A thread holding
 //! one may take the ones after it, never those before; the outbox's lock is a leaf (nothing is
 //! taken while it is held, and no system call under it can block).
 
@@ -49,13 +52,15 @@ pub use request::{Request, Responder};
 
 use accept::accept_loop;
 use consumer::Consumer;
-use shared::{lock, AtomicCounters, Shared};
+use shared::{lock, AtomicCounters, Shard, Shared};
 
 /// A running server. Dropping it stops accepting, disconnects every session and removes the
 /// socket file.
 pub struct Server {
     shared: Arc<Shared>,
-    consumer: Mutex<Consumer>,
+    /// One per shard; a caller of `recv_*` takes the first that is free.
+    consumers: Vec<Mutex<Consumer>>,
+    next_consumer: std::sync::atomic::AtomicUsize,
     acceptor: Option<JoinHandle<()>>,
     socket: PathBuf,
 }
@@ -75,14 +80,27 @@ impl Server {
         listener
             .set_nonblocking(true)
             .map_err(Error::io("set listener non-blocking"))?;
-        let (tx, rx) = mpsc::channel();
         let socket = config.socket.clone();
-        let epoll =
-            Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(Error::sys("epoll_create"))?;
-        let wake = Doorbell::new()?;
-        epoll
-            .add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, 0))
-            .map_err(Error::sys("epoll_ctl"))?;
+        let mut shards = Vec::new();
+        let mut consumers = Vec::new();
+        for k in 0..config.consumers.max(1) {
+            let (tx, rx) = mpsc::channel();
+            let epoll =
+                Epoll::new(EpollCreateFlags::EPOLL_CLOEXEC).map_err(Error::sys("epoll_create"))?;
+            let wake = Doorbell::new()?;
+            epoll
+                .add(&wake, EpollEvent::new(EpollFlags::EPOLLIN, 0))
+                .map_err(Error::sys("epoll_ctl"))?;
+            shards.push(Shard {
+                tx,
+                epoll,
+                wake,
+                sleeping: AtomicBool::new(false),
+                ring_generation: AtomicU64::new(0),
+                sessions: AtomicU32::new(0),
+            });
+            consumers.push(Mutex::new(Consumer::new(k, rx)));
+        }
         let budget = match config.memory_budget {
             0 => budget::physical_memory().map_or(u64::MAX, |m| m / 4),
             b => b,
@@ -104,11 +122,7 @@ impl Server {
             counters: AtomicCounters::default(),
             draining: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
-            tx,
-            epoll,
-            wake,
-            consumer_sleeping: AtomicBool::new(false),
-            ring_generation: AtomicU64::new(0),
+            shards,
         });
         let sh = shared.clone();
         let acceptor = std::thread::Builder::new()
@@ -118,7 +132,8 @@ impl Server {
         tracing::info!(socket = %socket.display(), "tensorport server listening");
         Ok(Server {
             shared,
-            consumer: Mutex::new(Consumer::new(rx)),
+            consumers,
+            next_consumer: std::sync::atomic::AtomicUsize::new(0),
             acceptor: Some(acceptor),
             socket,
         })
@@ -135,8 +150,28 @@ impl Server {
     /// Polls the sessions' shared-memory queues (round robin) and the socket path for
     /// [`ServerConfig::spin`], then sleeps on the doorbells. Requests from producers that died
     /// after submitting are skipped (and their slots freed).
+    ///
+    /// With [`ServerConfig::consumers`] above 1, as many threads may call this (or
+    /// [`Server::recv_batch`]) at once, each then serving a different share of the sessions.
     pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Request>> {
-        lock(&self.consumer).next_request(&self.shared, Instant::now() + timeout)
+        self.consumer()
+            .next_request(&self.shared, Instant::now() + timeout)
+    }
+
+    /// A shard's consumer for this call: the next in turn that no other thread holds (so one
+    /// caller still serves every shard, in turn), or, when all are held, the next in turn.
+    fn consumer(&self) -> std::sync::MutexGuard<'_, Consumer> {
+        let n = self.consumers.len();
+        if n == 1 {
+            return lock(&self.consumers[0]);
+        }
+        let start = self.next_consumer.fetch_add(1, Ordering::Relaxed);
+        for k in 0..n {
+            if let Ok(c) = self.consumers[(start + k) % n].try_lock() {
+                return c;
+            }
+        }
+        lock(&self.consumers[start % n])
     }
 
     /// A batch: waits up to `timeout` for a first request, then collects more until there are
@@ -163,7 +198,7 @@ impl Server {
         max_wait: Duration,
     ) -> Result<()> {
         out.clear();
-        let mut c = lock(&self.consumer);
+        let mut c = self.consumer();
         let Some(first) = c.next_request(&self.shared, Instant::now() + timeout)? else {
             return Ok(());
         };

@@ -47,8 +47,9 @@ pub(crate) fn serve_producer(
                         Ok(req) => {
                             // The receiver lives as long as the Server; if it is being dropped,
                             // the request is dropped too (and released).
-                            let _ = shared.tx.send(req);
-                            shared.wake_consumer();
+                            let shard = &shared.shards[session.shard];
+                            let _ = shard.tx.send(req);
+                            shard.wake_consumer();
                         }
                         Err((code, message)) => {
                             session.refuse(shared, code, Some(request_id), message)
@@ -156,12 +157,14 @@ pub(crate) fn close_session(shared: &Shared, session: &Arc<Session>, clean: bool
             .sessions_reclaimed
             .fetch_add(1, Ordering::SeqCst);
     }
+    let shard = &shared.shards[session.shard];
     if lock(&shared.sessions).remove(&session.id).is_some() {
         shared.producers.fetch_sub(1, Ordering::SeqCst);
+        shard.sessions.fetch_sub(1, Ordering::SeqCst);
     }
     if let Some(r) = &session.ring {
-        let _ = shared.epoll.delete(&r.to_server);
-        shared.ring_generation.fetch_add(1, Ordering::SeqCst);
+        let _ = shard.epoll.delete(&r.to_server);
+        shard.ring_generation.fetch_add(1, Ordering::SeqCst);
     }
     session.outbox.close();
     let st = session.status();

@@ -64,6 +64,8 @@ pub(crate) enum Answer<'a> {
 
 pub(crate) struct Session {
     pub(crate) id: u64,
+    /// The consumer shard that takes its requests.
+    pub(crate) shard: usize,
     pub(crate) name: String,
     pub(crate) pid: u32,
     pub(crate) pool: Arc<HostPool>,

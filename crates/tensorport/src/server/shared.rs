@@ -65,24 +65,43 @@ pub(crate) struct Shared {
     pub(crate) counters: AtomicCounters,
     pub(crate) draining: AtomicBool,
     pub(crate) stopping: AtomicBool,
+    /// One per consumer ([`ServerConfig::consumers`]); each session belongs to one.
+    pub(crate) shards: Vec<Shard>,
+}
+
+/// What one consumer takes requests from: its sessions' queues (their doorbells in its
+/// `epoll`) and the channel their socket readers feed.
+pub(crate) struct Shard {
     pub(crate) tx: Sender<Request>,
-    /// The consumer sleeps on this: every session's "to server" doorbell (data: session id) and
+    /// The consumer sleeps on this: its sessions' "to server" doorbells (data: session id) and
     /// `wake` (data 0), rung for requests that arrive on a socket and for new sessions.
     pub(crate) epoll: Epoll,
     pub(crate) wake: Doorbell,
-    pub(crate) consumer_sleeping: AtomicBool,
-    /// Bumped whenever a session with queues opens or closes, so the consumer refreshes its list.
+    pub(crate) sleeping: AtomicBool,
+    /// Bumped whenever one of its sessions with queues opens or closes, so the consumer
+    /// refreshes its list.
     pub(crate) ring_generation: AtomicU64,
+    /// Its producer sessions now (new sessions go to the shard with the fewest).
+    pub(crate) sessions: AtomicU32,
+}
+
+impl Shard {
+    /// Wakes the shard's consumer if it sleeps (after a request went into its channel, or one
+    /// of its sessions opened).
+    pub(crate) fn wake_consumer(&self) {
+        fence(Ordering::SeqCst);
+        if self.sleeping.load(Ordering::SeqCst) {
+            self.wake.ring();
+        }
+    }
 }
 
 impl Shared {
-    /// Wakes the consumer if it sleeps (after a request went into the channel, or a session
-    /// opened).
-    pub(crate) fn wake_consumer(&self) {
-        fence(Ordering::SeqCst);
-        if self.consumer_sleeping.load(Ordering::SeqCst) {
-            self.wake.ring();
-        }
+    /// The shard with the fewest sessions, for a new one.
+    pub(crate) fn least_loaded_shard(&self) -> usize {
+        (0..self.shards.len())
+            .min_by_key(|&k| self.shards[k].sessions.load(Ordering::SeqCst))
+            .unwrap_or(0)
     }
 
     pub(crate) fn is_draining(&self) -> bool {

@@ -270,3 +270,18 @@ fn a_full_server_evicts_the_longest_idle_session_only() {
     reader::close_session(&f.server.shared, &old.session, false);
     assert!(!evict_idle(&f.server.shared));
 }
+
+#[test]
+fn sessions_are_dealt_to_the_consumer_with_the_fewest() {
+    let f = server(|c| c.consumers = 3);
+    let peers: Vec<Peer> = (0..6).map(|_| Peer::open(&f)).collect();
+    let mut per = [0; 3];
+    for p in &peers {
+        per[p.session.shard] += 1;
+    }
+    assert_eq!(per, [2, 2, 2]);
+    // One leaves shard 1: the next newcomer fills the gap.
+    let leaving = peers.iter().find(|p| p.session.shard == 1).unwrap();
+    reader::close_session(&f.server.shared, &leaving.session, true);
+    assert_eq!(Peer::open(&f).session.shard, 1);
+}
