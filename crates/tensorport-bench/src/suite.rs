@@ -472,7 +472,8 @@ fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult
         .collect::<CliResult<_>>()?;
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + 5.0);
     // Each consumer: its count, first and last message, and messages per session id.
-    let runs: Vec<CliResult<(u64, Option<Instant>, Instant, Vec<u64>)>> = std::thread::scope(|s| {
+    type ConsumerRun = (u64, Option<Instant>, Instant, Vec<u64>);
+    let runs: Vec<CliResult<ConsumerRun>> = std::thread::scope(|s| {
         let threads: Vec<_> = (0..consumers.max(1))
             .map(|_| {
                 let server = &server;
