@@ -40,8 +40,9 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_value = "1,2,4")]
     pub producers: Vec<usize>,
     /// Consumer threads on tensorport's side of a throughput run with more than one producer
-    /// (`ServerConfig::consumers`; each serves its share of the sessions). 0: half the cores,
-    /// at most one per producer. One producer always has one consumer.
+    /// (`ServerConfig::consumers`; each serves its share of the sessions). 0: the cores the
+    /// producers leave (at least one, at most one per producer): every thread polls, so more
+    /// threads than cores starve some. One producer always has one consumer.
     #[arg(long, default_value_t = 1)]
     pub consumers: usize,
     /// Seconds per throughput measurement.
@@ -822,7 +823,8 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
             let (mut tps, mut ics, mut udss) = (Vec::new(), Vec::new(), Vec::new());
             let consumers = match (n, a.consumers) {
                 (1, _) => 1,
-                (_, 0) => (cores / 2).clamp(1, n),
+                // Every spinning thread its own core: producers first, consumers on the rest.
+                (_, 0) => cores.saturating_sub(n).clamp(1, n),
                 (_, k) => k.min(n),
             };
             let mut fair = Vec::new();
