@@ -1035,6 +1035,13 @@ impl Loan {
     pub fn slot(&self) -> SlotRef {
         self.slot
     }
+
+    /// The pool the slot is in. Holding it keeps the pool mapped in this process (for
+    /// bindings whose views of the slot may outlive the loan); writing the slot after it was
+    /// submitted tears the submitted tensor, as for any shared memory.
+    pub fn mapping(&self) -> Arc<HostPool> {
+        self.pool.clone()
+    }
 }
 
 impl Drop for Loan {

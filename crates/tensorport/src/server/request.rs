@@ -81,6 +81,13 @@ impl Request {
         .expect("validated descriptor lies inside the pool")
     }
 
+    /// The producer's pool the tensor is in (`None` for a device tensor). Holding it keeps the
+    /// pool mapped in this process even after the request is answered (for bindings whose views
+    /// of [`Request::bytes`] may outlive it); what the bytes then hold is the producer's again.
+    pub fn mapping(&self) -> Option<Arc<tensorport_shm::HostPool>> {
+        (!self.desc.is_device()).then(|| self.session().pool.clone())
+    }
+
     /// The tensor's elements as `T`, if it is contiguous and `T` has the dtype's size.
     pub fn as_slice<T: bytemuck::Pod>(&self) -> Option<&[T]> {
         if self.desc.is_device()

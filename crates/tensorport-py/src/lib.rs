@@ -1,0 +1,398 @@
+//! The native part of the `tensorport` Python package (`tensorport._native`): producers,
+//! their loans, and a server with its requests, over the Rust library.
+//!
+//! Views: a loan's or a request's bytes are handed to Python as an address and a length, which
+//! the package's Python side turns into a numpy array over a ctypes buffer that references the
+//! loan or request object. Each object holds its pool (`mapping()`), so the memory stays mapped
+//! for as long as any view of it lives, whatever happens to the session. Blocking calls release
+//! the GIL.
+
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::Duration;
+
+use pyo3::create_exception;
+use pyo3::exceptions::{PyException, PyTimeoutError, PyValueError};
+use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+use tensorport::wire::ErrorCode;
+use tensorport::{DType, HostPool, ProducerConfig, ServerConfig, TensorSpec};
+
+create_exception!(
+    tensorport,
+    TensorportError,
+    PyException,
+    "A tensorport failure; `code` is the protocol's error code (a number) and `code_name` its name, where there is one."
+);
+
+/// A Rust error as a Python exception: a timeout as `TimeoutError`, everything else as
+/// `TensorportError` with the protocol code when one applies.
+fn py_err(e: tensorport::Error) -> PyErr {
+    use tensorport::Error as E;
+    let code = match &e {
+        E::Timeout(..) => return PyTimeoutError::new_err(e.to_string()),
+        E::Refused { code, .. } => Some(*code),
+        E::InvalidTensor(w) => Some(w.code()),
+        E::DuplicateRequest(_) => Some(ErrorCode::DuplicateRequest),
+        E::Draining => Some(ErrorCode::Draining),
+        E::ResultTooLarge(_) => Some(ErrorCode::FrameTooLarge),
+        _ => None,
+    };
+    coded(e.to_string(), code)
+}
+
+fn coded(message: String, code: Option<ErrorCode>) -> PyErr {
+    let err = TensorportError::new_err(message);
+    Python::with_gil(|py| {
+        let v = err.value(py);
+        let _ = v.setattr("code", code.map(|c| c.as_u16()));
+        let _ = v.setattr("code_name", code.map(|c| format!("{c:?}")));
+    });
+    err
+}
+
+fn secs(t: f64) -> PyResult<Duration> {
+    Duration::try_from_secs_f64(t)
+        .map_err(|_| PyValueError::new_err(format!("a timeout of {t} s: give seconds, >= 0")))
+}
+
+fn dtype(name: &str) -> PyResult<DType> {
+    DType::ALL
+        .iter()
+        .copied()
+        .find(|d| d.name() == name)
+        .ok_or_else(|| {
+            PyValueError::new_err(format!(
+                "dtype {name:?}: one of {}",
+                DType::ALL
+                    .iter()
+                    .map(|d| d.name())
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ))
+        })
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+/// A producer session: `Producer(socket, name="python", slots=0, slot_size=0)` (0: the
+/// server's defaults).
+#[pyclass(module = "tensorport._native")]
+struct Producer {
+    inner: Mutex<Option<tensorport::Producer>>,
+}
+
+impl Producer {
+    fn with<R>(
+        &self,
+        f: impl FnOnce(&mut tensorport::Producer) -> tensorport::Result<R>,
+    ) -> PyResult<R> {
+        let mut g = lock(&self.inner);
+        let p = g
+            .as_mut()
+            .ok_or_else(|| coded("the producer is closed".into(), None))?;
+        f(p).map_err(py_err)
+    }
+}
+
+#[pymethods]
+impl Producer {
+    #[new]
+    #[pyo3(signature = (socket, name = "python", slots = 0, slot_size = 0, rings = true, connect_timeout = 10.0))]
+    fn new(
+        py: Python<'_>,
+        socket: std::path::PathBuf,
+        name: &str,
+        slots: u32,
+        slot_size: u64,
+        rings: bool,
+        connect_timeout: f64,
+    ) -> PyResult<Producer> {
+        let mut cfg = ProducerConfig::new(name);
+        cfg.slots = slots;
+        cfg.slot_size = slot_size;
+        cfg.rings = rings;
+        cfg.connect_timeout = secs(connect_timeout)?;
+        let p = py
+            .allow_threads(|| tensorport::Producer::connect(&socket, cfg))
+            .map_err(py_err)?;
+        Ok(Producer {
+            inner: Mutex::new(Some(p)),
+        })
+    }
+
+    /// A free slot to write (waits up to `timeout` seconds): a `Loan`. Several may be out.
+    #[pyo3(signature = (timeout = 10.0))]
+    fn loan(&self, py: Python<'_>, timeout: f64) -> PyResult<Loan> {
+        let t = secs(timeout)?;
+        let mut loan = py.allow_threads(|| self.with(|p| p.loan(t)))?;
+        let len = loan.len();
+        let address = loan.bytes_mut().as_mut_ptr() as usize;
+        Ok(Loan {
+            pool: loan.mapping(),
+            slot: loan.slot().slot,
+            address,
+            len,
+            inner: Mutex::new(Some(loan)),
+        })
+    }
+
+    /// Hands `loan` to the server as a tensor of `dtype` (`"f32"`, `"u8"`, …) and `shape`
+    /// (row-major unless `strides`, in elements, are given) starting at byte `offset`; returns
+    /// the request id. The loan is spent, whatever comes of it.
+    #[pyo3(signature = (loan, dtype, shape, strides = None, offset = 0))]
+    fn submit(
+        &self,
+        loan: &Loan,
+        dtype: &str,
+        shape: Vec<u64>,
+        strides: Option<Vec<u64>>,
+        offset: u64,
+    ) -> PyResult<u64> {
+        let mut spec = TensorSpec::new(self::dtype(dtype)?, &shape).at_offset(offset);
+        if let Some(s) = strides {
+            spec = spec.with_strides(&s);
+        }
+        let l = lock(&loan.inner)
+            .take()
+            .ok_or_else(|| coded("this loan was already submitted".into(), None))?;
+        self.with(|p| p.submit_loan(l, &spec))
+    }
+
+    /// The next result, waiting up to `timeout` seconds: `(request_id, bytes)`, or the server's
+    /// refusal of that request raised as `TensorportError` (its `request_id` attribute set).
+    #[pyo3(signature = (timeout = 10.0))]
+    fn recv(&self, py: Python<'_>, timeout: f64) -> PyResult<(u64, Py<PyBytes>)> {
+        let t = secs(timeout)?;
+        let c = py.allow_threads(|| self.with(|p| p.recv_result(t)))?;
+        match c.result {
+            Ok(bytes) => Ok((c.request_id, PyBytes::new(py, &bytes).unbind())),
+            Err(e) => {
+                let err = coded(
+                    format!("request {} failed: {}", c.request_id, e.message),
+                    Some(e.code),
+                );
+                let _ = err.value(py).setattr("request_id", c.request_id);
+                Err(err)
+            }
+        }
+    }
+
+    /// Requests submitted whose result has not been received.
+    fn in_flight(&self) -> PyResult<usize> {
+        self.with(|p| Ok(p.in_flight()))
+    }
+
+    /// Bytes in each slot.
+    fn slot_size(&self) -> PyResult<u64> {
+        self.with(|p| Ok(p.slot_size()))
+    }
+
+    /// Whether the session hands tensors over on the shared-memory queues.
+    fn uses_rings(&self) -> PyResult<bool> {
+        self.with(|p| Ok(p.uses_rings()))
+    }
+
+    /// Ends the session cleanly (idempotent).
+    fn close(&self, py: Python<'_>) -> PyResult<()> {
+        let p = lock(&self.inner).take();
+        match p {
+            Some(p) => py.allow_threads(|| p.close()).map_err(py_err),
+            None => Ok(()),
+        }
+    }
+}
+
+/// A slot lent by `Producer.loan`: write it (its `address` and `len`, which the package turns
+/// into a numpy view), then `Producer.submit` it. Dropped unsubmitted, the slot goes back.
+#[pyclass(module = "tensorport._native")]
+struct Loan {
+    inner: Mutex<Option<tensorport::Loan>>,
+    /// Keeps the pool mapped while any view of the slot lives.
+    #[allow(dead_code)]
+    pool: Arc<HostPool>,
+    #[pyo3(get)]
+    slot: u32,
+    #[pyo3(get)]
+    address: usize,
+    #[pyo3(get)]
+    len: usize,
+}
+
+#[pymethods]
+impl Loan {
+    /// Whether it was submitted (a view of it may still exist; writing it now tears the tensor).
+    #[getter]
+    fn submitted(&self) -> bool {
+        lock(&self.inner).is_none()
+    }
+}
+
+/// A server in this process: `Server(socket, slots=8, slot_size=1 MiB, consumers=1)`.
+#[pyclass(module = "tensorport._native")]
+struct Server {
+    inner: Arc<tensorport::Server>,
+}
+
+#[pymethods]
+impl Server {
+    #[new]
+    #[pyo3(signature = (socket, slots = 8, slot_size = 1 << 20, consumers = 1, max_sessions = 64))]
+    fn new(
+        socket: std::path::PathBuf,
+        slots: u32,
+        slot_size: u64,
+        consumers: usize,
+        max_sessions: u32,
+    ) -> PyResult<Server> {
+        let mut cfg = ServerConfig::new(socket);
+        cfg.slots_per_session = slots;
+        cfg.slot_size = slot_size;
+        cfg.consumers = consumers;
+        cfg.max_sessions = max_sessions;
+        Ok(Server {
+            inner: Arc::new(tensorport::Server::bind(cfg).map_err(py_err)?),
+        })
+    }
+
+    /// A batch of requests: waits up to `timeout` seconds for the first, then up to `max_wait`
+    /// for more, at most `max`. Empty on timeout; raises once the server has stopped.
+    #[pyo3(signature = (max = 32, timeout = 1.0, max_wait = 0.005))]
+    fn recv_batch(
+        &self,
+        py: Python<'_>,
+        max: usize,
+        timeout: f64,
+        max_wait: f64,
+    ) -> PyResult<Vec<Request>> {
+        let (t, w) = (secs(timeout)?, secs(max_wait)?);
+        let server = self.inner.clone();
+        let batch = py
+            .allow_threads(move || server.recv_batch(max.max(1), t, w))
+            .map_err(py_err)?;
+        Ok(batch.into_iter().map(Request::new).collect())
+    }
+
+    /// Producer sessions open now.
+    fn sessions(&self) -> usize {
+        self.inner.status().sessions.len()
+    }
+
+    /// Server-wide counts: `{"submitted": …, "completed": …, "protocol_errors": …, …}`.
+    fn totals(&self) -> std::collections::HashMap<&'static str, u64> {
+        let t = self.inner.status().totals;
+        [
+            ("submitted", t.submitted),
+            ("completed", t.completed),
+            ("bytes", t.bytes),
+            ("protocol_errors", t.protocol_errors),
+            ("sessions_opened", t.sessions_opened),
+            ("sessions_reclaimed", t.sessions_reclaimed),
+        ]
+        .into_iter()
+        .collect()
+    }
+
+    /// Refuses new producers and tells the open ones to finish.
+    fn drain(&self) {
+        self.inner.drain();
+    }
+
+    /// The socket path.
+    #[getter]
+    fn socket(&self) -> std::path::PathBuf {
+        self.inner.socket_path().to_path_buf()
+    }
+}
+
+/// A submitted tensor, seen in place (`address`, `nbytes`: the package makes a read-only numpy
+/// view). Answer it once with `respond` or `fail`; dropped unanswered, the producer gets a
+/// failure.
+#[pyclass(module = "tensorport._native")]
+struct Request {
+    inner: Mutex<Option<tensorport::Request>>,
+    /// Keeps the pool mapped while any view lives.
+    #[allow(dead_code)]
+    pool: Option<Arc<HostPool>>,
+    #[pyo3(get)]
+    request_id: u64,
+    #[pyo3(get)]
+    producer: String,
+    #[pyo3(get)]
+    dtype: &'static str,
+    #[pyo3(get)]
+    shape: Vec<u64>,
+    /// Strides in elements.
+    #[pyo3(get)]
+    strides: Vec<u64>,
+    #[pyo3(get)]
+    address: usize,
+    #[pyo3(get)]
+    nbytes: usize,
+}
+
+impl Request {
+    fn new(r: tensorport::Request) -> Request {
+        let d = *r.desc();
+        let bytes = r.bytes();
+        Request {
+            pool: r.mapping(),
+            request_id: r.request_id(),
+            producer: r.producer().to_string(),
+            dtype: d.dtype().name(),
+            shape: d.shape().to_vec(),
+            strides: d.strides().to_vec(),
+            address: bytes.as_ptr() as usize,
+            nbytes: bytes.len(),
+            inner: Mutex::new(Some(r)),
+        }
+    }
+
+    fn take(&self) -> PyResult<tensorport::Request> {
+        lock(&self.inner)
+            .take()
+            .ok_or_else(|| coded("this request was already answered".into(), None))
+    }
+}
+
+#[pymethods]
+impl Request {
+    /// Sends `data` as the result (and gives the slot back).
+    fn respond(&self, py: Python<'_>, data: &[u8]) -> PyResult<()> {
+        let r = self.take()?;
+        py.allow_threads(|| r.respond(data)).map_err(py_err)
+    }
+
+    /// Answers with a failure carrying `message`.
+    fn fail(&self, py: Python<'_>, message: String) -> PyResult<()> {
+        let r = self.take()?;
+        py.allow_threads(|| r.fail(message)).map_err(py_err)
+    }
+
+    /// Whether it was answered.
+    #[getter]
+    fn answered(&self) -> bool {
+        lock(&self.inner).is_none()
+    }
+}
+
+/// The socket path a server listens on by default (`TENSORPORT_SOCKET`, else
+/// `$XDG_RUNTIME_DIR/tensorport/tensorport.sock`, else `/tmp/tensorport-<uid>/tensorport.sock`).
+#[pyfunction]
+fn default_socket() -> std::path::PathBuf {
+    tensorport::path::default_socket_path()
+}
+
+#[pymodule]
+#[pyo3(name = "_native")]
+fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add_function(wrap_pyfunction!(default_socket, m)?)?;
+    m.add_class::<Producer>()?;
+    m.add_class::<Loan>()?;
+    m.add_class::<Server>()?;
+    m.add_class::<Request>()?;
+    m.add("TensorportError", m.py().get_type::<TensorportError>())?;
+    m.add("PROTOCOL_VERSION", tensorport::protocol_version())?;
+    Ok(())
+}

@@ -1,0 +1,303 @@
+"""tensorport for Python: zero-copy tensor hand-off between processes.
+
+A `Producer` lends slots of its shared-memory pool as writable numpy arrays and submits them
+to a server (a Rust `tensorport serve`, or a `Server` in a Python process); a `Server` hands
+each submitted tensor to Python as a read-only numpy view, in place, and sends the answer back
+to the producer that asked. See docs/python.md.
+
+    import numpy as np, tensorport
+
+    with tensorport.Producer("/run/user/1000/tensorport/tensorport.sock") as p:
+        with p.loan() as slot:
+            x = slot.array(np.float32, (3, 224, 224))   # the pool's memory, no copy
+            x[:] = image
+            slot.submit()
+        request_id, answer = p.recv()
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Iterator, Optional, Sequence, Tuple
+
+from . import _native
+from ._native import PROTOCOL_VERSION, TensorportError
+
+__all__ = [
+    "Producer",
+    "Loan",
+    "Server",
+    "Request",
+    "TensorportError",
+    "PROTOCOL_VERSION",
+    "default_socket",
+]
+
+# tensorport dtype names and numpy's.
+_TO_NUMPY = {
+    "f32": "float32",
+    "f16": "float16",
+    "f64": "float64",
+    "u8": "uint8",
+    "i8": "int8",
+    "i32": "int32",
+    "i64": "int64",
+}
+_FROM_NUMPY = {v: k for k, v in _TO_NUMPY.items()}
+
+
+def default_socket() -> str:
+    """Where servers listen unless told otherwise (`TENSORPORT_SOCKET`, then
+    `$XDG_RUNTIME_DIR/tensorport/tensorport.sock`, then `/tmp/tensorport-<uid>/tensorport.sock`):
+    the same path `tensorport serve` uses."""
+    return str(_native.default_socket())
+
+
+def _np():
+    try:
+        import numpy
+    except ImportError as e:  # pragma: no cover - numpy is a dependency of the views only
+        raise ImportError("tensorport's array views need numpy (pip install numpy)") from e
+    return numpy
+
+
+def _tp_dtype(dtype) -> str:
+    """The tensorport name of a numpy dtype (or a tensorport name given as is)."""
+    if isinstance(dtype, str) and dtype in _TO_NUMPY:
+        return dtype
+    name = _np().dtype(dtype).name
+    try:
+        return _FROM_NUMPY[name]
+    except KeyError:
+        raise ValueError(f"dtype {name} has no tensorport equivalent ({', '.join(_FROM_NUMPY)})")
+
+
+def _view(owner, address: int, nbytes: int, dtype, shape, writable: bool, strides=None):
+    """A numpy array over `nbytes` at `address`, keeping `owner` (and so the mapping) alive."""
+    np = _np()
+    buf = (ctypes.c_char * max(nbytes, 1)).from_address(address)
+    buf._owner = owner  # the array's base chain now holds the loan or request
+    dt = np.dtype(dtype)
+    if strides is None:
+        count = 1
+        for d in shape:
+            count *= int(d)
+        if count * dt.itemsize > nbytes:
+            raise ValueError(
+                f"a {dt.name} array of shape {tuple(shape)} needs {count * dt.itemsize} bytes; the slot has {nbytes}"
+            )
+        a = np.frombuffer(buf, dtype=dt, count=count).reshape(tuple(int(d) for d in shape))
+    else:
+        base = np.frombuffer(buf, dtype=dt, count=nbytes // dt.itemsize)
+        a = np.lib.stride_tricks.as_strided(
+            base,
+            shape=tuple(int(d) for d in shape),
+            strides=tuple(int(s) * dt.itemsize for s in strides),
+            writeable=writable,
+        )
+    if not writable:
+        a.flags.writeable = False
+    return a
+
+
+class Loan:
+    """A slot of the producer's pool, ours to write until submitted.
+
+    Use it as a context manager: leaving the block without `submit` gives the slot back.
+    """
+
+    def __init__(self, producer: "Producer", native):
+        self._producer = producer
+        self._native = native
+        self._spec: Optional[Tuple[str, Tuple[int, ...]]] = None
+
+    @property
+    def nbytes(self) -> int:
+        return self._native.len
+
+    @property
+    def submitted(self) -> bool:
+        return self._native.submitted
+
+    def array(self, dtype, shape: Sequence[int]):
+        """The slot as a writable numpy array of `dtype` and `shape` (row-major), in place.
+
+        `submit()` then hands exactly that tensor over.
+        """
+        if self._native.submitted:
+            raise TensorportError("this loan was already submitted")
+        a = _view(self._native, self._native.address, self._native.len, dtype, shape, True)
+        self._spec = (_tp_dtype(dtype), tuple(int(d) for d in shape))
+        return a
+
+    def buffer(self) -> memoryview:
+        """The slot's bytes as a writable memoryview (no numpy needed)."""
+        buf = (ctypes.c_char * self._native.len).from_address(self._native.address)
+        buf._owner = self._native
+        return memoryview(buf).cast("B")
+
+    def submit(self, dtype=None, shape: Optional[Sequence[int]] = None, strides=None, offset: int = 0) -> int:
+        """Hands the slot to the server; returns the request id.
+
+        Without `dtype` and `shape`, submits what the last `array()` call described.
+        """
+        if dtype is None or shape is None:
+            if self._spec is None:
+                raise ValueError("say what the slot holds: submit(dtype, shape), or call array() first")
+            dtype, shape = self._spec
+        return self._producer._native.submit(
+            self._native, _tp_dtype(dtype), [int(d) for d in shape],
+            None if strides is None else [int(s) for s in strides], int(offset),
+        )
+
+    def __enter__(self) -> "Loan":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        # Unsubmitted: dropping the native loan returns the slot.
+        self._native = _Spent(self._native)
+
+
+class _Spent:
+    """What a loan becomes when its `with` block ends: submitted or given back."""
+
+    def __init__(self, native):
+        self.submitted = True
+        self.len = native.len
+        self.address = native.address
+
+
+class Producer:
+    """A producer session. `Producer(socket, name="python", slots=0, slot_size=0)`.
+
+    0 asks for the server's default slot count and size. A context manager: leaving it ends the
+    session (`close`).
+    """
+
+    def __init__(self, socket=None, name: str = "python", slots: int = 0, slot_size: int = 0,
+                 rings: bool = True, connect_timeout: float = 10.0):
+        socket = default_socket() if socket is None else socket
+        self._native = _native.Producer(str(socket), name, slots, slot_size, rings, connect_timeout)
+
+    def loan(self, timeout: float = 10.0) -> Loan:
+        """A free slot to write, waiting up to `timeout` seconds (several may be out at once)."""
+        return Loan(self, self._native.loan(timeout))
+
+    def submit_array(self, array, timeout: float = 10.0) -> int:
+        """Copies a numpy array into a fresh slot and submits it; returns the request id."""
+        np = _np()
+        a = np.ascontiguousarray(array)
+        with self.loan(timeout) as slot:
+            slot.array(a.dtype, a.shape)[...] = a
+            return slot.submit()
+
+    def recv(self, timeout: float = 10.0) -> Tuple[int, bytes]:
+        """The next result: `(request_id, bytes)`. A failed request raises `TensorportError`
+        (with `code`, `code_name` and `request_id`)."""
+        return self._native.recv(timeout)
+
+    def recv_array(self, dtype="float32", timeout: float = 10.0):
+        """The next result as a numpy array of `dtype`: `(request_id, array)`."""
+        rid, data = self.recv(timeout)
+        return rid, _np().frombuffer(data, dtype=dtype)
+
+    @property
+    def in_flight(self) -> int:
+        return self._native.in_flight()
+
+    @property
+    def slot_size(self) -> int:
+        return self._native.slot_size()
+
+    @property
+    def uses_rings(self) -> bool:
+        return self._native.uses_rings()
+
+    def close(self) -> None:
+        self._native.close()
+
+    def __enter__(self) -> "Producer":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class Request:
+    """A tensor a producer submitted, seen in place. Answer it once: `respond` or `fail`."""
+
+    def __init__(self, native):
+        self._native = native
+
+    request_id = property(lambda self: self._native.request_id)
+    producer = property(lambda self: self._native.producer)
+    shape = property(lambda self: tuple(self._native.shape))
+    answered = property(lambda self: self._native.answered)
+
+    @property
+    def dtype(self) -> str:
+        """The numpy name of the tensor's dtype (`bf16` has none and stays `"bf16"`)."""
+        return _TO_NUMPY.get(self._native.dtype, self._native.dtype)
+
+    def array(self):
+        """The tensor as a read-only numpy array, in the producer's pool (no copy)."""
+        n = self._native
+        contiguous = list(n.strides) == _row_major(n.shape)
+        return _view(n, n.address, n.nbytes, _TO_NUMPY[n.dtype], n.shape, False,
+                     None if contiguous else n.strides)
+
+    def respond(self, data) -> None:
+        """Sends `data` (bytes, or anything with a buffer, e.g. a numpy array) as the result."""
+        if hasattr(data, "tobytes"):
+            data = data.tobytes()
+        self._native.respond(bytes(data))
+
+    def fail(self, message: str) -> None:
+        self._native.fail(message)
+
+
+def _row_major(shape) -> list:
+    out, acc = [], 1
+    for d in reversed(list(shape)):
+        out.append(acc)
+        acc *= int(d)
+    return list(reversed(out))
+
+
+class Server:
+    """A tensorport server in this process: `Server(socket, slots=8, slot_size=1 << 20)`.
+
+    Producers (Rust or Python) connect to `socket`; `recv_batch` hands their tensors over.
+    """
+
+    def __init__(self, socket=None, slots: int = 8, slot_size: int = 1 << 20, consumers: int = 1,
+                 max_sessions: int = 64):
+        socket = default_socket() if socket is None else socket
+        self._native = _native.Server(str(socket), slots, slot_size, consumers, max_sessions)
+
+    @property
+    def socket(self):
+        return self._native.socket
+
+    def recv_batch(self, max: int = 32, timeout: float = 1.0, max_wait: float = 0.005):
+        """Up to `max` requests: waits `timeout` seconds for the first, `max_wait` for more."""
+        return [Request(r) for r in self._native.recv_batch(max, timeout, max_wait)]
+
+    def requests(self, timeout: float = 1.0) -> Iterator[Request]:
+        """Requests one at a time, until the server stops (after `drain`, once all have left)."""
+        while True:
+            try:
+                batch = self.recv_batch(1, timeout, 0.0)
+            except TensorportError:
+                return
+            yield from batch
+
+    @property
+    def sessions(self) -> int:
+        return self._native.sessions()
+
+    def totals(self) -> dict:
+        return self._native.totals()
+
+    def drain(self) -> None:
+        self._native.drain()

@@ -1,0 +1,251 @@
+"""The Python package against real processes: the `tensorport` binary (TENSORPORT_BIN) as the
+server or the producers, and Python processes killed with SIGKILL."""
+
+import json
+import os
+import signal
+import struct
+import subprocess
+import sys
+import threading
+import time
+
+import numpy as np
+import pytest
+
+import tensorport
+from tensorport import Producer, Server, TensorportError
+
+BIN = os.environ["TENSORPORT_BIN"]
+PATIENCE = 60.0
+
+
+def eventually(cond, timeout=PATIENCE):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+def run(*args, **kw):
+    return subprocess.run([BIN, "--log", "warn", *args], check=True, capture_output=True, text=True, **kw)
+
+
+@pytest.fixture
+def sock(tmp_path):
+    d = tmp_path / "s"
+    d.mkdir(mode=0o700)
+    return d / "tp.sock"
+
+
+@pytest.fixture
+def rust_server(sock):
+    """`tensorport serve` (the bundled classifier, 32x32 inputs), up when yielded."""
+    p = subprocess.Popen([BIN, "--log", "warn", "serve", "--socket", str(sock), "--image-size", "32"],
+                         stdout=subprocess.PIPE, text=True)
+    line = p.stdout.readline()
+    assert line.startswith("ready"), line
+    yield sock
+    p.send_signal(signal.SIGTERM)
+    p.wait(timeout=PATIENCE)
+
+
+def read_safetensors(path):
+    """name -> float32 array, from a safetensors file (its format: u64 header length, JSON)."""
+    raw = open(path, "rb").read()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    data = raw[8 + n:]
+    out = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        a, b = meta["data_offsets"]
+        assert meta["dtype"] == "F32"
+        out[name] = np.frombuffer(data[a:b], dtype=np.float32).reshape(meta["shape"])
+    return out
+
+
+def answering_server(sock, answer, **kw):
+    """A Python Server whose consumer thread answers each request with `answer(request)`."""
+    srv = Server(sock, **kw)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            for r in srv.recv_batch(16, timeout=0.05):
+                try:
+                    r.respond(answer(r))
+                except TensorportError:
+                    pass  # the producer left
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    return srv, stop
+
+
+def test_python_producer_into_the_rust_server_answers_as_the_rust_producer(tmp_path, rust_server):
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "6")
+    # The Rust producer's answers for those files...
+    out = run("produce", "--socket", str(rust_server), "--input", str(images), "--image-size", "32").stdout
+    rust = {json.loads(l)["input"].rsplit("/", 1)[-1]: json.loads(l)["scores"] for l in out.splitlines() if l.strip()}
+    assert len(rust) == 6
+    # ...and the Python producer's, for the tensors the Rust preprocessing makes of them.
+    dump = tmp_path / "tensors.safetensors"
+    run("prep", "--input", str(images), "--image-size", "32", "--dump", str(dump))
+    tensors = read_safetensors(dump)
+    assert set(tensors) == set(rust)
+    with Producer(rust_server, name="python") as p:
+        for name, x in sorted(tensors.items()):
+            with p.loan() as slot:
+                slot.array(np.float32, x.shape)[...] = x
+                rid = slot.submit()
+            got_id, scores = p.recv_array(np.float32)
+            assert got_id == rid
+            np.testing.assert_array_equal(scores, np.float32(rust[name]), err_msg=name)
+
+
+def test_rust_producers_into_a_python_server_every_input_once(sock):
+    seen = {}
+    lock = threading.Lock()
+
+    def answer(r):
+        x = r.array()
+        assert x.shape == (3, 32, 32) and r.dtype == "float32"
+        assert not x.flags.writeable
+        with lock:
+            seen[(r.producer, r.request_id)] = seen.get((r.producer, r.request_id), 0) + 1
+        return np.float32([x.mean(), x.min(), x.max()])
+
+    srv, stop = answering_server(sock, answer, slot_size=3 * 32 * 32 * 4)
+    procs = [subprocess.Popen([BIN, "--log", "warn", "produce", "--socket", str(sock), "--synthetic", "40",
+                               "--image-size", "32", "--name", f"rust-{i}"], stdout=subprocess.PIPE, text=True)
+             for i in range(3)]
+    lines = []
+    for p in procs:
+        out, _ = p.communicate(timeout=PATIENCE)
+        assert p.returncode == 0
+        lines += [json.loads(l) for l in out.splitlines() if l.strip()]
+    stop.set()
+    assert len(lines) == 120
+    for l in lines:
+        assert l.get("error") is None, l
+        mean, lo, hi = l["scores"]
+        assert lo <= mean <= hi
+    per_producer = {}
+    for (name, _), n in seen.items():
+        assert n == 1
+        per_producer[name] = per_producer.get(name, 0) + 1
+    assert per_producer == {"rust-0": 40, "rust-1": 40, "rust-2": 40}
+    t = srv.totals()
+    assert t["submitted"] == t["completed"] == 120
+
+
+def test_several_loans_out_at_once_and_results_checked(sock):
+    srv, stop = answering_server(sock, lambda r: np.float64([r.array().astype(np.float64).sum()]))
+    with Producer(sock, slots=4) as p:
+        for round_ in range(20):
+            slots = [p.loan() for _ in range(4)]
+            want = {}
+            for k, s in enumerate(slots):
+                a = s.array(np.int32, (64, 16))
+                a[...] = np.arange(64 * 16, dtype=np.int32).reshape(64, 16) * (round_ + k)
+                want[s.submit()] = float(a.sum())
+            for _ in range(4):
+                rid, got = p.recv_array(np.float64)
+                assert got[0] == want.pop(rid)
+        assert p.in_flight == 0
+    stop.set()
+
+
+def test_misuse_raises_clear_errors(sock):
+    srv, stop = answering_server(sock, lambda r: b"")
+    with Producer(sock, slots=2, slot_size=4096) as p:
+        slot = p.loan()
+        with pytest.raises(ValueError, match="needs"):
+            slot.array(np.float32, (2048,))  # 8 KiB in a 4 KiB slot
+        with pytest.raises(ValueError):
+            slot.array(np.complex64, (4,))
+        slot.array(np.uint8, (16,))
+        slot.submit()
+        with pytest.raises(TensorportError, match="already submitted"):
+            slot.submit()
+        p.recv()
+        # Bytes past the slot: refused before sending, with the protocol's code.
+        slot = p.loan()
+        with pytest.raises(TensorportError) as e:
+            slot.submit("f32", (2048,))
+        assert e.value.code_name == "OutOfBounds"
+        # A loan of another producer.
+        with Producer(sock) as q:
+            theirs = q.loan()
+            with pytest.raises(TensorportError, match="another producer"):
+                p._native.submit(theirs._native, "u8", [1], None, 0)
+    stop.set()
+
+
+def test_answering_twice_and_timeouts(tmp_path):
+    sock = tmp_path / "t.sock"
+    srv = Server(sock)
+    with Producer(sock) as p:
+        with pytest.raises(TensorportError, match="no request is in flight"):
+            p.recv(timeout=0.05)
+        with p.loan() as slot:
+            slot.array(np.uint8, (8,))[...] = 7
+            slot.submit()
+        with pytest.raises(TimeoutError):
+            p.recv(timeout=0.05)  # in flight, not answered yet
+        (r,) = srv.recv_batch(1, timeout=PATIENCE)
+        assert r.array().tolist() == [7] * 8
+        r.respond(b"ok")
+        with pytest.raises(TensorportError, match="already answered"):
+            r.respond(b"again")
+        assert p.recv()[1] == b"ok"
+        # A request failed by the server arrives as an exception carrying its code.
+        with p.loan() as slot:
+            slot.array(np.uint8, (8,))
+            rid = slot.submit()
+        (r,) = srv.recv_batch(1, timeout=PATIENCE)
+        r.fail("no thanks")
+        with pytest.raises(TensorportError, match="no thanks") as e:
+            p.recv()
+        assert e.value.code_name == "HandlerFailed" and e.value.request_id == rid
+
+
+CHILD = """
+import sys, time, numpy as np, tensorport
+p = tensorport.Producer(sys.argv[1], name="doomed", slots=2)
+s = p.loan()
+s.array(np.float32, (256,))[...] = 1.0
+s.submit()
+print("submitted", flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_killed_python_producer_is_reclaimed(sock):
+    srv = Server(sock)
+    child = subprocess.Popen([sys.executable, "-c", CHILD, str(sock)], stdout=subprocess.PIPE, text=True,
+                             env={**os.environ})
+    assert child.stdout.readline().strip() == "submitted"
+    (r,) = srv.recv_batch(1, timeout=PATIENCE)
+    view = r.array()
+    child.kill()
+    child.wait()
+    assert eventually(lambda: srv.sessions == 0)
+    assert srv.totals()["sessions_reclaimed"] == 1
+    # The view stays readable (the pool stays mapped while it lives); answering is refused.
+    assert float(view.sum()) == 256.0
+    with pytest.raises(TensorportError):
+        r.respond(b"late")
+    # And others are served.
+    with Producer(sock) as p:
+        with p.loan() as slot:
+            slot.array(np.uint8, (4,))
+            slot.submit()
+        (r,) = srv.recv_batch(1, timeout=PATIENCE)
+        r.respond(b"x")
+        assert p.recv()[1] == b"x"
