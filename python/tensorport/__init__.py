@@ -126,8 +126,16 @@ class Loan:
         """
         if self._native.submitted:
             raise TensorportError("this loan was already submitted")
-        a = _view(self._native, self._native.address, self._native.len, dtype, shape, True)
-        self._spec = (_tp_dtype(dtype), tuple(int(d) for d in shape))
+        shape = tuple(int(d) for d in shape)
+        # A slot's view of a given dtype and shape is made once per producer and reused (the
+        # pool stays mapped as long as the producer holds the view).
+        key = (self._native.slot, dtype, shape)
+        a = self._producer._views.get(key)
+        if a is None:
+            a = _view(self._native, self._native.address, self._native.len, dtype, shape, True)
+            if len(self._producer._views) < 4096:
+                self._producer._views[key] = a
+        self._spec = (_tp_dtype(dtype), shape)
         return a
 
     def buffer(self) -> memoryview:
@@ -178,6 +186,7 @@ class Producer:
                  rings: bool = True, connect_timeout: float = 10.0):
         socket = default_socket() if socket is None else socket
         self._native = _native.Producer(str(socket), name, slots, slot_size, rings, connect_timeout)
+        self._views = {}
 
     def loan(self, timeout: float = 10.0) -> Loan:
         """A free slot to write, waiting up to `timeout` seconds (several may be out at once)."""
@@ -214,6 +223,7 @@ class Producer:
         return self._native.uses_rings()
 
     def close(self) -> None:
+        self._views.clear()
         self._native.close()
 
     def __enter__(self) -> "Producer":
@@ -232,6 +242,7 @@ class Request:
     request_id = property(lambda self: self._native.request_id)
     producer = property(lambda self: self._native.producer)
     shape = property(lambda self: tuple(self._native.shape))
+    nbytes = property(lambda self: self._native.nbytes)
     answered = property(lambda self: self._native.answered)
 
     @property

@@ -1,0 +1,75 @@
+#!/usr/bin/env python3
+"""Python producers handing tensors to a Python consumer through tensorport, measured as
+`bench/peers/torch_ipc.py cpu` measures torch.multiprocessing: each producer process fills a
+float32 tensor with its index (here in place, in its slot of shared memory) and hands it over;
+the consumer reads one element of each and answers. Run both in one call to compare.
+
+    PYTHONPATH=<the package> python3 bench/python_ipc.py [--json OUT]
+"""
+import argparse
+import json
+import multiprocessing as mp
+import os
+import tempfile
+import time
+
+import numpy as np
+
+import tensorport
+
+
+def producer(sock, shape, count, slots):
+    with tensorport.Producer(sock, name=f"bench-{os.getpid()}", slots=slots) as p:
+        for i in range(count):
+            with p.loan(timeout=60) as slot:
+                slot.array(np.float32, shape).fill(float(i))
+                slot.submit()
+            while p.in_flight >= slots:
+                p.recv(timeout=60)
+        while p.in_flight:
+            p.recv(timeout=60)
+
+
+def run(shape, count, producers, slots=8):
+    nbytes = int(np.prod(shape)) * 4
+    with tempfile.TemporaryDirectory(prefix="tp-pybench-") as d:
+        sock = os.path.join(d, "tp.sock")
+        server = tensorport.Server(sock, slots=slots, slot_size=nbytes)
+        procs = [mp.Process(target=producer, args=(sock, shape, count // producers, slots))
+                 for _ in range(producers)]
+        start = time.perf_counter()
+        for p in procs:
+            p.start()
+        got = moved = 0
+        total = (count // producers) * producers
+        while got < total:
+            for r in server.recv_batch(64, timeout=1.0, max_wait=0.0):
+                float(r.array().flat[0])
+                moved += r.nbytes
+                r.respond(b"")
+                got += 1
+        secs = time.perf_counter() - start
+        for p in procs:
+            p.join()
+        return got / secs, moved / secs / 1e9
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--json")
+    a = ap.parse_args()
+    mp.set_start_method("spawn")
+    out = {}
+    for shape, count in (((1024,), 20000), ((256, 1024), 5000), ((32, 3, 224, 224), 400)):
+        for producers in (1, 4):
+            r, gb = run(shape, count, producers)
+            key = f"cpu shape={list(shape)} producers={producers}"
+            out[key] = {"tensors_per_s": r, "GB_per_s": gb}
+            print(f"tensorport (Python) {key}: {r:.0f} tensors/s, {gb:.2f} GB/s", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
