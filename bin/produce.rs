@@ -266,11 +266,30 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                 )?;
                 continue;
             }
+            // The request id is the input's index, so a consumer knows which input it holds
+            // (a Python `Loader` yields the indices with the batch).
+            if pending.contains_key(&index) {
+                drop(lease);
+                emit(
+                    &mut out,
+                    ResultLine {
+                        index,
+                        input: source.to_string(),
+                        class: None,
+                        scores: None,
+                        error: Some(format!("input {index} was given again while in flight")),
+                        latency_ms: 0.0,
+                        producer: a.name.clone(),
+                        stages: None,
+                    },
+                )?;
+                continue;
+            }
             let before_submit = Instant::now();
-            let id = lease.submit(&spec)?;
+            lease.submit_as(index, &spec)?;
             let submitted = Instant::now();
             st.submit_ms = ms(submitted - before_submit);
-            pending.insert(id, (index, source.to_string(), t0, submitted, st));
+            pending.insert(index, (index, source.to_string(), t0, submitted, st));
         }
         if pending.is_empty() {
             if eof {

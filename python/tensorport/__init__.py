@@ -24,6 +24,7 @@ from . import _native
 from ._native import PROTOCOL_VERSION, TensorportError
 
 __all__ = [
+    "Loader",
     "Producer",
     "Loan",
     "Server",
@@ -312,3 +313,133 @@ class Server:
 
     def drain(self) -> None:
         self._native.drain()
+
+
+def _find_binary(binary=None) -> str:
+    import os
+    import shutil
+
+    for candidate in (binary, os.environ.get("TENSORPORT_BIN"), shutil.which("tensorport")):
+        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
+            return candidate
+    raise TensorportError(
+        "cannot find the tensorport binary: pass binary=..., set TENSORPORT_BIN, or put "
+        "`tensorport` on PATH (cargo build --release puts it in target/release/)"
+    )
+
+
+class Loader:
+    """Batches of preprocessed images from a farm of Rust producer processes, as an iterable:
+    a stand-in for `torch.utils.data.DataLoader` over image files.
+
+        for images, indices in tensorport.Loader(files, batch_size=32, producers=8):
+            ...   # images: float32 [B, 3, S, S] (ImageNet-normalised); indices: positions in files
+
+    Each producer (`tensorport produce --worklist`) decodes, resizes and normalises its share
+    of the files straight into its slots of shared memory; this process copies each batch out
+    once (`np.stack` of the in-place views) and hands the slots back. Batches come in the order
+    the producers finish them, with the indices of their files; every file comes exactly once.
+    A producer that fails ends the iteration with `TensorportError` (its messages attached).
+    """
+
+    def __init__(self, files, batch_size: int = 32, producers: int = 4, image_size: int = 224,
+                 transform: str = "standard", in_flight: int = 8, max_wait: float = 0.002,
+                 timeout: float = 60.0, binary=None, torch: bool = False):
+        self.files = [str(f) for f in files]
+        self.batch_size = batch_size
+        self.producers = max(1, min(producers, len(self.files) or 1))
+        self.image_size = image_size
+        self.transform = transform
+        self.in_flight = in_flight
+        self.max_wait = max_wait
+        self.timeout = timeout
+        self.binary = _find_binary(binary)
+        self.torch = torch
+
+    def __len__(self) -> int:
+        return (len(self.files) + self.batch_size - 1) // self.batch_size
+
+    def __iter__(self):
+        import os
+        import subprocess
+        import tempfile
+
+        np = _np()
+        s = self.image_size
+        with tempfile.TemporaryDirectory(prefix="tensorport-loader-") as d:
+            os.chmod(d, 0o700)
+            sock = os.path.join(d, "tp.sock")
+            server = Server(sock, slots=self.in_flight, slot_size=3 * s * s * 4,
+                            max_sessions=self.producers + 4)
+            procs = []
+            try:
+                import queue
+                import threading
+
+                failures: "queue.Queue[str]" = queue.Queue()
+
+                def watch(out):
+                    # The producer's result lines: only its failures matter here.
+                    for line in out:
+                        try:
+                            r = __import__("json").loads(line)
+                        except ValueError:
+                            continue
+                        if r.get("error"):
+                            failures.put(f"{r.get('input')}: {r['error']}")
+
+                for k in range(self.producers):
+                    p = subprocess.Popen(
+                        [self.binary, "--log", "warn", "produce", "--worklist", "--socket", sock,
+                         "--image-size", str(s), "--in-flight", str(self.in_flight),
+                         "--transform", self.transform, "--name", f"loader-{k}"],
+                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    )
+                    threading.Thread(target=watch, args=(p.stdout,), daemon=True).start()
+                    # Its share of the files, all at once; it reads them as it has room.
+                    lines = "".join(f"{i}\t{f}\n" for i, f in enumerate(self.files)
+                                    if i % self.producers == k)
+                    p.stdin.write(lines.encode())
+                    p.stdin.close()
+                    procs.append(p)
+                yield from self._batches(server, procs, failures, np)
+            finally:
+                for p in procs:
+                    if p.poll() is None:
+                        p.kill()
+                    p.wait()
+                server.drain()
+
+    def _batches(self, server, procs, failures, np):
+        import queue
+        import time
+
+        left = len(self.files)
+        last = time.monotonic()
+        while left > 0:
+            try:
+                raise TensorportError(f"a file could not be prepared: {failures.get_nowait()}")
+            except queue.Empty:
+                pass
+            batch = server.recv_batch(min(self.batch_size, left), timeout=0.2, max_wait=self.max_wait)
+            if not batch:
+                dead = [p for p in procs if p.poll() not in (None, 0)]
+                if dead or time.monotonic() - last > self.timeout:
+                    why = "; ".join(p.stderr.read().decode(errors="replace").strip()[-500:] for p in dead)
+                    raise TensorportError(
+                        f"{left} of {len(self.files)} images never came"
+                        + (f": a producer failed ({why})" if dead else f" within {self.timeout} s")
+                    )
+                continue
+            last = time.monotonic()
+            images = np.stack([r.array() for r in batch])
+            indices = np.array([r.request_id for r in batch], dtype=np.int64)
+            for r in batch:
+                r.respond(b"")
+            left -= len(batch)
+            if self.torch:
+                import torch
+
+                yield torch.from_numpy(images), torch.from_numpy(indices)
+            else:
+                yield images, indices

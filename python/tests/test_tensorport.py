@@ -249,3 +249,32 @@ def test_a_killed_python_producer_is_reclaimed(sock):
         (r,) = srv.recv_batch(1, timeout=PATIENCE)
         r.respond(b"x")
         assert p.recv()[1] == b"x"
+
+
+def test_loader_yields_every_file_once_as_the_rust_preprocessing_makes_it(tmp_path):
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "20")
+    files = sorted(images.iterdir())
+    dump = tmp_path / "t.safetensors"
+    run("prep", "--input", str(images), "--image-size", "32", "--dump", str(dump))
+    want = read_safetensors(dump)
+    loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=32, binary=BIN)
+    assert len(loader) == 5
+    got = {}
+    for x, idx in loader:
+        assert x.dtype == np.float32 and x.shape[1:] == (3, 32, 32) and 1 <= len(x) <= 4
+        assert x.flags.writeable  # a copy, the caller's to keep
+        for a, i in zip(x, idx.tolist()):
+            assert i not in got
+            got[i] = a
+    assert sorted(got) == list(range(20))
+    for i, f in enumerate(files):
+        np.testing.assert_array_equal(got[i], want[f.name], err_msg=f.name)
+
+
+def test_loader_raises_for_a_file_it_cannot_prepare(tmp_path):
+    bad = tmp_path / "broken.jpg"
+    bad.write_bytes(b"\xff\xd8 not a jpeg")
+    with pytest.raises(TensorportError, match="broken.jpg"):
+        for _ in tensorport.Loader([bad], image_size=32, binary=BIN, timeout=PATIENCE):
+            pass
