@@ -274,6 +274,55 @@ impl Server {
         Ok(batch.into_iter().map(Request::new).collect())
     }
 
+    /// (Internal: `tensorport.Loader`'s batch step.) Receives a batch as `recv_batch` does,
+    /// copies each request of exactly `row` bytes into row k of the `capacity` bytes at
+    /// `address` (a numpy array the package allocated for it), answers each with an empty
+    /// result, and returns `(request_id, row k)` for the rows written. A request of another
+    /// size is failed, saying so. The GIL is released throughout.
+    #[pyo3(signature = (address, capacity, row, max = 32, timeout = 1.0, max_wait = 0.005))]
+    #[allow(clippy::too_many_arguments)]
+    fn _recv_into_address(
+        &self,
+        py: Python<'_>,
+        address: usize,
+        capacity: usize,
+        row: usize,
+        max: usize,
+        timeout: f64,
+        max_wait: f64,
+    ) -> PyResult<Vec<(u64, usize)>> {
+        let (t, w) = (secs(timeout)?, secs(max_wait)?);
+        if row == 0 || address == 0 {
+            return Err(PyValueError::new_err("a row of 0 bytes, or no buffer"));
+        }
+        let rows = (capacity / row).min(max.max(1));
+        if rows == 0 {
+            return Err(PyValueError::new_err("the buffer holds no row"));
+        }
+        let server = self.inner.clone();
+        py.allow_threads(move || {
+            let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
+            // SAFETY: the package passes the data address and size of a numpy array it has
+            // just allocated for this call and holds until it returns (`Loader`); rows are
+            // written within `capacity` and nothing else writes the array meanwhile.
+            let out = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, capacity) };
+            let mut written = Vec::with_capacity(batch.len());
+            for r in batch {
+                let bytes = r.bytes();
+                if bytes.len() != row {
+                    let n = bytes.len();
+                    let _ = r.fail(format!("a tensor of {n} bytes; this consumer takes {row}"));
+                    continue;
+                }
+                let k = written.len();
+                out[k * row..(k + 1) * row].copy_from_slice(bytes);
+                written.push((r.request_id(), k));
+                let _ = r.respond(&[]);
+            }
+            Ok(written)
+        })
+    }
+
     /// Producer sessions open now.
     fn sessions(&self) -> usize {
         self.inner.status().sessions.len()

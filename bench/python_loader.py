@@ -1,0 +1,47 @@
+#!/usr/bin/env python3
+"""`tensorport.Loader` (a farm of Rust producers feeding this Python process) delivering
+ImageNet-transformed batches of 32 to the GPU: the peer of `bench/peers/torch_jpeg.py`'s
+DataLoader pipelines on the same folder. Images/s after the first batch, as the peer counts.
+
+    PYTHONPATH=<the package> python3 bench/python_loader.py DIR [--producers 8,15] [--binary PATH]
+"""
+import argparse
+import os
+import time
+
+import torch
+
+import tensorport
+
+
+def rate(files, producers, binary):
+    loader = tensorport.Loader(files, batch_size=32, producers=producers, image_size=224,
+                               binary=binary)
+    batches = iter(loader)
+    x, _ = next(batches)
+    torch.from_numpy(x).cuda(non_blocking=True)
+    torch.cuda.synchronize()
+    start, n = time.perf_counter(), 0
+    for x, _ in batches:
+        torch.from_numpy(x).cuda(non_blocking=True)
+        n += len(x)
+    torch.cuda.synchronize()
+    return n / (time.perf_counter() - start)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("dir")
+    ap.add_argument("--producers", default="8,15")
+    ap.add_argument("--binary")
+    a = ap.parse_args()
+    files = sorted(os.path.join(a.dir, f) for f in os.listdir(a.dir)
+                   if f.lower().endswith((".jpg", ".jpeg")))
+    print(f"{len(files)} files; GPU: {torch.cuda.get_device_name()}", flush=True)
+    for p in [int(x) for x in a.producers.split(",")]:
+        r = rate(files, p, a.binary)
+        print(f"tensorport.Loader producers={p}: {r:.0f} images/s (after the first batch)", flush=True)
+
+
+if __name__ == "__main__":
+    main()
