@@ -188,6 +188,8 @@ class Producer:
         socket = default_socket() if socket is None else socket
         self._native = _native.Producer(str(socket), name, slots, slot_size, rings, connect_timeout)
         self._views = {}
+        # CUDA tensors handed over and not answered yet: kept alive until their results.
+        self._held = {}
 
     def loan(self, timeout: float = 10.0) -> Loan:
         """A free slot to write, waiting up to `timeout` seconds (several may be out at once)."""
@@ -201,10 +203,42 @@ class Producer:
             slot.array(a.dtype, a.shape)[...] = a
             return slot.submit()
 
+    def submit_tensor(self, tensor, timeout: float = 10.0) -> int:
+        """Hands a torch CUDA tensor over in place (no copy): the allocation it lives in (a
+        segment of torch's caching allocator, found with the CUDA driver) is registered with
+        the server once, and the tensor is fenced after the work queued on torch's current
+        stream. The tensor is kept alive here until its result arrives; after that, work on
+        that stream waits for the server's reads before it may overwrite the memory.
+
+        A tensor on the CPU is copied into a slot instead (`submit_array`).
+        """
+        import torch
+
+        if not tensor.is_cuda:
+            return self.submit_array(tensor.numpy())
+        name = str(tensor.dtype).replace("torch.", "")
+        tp = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
+              "uint8": "u8", "int8": "i8", "int32": "i32", "int64": "i64"}.get(name)
+        if tp is None:
+            raise ValueError(f"dtype {tensor.dtype} has no tensorport equivalent")
+        strides = None if tensor.is_contiguous() else [int(s) for s in tensor.stride()]
+        stream = torch.cuda.current_stream(tensor.device).cuda_stream
+        rid = self._native._submit_cuda(
+            tensor.data_ptr(), tensor.device.index or 0, tp, [int(d) for d in tensor.shape],
+            strides, int(stream), timeout)
+        self._held[rid] = tensor
+        return rid
+
     def recv(self, timeout: float = 10.0) -> Tuple[int, bytes]:
         """The next result: `(request_id, bytes)`. A failed request raises `TensorportError`
         (with `code`, `code_name` and `request_id`)."""
-        return self._native.recv(timeout)
+        try:
+            rid, data = self._native.recv(timeout)
+        except TensorportError as e:
+            self._held.pop(getattr(e, "request_id", None), None)
+            raise
+        self._held.pop(rid, None)
+        return rid, data
 
     def recv_array(self, dtype="float32", timeout: float = 10.0):
         """The next result as a numpy array of `dtype`: `(request_id, array)`."""

@@ -11,6 +11,8 @@
 //!   `cuMemHostRegister`, so copies from it to the device run at pinned (DMA) speed.
 //! - [`CudaImporter`] and [`GpuProducer`]: the device path, over legacy CUDA IPC, with an event
 //!   as the fence in each direction.
+//! - [`ExternalDevice`]: tensors another library allocated (PyTorch's caching allocator) handed
+//!   over in place, their allocations found and registered through the driver.
 //! - [`bench_h2d`]: host-to-device bandwidth from a registered memfd pool, from `cuMemAllocHost`
 //!   memory and from pageable memory, measured in one run.
 #![warn(missing_docs)]
@@ -18,11 +20,13 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 pub mod driver;
+mod external;
 mod gpu;
 mod ipc;
 
 pub use cudarc::driver::sys;
 pub use driver::Driver;
+pub use external::ExternalDevice;
 pub use gpu::{
     bench_h2d, live_registrations, probe, Capabilities, CudaPin, DeviceBuffer, DeviceInfo, Event,
     Gpu, H2dBench, PinnedBuffer, Stream,

@@ -81,6 +81,22 @@ fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
 #[pyclass(module = "tensorport._native")]
 struct Producer {
     inner: Mutex<Option<tensorport::Producer>>,
+    /// Allocations of other libraries registered as device buffers, per device ordinal, and
+    /// the device and stream of each device request in flight.
+    cuda: Mutex<CudaState>,
+}
+
+#[derive(Default)]
+struct CudaState {
+    devices: std::collections::HashMap<i32, tensorport_cuda::ExternalDevice>,
+    in_flight: std::collections::HashMap<u64, (i32, usize)>,
+}
+
+fn cuda_err(e: tensorport_cuda::Error) -> PyErr {
+    match e {
+        tensorport_cuda::Error::Transport(t) => py_err(t),
+        e => coded(e.to_string(), None),
+    }
 }
 
 impl Producer {
@@ -119,6 +135,7 @@ impl Producer {
             .map_err(py_err)?;
         Ok(Producer {
             inner: Mutex::new(Some(p)),
+            cuda: Mutex::new(CudaState::default()),
         })
     }
 
@@ -160,12 +177,68 @@ impl Producer {
         self.with(|p| p.submit_loan(l, &spec))
     }
 
+    /// (Internal: `Producer.submit_tensor`.) Hands over the CUDA tensor whose first element is
+    /// at device address `ptr` on device `device`, written by work on `stream` (a `CUstream`
+    /// as an integer; 0: the default stream): its allocation is found with the driver and
+    /// registered once; "ready" is recorded on `stream`. The caller keeps the tensor alive
+    /// and unwritten until its result has come back.
+    #[pyo3(signature = (ptr, device, dtype, shape, strides = None, stream = 0, timeout = 10.0))]
+    #[allow(clippy::too_many_arguments)]
+    fn _submit_cuda(
+        &self,
+        py: Python<'_>,
+        ptr: u64,
+        device: i32,
+        dtype: &str,
+        shape: Vec<u64>,
+        strides: Option<Vec<u64>>,
+        stream: usize,
+        timeout: f64,
+    ) -> PyResult<u64> {
+        let t = secs(timeout)?;
+        let mut spec = TensorSpec::new(self::dtype(dtype)?, &shape);
+        if let Some(s) = strides {
+            spec = spec.with_strides(&s);
+        }
+        py.allow_threads(|| {
+            let mut cuda = lock(&self.cuda);
+            if !cuda.devices.contains_key(&device) {
+                let gpu = tensorport_cuda::Gpu::open(device).map_err(cuda_err)?;
+                cuda.devices
+                    .insert(device, tensorport_cuda::ExternalDevice::new(gpu));
+            }
+            let ext = cuda.devices.get_mut(&device).expect("inserted");
+            let mut g = lock(&self.inner);
+            let p = g
+                .as_mut()
+                .ok_or_else(|| coded("the producer is closed".into(), None))?;
+            // SAFETY: the package passes torch's current stream of the tensor's device (or 0)
+            // and holds the tensor until its result has come back (`Producer._held`).
+            let id = unsafe { ext.submit(p, ptr, &spec, stream as *mut std::ffi::c_void, t) }
+                .map_err(cuda_err)?;
+            cuda.in_flight.insert(id, (device, stream));
+            Ok(id)
+        })
+    }
+
     /// The next result, waiting up to `timeout` seconds: `(request_id, bytes)`, or the server's
     /// refusal of that request raised as `TensorportError` (its `request_id` attribute set).
     #[pyo3(signature = (timeout = 10.0))]
     fn recv(&self, py: Python<'_>, timeout: f64) -> PyResult<(u64, Py<PyBytes>)> {
         let t = secs(timeout)?;
         let c = py.allow_threads(|| self.with(|p| p.recv_result(t)))?;
+        // A CUDA tensor's memory is the caller's again once the server's reads are done: the
+        // stream it was submitted from waits for them.
+        {
+            let mut cuda = lock(&self.cuda);
+            if let Some((device, stream)) = cuda.in_flight.remove(&c.request_id) {
+                if let Some(ext) = cuda.devices.get_mut(&device) {
+                    // SAFETY: the stream the tensor was submitted from, still the caller's.
+                    unsafe { ext.released(c.request_id, stream as *mut std::ffi::c_void) }
+                        .map_err(cuda_err)?;
+                }
+            }
+        }
         match c.result {
             Ok(bytes) => Ok((c.request_id, PyBytes::new(py, &bytes).unbind())),
             Err(e) => {

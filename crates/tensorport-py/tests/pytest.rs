@@ -89,7 +89,7 @@ fn the_python_package_passes_its_pytest_suite() {
     }
     std::fs::copy(&ext, dir.join("_native.abi3.so")).expect("copy the extension");
     let out = Command::new(&python)
-        .args(["-m", "pytest", "-q", "-p", "no:cacheprovider"])
+        .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
         .arg(repo.join("python/tests"))
         .current_dir(&pkg)
         .env("PYTHONPATH", &pkg)

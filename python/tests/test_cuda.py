@@ -1,0 +1,108 @@
+"""Torch CUDA tensors handed to `tensorport serve --device cuda` in place. Needs torch with a
+GPU and the CUDA build of the binary (TENSORPORT_BIN); skipped, saying so, elsewhere. On the
+GPU machine without pytest: `python3 python/tests/test_cuda.py`."""
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+
+import numpy as np
+
+try:
+    import pytest
+except ImportError:  # run as a script on a machine without pytest
+    pytest = None
+
+import tensorport
+
+
+def _why_not():
+    try:
+        import torch
+    except ImportError:
+        return "torch is not installed"
+    if not torch.cuda.is_available():
+        return "no CUDA device"
+    if not os.environ.get("TENSORPORT_BIN"):
+        return "TENSORPORT_BIN (the CUDA build of tensorport) is not set"
+    return None
+
+
+if pytest is not None:
+    pytestmark = pytest.mark.skipif(_why_not() is not None, reason=f"GPU test: {_why_not()}")
+
+
+class CudaServer:
+    """`tensorport serve --device cuda --image-size 32`, up while in use."""
+
+    def __init__(self, d):
+        self.sock = os.path.join(d, "tp.sock")
+        self.p = subprocess.Popen(
+            [os.environ["TENSORPORT_BIN"], "--log", "warn", "serve", "--socket", self.sock,
+             "--device", "cuda", "--image-size", "32"], stdout=subprocess.PIPE, text=True)
+        line = self.p.stdout.readline()
+        assert line.startswith("ready"), line
+
+    def close(self):
+        self.p.send_signal(signal.SIGTERM)
+        self.p.wait(timeout=60)
+
+
+def scores(p, submit):
+    rid = submit()
+    got, data = p.recv(timeout=60)
+    assert got == rid
+    return np.frombuffer(data, dtype=np.float32)
+
+
+def check_against_host_path(d):
+    import torch
+
+    srv = CudaServer(d)
+    try:
+        g = torch.Generator(device="cuda").manual_seed(7)
+        with tensorport.Producer(srv.sock, name="torch") as p:
+            # Whole tensors, each its own allocation.
+            worst = 0.0
+            for _ in range(8):
+                x = torch.randn(3, 32, 32, device="cuda", generator=g)
+                dev = scores(p, lambda: p.submit_tensor(x))
+                host = scores(p, lambda: p.submit_array(x.cpu().numpy()))
+                worst = max(worst, float(np.max(np.abs(dev - host) / (np.abs(host) + 1e-6))))
+            # Rows of one batch tensor: tensors inside a caching-allocator segment, not at its
+            # base, one hand-off of the allocation at a time.
+            big = torch.randn(4, 3, 32, 32, device="cuda", generator=g)
+            for k in (2, 1, 3):
+                dev = scores(p, lambda: p.submit_tensor(big[k]))
+                host = scores(p, lambda: p.submit_array(big[k].cpu().numpy()))
+                worst = max(worst, float(np.max(np.abs(dev - host) / (np.abs(host) + 1e-6))))
+            # One tensor rewritten in place between hand-offs, on torch's stream: each write
+            # must come after the server's reads of the previous hand-off.
+            x = torch.zeros(3, 32, 32, device="cuda")
+            for k in range(20):
+                x.add_(0.1 * k)
+                want = x.cpu().numpy().copy()
+                dev = scores(p, lambda: p.submit_tensor(x))
+                host = scores(p, lambda: p.submit_array(want))
+                worst = max(worst, float(np.max(np.abs(dev - host) / (np.abs(host) + 1e-6))))
+        print(f"  31 torch CUDA tensors through serve --device cuda; worst relative difference "
+              f"from the host path {worst:.2e}")
+        assert worst < 1e-4, worst
+    finally:
+        srv.close()
+
+
+def test_torch_cuda_tensors_answer_as_the_host_path(tmp_path):
+    check_against_host_path(str(tmp_path))
+
+
+if __name__ == "__main__":
+    why = _why_not()
+    if why:
+        print(f"skipped: GPU test: {why}")
+        sys.exit(0)
+    with tempfile.TemporaryDirectory() as d:
+        check_against_host_path(d)
+    print("1 passed")
