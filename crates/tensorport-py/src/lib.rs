@@ -202,12 +202,14 @@ impl Producer {
         }
         py.allow_threads(|| {
             let mut cuda = lock(&self.cuda);
-            if !cuda.devices.contains_key(&device) {
-                let gpu = tensorport_cuda::Gpu::open(device).map_err(cuda_err)?;
-                cuda.devices
-                    .insert(device, tensorport_cuda::ExternalDevice::new(gpu));
-            }
-            let ext = cuda.devices.get_mut(&device).expect("inserted");
+            let CudaState { devices, in_flight } = &mut *cuda;
+            let ext = match devices.entry(device) {
+                std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
+                std::collections::hash_map::Entry::Vacant(v) => {
+                    let gpu = tensorport_cuda::Gpu::open(device).map_err(cuda_err)?;
+                    v.insert(tensorport_cuda::ExternalDevice::new(gpu))
+                }
+            };
             let mut g = lock(&self.inner);
             let p = g
                 .as_mut()
@@ -216,7 +218,7 @@ impl Producer {
             // and holds the tensor until its result has come back (`Producer._held`).
             let id = unsafe { ext.submit(p, ptr, &spec, stream as *mut std::ffi::c_void, t) }
                 .map_err(cuda_err)?;
-            cuda.in_flight.insert(id, (device, stream));
+            in_flight.insert(id, (device, stream));
             Ok(id)
         })
     }
