@@ -398,6 +398,27 @@ impl Server {
         })
     }
 
+    /// (Benchmarks: a consumer with no Python work per tensor.) Receives a batch as
+    /// `recv_batch` does, reads each tensor's first byte, answers each with an empty result;
+    /// returns `(tensors, bytes)`. The GIL is released throughout.
+    #[pyo3(signature = (max = 64, timeout = 1.0))]
+    fn _ack_batch(&self, py: Python<'_>, max: usize, timeout: f64) -> PyResult<(usize, u64)> {
+        let t = secs(timeout)?;
+        let server = self.inner.clone();
+        py.allow_threads(move || {
+            let batch = server
+                .recv_batch(max.max(1), t, Duration::ZERO)
+                .map_err(py_err)?;
+            let (n, mut bytes) = (batch.len(), 0u64);
+            for r in batch {
+                std::hint::black_box(r.bytes().first());
+                bytes += r.desc().byte_len();
+                let _ = r.respond(&[]);
+            }
+            Ok((n, bytes))
+        })
+    }
+
     /// Producer sessions open now.
     fn sessions(&self) -> usize {
         self.inner.status().sessions.len()
