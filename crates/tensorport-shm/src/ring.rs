@@ -43,8 +43,8 @@ use crate::{HostPool, Result, ShmError};
 
 // The entries' codec is the wire crate's (beside the socket's frames); the queues are ours.
 pub use tensorport_wire::entry::{
-    CqHeader, SqEntry, CQ_ENTRY_WORDS, CQ_GRANT, CQ_HEADER_WORDS, CQ_INLINE_BYTES, CQ_RESULT,
-    SQ_ENTRY_WORDS,
+    CqHeader, SqEntry, CQ_DEVICE_RELEASED, CQ_ENTRY_WORDS, CQ_GRANT, CQ_HEADER_WORDS,
+    CQ_INLINE_BYTES, CQ_RESULT, SQ_ENTRY_WORDS, TIMELINE_WORD,
 };
 /// Most dimensions a submission entry holds.
 pub const RING_MAX_DIMS: usize = tensorport_wire::MAX_DIMS;
@@ -372,6 +372,10 @@ impl SqWriter {
                 r.sq_word(t, stride).store(w[stride], Ordering::Relaxed);
             }
         }
+        if SqEntry::has_timeline(w[2]) {
+            r.sq_word(t, TIMELINE_WORD)
+                .store(w[TIMELINE_WORD], Ordering::Relaxed);
+        }
         self.0.publish(r, Queue::Submission);
         Ok(true)
     }
@@ -405,6 +409,9 @@ impl SqReader {
             if strides {
                 w[stride] = r.sq_word(h, stride).load(Ordering::Relaxed);
             }
+        }
+        if SqEntry::has_timeline(w[2]) {
+            w[TIMELINE_WORD] = r.sq_word(h, TIMELINE_WORD).load(Ordering::Relaxed);
         }
         self.0.release(r, Queue::Submission);
         Ok(Some(SqEntry::from_words(&w)))

@@ -36,8 +36,11 @@ pub use msg::*;
 
 /// The protocol version this crate speaks. A peer negotiates it in the handshake. Version 2 adds
 /// the shared-memory submission and completion queues (a producer's `Welcome` may then carry four
-/// descriptors: pool, queues, server doorbell, producer doorbell); version 1 is the socket alone.
-pub const PROTOCOL_VERSION: u16 = 2;
+/// descriptors: pool, queues, server doorbell, producer doorbell); version 3 carries device-buffer
+/// submissions and their releases on those queues too; version 1 is the socket alone.
+pub const PROTOCOL_VERSION: u16 = 3;
+/// The first version whose queues carry device buffers (submissions and `DeviceReleased`).
+pub const DEVICE_QUEUES_VERSION: u16 = 3;
 /// The oldest protocol version this crate can speak.
 pub const MIN_PROTOCOL_VERSION: u16 = 1;
 /// First four bytes of every `Hello`: tells a tensorport server from anything else on a socket.

@@ -24,7 +24,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-use tensorport_shm::ring::{SqEntry, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
+use tensorport_shm::ring::{SqEntry, CQ_DEVICE_RELEASED, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
 use tensorport_shm::HostPool;
 use tensorport_wire::{
     validate_view, ClientMsg, DType, ErrorCode, Outcome, PoolBounds, PoolLayout, RawDeviceHandle,
@@ -230,6 +230,8 @@ pub struct Producer {
     reader: FrameReader,
     writer: FrameWriter,
     pool: Arc<HostPool>,
+    /// The protocol version negotiated.
+    version: u16,
     /// Where dropped [`Loan`]s leave their slots; also what makes a loan ours.
     home: Arc<LoanHome>,
     /// Loans out (not yet submitted or given back).
@@ -311,6 +313,7 @@ impl Producer {
             reader: c.reader,
             writer: c.writer,
             pool: Arc::new(pool),
+            version: c.welcome.version,
             home: Arc::new(LoanHome::default()),
             loaned: 0,
             layout,
@@ -589,6 +592,12 @@ impl Producer {
                     slot: h.slot,
                     generation: h.generation,
                 });
+            }
+            if h.flags & CQ_DEVICE_RELEASED != 0 {
+                if let Some(d) = self.devices.get_mut(&h.slot) {
+                    d.generation = h.generation;
+                    d.in_flight = false;
+                }
             }
             if h.flags & CQ_RESULT != 0 && self.in_flight.remove(&h.request_id).is_some() {
                 // `pop` bounds the length by CQ_INLINE_BYTES (232).
@@ -888,15 +897,21 @@ impl Producer {
         }
         let id = self.next_id;
         self.next_id += 1;
-        let mut raw = spec.to_raw(RawLocation::DeviceBuffer(SlotRef {
+        let location = RawLocation::DeviceBuffer(SlotRef {
             slot: buffer,
             generation: d.generation,
-        }))?;
-        raw.fence = timeline.map(|value| tensorport_wire::RawFence::Timeline {
-            semaphore: 0,
-            value,
         });
-        self.check_and_send(id, raw, Held::Device(buffer))?;
+        if self.ring.is_some() && self.version >= tensorport_wire::DEVICE_QUEUES_VERSION {
+            // Protocol 3: device hand-offs take the queue too.
+            self.submit_on_ring(location, id, spec, timeline, Held::Device(buffer))?;
+        } else {
+            let mut raw = spec.to_raw(location)?;
+            raw.fence = timeline.map(|value| tensorport_wire::RawFence::Timeline {
+                semaphore: 0,
+                value,
+            });
+            self.check_and_send(id, raw, Held::Device(buffer))?;
+        }
         if let Some(d) = self.devices.get_mut(&buffer) {
             d.in_flight = true;
         }
@@ -905,7 +920,13 @@ impl Producer {
 
     fn submit_slot(&mut self, slot: SlotRef, request_id: u64, spec: &TensorSpec) -> Result<()> {
         if self.ring.is_some() {
-            return self.submit_on_ring(slot, request_id, spec);
+            return self.submit_on_ring(
+                RawLocation::HostSlot(slot),
+                request_id,
+                spec,
+                None,
+                Held::Host(slot),
+            );
         }
         let raw = spec.to_raw(RawLocation::HostSlot(slot))?;
         self.check_and_send(request_id, raw, Held::Host(slot))
@@ -913,9 +934,19 @@ impl Producer {
 
     /// The hot path: the descriptor goes into the submission queue (no system call unless the
     /// server sleeps, no allocation), checked here first with the server's own rules.
-    fn submit_on_ring(&mut self, slot: SlotRef, request_id: u64, spec: &TensorSpec) -> Result<()> {
-        let location = RawLocation::HostSlot(slot);
+    fn submit_on_ring(
+        &mut self,
+        location: RawLocation,
+        request_id: u64,
+        spec: &TensorSpec,
+        timeline: Option<u64>,
+        held: Held,
+    ) -> Result<()> {
         let len = spec.byte_len()?;
+        let fence = timeline.map(|value| tensorport_wire::RawFence::Timeline {
+            semaphore: 0,
+            value,
+        });
         self.check(
             request_id,
             &RawTensorView {
@@ -925,9 +956,13 @@ impl Producer {
                 offset: spec.offset,
                 len,
                 location: &location,
-                fence: None,
+                fence: fence.as_ref(),
             },
         )?;
+        let (slot, device) = match location {
+            RawLocation::HostSlot(s) => (s, false),
+            RawLocation::DeviceBuffer(s) => (s, true),
+        };
         // Checked: at most MAX_DIMS dimensions, and as many strides if any.
         let rank = spec.shape.len();
         let mut e = SqEntry {
@@ -937,6 +972,8 @@ impl Producer {
             dtype: spec.dtype as u8,
             rank: rank as u8,
             has_strides: spec.strides.is_some(),
+            device,
+            timeline,
             offset: spec.offset,
             len,
             ..SqEntry::default()
@@ -948,11 +985,12 @@ impl Producer {
         let ring = self.ring.as_mut().expect("checked by the caller");
         if !ring.submit(&e)? {
             // The queue is full (the server is behind): the socket carries this one.
-            let tensor = spec.to_raw(location)?;
+            let mut tensor = spec.to_raw(location)?;
+            tensor.fence = fence;
             self.writer
                 .send(&ClientMsg::Submit { request_id, tensor }, &[])?;
         }
-        self.in_flight.insert(request_id, Held::Host(slot));
+        self.in_flight.insert(request_id, held);
         Ok(())
     }
 

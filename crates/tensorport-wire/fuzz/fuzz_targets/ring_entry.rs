@@ -32,13 +32,19 @@ fuzz_target!(|data: &[u8]| {
         slot_size: 1 << 20,
     };
     let loc = e.location();
-    match e.view(&loc) {
+    let fence = e.fence();
+    match e.view(&loc, fence.as_ref()) {
         Err(WireError::BadRank(r)) => assert!(r > MAX_DIMS),
         Err(other) => panic!("unexpected {other:?}"),
         Ok(v) => {
-            if let Ok(d) = validate_view(&v, &pool, &|_| None) {
-                assert!(d.offset() + d.byte_len() <= pool.slot_size);
-                assert!(d.slot().slot < pool.slot_count);
+            // Two registered device buffers of 1 MiB.
+            if let Ok(d) = validate_view(&v, &pool, &|b| (b < 2).then_some(1 << 20)) {
+                if d.is_device() {
+                    assert!(d.offset() + d.byte_len() <= 1 << 20);
+                } else {
+                    assert!(d.offset() + d.byte_len() <= pool.slot_size);
+                    assert!(d.slot().slot < pool.slot_count);
+                }
             }
         }
     }

@@ -207,6 +207,7 @@ pub(crate) fn open_session(
     let session = Arc::new(Session {
         id,
         shard,
+        version,
         name: hello.name.clone(),
         pid,
         bounds: PoolBounds {

@@ -239,8 +239,8 @@ fn take_from_ring(
                 return None;
             }
         };
-        let location = e.location();
-        let view = match e.view(&location) {
+        let (location, fence) = (e.location(), e.fence());
+        let view = match e.view(&location, fence.as_ref()) {
             Ok(v) => v,
             Err(w) => {
                 session.refuse(shared, w.code(), Some(e.request_id), w.to_string());

@@ -66,6 +66,8 @@ pub(crate) struct Session {
     pub(crate) id: u64,
     /// The consumer shard that takes its requests.
     pub(crate) shard: usize,
+    /// The protocol version negotiated (3: device releases go on the completion queue).
+    pub(crate) version: u16,
     pub(crate) name: String,
     pub(crate) pid: u32,
     pub(crate) pool: Arc<HostPool>,
@@ -280,9 +282,25 @@ impl Session {
                 }
             }
         };
-        if let Some(r) = released {
-            let _ = self.post(&ServerMsg::DeviceReleased(r));
+        let Some(r) = released else {
+            return;
+        };
+        if let (Some(ring), true) = (
+            &self.ring,
+            self.version >= tensorport_wire::DEVICE_QUEUES_VERSION,
+        ) {
+            let h = CqHeader {
+                flags: tensorport_shm::ring::CQ_DEVICE_RELEASED,
+                slot: r.slot,
+                generation: r.generation,
+                ..CqHeader::default()
+            };
+            let pushed = lock(&self.state).cq.push(&ring.mem, &h, &[]);
+            if self.published(pushed) {
+                return;
+            }
         }
+        let _ = self.post(&ServerMsg::DeviceReleased(r));
     }
 
     /// Grants a slot: on the completion queue if there is one and it has room, else on the
