@@ -123,13 +123,41 @@ pub enum ModelKind {
     None,
 }
 
-/// Where the model runs.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+/// Where the model runs: `cpu`, `cuda` (GPU 0) or `cuda:N`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
     /// The CPU.
     Cpu,
-    /// The first CUDA GPU (needs a build with `--features cuda`).
-    Cuda,
+    /// CUDA GPU N (needs a build with `--features cuda`).
+    Cuda(u32),
+}
+
+impl Device {
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+/// `cpu`, `cuda` or `cuda:N`, for `--device`.
+pub fn parse_device(s: &str) -> Result<Device, String> {
+    match s {
+        "cpu" => Ok(Device::Cpu),
+        "cuda" => Ok(Device::Cuda(0)),
+        _ => s
+            .strip_prefix("cuda:")
+            .and_then(|n| n.parse().ok())
+            .map(Device::Cuda)
+            .ok_or_else(|| format!("{s:?}: say cpu, cuda (GPU 0) or cuda:N")),
+    }
 }
 
 /// The name clap knows a value by, to pass an option on to a child process.
@@ -162,8 +190,9 @@ pub struct ModelArgs {
     /// Seed for the weights when no --weights file is given.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
-    /// Run the model on this device. `cuda` needs a build with `--features cuda`.
-    #[arg(long, value_enum, default_value_t = Device::Cpu)]
+    /// Run the model on this device: cpu, cuda (GPU 0) or cuda:N. CUDA needs a build with
+    /// `--features cuda`.
+    #[arg(long, default_value = "cpu", value_parser = parse_device)]
     pub device: Device,
     /// Largest batch the model runs.
     #[arg(long, default_value_t = 32)]
@@ -196,7 +225,7 @@ impl ModelArgs {
             "--seed".into(),
             self.seed.to_string(),
             "--device".into(),
-            arg_name(&self.device),
+            self.device.to_string(),
             "--max-batch".into(),
             self.max_batch.to_string(),
             "--max-wait-ms".into(),

@@ -66,14 +66,14 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     if a.model.max_batch == 0 {
         return Err(CliError::usage("--max-batch must be at least 1"));
     }
-    if a.model.device == crate::common::Device::Cuda {
-        return run_cuda(a);
+    if let crate::common::Device::Cuda(n) = a.model.device {
+        return run_cuda(a, n);
     }
     serve_on(Cpu::default(), a, Hooks::default(), &stack_images)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda(_a: Args) -> CliResult<ExitCode> {
+fn run_cuda(_a: Args, _ordinal: u32) -> CliResult<ExitCode> {
     Err(CliError::usage(
         "this tensorport was built without CUDA; rebuild with `--features cuda` (see docs/operations.md), or use --device cpu",
     ))
@@ -82,18 +82,18 @@ fn run_cuda(_a: Args) -> CliResult<ExitCode> {
 /// The GPU server: pools are registered with the device (pinned), each request's slot is copied
 /// by DMA into a device tensor, the batch is stacked on the device, and the model runs there.
 #[cfg(feature = "cuda")]
-fn run_cuda(a: Args) -> CliResult<ExitCode> {
+fn run_cuda(a: Args, ordinal: u32) -> CliResult<ExitCode> {
     use tensorport_dfdx::dfdx::prelude::Cuda;
     let cuda = |e: tensorport_cuda::Error| CliError::new(e.to_string());
-    // No driver, or no device 0: configuration a restart cannot fix (exit 2; the farm stops).
-    let gpu = tensorport_cuda::Gpu::open(0).map_err(|e| match e {
+    // No driver, or no such device: configuration a restart cannot fix (exit 2; the farm stops).
+    let gpu = tensorport_cuda::Gpu::open(ordinal as i32).map_err(|e| match e {
         tensorport_cuda::Error::NoDriver | tensorport_cuda::Error::NoDevice(..) => {
             CliError::usage(format!("{e}, or use --device cpu"))
         }
         e => cuda(e),
     })?;
-    let dev = Cuda::try_build(0, a.model.seed)
-        .map_err(|e| CliError::new(format!("cannot start dfdx on CUDA device 0: {e:?}")))?;
+    let dev = Cuda::try_build(ordinal as usize, a.model.seed)
+        .map_err(|e| CliError::new(format!("cannot start dfdx on CUDA device {ordinal}: {e:?}")))?;
     let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda)?;
     let hooks = Hooks {
         pin: Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone()))),

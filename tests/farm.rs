@@ -411,6 +411,24 @@ fn farm_survives_a_sigkilled_server_every_input_once() {
     assert!(stdout.contains("server restarts 1"), "{stdout}");
 }
 
+#[test]
+fn farm_over_two_servers_survives_one_sigkilled_every_input_once() {
+    // Two servers, four producers: the killed server's producers redo their inputs through the
+    // other one (or through it again once it is back), and every input gets exactly one line.
+    let (stdout, stderr) = farm_with_a_signal(
+        "serve",
+        2,
+        nix::sys::signal::Signal::SIGKILL,
+        &["--servers", "2"],
+    );
+    assert!(
+        stderr.contains("server-1 ended (killed by SIGKILL)")
+            || stderr.contains("server-0 ended (killed by SIGKILL)"),
+        "{stderr}"
+    );
+    assert!(stdout.contains("server restarts 1"), "{stdout}");
+}
+
 /// Runs the farm on a few synthetic inputs with `extra` options, expecting it to fail; returns
 /// its stderr and how many times it started a server.
 fn farm_that_cannot_start(extra: &[&str]) -> String {

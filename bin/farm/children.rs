@@ -12,17 +12,17 @@ use std::time::{Duration, Instant};
 
 use super::view::Console;
 use super::Args;
-use crate::common::{CliError, CliResult};
+use crate::common::{CliError, CliResult, Device};
 
 pub(super) enum Ev {
     Line { slot: usize, line: String },
     Eof { slot: usize, generation: u64 },
-    ServerReady { generation: u64 },
-    ServerEof { generation: u64 },
+    ServerReady { server: usize, generation: u64 },
+    ServerEof { server: usize, generation: u64 },
 }
 
-/// `slot` of `usize::MAX` is the server.
-pub(super) const SERVER: usize = usize::MAX;
+/// Output slots from `SERVER` up are the servers' (`SERVER + k` is server k).
+pub(super) const SERVER: usize = usize::MAX / 2;
 
 pub(super) enum State {
     Running {
@@ -46,6 +46,8 @@ pub(super) struct Worker {
     pub(super) last_exit: Option<String>,
     /// When it last returned a result, started, or the server became ready.
     pub(super) last_progress: Instant,
+    /// The server it was last started against.
+    pub(super) server: usize,
 }
 
 impl Worker {
@@ -62,6 +64,7 @@ impl Worker {
             failures_in_row: 0,
             last_exit: None,
             last_progress: Instant::now(),
+            server: 0,
         }
     }
 }
@@ -89,9 +92,12 @@ pub(super) fn pump_lines(
     std::thread::spawn(move || {
         for line in BufReader::new(r).lines() {
             let Ok(line) = line else { break };
-            let ev = if slot == SERVER {
+            let ev = if slot >= SERVER {
                 if line.starts_with("ready") {
-                    Ev::ServerReady { generation }
+                    Ev::ServerReady {
+                        server: slot - SERVER,
+                        generation,
+                    }
                 } else {
                     continue;
                 }
@@ -102,8 +108,11 @@ pub(super) fn pump_lines(
                 return;
             }
         }
-        let _ = tx.send(if slot == SERVER {
-            Ev::ServerEof { generation }
+        let _ = tx.send(if slot >= SERVER {
+            Ev::ServerEof {
+                server: slot - SERVER,
+                generation,
+            }
         } else {
             Ev::Eof { slot, generation }
         });
@@ -136,25 +145,28 @@ pub(super) fn unfixable_start(status: &ExitStatus, was_ready: bool) -> bool {
     !was_ready && status.code() == Some(2)
 }
 
-/// What starting children needs: the binary, the options, the socket, where their output goes.
+/// What starting children needs: the binary, the options, the servers' sockets and devices,
+/// where their output goes.
 pub(super) struct Farm {
     pub(super) exe: PathBuf,
     pub(super) args: Args,
-    pub(super) socket: PathBuf,
+    /// Server k listens at `sockets[k]`, its model on `devices[k]`.
+    pub(super) sockets: Vec<PathBuf>,
+    pub(super) devices: Vec<Device>,
     pub(super) console: Arc<Console>,
     pub(super) tx: Sender<Ev>,
-    /// The server's last stderr line.
-    pub(super) server_said: Arc<Mutex<String>>,
+    /// Each server's last stderr line.
+    pub(super) server_said: Vec<Arc<Mutex<String>>>,
 }
 
 impl Farm {
-    fn command(&self, sub: &str) -> Command {
+    fn command(&self, sub: &str, server: usize) -> Command {
         let mut c = Command::new(&self.exe);
         c.arg("--log")
             .arg(&self.args.child_log)
             .arg(sub)
             .arg("--socket")
-            .arg(&self.socket)
+            .arg(&self.sockets[server])
             .env("TENSORPORT_FARM_PID", std::process::id().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -164,10 +176,21 @@ impl Farm {
         c
     }
 
-    pub(super) fn start_server(&self, generation: u64) -> CliResult<Child> {
+    /// A server's name in messages: "server", or "server-k" when there are several.
+    pub(super) fn server_name(&self, k: usize) -> String {
+        if self.sockets.len() == 1 {
+            "server".into()
+        } else {
+            format!("server-{k}")
+        }
+    }
+
+    pub(super) fn start_server(&self, k: usize, generation: u64) -> CliResult<Child> {
         let a = &self.args;
-        let mut c = self.command("serve");
-        c.args(a.model.to_args())
+        let mut c = self.command("serve", k);
+        let mut model = a.model.clone();
+        model.device = self.devices[k];
+        c.args(model.to_args())
             .arg("--slots")
             .arg(a.in_flight.to_string())
             .arg("--max-sessions")
@@ -181,22 +204,28 @@ impl Farm {
         pump_lines(
             child.stdout.take().expect("piped"),
             self.tx.clone(),
-            SERVER,
+            SERVER + k,
             generation,
         );
-        self.server_said.lock().unwrap().clear();
+        self.server_said[k].lock().unwrap().clear();
         forward_stderr(
             child.stderr.take().expect("piped"),
-            "server".into(),
+            self.server_name(k),
             self.console.clone(),
-            Some(self.server_said.clone()),
+            Some(self.server_said[k].clone()),
         );
         Ok(child)
     }
 
-    pub(super) fn start_producer(&self, slot: usize, w: &mut Worker) -> CliResult<()> {
+    /// Starts producer `slot` against server `server`.
+    pub(super) fn start_producer(
+        &self,
+        slot: usize,
+        w: &mut Worker,
+        server: usize,
+    ) -> CliResult<()> {
         let a = &self.args;
-        let mut c = self.command("produce");
+        let mut c = self.command("produce", server);
         c.arg("--worklist")
             .arg("--name")
             .arg(&w.name)
@@ -216,6 +245,7 @@ impl Farm {
             .spawn()
             .map_err(|e| CliError::new(format!("cannot start {}: {e}", w.name)))?;
         w.generation += 1;
+        w.server = server;
         w.last_progress = Instant::now();
         pump_lines(
             child.stdout.take().expect("piped"),

@@ -51,6 +51,15 @@ pub struct Args {
     /// Number of producer processes.
     #[arg(long, short = 'p', default_value_t = 3)]
     pub producers: usize,
+    /// Inference servers, each with its own socket (and model); producers are spread over the
+    /// ones that listen, the least loaded first. A server that dies has its producers' inputs
+    /// redone through the others while it restarts.
+    #[arg(long, default_value_t = 1, conflicts_with = "devices")]
+    pub servers: usize,
+    /// One server per listed GPU (e.g. `--devices 0,1`: a server on cuda:0 and one on cuda:1);
+    /// overrides --device and --servers.
+    #[arg(long, value_delimiter = ',', value_name = "GPU,...")]
+    pub devices: Vec<u32>,
     /// Where to write the results, one JSON line per input.
     #[arg(long, short, default_value = "results.jsonl")]
     pub output: PathBuf,
@@ -99,7 +108,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         return Err(CliError::usage("--producers must be at least 1"));
     }
     args.model.config().check()?;
-    if args.model.device == Device::Cuda && !cfg!(feature = "cuda") {
+    if (args.model.device.is_cuda() || !args.devices.is_empty()) && !cfg!(feature = "cuda") {
         return Err(CliError::usage(
             "--device cuda: this tensorport was built without CUDA; rebuild with `--features cuda` \
              (see docs/operations.md), or use --device cpu",
@@ -135,7 +144,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
     let console = Arc::new(Console::new(tty, n));
     // A private directory for the socket, unless one was given.
     let tmp;
-    let socket = match &args.socket {
+    let base_socket = match &args.socket {
         Some(s) => s.clone(),
         None => {
             let base = std::env::var_os("XDG_RUNTIME_DIR")
@@ -151,15 +160,37 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
             tmp.path().join("tensorport.sock")
         }
     };
+    // One socket and one device per server: `--devices` lists GPUs; else `--servers` copies of
+    // `--device`. Server k > 0 listens beside the first (`tensorport-k.sock`).
+    let devices: Vec<Device> = if args.devices.is_empty() {
+        vec![args.model.device; args.servers.max(1)]
+    } else {
+        args.devices.iter().map(|&g| Device::Cuda(g)).collect()
+    };
+    let sockets: Vec<PathBuf> = (0..devices.len())
+        .map(|k| match k {
+            0 => base_socket.clone(),
+            k => {
+                let stem = base_socket
+                    .file_stem()
+                    .map_or("tensorport".into(), |s| s.to_string_lossy().into_owned());
+                base_socket.with_file_name(format!("{stem}-{k}.sock"))
+            }
+        })
+        .collect();
     let (tx, rx): (Sender<Ev>, Receiver<Ev>) = mpsc::channel();
     let exe = std::env::current_exe()?;
     let farm = Farm {
         exe,
         args,
-        socket,
+        server_said: sockets
+            .iter()
+            .map(|_| Arc::new(Mutex::new(String::new())))
+            .collect(),
+        sockets,
+        devices,
         console: console.clone(),
         tx,
-        server_said: Arc::new(Mutex::new(String::new())),
     };
     // SIGINT/SIGTERM, counted: the first drains, the second quits at once — but through this
     // function's own exit, so the children are ended and the socket directory removed (exiting
@@ -204,14 +235,19 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                 break;
             }
             if tty {
-                if sup.server_ready {
-                    if let Ok(mut c) =
-                        tensorport::Control::connect(&sup.farm.socket, Duration::from_millis(200))
-                    {
-                        if let Ok(s) = c.status() {
-                            batches = (s.totals.batches, s.totals.batched);
+                if sup.any_ready() {
+                    let mut sum = (0, 0);
+                    for socket in &sup.farm.sockets {
+                        if let Ok(mut c) =
+                            tensorport::Control::connect(socket, Duration::from_millis(200))
+                        {
+                            if let Ok(s) = c.status() {
+                                sum.0 += s.totals.batches;
+                                sum.1 += s.totals.batched;
+                            }
                         }
                     }
+                    batches = sum;
                 }
                 let (summary, rows) = view::progress(&sup, started, batches);
                 console.draw(sup.done_count, summary, &rows);

@@ -14,18 +14,23 @@ use super::children::{backoff, describe, unfixable_start, Ev, Farm, State, Worke
 use crate::common::{CliError, CliResult, ResultLine, StageTimes};
 use crate::results::ResultsFile;
 
+/// One server of the farm (one per `--servers` / `--devices` entry).
+pub(super) struct ServerSlot {
+    pub(super) child: Option<Child>,
+    generation: u64,
+    pub(super) ready: bool,
+    pub(super) restarts: u32,
+    wait_until: Option<Instant>,
+    /// Restarts since the last result through it: a server that keeps dying without ever
+    /// serving is given up on; one that serves between its deaths is not.
+    failures_in_row: u32,
+}
+
 pub(super) struct Supervisor {
     pub(super) farm: Farm,
     inputs: Vec<Source>,
     pub(super) n: u64,
-    pub(super) server: Option<Child>,
-    server_gen: u64,
-    pub(super) server_ready: bool,
-    pub(super) server_restarts: u32,
-    server_wait_until: Option<Instant>,
-    /// Server restarts since the last result: a server that keeps dying without ever serving
-    /// is given up on; one that serves between its deaths is not.
-    server_failures_in_row: u32,
+    pub(super) servers: Vec<ServerSlot>,
     pub(super) workers: Vec<Worker>,
     stall: Duration,
     /// Inputs each producer may hold: twice its in-flight requests, so the next are ready.
@@ -52,7 +57,18 @@ impl Supervisor {
     /// Starts the server; producers follow once it listens.
     pub(super) fn start(farm: Farm, inputs: Vec<Source>) -> CliResult<Supervisor> {
         let n = inputs.len() as u64;
-        let server = Some(farm.start_server(1)?);
+        let servers = (0..farm.sockets.len())
+            .map(|k| {
+                Ok(ServerSlot {
+                    child: Some(farm.start_server(k, 1)?),
+                    generation: 1,
+                    ready: false,
+                    restarts: 0,
+                    wait_until: None,
+                    failures_in_row: 0,
+                })
+            })
+            .collect::<CliResult<Vec<_>>>()?;
         let workers = (0..farm.args.producers)
             .map(|i| Worker::new(format!("producer-{i}")))
             .collect();
@@ -62,12 +78,7 @@ impl Supervisor {
             farm,
             inputs,
             n,
-            server,
-            server_gen: 1,
-            server_ready: false,
-            server_restarts: 0,
-            server_wait_until: None,
-            server_failures_in_row: 0,
+            servers,
             workers,
             pending: (0..n).collect(),
             done: vec![false; n as usize],
@@ -98,22 +109,52 @@ impl Supervisor {
         self.workers.iter().map(|w| w.assigned.len()).sum()
     }
 
-    /// Restarts the server when its back-off is over, and starts producers that are due once
-    /// it listens.
+    /// Whether any server listens.
+    pub(super) fn any_ready(&self) -> bool {
+        self.servers.iter().any(|s| s.ready)
+    }
+
+    /// Server restarts, all servers together.
+    pub(super) fn server_restarts(&self) -> u32 {
+        self.servers.iter().map(|s| s.restarts).sum()
+    }
+
+    /// The listening server with the fewest running producers (ties: the lowest number), for a
+    /// producer about to start.
+    fn least_loaded_server(&self) -> Option<usize> {
+        (0..self.servers.len())
+            .filter(|&k| self.servers[k].ready)
+            .min_by_key(|&k| {
+                self.workers
+                    .iter()
+                    .filter(|w| w.server == k && matches!(w.state, State::Running { .. }))
+                    .count()
+            })
+    }
+
+    /// Restarts servers whose back-off is over, and starts producers that are due against the
+    /// listening server with the fewest producers.
     pub(super) fn start_due(&mut self) -> CliResult<()> {
         if self.stopping.is_some() {
             return Ok(());
         }
         let now = Instant::now();
-        if self.server.is_none() && self.server_wait_until.is_some_and(|t| now >= t) {
-            self.server_gen += 1;
-            self.server = Some(self.farm.start_server(self.server_gen)?);
-            self.server_wait_until = None;
+        for k in 0..self.servers.len() {
+            let s = &mut self.servers[k];
+            if s.child.is_none() && s.wait_until.is_some_and(|t| now >= t) {
+                s.generation += 1;
+                s.wait_until = None;
+                let generation = s.generation;
+                self.servers[k].child = Some(self.farm.start_server(k, generation)?);
+            }
         }
-        if self.server_ready && self.done_count < self.n {
-            for (slot, w) in self.workers.iter_mut().enumerate() {
-                if matches!(w.state, State::Waiting { until } if now >= until) {
-                    self.farm.start_producer(slot, w)?;
+        if self.done_count < self.n {
+            for slot in 0..self.workers.len() {
+                if matches!(self.workers[slot].state, State::Waiting { until } if now >= until) {
+                    let Some(k) = self.least_loaded_server() else {
+                        break;
+                    };
+                    self.farm.start_producer(slot, &mut self.workers[slot], k)?;
                 }
             }
         }
@@ -177,8 +218,8 @@ impl Supervisor {
             match ev {
                 Ev::Line { slot, line } => self.on_line(slot, &line, out),
                 Ev::Eof { slot, generation } => self.on_producer_end(slot, generation),
-                Ev::ServerReady { generation } => self.on_server_ready(generation),
-                Ev::ServerEof { generation } => self.on_server_end(generation),
+                Ev::ServerReady { server, generation } => self.on_server_ready(server, generation),
+                Ev::ServerEof { server, generation } => self.on_server_end(server, generation),
             }
             if self.failure.is_some() {
                 return;
@@ -217,7 +258,9 @@ impl Supervisor {
         w.done += 1;
         w.failures_in_row = 0;
         w.last_progress = Instant::now();
-        self.server_failures_in_row = 0;
+        if let Some(s) = self.servers.get_mut(w.server) {
+            s.failures_in_row = 0;
+        }
     }
 
     /// A producer's output ended: its unfinished inputs go back to the front of the queue, and
@@ -268,30 +311,32 @@ impl Supervisor {
         }
     }
 
-    fn on_server_ready(&mut self, generation: u64) {
-        if generation == self.server_gen {
-            self.server_ready = true;
+    fn on_server_ready(&mut self, k: usize, generation: u64) {
+        if generation == self.servers[k].generation {
+            self.servers[k].ready = true;
             // Time without a server is nobody's stall.
             let now = Instant::now();
-            for w in self.workers.iter_mut() {
+            for w in self.workers.iter_mut().filter(|w| w.server == k) {
                 w.last_progress = now;
             }
         }
     }
 
-    /// The server ended: stop at once if restarting cannot help, else restart it after a
-    /// back-off (producers reconnect and redo their inputs), unless it keeps failing.
-    fn on_server_end(&mut self, generation: u64) {
-        if generation != self.server_gen {
+    /// A server ended: stop at once if restarting cannot help, else restart it after a
+    /// back-off (its producers reconnect and redo their inputs), unless it keeps failing.
+    fn on_server_end(&mut self, k: usize, generation: u64) {
+        if generation != self.servers[k].generation {
             return;
         }
-        let was_ready = std::mem::replace(&mut self.server_ready, false);
-        let exit = self.server.take().and_then(|mut c| c.wait().ok());
+        let name = self.farm.server_name(k);
+        let s = &mut self.servers[k];
+        let was_ready = std::mem::replace(&mut s.ready, false);
+        let exit = s.child.take().and_then(|mut c| c.wait().ok());
         let status = exit.map(describe).unwrap_or_else(|| "ended".into());
         if exit.is_some_and(|st| unfixable_start(&st, was_ready)) {
-            let said = self.farm.server_said.lock().unwrap().clone();
+            let said = self.farm.server_said[k].lock().unwrap().clone();
             self.failure = Some(CliError::usage(format!(
-                "the server cannot start ({status}): {}",
+                "the {name} cannot start ({status}): {}",
                 said.trim_start_matches("error: ")
             )));
             return;
@@ -299,32 +344,33 @@ impl Supervisor {
         if self.done_count >= self.n || self.stopping.is_some() {
             return;
         }
-        self.server_restarts += 1;
-        self.server_failures_in_row += 1;
-        if self.server_failures_in_row > self.farm.args.max_restarts {
+        s.restarts += 1;
+        s.failures_in_row += 1;
+        if s.failures_in_row > self.farm.args.max_restarts {
             self.failure = Some(CliError::new(format!(
-                "the server failed {} times in a row without a result ({status}); see its messages above",
-                self.server_failures_in_row
+                "the {name} failed {} times in a row without a result ({status}); see its messages above",
+                s.failures_in_row
             )));
         } else {
-            let d = backoff(self.server_failures_in_row - 1);
+            let d = backoff(s.failures_in_row - 1);
+            s.wait_until = Some(Instant::now() + d);
             self.farm.console.log(&format!(
-                "server ended ({status}); restarting in {:.1}s, producers reconnect and redo their inputs",
+                "{name} ended ({status}); restarting in {:.1}s, its producers reconnect and redo their inputs",
                 d.as_secs_f64()
             ));
-            self.server_wait_until = Some(Instant::now() + d);
         }
     }
 
     /// Hung producers: inputs held, no result for the stall time, with the server up. SIGKILL
     /// works on a stopped process too; its end of output then restarts it like any other death.
     pub(super) fn kill_stalled(&mut self) {
-        if !self.server_ready || self.stopping.is_some() {
+        if self.stopping.is_some() {
             return;
         }
         for w in self.workers.iter_mut() {
+            let server_up = self.servers.get(w.server).is_some_and(|s| s.ready);
             if let State::Running { child, .. } = &mut w.state {
-                if !w.assigned.is_empty() && w.last_progress.elapsed() > self.stall {
+                if server_up && !w.assigned.is_empty() && w.last_progress.elapsed() > self.stall {
                     self.farm.console.log(&format!(
                         "{} returned no result for {:.0}s with {} inputs (stopped or hung?); killing it, its inputs are redone",
                         w.name,
@@ -382,16 +428,20 @@ impl Supervisor {
         }
         let mut batches = None;
         if !now() {
-            if let Ok(mut c) =
-                tensorport::Control::connect(&self.farm.socket, Duration::from_secs(2))
-            {
-                if let Ok(s) = c.status() {
-                    batches = Some((s.totals.batches, s.totals.batched));
+            for socket in &self.farm.sockets {
+                if let Ok(mut c) = tensorport::Control::connect(socket, Duration::from_secs(2)) {
+                    if let Ok(s) = c.status() {
+                        let (b, n) = batches.unwrap_or((0, 0));
+                        batches = Some((b + s.totals.batches, n + s.totals.batched));
+                    }
+                    let _ = c.drain();
                 }
-                let _ = c.drain();
             }
         }
-        if let Some(mut s) = self.server.take() {
+        for slot in self.servers.iter_mut() {
+            let Some(mut s) = slot.child.take() else {
+                continue;
+            };
             let deadline = Instant::now() + Duration::from_secs(10);
             loop {
                 match s.try_wait() {

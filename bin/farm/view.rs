@@ -92,15 +92,23 @@ pub(super) fn progress(
         },
         secs
     );
-    let mut rows = vec![format!(
-        "  server      {}  {}",
-        match (&sup.server, sup.server_ready) {
-            (Some(c), true) => format!("running, pid {}", c.id()),
-            (Some(c), false) => format!("starting, pid {}", c.id()),
-            (None, _) => "restarting".into(),
-        },
-        plural(sup.server_restarts, "restart")
-    )];
+    let mut rows: Vec<String> = sup
+        .servers
+        .iter()
+        .enumerate()
+        .map(|(k, s)| {
+            format!(
+                "  {:<11} {}  {}",
+                sup.farm.server_name(k),
+                match (&s.child, s.ready) {
+                    (Some(c), true) => format!("running, pid {}", c.id()),
+                    (Some(c), false) => format!("starting, pid {}", c.id()),
+                    (None, _) => "restarting".into(),
+                },
+                plural(s.restarts, "restart")
+            )
+        })
+        .collect();
     for w in &sup.workers {
         let state = match &w.state {
             State::Running { child, .. } => format!("running, pid {}", child.id()),
@@ -160,14 +168,14 @@ pub(super) fn print_summary(sup: &mut Supervisor, started: Instant, batches: (u6
         percentile(&sup.latencies, 0.99),
         batches.0,
         args.model.max_batch,
-        if sup.server_restarts > 0 {
+        if sup.server_restarts() > 0 {
             " since the last server start"
         } else {
             ""
         },
         args.producers,
         plural(restarts, "restart"),
-        sup.server_restarts,
+        sup.server_restarts(),
         args.output.display()
     );
     if sup.profiled > 0 {
