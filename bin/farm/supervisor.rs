@@ -19,6 +19,9 @@ pub(super) struct ServerSlot {
     pub(super) child: Option<Child>,
     generation: u64,
     pub(super) ready: bool,
+    /// Whether it has listened once: producers first start when every server has (so they
+    /// spread over all of them, not onto the one that came up first).
+    ever_ready: bool,
     pub(super) restarts: u32,
     wait_until: Option<Instant>,
     /// Restarts since the last result through it: a server that keeps dying without ever
@@ -49,6 +52,7 @@ pub(super) struct Supervisor {
     pub(super) last_result: Instant,
     /// Set by the first Ctrl-C: no new work, finish what is in flight by then.
     stopping: Option<Instant>,
+    started: Instant,
     /// Why the run ends early, if it does.
     pub(super) failure: Option<CliError>,
 }
@@ -63,6 +67,7 @@ impl Supervisor {
                     child: Some(farm.start_server(k, 1)?),
                     generation: 1,
                     ready: false,
+                    ever_ready: false,
                     restarts: 0,
                     wait_until: None,
                     failures_in_row: 0,
@@ -90,6 +95,7 @@ impl Supervisor {
             first_result: None,
             last_result: Instant::now(),
             stopping: None,
+            started: Instant::now(),
             failure: None,
         })
     }
@@ -148,7 +154,14 @@ impl Supervisor {
                 self.servers[k].child = Some(self.farm.start_server(k, generation)?);
             }
         }
-        if self.done_count < self.n {
+        // At start-up, wait until every server listens (or has ended trying), for at most a
+        // minute: producers that started against the first one up would all stay on it.
+        let starting = self.started.elapsed() < Duration::from_secs(60)
+            && self
+                .servers
+                .iter()
+                .any(|s| !s.ever_ready && s.child.is_some());
+        if self.done_count < self.n && !starting {
             for slot in 0..self.workers.len() {
                 if matches!(self.workers[slot].state, State::Waiting { until } if now >= until) {
                     let Some(k) = self.least_loaded_server() else {
@@ -314,6 +327,7 @@ impl Supervisor {
     fn on_server_ready(&mut self, k: usize, generation: u64) {
         if generation == self.servers[k].generation {
             self.servers[k].ready = true;
+            self.servers[k].ever_ready = true;
             // Time without a server is nobody's stall.
             let now = Instant::now();
             for w in self.workers.iter_mut().filter(|w| w.server == k) {
