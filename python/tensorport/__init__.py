@@ -371,14 +371,17 @@ class Loader:
 
     Each producer (`tensorport produce --worklist`) decodes, resizes and normalises its share
     of the files straight into its slots of shared memory; this process copies each batch out
-    once (`np.stack` of the in-place views) and hands the slots back. Batches come in the order
-    the producers finish them, with the indices of their files; every file comes exactly once.
-    A producer that fails ends the iteration with `TensorportError` (its messages attached).
+    once and hands the slots back. Batches come in the order the producers finish them, with the
+    indices of their files; every file comes exactly once. A producer that dies (killed, say) is
+    started again on the files of its share that have not come; one that fails `max_restarts`
+    times in a row ends the iteration with `TensorportError`, as does a file that cannot be
+    decoded (named in the error).
     """
 
     def __init__(self, files, batch_size: int = 32, producers: int = 4, image_size: int = 224,
                  transform: str = "standard", in_flight: int = 8, max_wait: float = 0.002,
-                 timeout: float = 60.0, binary=None, torch: bool = False):
+                 timeout: float = 60.0, binary=None, torch: bool = False,
+                 max_restarts: int = 8):
         self.files = [str(f) for f in files]
         self.batch_size = batch_size
         self.producers = max(1, min(producers, len(self.files) or 1))
@@ -389,14 +392,17 @@ class Loader:
         self.timeout = timeout
         self.binary = _find_binary(binary)
         self.torch = torch
+        self.max_restarts = max_restarts
 
     def __len__(self) -> int:
         return (len(self.files) + self.batch_size - 1) // self.batch_size
 
     def __iter__(self):
         import os
+        import queue
         import subprocess
         import tempfile
+        import threading
 
         np = _np()
         s = self.image_size
@@ -405,74 +411,95 @@ class Loader:
             sock = os.path.join(d, "tp.sock")
             server = Server(sock, slots=self.in_flight, slot_size=3 * s * s * 4,
                             max_sessions=self.producers + 4)
-            procs = []
+            failures: "queue.Queue[str]" = queue.Queue()
+
+            def watch(out):
+                # The producer's result lines: only its failures matter here.
+                for line in out:
+                    try:
+                        r = __import__("json").loads(line)
+                    except ValueError:
+                        continue
+                    if r.get("error"):
+                        failures.put(f"{r.get('input')}: {r['error']}")
+
+            def spawn(k, indices):
+                p = subprocess.Popen(
+                    [self.binary, "--log", "warn", "produce", "--worklist", "--socket", sock,
+                     "--image-size", str(s), "--in-flight", str(self.in_flight),
+                     "--transform", self.transform, "--name", f"loader-{k}"],
+                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                )
+                threading.Thread(target=watch, args=(p.stdout,), daemon=True).start()
+                # Its share of the files, all at once; it reads them as it has room.
+                p.stdin.write("".join(f"{i}\t{self.files[i]}\n" for i in indices).encode())
+                p.stdin.close()
+                return p
+
+            shares = {k: list(range(k, len(self.files), self.producers))
+                      for k in range(self.producers)}
+            procs = {}
             try:
-                import queue
-                import threading
-
-                failures: "queue.Queue[str]" = queue.Queue()
-
-                def watch(out):
-                    # The producer's result lines: only its failures matter here.
-                    for line in out:
-                        try:
-                            r = __import__("json").loads(line)
-                        except ValueError:
-                            continue
-                        if r.get("error"):
-                            failures.put(f"{r.get('input')}: {r['error']}")
-
-                for k in range(self.producers):
-                    p = subprocess.Popen(
-                        [self.binary, "--log", "warn", "produce", "--worklist", "--socket", sock,
-                         "--image-size", str(s), "--in-flight", str(self.in_flight),
-                         "--transform", self.transform, "--name", f"loader-{k}"],
-                        stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    )
-                    threading.Thread(target=watch, args=(p.stdout,), daemon=True).start()
-                    # Its share of the files, all at once; it reads them as it has room.
-                    lines = "".join(f"{i}\t{f}\n" for i, f in enumerate(self.files)
-                                    if i % self.producers == k)
-                    p.stdin.write(lines.encode())
-                    p.stdin.close()
-                    procs.append(p)
-                yield from self._batches(server, procs, failures, np)
+                for k, share in shares.items():
+                    procs[k] = spawn(k, share)
+                yield from self._batches(server, procs, shares, spawn, failures, np)
             finally:
-                for p in procs:
+                for p in procs.values():
                     if p.poll() is None:
                         p.kill()
                     p.wait()
                 server.drain()
 
-    def _batches(self, server, procs, failures, np):
+    def _batches(self, server, procs, shares, spawn, failures, np):
         import queue
         import time
 
-        left = len(self.files)
+        n = len(self.files)
+        done = set()
+        restarts = dict.fromkeys(procs, 0)
         last = time.monotonic()
-        while left > 0:
+        while len(done) < n:
             try:
                 raise TensorportError(f"a file could not be prepared: {failures.get_nowait()}")
             except queue.Empty:
                 pass
-            want = min(self.batch_size, left)
+            want = min(self.batch_size, n - len(done))
             images = np.empty((want, 3, self.image_size, self.image_size), dtype=np.float32)
             got = server._native._recv_into_address(
                 images.ctypes.data, images.nbytes, images[0].nbytes, want, 0.2, self.max_wait)
             if not got:
-                dead = [p for p in procs if p.poll() not in (None, 0)]
-                if dead or time.monotonic() - last > self.timeout:
-                    why = "; ".join(p.stderr.read().decode(errors="replace").strip()[-500:] for p in dead)
+                # A producer that ended with files of its share not yet here (killed, say) is
+                # started again on those; one that keeps failing is given up on.
+                for k, p in list(procs.items()):
+                    if p.poll() is None:
+                        continue
+                    missing = [i for i in shares[k] if i not in done]
+                    if not missing:
+                        continue
+                    restarts[k] += 1
+                    if restarts[k] > self.max_restarts:
+                        why = p.stderr.read().decode(errors="replace").strip()[-500:]
+                        raise TensorportError(
+                            f"{n - len(done)} of {n} images never came: producer {k} failed "
+                            f"{restarts[k]} times in a row ({why or f'exit {p.returncode}'})")
+                    shares[k] = missing
+                    procs[k] = spawn(k, missing)
+                    last = time.monotonic()
+                if time.monotonic() - last > self.timeout:
                     raise TensorportError(
-                        f"{left} of {len(self.files)} images never came"
-                        + (f": a producer failed ({why})" if dead else f" within {self.timeout} s")
-                    )
+                        f"{n - len(done)} of {n} images never came within {self.timeout} s")
                 continue
             last = time.monotonic()
-            # One copy, made by the extension without the GIL: each slot into its row.
-            images = images[:len(got)]
-            indices = np.array([rid for rid, _ in got], dtype=np.int64)
-            left -= len(got)
+            # One copy, made by the extension without the GIL: each slot into its row. A file a
+            # dead producer handed over just before its replacement did is kept once.
+            rows = [r for r, (rid, _) in enumerate(got) if rid not in done]
+            indices = np.array([got[r][0] for r in rows], dtype=np.int64)
+            images = images[:len(got)] if len(rows) == len(got) else images[rows]
+            done.update(indices.tolist())
+            for k in restarts:
+                restarts[k] = 0 if procs[k].poll() is None else restarts[k]
+            if not len(indices):
+                continue
             if self.torch:
                 import torch
 

@@ -278,3 +278,37 @@ def test_loader_raises_for_a_file_it_cannot_prepare(tmp_path):
     with pytest.raises(TensorportError, match="broken.jpg"):
         for _ in tensorport.Loader([bad], image_size=32, binary=BIN, timeout=PATIENCE):
             pass
+
+
+def _children(needle):
+    """Pids of this process's children whose command line contains `needle`."""
+    me, out = os.getpid(), []
+    for d in os.listdir("/proc"):
+        if not d.isdigit():
+            continue
+        try:
+            stat = open(f"/proc/{d}/stat").read()
+            cmd = open(f"/proc/{d}/cmdline", "rb").read().decode(errors="replace")
+        except OSError:
+            continue
+        if int(stat.rsplit(")", 1)[1].split()[1]) == me and needle in cmd:
+            out.append(int(d))
+    return out
+
+
+def test_loader_restarts_a_killed_producer_every_file_once(tmp_path):
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "60")
+    files = sorted(images.iterdir())
+    seen = []
+    killed = False
+    for x, idx in tensorport.Loader(files, batch_size=4, producers=2, image_size=32, binary=BIN,
+                                    in_flight=2):
+        seen += idx.tolist()
+        if not killed:
+            victims = _children("loader-1")
+            assert victims, "no producer to kill"
+            os.kill(victims[0], signal.SIGKILL)
+            killed = True
+    assert killed
+    assert sorted(seen) == list(range(60)), sorted(seen)
