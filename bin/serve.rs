@@ -52,6 +52,12 @@ pub struct Args {
     /// time histograms. Prints `metrics http://…/metrics` on stdout after `ready`.
     #[arg(long, value_name = "ADDR")]
     pub metrics: Option<String>,
+    /// Model workers: threads that each take batches from their own share of the producers and
+    /// run their own copy of the model (on the GPU: each its own dfdx device and stream, since a
+    /// dfdx `Cuda` device cannot be shared between threads). More than one helps when one
+    /// thread's per-batch work, not the device, is the bound.
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
@@ -69,7 +75,9 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     if let crate::common::Device::Cuda(n) = a.model.device {
         return run_cuda(a, n);
     }
-    serve_on(Cpu::default(), a, Hooks::default(), &stack_images)
+    serve_on(a, Hooks::default(), &|| {
+        Ok((Cpu::default(), Box::new(stack_images) as Box<StackFn<Cpu>>))
+    })
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -92,17 +100,21 @@ fn run_cuda(a: Args, ordinal: u32) -> CliResult<ExitCode> {
         }
         e => cuda(e),
     })?;
-    let dev = Cuda::try_build(ordinal as usize, a.model.seed)
-        .map_err(|e| CliError::new(format!("cannot start dfdx on CUDA device {ordinal}: {e:?}")))?;
-    let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda)?;
+    let seed = a.model.seed;
     let hooks = Hooks {
         pin: Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone()))),
-        device: Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu))),
+        device: Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu.clone()))),
     };
-    serve_on(dev, a, hooks, &move |dev: &Cuda,
-                                   reqs: &[Request],
-                                   shape| {
-        tensorport_dfdx::gather_on_device(dev, &stream, reqs, shape)
+    // Each worker thread builds its own dfdx device and copy stream (neither may be shared).
+    serve_on(a, hooks, &move || {
+        let dev = Cuda::try_build(ordinal as usize, seed).map_err(|e| {
+            CliError::new(format!("cannot start dfdx on CUDA device {ordinal}: {e:?}"))
+        })?;
+        let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda)?;
+        let stack: Box<StackFn<Cuda>> = Box::new(move |dev: &Cuda, reqs: &[Request], shape| {
+            tensorport_dfdx::gather_on_device(dev, &stream, reqs, shape)
+        });
+        Ok((dev, stack))
     })
 }
 
@@ -116,18 +128,23 @@ struct Hooks {
     device: Option<Arc<dyn DeviceImporter>>,
 }
 
-fn serve_on<D: Device<f32>>(
-    dev: D,
-    a: Args,
-    hooks: Hooks,
-    stack: &StackFn<D>,
-) -> CliResult<ExitCode> {
+/// Makes one worker's device and batch stacker (called on the worker's own thread).
+type WorkerFn<D> = dyn Fn() -> CliResult<(D, Box<StackFn<D>>)> + Sync;
+
+fn serve_on<D: Device<f32>>(a: Args, hooks: Hooks, make: &WorkerFn<D>) -> CliResult<ExitCode> {
     let cfg = a.model.config();
-    let model = match (a.model.model, &a.model.weights) {
-        (crate::common::ModelKind::None, _) => None,
-        (_, Some(p)) => Some(ImageClassifier::load(&dev, cfg, p)?),
-        (_, None) => Some(ImageClassifier::from_seed(&dev, cfg, a.model.seed)?),
+    let workers = a.workers.max(1);
+    // The first worker's device is made here, so a model that cannot load fails before the
+    // socket listens (exit 2 in the farm's terms), not in a thread.
+    let first = make()?;
+    let load = |dev: &D| -> CliResult<Option<ImageClassifier<D>>> {
+        Ok(match (a.model.model, &a.model.weights) {
+            (crate::common::ModelKind::None, _) => None,
+            (_, Some(p)) => Some(ImageClassifier::load(dev, cfg, p)?),
+            (_, None) => Some(ImageClassifier::from_seed(dev, cfg, a.model.seed)?),
+        })
     };
+    let first_model = load(&first.0)?;
     let shape = cfg.input_shape();
     let image_bytes = (shape.iter().product::<usize>() * 4) as u64;
     let path = a.socket.path();
@@ -140,6 +157,7 @@ fn serve_on<D: Device<f32>>(
     sc.spin = Duration::from_micros(a.spin_us);
     sc.pin = hooks.pin;
     sc.device = hooks.device;
+    sc.consumers = workers;
     let server = Arc::new(Server::bind(sc)?);
     let metrics = match &a.metrics {
         Some(addr) => Some(crate::metrics::start(addr, server.clone())?),
@@ -156,11 +174,76 @@ fn serve_on<D: Device<f32>>(
         image_size = cfg.image_size,
         classes = cfg.classes,
         max_batch = a.model.max_batch,
+        workers,
         "serving the model"
     );
     let max_wait = Duration::from_millis(a.model.max_wait_ms);
     let started = Instant::now();
-    let mut images = 0u64;
+    let images = std::sync::atomic::AtomicU64::new(0);
+    let work = |dev: D, stack: Box<StackFn<D>>, model: Option<ImageClassifier<D>>| {
+        worker_loop(
+            &server,
+            &dev,
+            &*stack,
+            model.as_ref(),
+            &a,
+            shape,
+            max_wait,
+            &stop,
+            &metrics,
+            &images,
+        )
+    };
+    std::thread::scope(|s| -> CliResult<()> {
+        let others: Vec<_> = (1..workers)
+            .map(|_| {
+                s.spawn(|| -> CliResult<()> {
+                    let (dev, stack) = make()?;
+                    let model = load(&dev)?;
+                    work(dev, stack, model)
+                })
+            })
+            .collect();
+        let mine = work(first.0, first.1, first_model);
+        for t in others {
+            t.join()
+                .map_err(|_| CliError::new("a model worker panicked"))??;
+        }
+        mine
+    })?;
+    let images = images.load(Ordering::Relaxed);
+    let secs = started.elapsed().as_secs_f64();
+    let st = server.status();
+    let fill = if st.totals.batches > 0 {
+        st.totals.batched as f64 / st.totals.batches as f64
+    } else {
+        0.0
+    };
+    tracing::info!(
+        images,
+        batches = st.totals.batches,
+        mean_batch = format!("{fill:.1}"),
+        seconds = format!("{secs:.1}"),
+        "drained; exiting"
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// One model worker: takes batches (from its share of the producers when there are several
+/// workers), runs the model, answers, until the server has drained.
+#[allow(clippy::too_many_arguments)]
+fn worker_loop<D: Device<f32>>(
+    server: &Server,
+    dev: &D,
+    stack: &StackFn<D>,
+    model: Option<&ImageClassifier<D>>,
+    a: &Args,
+    shape: [usize; 3],
+    max_wait: Duration,
+    stop: &std::sync::atomic::AtomicBool,
+    metrics: &Option<crate::metrics::Metrics>,
+    images: &std::sync::atomic::AtomicU64,
+) -> CliResult<()> {
     let mut draining = false;
     loop {
         if stop.load(Ordering::SeqCst) && !draining {
@@ -178,7 +261,7 @@ fn serve_on<D: Device<f32>>(
         }
         let taken = Instant::now();
         let size = batch.len();
-        let stacked = stack(&dev, &batch, shape);
+        let stacked = stack(dev, &batch, shape);
         // The batch owns a copy of the pixels now: give the slots back before the model runs.
         let mut responders: Vec<Option<tensorport::Responder>> =
             batch.into_iter().map(|r| Some(r.release())).collect();
@@ -199,7 +282,7 @@ fn serve_on<D: Device<f32>>(
                         if let Some(r) = responders[i].take() {
                             let _ = r.respond(&scores_to_bytes(row));
                         }
-                        images += 1;
+                        images.fetch_add(1, Ordering::Relaxed);
                     }
                 }
                 // No model: the batch is on the device; that was the job.
@@ -208,7 +291,7 @@ fn serve_on<D: Device<f32>>(
                         if let Some(r) = responders[i].take() {
                             let _ = r.respond(&[]);
                         }
-                        images += 1;
+                        images.fetch_add(1, Ordering::Relaxed);
                     }
                 }
             }
@@ -217,19 +300,5 @@ fn serve_on<D: Device<f32>>(
             m.record_batch(size, model_time, taken.elapsed());
         }
     }
-    let secs = started.elapsed().as_secs_f64();
-    let st = server.status();
-    let fill = if st.totals.batches > 0 {
-        st.totals.batched as f64 / st.totals.batches as f64
-    } else {
-        0.0
-    };
-    tracing::info!(
-        images,
-        batches = st.totals.batches,
-        mean_batch = format!("{fill:.1}"),
-        seconds = format!("{secs:.1}"),
-        "drained; exiting"
-    );
-    Ok(ExitCode::SUCCESS)
+    Ok(())
 }

@@ -129,6 +129,24 @@ fn farm_results_match_the_in_process_model_bitwise() {
     check_results(&out, 300);
 }
 
+#[test]
+fn two_model_workers_answer_as_the_in_process_model() {
+    // serve --workers 2: two threads, each its own copy of the model, each its share of the
+    // producers: every answer still equals the in-process model's, bit for bit.
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let o = farm_cmd(&out, 200, 4)
+        .args(["--workers", "2"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "farm failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    check_results(&out, 200);
+}
+
 /// Pids of the processes whose parent is `ppid` and whose command line contains `needle`.
 fn children(ppid: u32, needle: &str) -> Vec<i32> {
     let mut out = Vec::new();

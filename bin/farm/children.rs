@@ -198,6 +198,9 @@ impl Farm {
         if let Some(t) = a.threads {
             c.arg("--threads").arg(t.to_string());
         }
+        if a.workers > 1 {
+            c.arg("--workers").arg(a.workers.to_string());
+        }
         let mut child = c
             .spawn()
             .map_err(|e| CliError::new(format!("cannot start the server: {e}")))?;

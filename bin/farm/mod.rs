@@ -69,6 +69,10 @@ pub struct Args {
     /// inputs, so the next ones are ready; progress shows them as "handed out".
     #[arg(long, default_value_t = 8)]
     pub in_flight: u32,
+    /// Model workers per server (`serve --workers`): threads that each run their own copy of
+    /// the model on their share of the producers.
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
     /// Threads for the server's model [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
