@@ -178,31 +178,9 @@ pub(crate) fn open_session(
     } else {
         None
     };
-    let mut fds = vec![pool.fd()];
-    if let Some(r) = &ring {
-        fds.extend(r.fds());
-    }
-    // The handshake is written on the session's own thread, blocking (with the write timeout):
-    // the Welcome carries descriptors and nothing else waits on it.
     let outbox_stream = stream
         .try_clone()
         .map_err(|e| (ErrorCode::Internal, format!("dup socket: {e}")))?;
-    let mut writer = FrameWriter::new(stream);
-    let welcome = ServerMsg::Welcome(Welcome {
-        version,
-        session_id: id,
-        pool: layout,
-        max_in_flight,
-        fds: fds.len() as u8,
-    });
-    writer.send(&welcome, &fds).map_err(handshake_write)?;
-    drop(fds);
-    // The slot table is not shared until registration below, so the grant cannot race a submit.
-    for chunk in grant.chunks(tensorport_wire::MAX_GRANT) {
-        writer
-            .send(&ServerMsg::Grant(chunk.to_vec()), &[])
-            .map_err(handshake_write)?;
-    }
     let shard = shared.least_loaded_shard();
     let session = Arc::new(Session {
         id,
@@ -235,20 +213,63 @@ pub(crate) fn open_session(
         alive: AtomicBool::new(true),
         ring,
     });
-    lock(&shared.sessions).insert(id, session.clone());
+    // Registered before the producer hears of it, so that once its `connect` returns the
+    // session is in the table (status, places) — nothing can be submitted before the Welcome.
     let sh = &shared.shards[shard];
-    sh.sessions.fetch_add(1, Ordering::SeqCst);
+    let unregister = || {
+        let mut sessions = lock(&shared.sessions);
+        sessions.remove(&id);
+        sh.sessions.fetch_sub(1, Ordering::SeqCst);
+        drop(sessions);
+        if let Some(r) = &session.ring {
+            let _ = sh.epoll.delete(&r.to_server);
+            sh.ring_generation.fetch_add(1, Ordering::SeqCst);
+        }
+    };
+    {
+        let mut sessions = lock(&shared.sessions);
+        sessions.insert(id, session.clone());
+        sh.sessions.fetch_add(1, Ordering::SeqCst);
+    }
     if let Some(r) = &session.ring {
         if let Err(e) = sh
             .epoll
             .add(&r.to_server, EpollEvent::new(EpollFlags::EPOLLIN, id))
         {
-            lock(&shared.sessions).remove(&id);
+            let mut sessions = lock(&shared.sessions);
+            sessions.remove(&id);
             sh.sessions.fetch_sub(1, Ordering::SeqCst);
             return Err((ErrorCode::Internal, format!("epoll_ctl: {e}")));
         }
         sh.ring_generation.fetch_add(1, Ordering::SeqCst);
         sh.wake_consumer();
+    }
+    // The handshake is written on the session's own thread, blocking (with the write timeout):
+    // the Welcome carries descriptors and nothing else waits on it.
+    let mut fds = vec![session.pool.fd()];
+    if let Some(r) = &session.ring {
+        fds.extend(r.fds());
+    }
+    let mut writer = FrameWriter::new(stream);
+    let welcome = ServerMsg::Welcome(Welcome {
+        version,
+        session_id: id,
+        pool: layout,
+        max_in_flight,
+        fds: fds.len() as u8,
+    });
+    let sent = writer.send(&welcome, &fds).and_then(|()| {
+        // Nothing reads the slot table's grants but this thread until the Welcome is out, so
+        // the grant cannot race a submit.
+        for chunk in grant.chunks(tensorport_wire::MAX_GRANT) {
+            writer.send(&ServerMsg::Grant(chunk.to_vec()), &[])?;
+        }
+        Ok(())
+    });
+    drop(fds);
+    if let Err(e) = sent {
+        unregister();
+        return Err(handshake_write(e));
     }
     // From here the reservation is released by `close_session`.
     reservation.1 = false;

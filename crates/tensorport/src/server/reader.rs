@@ -158,9 +158,14 @@ pub(crate) fn close_session(shared: &Shared, session: &Arc<Session>, clean: bool
             .fetch_add(1, Ordering::SeqCst);
     }
     let shard = &shared.shards[session.shard];
-    if lock(&shared.sessions).remove(&session.id).is_some() {
-        shared.producers.fetch_sub(1, Ordering::SeqCst);
-        shard.sessions.fetch_sub(1, Ordering::SeqCst);
+    {
+        // The place is given back under the table's lock: whoever sees the session gone (a
+        // status report) also finds its place free (a newcomer is not refused meanwhile).
+        let mut sessions = lock(&shared.sessions);
+        if sessions.remove(&session.id).is_some() {
+            shared.producers.fetch_sub(1, Ordering::SeqCst);
+            shard.sessions.fetch_sub(1, Ordering::SeqCst);
+        }
     }
     if let Some(r) = &session.ring {
         let _ = shard.epoll.delete(&r.to_server);
