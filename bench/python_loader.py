@@ -14,16 +14,16 @@ import torch
 import tensorport
 
 
-def rate(files, producers, binary):
+def rate(files, producers, binary, pin):
     loader = tensorport.Loader(files, batch_size=32, producers=producers, image_size=224,
-                               binary=binary)
+                               binary=binary, torch=True, pin_memory=pin)
     batches = iter(loader)
     x, _ = next(batches)
-    torch.from_numpy(x).cuda(non_blocking=True)
+    x.cuda(non_blocking=True)
     torch.cuda.synchronize()
     start, n = time.perf_counter(), 0
     for x, _ in batches:
-        torch.from_numpy(x).cuda(non_blocking=True)
+        x.cuda(non_blocking=True)
         n += len(x)
     torch.cuda.synchronize()
     return n / (time.perf_counter() - start)
@@ -38,9 +38,11 @@ def main():
     files = sorted(os.path.join(a.dir, f) for f in os.listdir(a.dir)
                    if f.lower().endswith((".jpg", ".jpeg")))
     print(f"{len(files)} files; GPU: {torch.cuda.get_device_name()}", flush=True)
-    for p in [int(x) for x in a.producers.split(",")]:
-        r = rate(files, p, a.binary)
-        print(f"tensorport.Loader producers={p}: {r:.0f} images/s (after the first batch)", flush=True)
+    for pin in (False, True):
+        for p in [int(x) for x in a.producers.split(",")]:
+            r = rate(files, p, a.binary, pin)
+            print(f"tensorport.Loader producers={p} pin_memory={pin}: {r:.0f} images/s "
+                  "(after the first batch)", flush=True)
 
 
 if __name__ == "__main__":

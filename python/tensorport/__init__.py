@@ -381,7 +381,7 @@ class Loader:
     def __init__(self, files, batch_size: int = 32, producers: int = 4, image_size: int = 224,
                  transform: str = "standard", in_flight: int = 8, max_wait: float = 0.002,
                  timeout: float = 60.0, binary=None, torch: bool = False,
-                 max_restarts: int = 8):
+                 max_restarts: int = 8, pin_memory: bool = False):
         self.files = [str(f) for f in files]
         self.batch_size = batch_size
         self.producers = max(1, min(producers, len(self.files) or 1))
@@ -391,7 +391,10 @@ class Loader:
         self.max_wait = max_wait
         self.timeout = timeout
         self.binary = _find_binary(binary)
-        self.torch = torch
+        self.torch = torch or pin_memory
+        # Batches in page-locked memory (torch's pinned allocator, which caches the blocks), so
+        # `.cuda(non_blocking=True)` is one asynchronous DMA, as the DataLoader's pin_memory.
+        self.pin_memory = pin_memory
         self.max_restarts = max_restarts
 
     def __len__(self) -> int:
@@ -464,9 +467,17 @@ class Loader:
             except queue.Empty:
                 pass
             want = min(self.batch_size, n - len(done))
-            images = np.empty((want, 3, self.image_size, self.image_size), dtype=np.float32)
+            shape = (want, 3, self.image_size, self.image_size)
+            if self.pin_memory:
+                import torch
+
+                images = torch.empty(shape, dtype=torch.float32, pin_memory=True)
+                address, nbytes = images.data_ptr(), images.numel() * 4
+            else:
+                images = np.empty(shape, dtype=np.float32)
+                address, nbytes = images.ctypes.data, images.nbytes
             got = server._native._recv_into_address(
-                images.ctypes.data, images.nbytes, images[0].nbytes, want, 0.2, self.max_wait)
+                address, nbytes, nbytes // want, want, 0.2, self.max_wait)
             if not got:
                 # A producer that ended with files of its share not yet here (killed, say) is
                 # started again on those; one that keeps failing is given up on.
@@ -500,7 +511,11 @@ class Loader:
                 restarts[k] = 0 if procs[k].poll() is None else restarts[k]
             if not len(indices):
                 continue
-            if self.torch:
+            if self.pin_memory:
+                import torch
+
+                yield images, torch.from_numpy(indices)
+            elif self.torch:
                 import torch
 
                 yield torch.from_numpy(images), torch.from_numpy(indices)
