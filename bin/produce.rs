@@ -195,6 +195,17 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         written += 1;
         Ok(())
     };
+    // The line for an input that gets no result from the server.
+    let failed = |index: u64, source: &Source, error: String, latency_ms: f64, stages| ResultLine {
+        index,
+        input: source.to_string(),
+        class: None,
+        scores: None,
+        error: Some(error),
+        latency_ms,
+        producer: a.name.clone(),
+        stages,
+    };
     loop {
         // Keep the pipeline full.
         while !eof && pending.len() < depth {
@@ -219,6 +230,16 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                     break;
                 }
             };
+            // The request id is the input's index, so a consumer knows which input it holds
+            // (a Python `Loader` yields the indices with the batch).
+            if pending.contains_key(&index) {
+                if let Some((Ok(buf), _)) = bytes {
+                    let _ = spent.send(buf);
+                }
+                let why = format!("input {index} was given again while in flight");
+                emit(&mut out, failed(index, &source, why, 0.0, None))?;
+                continue;
+            }
             let t0 = Instant::now();
             let mut lease = p.lease(timeout)?;
             let leased = Instant::now();
@@ -251,37 +272,11 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             }
             if let Err(e) = prepared {
                 drop(lease);
+                let latency = t0.elapsed().as_secs_f64() * 1e3;
+                let stages = a.profile.then_some(st);
                 emit(
                     &mut out,
-                    ResultLine {
-                        index,
-                        input: source.to_string(),
-                        class: None,
-                        scores: None,
-                        error: Some(e.to_string()),
-                        latency_ms: t0.elapsed().as_secs_f64() * 1e3,
-                        producer: a.name.clone(),
-                        stages: a.profile.then_some(st),
-                    },
-                )?;
-                continue;
-            }
-            // The request id is the input's index, so a consumer knows which input it holds
-            // (a Python `Loader` yields the indices with the batch).
-            if pending.contains_key(&index) {
-                drop(lease);
-                emit(
-                    &mut out,
-                    ResultLine {
-                        index,
-                        input: source.to_string(),
-                        class: None,
-                        scores: None,
-                        error: Some(format!("input {index} was given again while in flight")),
-                        latency_ms: 0.0,
-                        producer: a.name.clone(),
-                        stages: None,
-                    },
+                    failed(index, &source, e.to_string(), latency, stages),
                 )?;
                 continue;
             }

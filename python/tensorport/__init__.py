@@ -18,6 +18,7 @@ to the producer that asked. See docs/python.md.
 from __future__ import annotations
 
 import ctypes
+import json
 from typing import Iterator, Optional, Sequence, Tuple
 
 from . import _native
@@ -217,8 +218,8 @@ class Producer:
         if not tensor.is_cuda:
             return self.submit_array(tensor.numpy())
         name = str(tensor.dtype).replace("torch.", "")
-        tp = {"float32": "f32", "float16": "f16", "bfloat16": "bf16", "float64": "f64",
-              "uint8": "u8", "int8": "i8", "int32": "i32", "int64": "i64"}.get(name)
+        # torch's dtype names are numpy's, and bfloat16, which numpy lacks.
+        tp = {**_FROM_NUMPY, "bfloat16": "bf16"}.get(name)
         if tp is None:
             raise ValueError(f"dtype {tensor.dtype} has no tensorport equivalent")
         strides = None if tensor.is_contiguous() else [int(s) for s in tensor.stride()]
@@ -420,7 +421,7 @@ class Loader:
                 # The producer's result lines: only its failures matter here.
                 for line in out:
                     try:
-                        r = __import__("json").loads(line)
+                        r = json.loads(line)
                     except ValueError:
                         continue
                     if r.get("error"):

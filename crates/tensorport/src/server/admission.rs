@@ -236,9 +236,7 @@ pub(crate) fn open_session(
             .epoll
             .add(&r.to_server, EpollEvent::new(EpollFlags::EPOLLIN, id))
         {
-            let mut sessions = lock(&shared.sessions);
-            sessions.remove(&id);
-            sh.sessions.fetch_sub(1, Ordering::SeqCst);
+            unregister();
             return Err((ErrorCode::Internal, format!("epoll_ctl: {e}")));
         }
         sh.ring_generation.fetch_add(1, Ordering::SeqCst);
