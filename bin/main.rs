@@ -7,6 +7,7 @@ mod gpu;
 mod metrics;
 mod prep;
 mod produce;
+mod produce_gpu;
 mod results;
 mod serve;
 mod soak;

@@ -62,11 +62,24 @@ pub struct Args {
     /// Microseconds to poll for results before sleeping on the doorbell (see `serve --spin-us`).
     #[arg(long, default_value_t = 20)]
     pub spin_us: u64,
+    /// Decode and prepare on the GPU: JPEGs in batches with nvJPEG (the GPU's hardware JPEG
+    /// decoder where it has one), resized, cropped and normalised by a kernel into device
+    /// buffers handed over through CUDA IPC with fences (the server must run `--device cuda` on
+    /// the same GPU). Other files (PNG, progressive JPEGs on the hardware decoder) are prepared
+    /// on the CPU and copied up. Needs libnvjpeg and libnvrtc (CUDA toolkit or their wheels).
+    #[arg(long, conflicts_with = "ready")]
+    pub nvjpeg: bool,
+    /// The GPU for --nvjpeg.
+    #[arg(long, default_value_t = 0, value_name = "ORDINAL")]
+    pub gpu: u32,
+    /// Images per nvJPEG batch (at most --in-flight).
+    #[arg(long, default_value_t = 32)]
+    pub batch: usize,
 }
 
 /// An input, with its file's bytes read ahead (or why they could not be), and how long the read
 /// took.
-type Item = (
+pub(crate) type Item = (
     u64,
     Source,
     Option<(tensorport_vision::Result<Vec<u8>>, Duration)>,
@@ -79,7 +92,7 @@ enum Work {
 }
 
 /// Reads a file's bytes into `buf` (reused), timing it.
-fn read_ahead(
+pub(crate) fn read_ahead(
     src: &Source,
     mut buf: Vec<u8>,
 ) -> Option<(tensorport_vision::Result<Vec<u8>>, Duration)> {
@@ -96,70 +109,11 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     if size == 0 {
         return Err(CliError::usage("--image-size must be positive"));
     }
-    let items: Option<Box<dyn Iterator<Item = (u64, Source)> + Send>> =
-        match (&a.input, a.synthetic, a.worklist) {
-            (Some(dir), _, _) => Some(Box::new(
-                list_images(dir)?
-                    .into_iter()
-                    .enumerate()
-                    .map(|(i, p)| (i as u64, Source::File(p))),
-            )),
-            // Lazy: `--synthetic` may be huge (the soak test runs producers that never finish).
-            (None, Some(n), _) => Some(Box::new((0..n).map(|i| (i, Source::Synthetic(i))))),
-            (None, None, true) => None,
-            (None, None, false) => {
-                return Err(CliError::usage(
-                    "say what to classify: --input DIR, --synthetic N, or --worklist",
-                ))
-            }
-        };
-    let mut out: Box<dyn Write> = if a.output.as_os_str() == "-" {
-        Box::new(std::io::stdout().lock())
-    } else {
-        Box::new(std::io::BufWriter::new(
-            std::fs::File::create(&a.output).map_err(|e| {
-                CliError::usage(format!("cannot create {}: {e}", a.output.display()))
-            })?,
-        ))
-    };
-    // Inputs arrive on a channel, from the list or from stdin, with their files already read,
-    // so results keep flowing while the producer waits for more work and file reads overlap the
-    // preprocessing. Read buffers come back on `spent` to be reused.
-    let (tx, rx) = mpsc::sync_channel::<Item>(16);
-    let (spent, reuse) = mpsc::channel::<Vec<u8>>();
-    let fill = move |i: u64, s: Source| {
-        let bytes = read_ahead(&s, reuse.try_recv().unwrap_or_default());
-        (i, s, bytes)
-    };
-    match items {
-        Some(list) => {
-            std::thread::spawn(move || {
-                for (i, s) in list {
-                    if tx.send(fill(i, s)).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
-        None => {
-            std::thread::spawn(move || {
-                for line in std::io::stdin().lock().lines() {
-                    let Ok(line) = line else { break };
-                    let Some((idx, src)) = line.split_once('\t') else {
-                        tracing::warn!("ignoring worklist line without a tab: {line:?}");
-                        continue;
-                    };
-                    let Ok(idx) = idx.trim().parse::<u64>() else {
-                        tracing::warn!("ignoring worklist line with a bad index: {line:?}");
-                        continue;
-                    };
-                    let src: Source = src.trim().parse().expect("infallible");
-                    if tx.send(fill(idx, src)).is_err() {
-                        break;
-                    }
-                }
-            });
-        }
+    let (rx, spent) = start_inputs(&a)?;
+    let mut out = open_output(&a)?;
+    if a.nvjpeg {
+        crate::produce_gpu::run(&a, rx, spent, &mut out)?;
+        return Ok(ExitCode::SUCCESS);
     }
     let image_bytes = (3 * size * size * 4) as u64;
     let mut cfg = ProducerConfig::new(a.name.clone());
@@ -317,32 +271,118 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             continue;
         };
         st.result_ms = ms(submitted.elapsed());
-        let (scores, error) = match c.result {
-            Ok(b) => match scores_from_bytes(&b) {
-                Some(s) => (Some(s), None),
-                None => (None, Some("the server sent a malformed result".to_string())),
-            },
-            Err(e) => (None, Some(e.to_string())),
-        };
-        emit(
-            &mut out,
-            ResultLine {
-                index,
-                input,
-                class: scores.as_deref().and_then(argmax),
-                scores,
-                error,
-                latency_ms: t0.elapsed().as_secs_f64() * 1e3,
-                producer: a.name.clone(),
-                stages: a.profile.then_some(st),
-            },
-        )?;
+        emit(&mut out, result_line(&a, index, input, t0, st, c.result))?;
     }
     let _ = p.close();
     tracing::info!(results = written, "producer done");
     Ok(ExitCode::SUCCESS)
 }
 
-fn ms(d: Duration) -> f64 {
+/// Where the result lines go: stdout or the `--output` file.
+pub(crate) fn open_output(a: &Args) -> CliResult<Box<dyn Write>> {
+    Ok(if a.output.as_os_str() == "-" {
+        Box::new(std::io::stdout().lock())
+    } else {
+        Box::new(std::io::BufWriter::new(
+            std::fs::File::create(&a.output).map_err(|e| {
+                CliError::usage(format!("cannot create {}: {e}", a.output.display()))
+            })?,
+        ))
+    })
+}
+
+/// Starts the thread that lists (or reads from stdin) the inputs and reads their files ahead;
+/// returns the inputs' channel and where to send spent read buffers for reuse.
+pub(crate) fn start_inputs(a: &Args) -> CliResult<(mpsc::Receiver<Item>, mpsc::Sender<Vec<u8>>)> {
+    let items: Option<Box<dyn Iterator<Item = (u64, Source)> + Send>> =
+        match (&a.input, a.synthetic, a.worklist) {
+            (Some(dir), _, _) => Some(Box::new(
+                list_images(dir)?
+                    .into_iter()
+                    .enumerate()
+                    .map(|(i, p)| (i as u64, Source::File(p))),
+            )),
+            // Lazy: `--synthetic` may be huge (the soak test runs producers that never finish).
+            (None, Some(n), _) => Some(Box::new((0..n).map(|i| (i, Source::Synthetic(i))))),
+            (None, None, true) => None,
+            (None, None, false) => {
+                return Err(CliError::usage(
+                    "say what to classify: --input DIR, --synthetic N, or --worklist",
+                ))
+            }
+        };
+    // Inputs arrive on a channel, from the list or from stdin, with their files already read,
+    // so results keep flowing while the producer waits for more work and file reads overlap the
+    // preprocessing. Read buffers come back on `spent` to be reused.
+    // A GPU producer takes a batch at a time: room for two.
+    let ahead = if a.nvjpeg { 2 * a.batch.max(1) } else { 16 };
+    let (tx, rx) = mpsc::sync_channel::<Item>(ahead);
+    let (spent, reuse) = mpsc::channel::<Vec<u8>>();
+    let fill = move |i: u64, s: Source| {
+        let bytes = read_ahead(&s, reuse.try_recv().unwrap_or_default());
+        (i, s, bytes)
+    };
+    match items {
+        Some(list) => {
+            std::thread::spawn(move || {
+                for (i, s) in list {
+                    if tx.send(fill(i, s)).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+        None => {
+            std::thread::spawn(move || {
+                for line in std::io::stdin().lock().lines() {
+                    let Ok(line) = line else { break };
+                    let Some((idx, src)) = line.split_once('\t') else {
+                        tracing::warn!("ignoring worklist line without a tab: {line:?}");
+                        continue;
+                    };
+                    let Ok(idx) = idx.trim().parse::<u64>() else {
+                        tracing::warn!("ignoring worklist line with a bad index: {line:?}");
+                        continue;
+                    };
+                    let src: Source = src.trim().parse().expect("infallible");
+                    if tx.send(fill(idx, src)).is_err() {
+                        break;
+                    }
+                }
+            });
+        }
+    }
+    Ok((rx, spent))
+}
+
+/// The line for input `index`, given the server's answer to it.
+pub(crate) fn result_line(
+    a: &Args,
+    index: u64,
+    input: String,
+    t0: Instant,
+    st: StageTimes,
+    result: std::result::Result<Vec<u8>, tensorport::RemoteError>,
+) -> ResultLine {
+    let (scores, error) = match result {
+        Ok(b) => match scores_from_bytes(&b) {
+            Some(s) => (Some(s), None),
+            None => (None, Some("the server sent a malformed result".to_string())),
+        },
+        Err(e) => (None, Some(e.to_string())),
+    };
+    ResultLine {
+        index,
+        input,
+        class: scores.as_deref().and_then(argmax),
+        scores,
+        error,
+        latency_ms: t0.elapsed().as_secs_f64() * 1e3,
+        producer: a.name.clone(),
+        stages: a.profile.then_some(st),
+    }
+}
+
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }

@@ -370,6 +370,10 @@ fn errors_are_one_line_and_say_what_to_do() {
         ],
         "tensorport weights",
     );
+    assert_one_line_error(
+        &["farm", "--synthetic", "4", "--gpu-producers", "1"],
+        "run the servers on a GPU",
+    );
     assert_one_line_error(&["ctl", "--socket", s, "status"], "tensorport serve");
     assert_one_line_error(
         &["produce", "--socket", s, "--synthetic", "3"],

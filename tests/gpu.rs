@@ -18,8 +18,8 @@ use tensorport_cuda::{
 fn main() {
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 11 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 11 skipped");
+            println!("skipped: 13 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 13 skipped");
             return;
         }
     }
@@ -35,6 +35,11 @@ fn main() {
                 killed_producer,
             ),
             ("farm_on_cuda_matches_the_cpu_model", farm_on_cuda),
+            ("nvjpeg_tensors_match_the_cpu_preprocessing", nvjpeg_tensors),
+            (
+                "farm_with_gpu_decoding_producers_every_input_once",
+                farm_gpu_producers,
+            ),
             ("device_tensors_into_the_cuda_model", device_into_model),
             (
                 "device_ipc_four_gpu_producers_intact_and_fenced",
@@ -636,4 +641,178 @@ fn lying_registrations() {
     // Only the two honest registrations were ever open, and they close with the session.
     assert!(eventually(PATIENCE, || live_imports() == 0));
     srv.stop.store(true, Ordering::SeqCst);
+}
+
+/// Runs the CUDA `tensorport` with `args`; panics with its output if it fails.
+fn tp(args: &[&str]) -> String {
+    let o = std::process::Command::new(tensorport_exe())
+        .args(args)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert!(
+        o.status.success(),
+        "tensorport {args:?} failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    stdout
+}
+
+/// Sample images: `tensorport images` (half PNG, half JPEG) and a file that only looks like a
+/// JPEG; returns the folder and a folder with only the JPEGs.
+fn sample_images(dir: &std::path::Path, count: u32) -> (String, String) {
+    let all = dir.join("images");
+    tp(&[
+        "images",
+        "--out",
+        all.to_str().unwrap(),
+        "--count",
+        &count.to_string(),
+    ]);
+    let jpegs = dir.join("jpegs");
+    std::fs::create_dir_all(&jpegs).unwrap();
+    for e in std::fs::read_dir(&all).unwrap() {
+        let p = e.unwrap().path();
+        if p.extension().is_some_and(|x| x == "jpg") {
+            std::fs::copy(&p, jpegs.join(p.file_name().unwrap())).unwrap();
+        }
+    }
+    (all.display().to_string(), jpegs.display().to_string())
+}
+
+/// `prep --nvjpeg --dump` against `prep --dump` (the CPU producers' tensors) on the same JPEGs:
+/// the two decoders and resamplers agree to within a few 8-bit levels.
+fn nvjpeg_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, jpegs) = sample_images(dir.path(), 48);
+    let (g, c) = (dir.path().join("g.st"), dir.path().join("c.st"));
+    let said = tp(&[
+        "prep",
+        "--input",
+        &jpegs,
+        "--nvjpeg",
+        "--batch",
+        "8",
+        "--repeat",
+        "1",
+        "--dump",
+        g.to_str().unwrap(),
+    ]);
+    println!("  {}", said.trim().replace('\n', "\n  "));
+    tp(&[
+        "prep",
+        "--input",
+        &jpegs,
+        "--repeat",
+        "1",
+        "--dump",
+        c.to_str().unwrap(),
+    ]);
+    let (gb, cb) = (std::fs::read(&g).unwrap(), std::fs::read(&c).unwrap());
+    let (gt, ct) = (
+        safetensors::SafeTensors::deserialize(&gb).unwrap(),
+        safetensors::SafeTensors::deserialize(&cb).unwrap(),
+    );
+    let (mut sum, mut n, mut worst) = (0f64, 0usize, 0f32);
+    let names = ct.names();
+    assert_eq!(names.len(), 24);
+    for name in names {
+        let a: &[f32] = bytemuck::cast_slice(gt.tensor(name).unwrap().data());
+        let b: &[f32] = bytemuck::cast_slice(ct.tensor(name).unwrap().data());
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            let d = (x - y).abs();
+            sum += f64::from(d);
+            n += 1;
+            worst = worst.max(d);
+        }
+    }
+    let mean = sum / n as f64;
+    println!("  24 files: mean |GPU - CPU| {mean:.4}, largest {worst:.3} (one 8-bit level is about 0.017)");
+    assert!(mean <= 0.02, "mean difference {mean}");
+    assert!(worst <= 0.5, "largest difference {worst}");
+}
+
+/// A farm whose producers decode on the GPU (and one on the CPU) over JPEGs, PNGs and a broken
+/// file: every input gets exactly one line, the GPU producers did most of them, the broken file
+/// an error, and the scores agree with a CPU-producer farm's.
+fn farm_gpu_producers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (all, _) = sample_images(dir.path(), 96);
+    std::fs::write(
+        std::path::Path::new(&all).join("zz-broken.jpg"),
+        b"\xff\xd8\xff\xe0 not a JPEG",
+    )
+    .unwrap();
+    let run = |extra: &[&str], out: &str| {
+        let mut args = vec![
+            "farm",
+            "--device",
+            "cuda",
+            "--input",
+            &all,
+            "--progress",
+            "never",
+            "--output",
+            out,
+        ];
+        args.extend_from_slice(extra);
+        let said = tp(&args);
+        println!(
+            "  farm {extra:?}: {}",
+            said.lines()
+                .find(|l| l.contains("throughput"))
+                .unwrap_or("")
+                .trim()
+        );
+        let mut lines = std::collections::BTreeMap::new();
+        for l in std::fs::read_to_string(out).unwrap().lines() {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let prev = lines.insert(v["index"].as_u64().unwrap(), v);
+            assert!(prev.is_none(), "an input answered twice");
+        }
+        lines
+    };
+    let g = dir.path().join("g.jsonl");
+    let c = dir.path().join("c.jsonl");
+    let gpu = run(
+        &["--gpu-producers", "2", "--producers", "1"],
+        g.to_str().unwrap(),
+    );
+    let cpu = run(&["--producers", "2"], c.to_str().unwrap());
+    assert_eq!(gpu.len(), 97);
+    assert_eq!(cpu.len(), 97);
+    let by_gpu = gpu
+        .values()
+        .filter(|v| v["producer"].as_str().unwrap().starts_with("gpu-"))
+        .count();
+    let (mut same, mut worst, mut errors) = (0, 0f64, 0);
+    for (i, v) in &gpu {
+        let w = &cpu[i];
+        assert_eq!(v["input"], w["input"]);
+        if v["input"].as_str().unwrap().ends_with("zz-broken.jpg") {
+            assert!(
+                v["error"].is_string() && w["error"].is_string(),
+                "{v} / {w}"
+            );
+            errors += 1;
+            continue;
+        }
+        assert!(v["error"].is_null(), "{v}");
+        same += (v["class"] == w["class"]) as usize;
+        for (a, b) in v["scores"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(w["scores"].as_array().unwrap())
+        {
+            let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+            worst = worst.max((a - b).abs() / (1.0 + b.abs()));
+        }
+    }
+    println!("  97 inputs once each; {by_gpu} by GPU producers; same class as the CPU producers' farm {same}/96; largest relative score difference {worst:.3}; broken file: an error line");
+    assert_eq!(errors, 1);
+    assert!(by_gpu >= 24, "the GPU producers did only {by_gpu}");
+    assert!(same >= 86, "only {same}/96 classes agree");
+    assert!(worst <= 0.1, "scores differ by {worst}");
 }

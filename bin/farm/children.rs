@@ -48,11 +48,19 @@ pub(super) struct Worker {
     pub(super) last_progress: Instant,
     /// The server it was last started against.
     pub(super) server: usize,
+    /// It prepares on the GPU (`produce --nvjpeg`).
+    pub(super) gpu: bool,
 }
 
+/// A GPU producer's requests in flight (its device buffers; the protocol allows 64 per
+/// session) and the images it decodes per batch.
+pub(super) const GPU_IN_FLIGHT: u32 = 64;
+pub(super) const GPU_BATCH: u32 = 32;
+
 impl Worker {
-    pub(super) fn new(name: String) -> Worker {
+    pub(super) fn new(name: String, gpu: bool) -> Worker {
         Worker {
+            gpu,
             name,
             state: State::Waiting {
                 until: Instant::now(),
@@ -194,7 +202,7 @@ impl Farm {
             .arg("--slots")
             .arg(a.in_flight.to_string())
             .arg("--max-sessions")
-            .arg((a.producers + 4).to_string());
+            .arg((a.producers + a.gpu_producers + 4).to_string());
         if let Some(t) = a.threads {
             c.arg("--threads").arg(t.to_string());
         }
@@ -234,9 +242,18 @@ impl Farm {
             .arg(&w.name)
             .arg("--image-size")
             .arg(a.model.image_size.to_string())
-            .arg("--in-flight")
-            .arg(a.in_flight.to_string())
             .stdin(Stdio::piped());
+        if w.gpu {
+            let gpu = match self.devices[server] {
+                Device::Cuda(n) => n,
+                Device::Cpu => 0,
+            };
+            c.args(["--nvjpeg", "--gpu", &gpu.to_string()])
+                .args(["--in-flight", &GPU_IN_FLIGHT.to_string()])
+                .args(["--batch", &GPU_BATCH.to_string()]);
+        } else {
+            c.arg("--in-flight").arg(a.in_flight.to_string());
+        }
         if a.ready {
             c.arg("--ready");
         }

@@ -48,9 +48,15 @@ pub struct Args {
     /// Classify N generated images instead of files.
     #[arg(long, value_name = "N")]
     pub synthetic: Option<u64>,
-    /// Number of producer processes.
+    /// Number of producer processes (preparing on the CPU).
     #[arg(long, short = 'p', default_value_t = 3)]
     pub producers: usize,
+    /// Producers that decode and prepare on the GPU (`produce --nvjpeg`: batches of JPEGs
+    /// decoded by nvJPEG, resized and normalised by a kernel, handed over in device memory),
+    /// besides the --producers CPU ones; each works on its server's GPU. Needs --device cuda
+    /// (or --devices).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub gpu_producers: usize,
     /// Inference servers, each with its own socket (and model); producers are spread over the
     /// ones that listen, the least loaded first. A server that dies has its producers' inputs
     /// redone through the others while it restarts.
@@ -108,8 +114,16 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> CliResult<ExitCode> {
-    if args.producers == 0 {
-        return Err(CliError::usage("--producers must be at least 1"));
+    if args.producers + args.gpu_producers == 0 {
+        return Err(CliError::usage(
+            "--producers must be at least 1 (or give --gpu-producers)",
+        ));
+    }
+    if args.gpu_producers > 0 && !args.model.device.is_cuda() && args.devices.is_empty() {
+        return Err(CliError::usage(
+            "--gpu-producers hand over device memory: run the servers on a GPU (--device cuda \
+             or --devices 0,1,...)",
+        ));
     }
     args.model.config().check()?;
     if (args.model.device.is_cuda() || !args.devices.is_empty()) && !cfg!(feature = "cuda") {

@@ -75,7 +75,11 @@ impl Supervisor {
             })
             .collect::<CliResult<Vec<_>>>()?;
         let workers = (0..farm.args.producers)
-            .map(|i| Worker::new(format!("producer-{i}")))
+            .map(|i| Worker::new(format!("producer-{i}"), false))
+            .chain(
+                (0..farm.args.gpu_producers)
+                    .map(|i| Worker::new(format!("gpu-producer-{i}"), true)),
+            )
             .collect();
         Ok(Supervisor {
             stall: Duration::from_secs_f64(farm.args.stall_secs.max(0.1)),
@@ -188,7 +192,12 @@ impl Supervisor {
             };
             let mut batch = String::new();
             let mut given = Vec::new();
-            while w.assigned.len() + given.len() < self.depth {
+            let depth = if w.gpu {
+                2 * super::children::GPU_IN_FLIGHT as usize
+            } else {
+                self.depth
+            };
+            while w.assigned.len() + given.len() < depth {
                 let Some(i) = self.pending.pop_front() else {
                     break;
                 };

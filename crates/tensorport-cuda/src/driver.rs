@@ -624,4 +624,75 @@ impl Driver {
             sys::cuMemsetD32Async(dst, value, n, s)
         })
     }
+
+    /// `cuModuleLoadData`: loads a PTX (or cubin) image into the current context.
+    ///
+    /// # Safety
+    /// A context must be current; `image` must be a complete PTX text (NUL-terminated) or cubin.
+    pub unsafe fn module_load_data(&self, image: &[u8]) -> Result<sys::CUmodule> {
+        let mut m = std::ptr::null_mut();
+        // SAFETY: the caller's contract; the driver reads the image and writes one handle.
+        check("cuModuleLoadData", unsafe {
+            sys::cuModuleLoadData(&mut m, image.as_ptr().cast())
+        })?;
+        Ok(m)
+    }
+
+    /// `cuModuleGetFunction`.
+    ///
+    /// # Safety
+    /// `m` must be a live module.
+    pub unsafe fn module_get_function(
+        &self,
+        m: sys::CUmodule,
+        name: &CStr,
+    ) -> Result<sys::CUfunction> {
+        let mut f = std::ptr::null_mut();
+        // SAFETY: the caller's contract; `name` is NUL-terminated.
+        check("cuModuleGetFunction", unsafe {
+            sys::cuModuleGetFunction(&mut f, m, name.as_ptr())
+        })?;
+        Ok(f)
+    }
+
+    /// `cuModuleUnload`.
+    ///
+    /// # Safety
+    /// `m` must be a live module none of whose kernels is still running; not used afterwards.
+    pub unsafe fn module_unload(&self, m: sys::CUmodule) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuModuleUnload", unsafe { sys::cuModuleUnload(m) })
+    }
+
+    /// `cuLaunchKernel` with `params` (pointers to each argument's value).
+    ///
+    /// # Safety
+    /// `f` must be live in the current context, `params` must match the kernel's parameters in
+    /// number, order and types, and every memory the kernel touches must stay valid until it
+    /// has run on `s`.
+    pub unsafe fn launch(
+        &self,
+        f: sys::CUfunction,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        s: sys::CUstream,
+        params: &mut [*mut c_void],
+    ) -> Result<()> {
+        // SAFETY: the caller's contract; the driver copies the argument values at launch.
+        check("cuLaunchKernel", unsafe {
+            sys::cuLaunchKernel(
+                f,
+                grid.0,
+                grid.1,
+                grid.2,
+                block.0,
+                block.1,
+                block.2,
+                0,
+                s,
+                params.as_mut_ptr(),
+                std::ptr::null_mut(),
+            )
+        })
+    }
 }

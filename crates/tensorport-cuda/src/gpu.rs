@@ -266,6 +266,14 @@ impl PinnedBuffer {
             len,
         })
     }
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
     /// The bytes.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
         // SAFETY: `len` bytes allocated by cuMemAllocHost, owned exclusively via `&mut self`.

@@ -13,6 +13,8 @@
 //!   as the fence in each direction.
 //! - [`ExternalDevice`]: tensors another library allocated (PyTorch's caching allocator) handed
 //!   over in place, their allocations found and registered through the driver.
+//! - [`GpuJpeg`]: JPEG batches decoded with nvJPEG (the GPU's hardware decoder where it has
+//!   one) and resized, cropped and normalised by one kernel, into device buffers.
 //! - [`bench_h2d`]: host-to-device bandwidth from a registered memfd pool, from `cuMemAllocHost`
 //!   memory and from pageable memory, measured in one run.
 #![warn(missing_docs)]
@@ -23,6 +25,8 @@ pub mod driver;
 mod external;
 mod gpu;
 mod ipc;
+mod jpeg;
+pub mod nvjpeg;
 
 pub use cudarc::driver::sys;
 pub use driver::Driver;
@@ -32,6 +36,7 @@ pub use gpu::{
     Gpu, H2dBench, PinnedBuffer, Stream,
 };
 pub use ipc::{live_imports, CudaImporter, Fence, GpuProducer};
+pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegWindow};
 
 use thiserror::Error;
 
@@ -63,6 +68,9 @@ pub enum Error {
     /// The host pool could not be made or pinned.
     #[error(transparent)]
     Host(#[from] tensorport_shm::ShmError),
+    /// nvJPEG or NVRTC (for the GPU JPEG pipeline) cannot be loaded.
+    #[error("{0}")]
+    NoNvjpeg(String),
     /// The server answered something this crate cannot use (the protocol was broken).
     #[error("the server sent {0}")]
     BadAnswer(&'static str),

@@ -1,0 +1,509 @@
+//! JPEG batches decoded and prepared on the GPU: nvJPEG's batched decoder (the GPU's hardware
+//! JPEG engines where it has them) writes planar RGB into a scratch buffer, and one kernel
+//! resizes (antialiased bilinear, as PIL and torchvision do it), crops and normalises every
+//! image of the batch into its own output buffer as NCHW `f32`.
+//!
+//! The kernel is compiled at run time with NVRTC (loaded like libcuda); nothing here needs CUDA
+//! at build time. The geometry (which window of the source becomes the output) is the caller's:
+//! `tensorport_vision::Transform::window` gives the same windows as the CPU path.
+
+use std::ffi::CString;
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use crate::nvjpeg::{self, Nvjpeg};
+use crate::{DeviceBuffer, Error, Gpu, PinnedBuffer, Result, Stream};
+
+/// The resize / crop / normalise kernel. One thread per output pixel (x), one block row per
+/// output row (y), one grid layer per image (z). Two passes as PIL does them: each source row in
+/// the vertical window is filtered horizontally and rounded to 8 bits, then the rows are
+/// filtered vertically and rounded again; the 8-bit value is scaled and normalised in `f32`
+/// exactly as torchvision's `ToDtype(scale=True)` + `Normalize` compute it.
+const KERNEL: &str = r#"
+struct Job {
+    const unsigned char* src;
+    unsigned long long pitch;
+    unsigned long long plane;
+    int w, h;
+    float left, top, sx, sy;
+    float* dst;
+};
+
+__device__ __forceinline__ float tri(float x) {
+    x = fabsf(x);
+    return x < 1.0f ? 1.0f - x : 0.0f;
+}
+
+__device__ __forceinline__ float round_u8(float v) {
+    v = floorf(v + 0.5f);
+    return fminf(fmaxf(v, 0.0f), 255.0f);
+}
+
+// PIL's antialiased bilinear taps for one output coordinate: source pixels [lo, hi), the
+// filter's scale and the weights' normaliser.
+__device__ __forceinline__ void taps(double center, float scale, int size,
+                                     int* lo, int* hi, float* inv, float* norm) {
+    float fs = scale > 1.0f ? scale : 1.0f;
+    int a = (int)(center - fs + 0.5);
+    int b = (int)(center + fs + 0.5);
+    if (a < 0) a = 0;
+    if (b > size) b = size;
+    float s = 0.0f;
+    for (int j = a; j < b; ++j) s += tri((float)(j - center + 0.5) / fs);
+    *lo = a;
+    *hi = b;
+    *inv = 1.0f / fs;
+    *norm = s > 0.0f ? 1.0f / s : 0.0f;
+}
+
+extern "C" __global__ void tp_resize_normalise(const Job* jobs, int out,
+        float m0, float m1, float m2, float s0, float s1, float s2) {
+    const Job j = jobs[blockIdx.z];
+    const int x = blockIdx.x * blockDim.x + threadIdx.x;
+    const int y = blockIdx.y;
+    if (x >= out) return;
+    const double cx = (double)j.left + (x + 0.5) * (double)j.sx;
+    const double cy = (double)j.top + (y + 0.5) * (double)j.sy;
+    int x0, x1, y0, y1;
+    float ix, iy, nx, ny;
+    taps(cx, j.sx, j.w, &x0, &x1, &ix, &nx);
+    taps(cy, j.sy, j.h, &y0, &y1, &iy, &ny);
+    const float mean[3] = {m0, m1, m2};
+    const float sd[3] = {s0, s1, s2};
+    for (int c = 0; c < 3; ++c) {
+        const unsigned char* p = j.src + c * j.plane;
+        float acc = 0.0f;
+        for (int yy = y0; yy < y1; ++yy) {
+            const unsigned char* row = p + (unsigned long long)yy * j.pitch;
+            float h = 0.0f;
+            for (int xx = x0; xx < x1; ++xx) {
+                h += tri((float)(xx - cx + 0.5) * ix) * nx * (float)row[xx];
+            }
+            acc += tri((float)(yy - cy + 0.5) * iy) * ny * round_u8(h);
+        }
+        const float v = round_u8(acc) / 255.0f;
+        j.dst[((unsigned long long)c * out + y) * out + x] = (v - mean[c]) / sd[c];
+    }
+}
+"#;
+
+/// One image's job, as the kernel reads it (`struct Job` above).
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+struct RawJob {
+    src: u64,
+    pitch: u64,
+    plane: u64,
+    w: i32,
+    h: i32,
+    left: f32,
+    top: f32,
+    sx: f32,
+    sy: f32,
+    dst: u64,
+}
+
+/// Which window of the source image becomes the output, in source pixels, and the output's
+/// side (as `tensorport_vision::transform::Window`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct JpegWindow {
+    /// Left edge in the source.
+    pub left: f64,
+    /// Top edge in the source.
+    pub top: f64,
+    /// Width in the source.
+    pub width: f64,
+    /// Height in the source.
+    pub height: f64,
+    /// Side of the square output.
+    pub out: u32,
+}
+
+/// One image of a batch: its JPEG bytes, the window to keep, and where its `[3, out, out]`
+/// `f32` tensor goes.
+#[derive(Debug)]
+pub struct JpegJob<'a> {
+    /// The file's bytes (checked with [`GpuJpeg::probe`]).
+    pub data: &'a [u8],
+    /// The source's width and height, as [`GpuJpeg::probe`] gave them.
+    pub size: (u32, u32),
+    /// The window to keep.
+    pub window: JpegWindow,
+    /// The output buffer and the byte offset of the tensor in it.
+    pub dst: (&'a DeviceBuffer, usize),
+}
+
+/// Which nvJPEG backend decodes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JpegBackend {
+    /// The GPU's JPEG engines (`NVJPEG_BACKEND_HARDWARE`).
+    Hardware {
+        /// Engines.
+        engines: u32,
+        /// Cores per engine.
+        cores: u32,
+    },
+    /// CUDA cores, Huffman decoding on the CPU or GPU as nvJPEG chooses (`NVJPEG_BACKEND_DEFAULT`).
+    Cuda,
+}
+
+impl std::fmt::Display for JpegBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            JpegBackend::Hardware { engines, cores } => write!(
+                f,
+                "nvJPEG hardware decoder ({engines} engines × {cores} cores)"
+            ),
+            JpegBackend::Cuda => write!(f, "nvJPEG on CUDA cores"),
+        }
+    }
+}
+
+/// The decoder and the kernel, with scratch memory kept between batches.
+pub struct GpuJpeg {
+    gpu: Arc<Gpu>,
+    lib: Nvjpeg,
+    handle: nvjpeg::Handle,
+    state: nvjpeg::State,
+    parsed: nvjpeg::JpegStream,
+    backend: JpegBackend,
+    module: sys::CUmodule,
+    kernel: sys::CUfunction,
+    mean: [f32; 3],
+    std: [f32; 3],
+    /// Decoded planes of the batch.
+    scratch: Option<DeviceBuffer>,
+    /// The jobs, on the host (pinned) and on the device.
+    jobs_host: Option<PinnedBuffer>,
+    jobs_dev: Option<DeviceBuffer>,
+    /// Set after a batch's kernel; waited on before the scratch is reused.
+    last: Option<crate::Event>,
+}
+
+impl std::fmt::Debug for GpuJpeg {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuJpeg")
+            .field("backend", &self.backend)
+            .field("library", &self.lib.path())
+            .finish()
+    }
+}
+
+// SAFETY: the handles are used only through `&mut self`, after binding the context; nvJPEG
+// handles and states may move between threads (they may not be used by two at once).
+unsafe impl Send for GpuJpeg {}
+
+impl GpuJpeg {
+    /// Loads nvJPEG (the hardware backend if the GPU has JPEG engines, else the CUDA one) and
+    /// compiles the kernel for `gpu`; outputs are normalised with `mean` and `std`.
+    pub fn new(gpu: &Arc<Gpu>, mean: [f32; 3], std: [f32; 3]) -> Result<GpuJpeg> {
+        gpu.bind()?;
+        let lib = Nvjpeg::load()?;
+        let flags = nvjpeg::FLAGS_UPSAMPLING_WITH_INTERPOLATION;
+        let (handle, backend) = match lib.create(nvjpeg::BACKEND_HARDWARE, flags) {
+            Ok(h) => {
+                // SAFETY: a live hardware-backend handle.
+                let (engines, cores) = unsafe { lib.hardware_info(h) }.unwrap_or((0, 0));
+                (h, JpegBackend::Hardware { engines, cores })
+            }
+            Err(_) => (
+                lib.create(nvjpeg::BACKEND_DEFAULT, flags)?,
+                JpegBackend::Cuda,
+            ),
+        };
+        // From here on `Drop` frees what exists; build the value early.
+        let mut me = GpuJpeg {
+            gpu: gpu.clone(),
+            lib,
+            handle,
+            state: std::ptr::null_mut(),
+            parsed: std::ptr::null_mut(),
+            backend,
+            module: std::ptr::null_mut(),
+            kernel: std::ptr::null_mut(),
+            mean,
+            std,
+            scratch: None,
+            jobs_host: None,
+            jobs_dev: None,
+            last: None,
+        };
+        // SAFETY: `handle` is live.
+        me.state = unsafe { me.lib.state_create(me.handle)? };
+        // SAFETY: as above.
+        me.parsed = unsafe { me.lib.stream_create(me.handle)? };
+        let ptx = compile(gpu)?;
+        let d = gpu.driver();
+        // SAFETY: the context is bound; `ptx` is NUL-terminated PTX text.
+        me.module = unsafe { d.module_load_data(ptx.as_bytes_with_nul())? };
+        // SAFETY: a live module.
+        me.kernel = unsafe { d.module_get_function(me.module, c"tp_resize_normalise")? };
+        Ok(me)
+    }
+
+    /// The backend decoding.
+    pub fn backend(&self) -> JpegBackend {
+        self.backend
+    }
+
+    /// Where nvJPEG was loaded from.
+    pub fn library(&self) -> &str {
+        self.lib.path()
+    }
+
+    /// The image's width and height if the batched decoder takes it (a JPEG nvJPEG can decode
+    /// in a batch on this backend, e.g. baseline for the hardware engines), `None` otherwise
+    /// (prepare it on the CPU instead).
+    pub fn probe(&mut self, data: &[u8]) -> Option<(u32, u32)> {
+        // SAFETY: `handle` and `parsed` are live and used only through `&mut self`.
+        unsafe {
+            let (components, w, h) = self.lib.image_info(self.handle, data).ok()?;
+            if !(components == 1 || components == 3) || w == 0 || h == 0 {
+                return None;
+            }
+            if matches!(self.backend, JpegBackend::Hardware { .. })
+                && !self.lib.batched_supported(self.handle, self.parsed, data)
+            {
+                return None;
+            }
+            Some((w, h))
+        }
+    }
+
+    /// Decodes `jobs` as one batch and writes each one's normalised `[3, out, out]` tensor into
+    /// its buffer, all enqueued on `stream` (the caller fences and hands the buffers over after
+    /// this returns). An error fails the whole batch: prepare its images another way.
+    pub fn run(&mut self, jobs: &[JpegJob<'_>], stream: &Stream) -> Result<()> {
+        if jobs.is_empty() {
+            return Ok(());
+        }
+        self.gpu.bind()?;
+        // The previous batch's kernel must be done with the scratch and the job table.
+        if let Some(e) = self.last.take() {
+            e.wait()?;
+        }
+        // Planar RGB for every image, each image 256-byte aligned.
+        let mut offsets = Vec::with_capacity(jobs.len());
+        let mut total = 0usize;
+        for j in jobs {
+            let (w, h) = (j.size.0 as usize, j.size.1 as usize);
+            let need = (j.window.out as usize).pow(2) * 3 * 4;
+            if j.dst
+                .1
+                .checked_add(need)
+                .is_none_or(|end| end > j.dst.0.len())
+            {
+                return Err(Error::BadAnswer(
+                    "an output buffer too small for its tensor",
+                ));
+            }
+            offsets.push(total);
+            total += (3 * w * h).next_multiple_of(256);
+        }
+        let scratch = grow(&self.gpu, &mut self.scratch, total)?;
+        let mut images: Vec<nvjpeg::Image> = jobs
+            .iter()
+            .zip(&offsets)
+            .map(|(j, &off)| {
+                let (w, h) = (j.size.0 as usize, j.size.1 as usize);
+                let mut im = nvjpeg::Image::default();
+                for c in 0..3 {
+                    im.channel[c] = (scratch.ptr() as usize + off + c * w * h) as *mut u8;
+                    im.pitch[c] = w;
+                }
+                im
+            })
+            .collect();
+        let data: Vec<*const u8> = jobs.iter().map(|j| j.data.as_ptr()).collect();
+        let lengths: Vec<usize> = jobs.iter().map(|j| j.data.len()).collect();
+        // SAFETY: handle and state are live and ours alone; each image's planes lie inside the
+        // scratch buffer (sized above from the same widths and heights nvJPEG reported), which
+        // lives until after `self.last` is waited on.
+        unsafe {
+            self.lib
+                .batched_initialize(self.handle, self.state, jobs.len(), nvjpeg::OUTPUT_RGB)?;
+            self.lib.decode_batched(
+                self.handle,
+                self.state,
+                &data,
+                &lengths,
+                &mut images,
+                stream.raw(),
+            )?;
+        }
+        let raw: Vec<RawJob> = jobs
+            .iter()
+            .zip(&offsets)
+            .map(|(j, &off)| {
+                let (w, h) = (j.size.0 as usize, j.size.1 as usize);
+                let out = f64::from(j.window.out);
+                RawJob {
+                    src: scratch.ptr() + off as u64,
+                    pitch: w as u64,
+                    plane: (w * h) as u64,
+                    w: w as i32,
+                    h: h as i32,
+                    left: j.window.left as f32,
+                    top: j.window.top as f32,
+                    sx: (j.window.width / out) as f32,
+                    sy: (j.window.height / out) as f32,
+                    dst: j.dst.0.ptr() + j.dst.1 as u64,
+                }
+            })
+            .collect();
+        let bytes = std::mem::size_of_val(raw.as_slice());
+        let host = match &mut self.jobs_host {
+            Some(b) if b.len() >= bytes => b,
+            slot => slot.insert(PinnedBuffer::new(&self.gpu, bytes.max(4096) * 2)?),
+        };
+        let table = &mut host.as_mut_slice()[..bytes];
+        for (chunk, r) in table
+            .chunks_exact_mut(std::mem::size_of::<RawJob>())
+            .zip(&raw)
+        {
+            chunk.copy_from_slice(job_bytes(r));
+        }
+        let dev = grow(&self.gpu, &mut self.jobs_dev, bytes)?;
+        let out = jobs[0].window.out;
+        if jobs.iter().any(|j| j.window.out != out) {
+            return Err(Error::BadAnswer("jobs of one batch with different sizes"));
+        }
+        // SAFETY: the table is pinned and unchanged until `self.last` is waited on; `dev` holds
+        // `bytes`; the kernel's parameters match its signature (a pointer, an int, six floats);
+        // every pointer in the table is inside the scratch buffer or an output buffer checked
+        // above to hold its tensor.
+        unsafe {
+            stream.copy_host_to_device_async(dev.ptr(), table)?;
+            let mut table_ptr = dev.ptr();
+            let mut out_i = out as i32;
+            let [mut m0, mut m1, mut m2] = self.mean;
+            let [mut s0, mut s1, mut s2] = self.std;
+            let mut params: [*mut std::ffi::c_void; 8] = [
+                (&mut table_ptr as *mut u64).cast(),
+                (&mut out_i as *mut i32).cast(),
+                (&mut m0 as *mut f32).cast(),
+                (&mut m1 as *mut f32).cast(),
+                (&mut m2 as *mut f32).cast(),
+                (&mut s0 as *mut f32).cast(),
+                (&mut s1 as *mut f32).cast(),
+                (&mut s2 as *mut f32).cast(),
+            ];
+            let threads = out.min(256);
+            self.gpu.driver().launch(
+                self.kernel,
+                (out.div_ceil(threads), out, jobs.len() as u32),
+                (threads, 1, 1),
+                stream.raw().cast(),
+                &mut params,
+            )?;
+        }
+        self.last = Some(stream.record()?);
+        Ok(())
+    }
+}
+
+/// A buffer of at least `len` bytes in `slot`, reallocated (with room to grow) when too small.
+fn grow<'a>(
+    gpu: &Arc<Gpu>,
+    slot: &'a mut Option<DeviceBuffer>,
+    len: usize,
+) -> Result<&'a DeviceBuffer> {
+    if slot.as_ref().is_none_or(|b| b.len() < len) {
+        // The old one (if any) is unused: the caller waited for the last batch.
+        *slot = None;
+        *slot = Some(DeviceBuffer::new(gpu, len + len / 2)?);
+    }
+    Ok(slot.as_ref().expect("just set"))
+}
+
+fn job_bytes(r: &RawJob) -> &[u8] {
+    // SAFETY: RawJob is plain old data (integers and floats, `repr(C)`, no padding: 56 bytes
+    // of 8-, 4- and 8-byte fields in that order), so its bytes may be read.
+    unsafe {
+        std::slice::from_raw_parts((r as *const RawJob).cast(), std::mem::size_of::<RawJob>())
+    }
+}
+
+/// The kernel as PTX for `gpu`'s architecture, compiled by NVRTC.
+fn compile(gpu: &Arc<Gpu>) -> Result<CString> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::NoNvjpeg(
+            "libnvrtc could not be loaded (the GPU kernels are compiled at run time); install \
+             the CUDA toolkit or `pip install nvidia-cuda-nvrtc` and put its lib folder on \
+             LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let d = gpu.driver();
+    let major = d.attribute(
+        gpu.dev(),
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+    )?;
+    let minor = d.attribute(
+        gpu.dev(),
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+    )?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+        name: Some("tensorport_jpeg.cu".into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNEL, opts).map_err(|e| Error::Call {
+        call: "nvrtcCompileProgram",
+        code: -1,
+        message: format!("{e:?}"),
+    })?;
+    CString::new(ptx.to_src()).map_err(|_| Error::BadAnswer("PTX with a NUL byte"))
+}
+
+impl Drop for GpuJpeg {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        if let Some(e) = self.last.take() {
+            let _ = e.wait();
+        }
+        // SAFETY: each handle was made in `new` (or is null) and no work using it is pending.
+        unsafe {
+            if !self.module.is_null() {
+                let _ = self.gpu.driver().module_unload(self.module);
+            }
+            if !self.parsed.is_null() {
+                let _ = self.lib.stream_destroy(self.parsed);
+            }
+            if !self.state.is_null() {
+                let _ = self.lib.state_destroy(self.state);
+            }
+            let _ = self.lib.destroy(self.handle);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_job_table_matches_the_kernels_struct() {
+        // struct Job: 3 × 8-byte fields, 2 ints, 4 floats, 1 pointer = 56 bytes, no padding.
+        assert_eq!(std::mem::size_of::<RawJob>(), 56);
+        assert_eq!(std::mem::align_of::<RawJob>(), 8);
+        let r = RawJob {
+            src: 1,
+            pitch: 2,
+            plane: 3,
+            w: 4,
+            h: 5,
+            left: 6.0,
+            top: 7.0,
+            sx: 8.0,
+            sy: 9.0,
+            dst: 10,
+        };
+        let b = job_bytes(&r);
+        assert_eq!(&b[24..28], &4i32.to_ne_bytes());
+        assert_eq!(&b[44..48], &9f32.to_ne_bytes());
+        assert_eq!(&b[48..56], &10u64.to_ne_bytes());
+    }
+}
