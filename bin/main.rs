@@ -5,6 +5,7 @@ mod ctl;
 mod farm;
 mod gpu;
 mod metrics;
+mod model_bench;
 mod prep;
 mod produce;
 mod produce_gpu;
@@ -49,6 +50,8 @@ enum Command {
     Soak(soak::Args),
     /// The producers' preprocessing alone on one thread: cost per step, and its tensors (--dump).
     Prep(prep::Args),
+    /// The bundled model alone on its device: images per second and time per batch.
+    ModelBench(model_bench::Args),
     /// Write a weights file for the model (safetensors), from a seed.
     Weights(tools::WeightsArgs),
     /// Write sample PNG and JPEG images (a small input set to try things on).
@@ -63,6 +66,7 @@ fn main() -> ExitCode {
         Command::Serve(a) => serve::run(a),
         Command::Produce(a) => produce::run(a),
         Command::Farm(a) => farm::run(a),
+        Command::ModelBench(a) => model_bench::run(a),
         Command::Ctl(a) => ctl::run(a),
         Command::Soak(a) => soak::run(a),
         Command::Gpu(a) => gpu::run(a),
