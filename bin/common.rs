@@ -202,6 +202,45 @@ pub struct ModelArgs {
     pub max_wait_ms: u64,
 }
 
+/// What producers hand over per image.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PixelsArg {
+    /// Normalised `f32` planes, ready for the model.
+    #[default]
+    F32,
+    /// 8-bit planes (a quarter of the bytes in the pool and over PCIe); the server normalises
+    /// them, on the GPU in the CUDA build, to the same floats bit for bit.
+    U8,
+}
+
+impl PixelsArg {
+    pub fn dtype(self) -> tensorport::DType {
+        match self {
+            PixelsArg::F32 => tensorport::DType::F32,
+            PixelsArg::U8 => tensorport::DType::U8,
+        }
+    }
+
+    /// Bytes per value.
+    pub fn bytes(self) -> usize {
+        match self {
+            PixelsArg::F32 => 4,
+            PixelsArg::U8 => 1,
+        }
+    }
+
+    /// A view of `slot` to prepare an image into.
+    pub fn planes(self, slot: &mut [u8]) -> CliResult<tensorport_vision::Planes<'_>> {
+        Ok(match self {
+            PixelsArg::U8 => tensorport_vision::Planes::U8(slot),
+            PixelsArg::F32 => tensorport_vision::Planes::F32(
+                bytemuck::try_cast_slice_mut(slot)
+                    .map_err(|e| CliError::new(format!("slot is not f32-aligned: {e}")))?,
+            ),
+        })
+    }
+}
+
 impl ModelArgs {
     pub fn config(&self) -> tensorport_dfdx::ModelConfig {
         tensorport_dfdx::ModelConfig {

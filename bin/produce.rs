@@ -7,11 +7,13 @@ use std::process::ExitCode;
 use std::sync::mpsc;
 use std::time::{Duration, Instant};
 
-use tensorport::{DType, Producer, ProducerConfig, TensorSpec};
+use tensorport::{Producer, ProducerConfig, TensorSpec};
 use tensorport_dfdx::scores_from_bytes;
 use tensorport_vision::{list_images, Preprocessor, Source};
 
-use crate::common::{argmax, CliError, CliResult, ResultLine, SocketArg, StageTimes, TransformArg};
+use crate::common::{
+    argmax, CliError, CliResult, PixelsArg, ResultLine, SocketArg, StageTimes, TransformArg,
+};
 
 /// Preprocess images into shared memory and have the server classify them. Each image is decoded,
 /// resized and cropped to --image-size (see --transform) and normalised straight into a slot of
@@ -49,6 +51,10 @@ pub struct Args {
     /// The preprocessing.
     #[arg(long, value_enum, default_value_t)]
     pub transform: TransformArg,
+    /// What to hand over per image: normalised f32 planes, or u8 planes (4× fewer bytes; the
+    /// server normalises them to the same floats).
+    #[arg(long, value_enum, default_value_t)]
+    pub pixels: PixelsArg,
     /// Add each input's time per step (read, decode, resize, normalise, lease, submit, result)
     /// to its line, as "stages".
     #[arg(long)]
@@ -115,7 +121,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         crate::produce_gpu::run(&a, rx, spent, &mut out)?;
         return Ok(ExitCode::SUCCESS);
     }
-    let image_bytes = (3 * size * size * 4) as u64;
+    let image_bytes = (3 * size * size * a.pixels.bytes()) as u64;
     let mut cfg = ProducerConfig::new(a.name.clone());
     cfg.slots = a.in_flight.max(1);
     cfg.slot_size = image_bytes;
@@ -127,12 +133,15 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             p.slot_size()
         )));
     }
-    let spec = TensorSpec::new(DType::F32, &[3, size as u64, size as u64]);
+    let spec = TensorSpec::new(a.pixels.dtype(), &[3, size as u64, size as u64]);
     let mut prep = Preprocessor::new(a.transform.for_size(size as u32));
-    let ready: Option<Vec<f32>> = if a.ready {
+    let ready: Option<Vec<u8>> = if a.ready {
+        // Bytes, as f32 or u8 (a Vec<f32>'s buffer keeps the f32 view aligned).
         let mut px = vec![0f32; 3 * size * size];
-        prep.prepare(&Source::Synthetic(0), &mut px)?;
-        Some(px)
+        let bytes: &mut [u8] = bytemuck::cast_slice_mut(&mut px);
+        let bytes = &mut bytes[..image_bytes as usize];
+        prep.prepare_into(&Source::Synthetic(0), a.pixels.planes(bytes)?)?;
+        Some(bytes.to_vec())
     } else {
         None
     };
@@ -198,25 +207,23 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             let mut lease = p.lease(timeout)?;
             let leased = Instant::now();
             let slot = &mut lease.bytes_mut()[..image_bytes as usize];
-            let pixels: &mut [f32] = bytemuck::try_cast_slice_mut(slot)
-                .map_err(|e| CliError::new(format!("slot is not f32-aligned: {e}")))?;
             let mut st = StageTimes {
                 lease_ms: ms(leased - t0),
                 ..StageTimes::default()
             };
             let prepared = match (&ready, bytes, &source) {
                 (Some(px), _, _) => {
-                    pixels.copy_from_slice(px);
+                    slot.copy_from_slice(px);
                     Ok(())
                 }
                 (None, Some((Ok(buf), read)), Source::File(path)) => {
                     st.read_ms = ms(read);
-                    let r = prep.prepare_encoded(&buf, path, pixels);
+                    let r = prep.prepare_encoded_into(&buf, path, a.pixels.planes(slot)?);
                     let _ = spent.send(buf);
                     r
                 }
                 (None, Some((Err(e), _)), _) => Err(e),
-                (None, _, _) => prep.prepare(&source, pixels),
+                (None, _, _) => prep.prepare_into(&source, a.pixels.planes(slot)?),
             };
             if ready.is_none() {
                 let s = prep.last_stages();

@@ -13,11 +13,11 @@ use std::sync::mpsc;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tensorport::{DType, TensorSpec};
+use tensorport::TensorSpec;
 use tensorport_cuda::{Gpu, GpuJpeg, GpuProducer, JpegJob, JpegWindow, PinnedBuffer};
 use tensorport_vision::{Preprocessor, Source, IMAGENET_MEAN, IMAGENET_STD};
 
-use crate::common::{CliError, CliResult, ResultLine, StageTimes};
+use crate::common::{CliError, CliResult, PixelsArg, ResultLine, StageTimes};
 use crate::produce::{ms, result_line, Args, Item};
 
 fn cuda(e: tensorport_cuda::Error) -> CliError {
@@ -48,18 +48,19 @@ pub fn run(
     let size = a.image_size;
     let gpu: Arc<Gpu> = Gpu::open(a.gpu as i32).map_err(cuda)?;
     let mut jpeg = GpuJpeg::new(&gpu, IMAGENET_MEAN, IMAGENET_STD).map_err(cuda)?;
+    jpeg.set_u8_output(a.pixels == PixelsArg::U8);
     tracing::info!(backend = %jpeg.backend(), library = jpeg.library(), gpu = a.gpu, "decoding on the GPU");
     // One device buffer per request in flight; a session may register at most 64.
     let depth = (a.in_flight.max(1) as usize).min(tensorport_wire::MAX_DEVICE_BUFFERS as usize);
     let batch = a.batch.clamp(1, depth);
-    let image_bytes = 3 * size * size * 4;
+    let image_bytes = 3 * size * size * a.pixels.bytes();
     let mut p = GpuProducer::connect_best(a.socket.path(), &a.name, &gpu, depth, image_bytes)
         .map_err(cuda)?;
     let transform = a.transform.for_size(size as u32);
     let mut prep = Preprocessor::new(transform);
     let mut staging = PinnedBuffer::new(&gpu, image_bytes).map_err(cuda)?;
     let mut cpu_px = vec![0f32; 3 * size * size];
-    let spec = TensorSpec::new(DType::F32, &[3, size as u64, size as u64]);
+    let spec = TensorSpec::new(a.pixels.dtype(), &[3, size as u64, size as u64]);
     let timeout = Duration::from_secs(a.timeout.max(1));
     let mut pending: HashMap<u64, Pending> = HashMap::new();
     // Read buffers of the last batch: nvJPEG may read them until its decode has run.
@@ -195,9 +196,13 @@ pub fn run(
                     continue;
                 }
                 // On the CPU, then up into the buffer.
+                let px: &mut [u8] = bytemuck::cast_slice_mut(&mut cpu_px);
+                let px = &mut px[..image_bytes];
                 let r = match (&t.bytes, &t.source) {
-                    (Some(b), Source::File(path)) => prep.prepare_encoded(b, path, &mut cpu_px),
-                    _ => prep.prepare(&t.source, &mut cpu_px),
+                    (Some(b), Source::File(path)) => {
+                        prep.prepare_encoded_into(b, path, a.pixels.planes(px)?)
+                    }
+                    _ => prep.prepare_into(&t.source, a.pixels.planes(px)?),
                 };
                 let s = prep.last_stages();
                 t.st.decode_ms = ms(s.decode);
@@ -211,7 +216,7 @@ pub fn run(
                     continue;
                 }
                 let host = &mut staging.as_mut_slice()[..image_bytes];
-                host.copy_from_slice(bytemuck::cast_slice(&cpu_px));
+                host.copy_from_slice(&bytemuck::cast_slice(&cpu_px)[..image_bytes]);
                 // SAFETY: the buffer is ours (acquired above) and holds `image_bytes`; the
                 // staging memory is pinned and not touched again until the copy has run (the
                 // stream is synchronised right after).

@@ -111,8 +111,13 @@ fn run_cuda(a: Args, ordinal: u32) -> CliResult<ExitCode> {
             CliError::new(format!("cannot start dfdx on CUDA device {ordinal}: {e:?}"))
         })?;
         let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda)?;
+        // u8 images are normalised on the GPU with the producers' table.
+        let norm = tensorport_cuda::GpuNormaliser::new(&gpu, tensorport_dfdx::normaliser().table())
+            .map_err(cuda)?;
+        let norm = std::sync::Mutex::new(norm);
         let stack: Box<StackFn<Cuda>> = Box::new(move |dev: &Cuda, reqs: &[Request], shape| {
-            tensorport_dfdx::gather_on_device(dev, &stream, reqs, shape)
+            let mut norm = norm.lock().unwrap_or_else(|p| p.into_inner());
+            tensorport_dfdx::gather_on_device(dev, &stream, &mut norm, reqs, shape)
         });
         Ok((dev, stack))
     })

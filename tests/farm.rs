@@ -595,6 +595,76 @@ fn serve_metrics_endpoint_is_scraped() {
 }
 
 #[test]
+fn eight_bit_pixels_give_the_same_scores_bitwise() {
+    // Producers hand over u8 planes (a quarter of the bytes); the server normalises them with
+    // the same table, so every score equals the in-process model's on f32 input, bit for bit —
+    // on generated images and on JPEG/PNG files.
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let o = farm_cmd(&out, 60, 2)
+        .args(["--pixels", "u8"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check_results(&out, 60);
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "12"]);
+    assert!(ok, "{err}");
+    let out = dir.path().join("f.jsonl");
+    let o = Command::new(EXE)
+        .args([
+            "farm",
+            "--input",
+            images.to_str().unwrap(),
+            "--pixels",
+            "u8",
+        ])
+        .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
+        .args(["--progress", "never", "--output"])
+        .arg(&out)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check_results(&out, 12);
+    // What the server receives: u8 tensors holding the image's 8-bit planes.
+    let sock = dir.path().join("s.sock");
+    let server = tensorport::Server::bind(tensorport::ServerConfig::new(&sock)).unwrap();
+    let size = SIZE.to_string();
+    let mut child = Command::new(EXE)
+        .args([
+            "--log",
+            "warn",
+            "produce",
+            "--socket",
+            sock.to_str().unwrap(),
+        ])
+        .args(["--synthetic", "2", "--image-size", &size, "--pixels", "u8"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut prep =
+        tensorport_vision::Preprocessor::new(tensorport_vision::Transform::standard(SIZE as u32));
+    for _ in 0..2 {
+        let req = server
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .unwrap()
+            .expect("a request");
+        assert_eq!(req.desc().dtype(), tensorport::DType::U8);
+        assert_eq!(req.desc().shape(), &[3, SIZE as u64, SIZE as u64]);
+        let mut want = vec![0u8; 3 * SIZE * SIZE];
+        let src = Source::Synthetic(req.request_id());
+        prep.prepare_into(&src, tensorport_vision::Planes::U8(&mut want))
+            .unwrap();
+        assert_eq!(&req.bytes()[..want.len()], &want[..]);
+        req.release()
+            .respond(&tensorport_dfdx::scores_to_bytes(&[0.0; 10]))
+            .unwrap();
+    }
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
 fn farm_on_jpeg_and_png_files_profiles_every_stage() {
     let dir = tmp();
     let images = dir.path().join("images");

@@ -241,6 +241,14 @@ fn killed_producer() {
 /// model's scores, within 1e-3 (relative) — different kernels sum in different orders — and
 /// the same classes.
 fn farm_on_cuda() {
+    for pixels in ["f32", "u8"] {
+        farm_on_cuda_with(pixels);
+    }
+}
+
+/// The farm on the CUDA model, producers handing over `pixels` (u8 planes are normalised on the
+/// GPU), against the CPU model in-process.
+fn farm_on_cuda_with(pixels: &str) {
     use tensorport_dfdx::dfdx::prelude::Cpu;
     use tensorport_dfdx::{ImageClassifier, ModelConfig};
     let exe = tensorport_exe();
@@ -257,6 +265,8 @@ fn farm_on_cuda() {
             "4",
             "--progress",
             "never",
+            "--pixels",
+            pixels,
         ])
         .arg("--output")
         .arg(&out)
@@ -308,7 +318,7 @@ fn farm_on_cuda() {
         same_class += (argmax(&got) == argmax(want)) as usize;
         lines += 1;
     }
-    println!("  {lines} results; max relative difference from the CPU model {worst:.2e}; same class {same_class}/{lines}");
+    println!("  --pixels {pixels}: {lines} results; max relative difference from the CPU model {worst:.2e}; same class {same_class}/{lines}");
     assert_eq!(lines, n);
     assert!(
         worst <= 1e-3,

@@ -258,6 +258,7 @@ impl Farm {
             c.arg("--ready");
         }
         c.arg("--transform").arg(a.transform.name());
+        c.arg("--pixels").arg(crate::common::arg_name(&a.pixels));
         if a.profile {
             c.arg("--profile");
         }

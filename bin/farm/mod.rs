@@ -104,6 +104,10 @@ pub struct Args {
     /// The producers' preprocessing.
     #[arg(long, value_enum, default_value_t)]
     pub transform: TransformArg,
+    /// What producers hand over per image: normalised f32, or u8 planes (4× fewer bytes) that
+    /// the server normalises to the same floats (on the GPU in the CUDA build).
+    #[arg(long, value_enum, default_value_t)]
+    pub pixels: crate::common::PixelsArg,
     /// Time every step of every input (read, decode, resize, normalise, lease, submit, result)
     /// and print the mean of each in the summary; the result lines carry them as "stages".
     #[arg(long)]

@@ -7,11 +7,9 @@
 //! at build time. The geometry (which window of the source becomes the output) is the caller's:
 //! `tensorport_vision::Transform::window` gives the same windows as the CPU path.
 
-use std::ffi::CString;
 use std::sync::Arc;
 
-use cudarc::driver::sys;
-
+use crate::kernel::Kernel;
 use crate::nvjpeg::{self, Nvjpeg};
 use crate::{DeviceBuffer, Error, Gpu, PinnedBuffer, Result, Stream};
 
@@ -19,7 +17,8 @@ use crate::{DeviceBuffer, Error, Gpu, PinnedBuffer, Result, Stream};
 /// output row (y), one grid layer per image (z). Two passes as PIL does them: each source row in
 /// the vertical window is filtered horizontally and rounded to 8 bits, then the rows are
 /// filtered vertically and rounded again; the 8-bit value is scaled and normalised in `f32`
-/// exactly as torchvision's `ToDtype(scale=True)` + `Normalize` compute it.
+/// exactly as torchvision's `ToDtype(scale=True)` + `Normalize` compute it (or, with `as_u8`,
+/// written as 8-bit planes for the server to normalise).
 const KERNEL: &str = r#"
 struct Job {
     const unsigned char* src;
@@ -57,7 +56,7 @@ __device__ __forceinline__ void taps(double center, float scale, int size,
     *norm = s > 0.0f ? 1.0f / s : 0.0f;
 }
 
-extern "C" __global__ void tp_resize_normalise(const Job* jobs, int out,
+extern "C" __global__ void tp_resize_normalise(const Job* jobs, int out, int as_u8,
         float m0, float m1, float m2, float s0, float s1, float s2) {
     const Job j = jobs[blockIdx.z];
     const int x = blockIdx.x * blockDim.x + threadIdx.x;
@@ -82,8 +81,13 @@ extern "C" __global__ void tp_resize_normalise(const Job* jobs, int out,
             }
             acc += tri((float)(yy - cy + 0.5) * iy) * ny * round_u8(h);
         }
-        const float v = round_u8(acc) / 255.0f;
-        j.dst[((unsigned long long)c * out + y) * out + x] = (v - mean[c]) / sd[c];
+        const float v = round_u8(acc);
+        const unsigned long long at = ((unsigned long long)c * out + y) * out + x;
+        if (as_u8) {
+            ((unsigned char*)j.dst)[at] = (unsigned char)v;
+        } else {
+            j.dst[at] = (v / 255.0f - mean[c]) / sd[c];
+        }
     }
 }
 "#;
@@ -121,7 +125,7 @@ pub struct JpegWindow {
 }
 
 /// One image of a batch: its JPEG bytes, the window to keep, and where its `[3, out, out]`
-/// `f32` tensor goes.
+/// tensor goes (`f32`, or `u8` after [`GpuJpeg::set_u8_output`]).
 #[derive(Debug)]
 pub struct JpegJob<'a> {
     /// The file's bytes (checked with [`GpuJpeg::probe`]).
@@ -168,10 +172,11 @@ pub struct GpuJpeg {
     state: nvjpeg::State,
     parsed: nvjpeg::JpegStream,
     backend: JpegBackend,
-    module: sys::CUmodule,
-    kernel: sys::CUfunction,
+    kernel: Option<Kernel>,
     mean: [f32; 3],
     std: [f32; 3],
+    /// Write 8-bit planes instead of normalised floats.
+    as_u8: bool,
     /// Decoded planes of the batch.
     scratch: Option<DeviceBuffer>,
     /// The jobs, on the host (pinned) and on the device.
@@ -220,10 +225,10 @@ impl GpuJpeg {
             state: std::ptr::null_mut(),
             parsed: std::ptr::null_mut(),
             backend,
-            module: std::ptr::null_mut(),
-            kernel: std::ptr::null_mut(),
+            kernel: None,
             mean,
             std,
+            as_u8: false,
             scratch: None,
             jobs_host: None,
             jobs_dev: None,
@@ -233,13 +238,19 @@ impl GpuJpeg {
         me.state = unsafe { me.lib.state_create(me.handle)? };
         // SAFETY: as above.
         me.parsed = unsafe { me.lib.stream_create(me.handle)? };
-        let ptx = compile(gpu)?;
-        let d = gpu.driver();
-        // SAFETY: the context is bound; `ptx` is NUL-terminated PTX text.
-        me.module = unsafe { d.module_load_data(ptx.as_bytes_with_nul())? };
-        // SAFETY: a live module.
-        me.kernel = unsafe { d.module_get_function(me.module, c"tp_resize_normalise")? };
+        me.kernel = Some(Kernel::compile(
+            gpu,
+            KERNEL,
+            "tensorport_jpeg.cu",
+            c"tp_resize_normalise",
+        )?);
         Ok(me)
+    }
+
+    /// Write each image as `[3, out, out]` bytes (planar RGB, not normalised: the server
+    /// normalises them) instead of normalised `f32`.
+    pub fn set_u8_output(&mut self, as_u8: bool) {
+        self.as_u8 = as_u8;
     }
 
     /// The backend decoding.
@@ -288,7 +299,7 @@ impl GpuJpeg {
         let mut total = 0usize;
         for j in jobs {
             let (w, h) = (j.size.0 as usize, j.size.1 as usize);
-            let need = (j.window.out as usize).pow(2) * 3 * 4;
+            let need = (j.window.out as usize).pow(2) * 3 * if self.as_u8 { 1 } else { 4 };
             if j.dst
                 .1
                 .checked_add(need)
@@ -370,18 +381,20 @@ impl GpuJpeg {
             return Err(Error::BadAnswer("jobs of one batch with different sizes"));
         }
         // SAFETY: the table is pinned and unchanged until `self.last` is waited on; `dev` holds
-        // `bytes`; the kernel's parameters match its signature (a pointer, an int, six floats);
+        // `bytes`; the kernel's parameters match its signature (a pointer, two ints, six floats);
         // every pointer in the table is inside the scratch buffer or an output buffer checked
         // above to hold its tensor.
         unsafe {
             stream.copy_host_to_device_async(dev.ptr(), table)?;
             let mut table_ptr = dev.ptr();
             let mut out_i = out as i32;
+            let mut as_u8 = i32::from(self.as_u8);
             let [mut m0, mut m1, mut m2] = self.mean;
             let [mut s0, mut s1, mut s2] = self.std;
-            let mut params: [*mut std::ffi::c_void; 8] = [
+            let mut params: [*mut std::ffi::c_void; 9] = [
                 (&mut table_ptr as *mut u64).cast(),
                 (&mut out_i as *mut i32).cast(),
+                (&mut as_u8 as *mut i32).cast(),
                 (&mut m0 as *mut f32).cast(),
                 (&mut m1 as *mut f32).cast(),
                 (&mut m2 as *mut f32).cast(),
@@ -390,11 +403,10 @@ impl GpuJpeg {
                 (&mut s2 as *mut f32).cast(),
             ];
             let threads = out.min(256);
-            self.gpu.driver().launch(
-                self.kernel,
+            self.kernel.as_ref().expect("made in new").launch(
                 (out.div_ceil(threads), out, jobs.len() as u32),
                 (threads, 1, 1),
-                stream.raw().cast(),
+                stream,
                 &mut params,
             )?;
         }
@@ -425,50 +437,15 @@ fn job_bytes(r: &RawJob) -> &[u8] {
     }
 }
 
-/// The kernel as PTX for `gpu`'s architecture, compiled by NVRTC.
-fn compile(gpu: &Arc<Gpu>) -> Result<CString> {
-    // SAFETY: only tries to dlopen the library.
-    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(Error::NoNvjpeg(
-            "libnvrtc could not be loaded (the GPU kernels are compiled at run time); install \
-             the CUDA toolkit or `pip install nvidia-cuda-nvrtc` and put its lib folder on \
-             LD_LIBRARY_PATH"
-                .into(),
-        ));
-    }
-    let d = gpu.driver();
-    let major = d.attribute(
-        gpu.dev(),
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
-    )?;
-    let minor = d.attribute(
-        gpu.dev(),
-        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
-    )?;
-    let opts = cudarc::nvrtc::CompileOptions {
-        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
-        name: Some("tensorport_jpeg.cu".into()),
-        ..Default::default()
-    };
-    let ptx = cudarc::nvrtc::compile_ptx_with_opts(KERNEL, opts).map_err(|e| Error::Call {
-        call: "nvrtcCompileProgram",
-        code: -1,
-        message: format!("{e:?}"),
-    })?;
-    CString::new(ptx.to_src()).map_err(|_| Error::BadAnswer("PTX with a NUL byte"))
-}
-
 impl Drop for GpuJpeg {
     fn drop(&mut self) {
         let _ = self.gpu.bind();
         if let Some(e) = self.last.take() {
             let _ = e.wait();
         }
+        self.kernel = None;
         // SAFETY: each handle was made in `new` (or is null) and no work using it is pending.
         unsafe {
-            if !self.module.is_null() {
-                let _ = self.gpu.driver().module_unload(self.module);
-            }
             if !self.parsed.is_null() {
                 let _ = self.lib.stream_destroy(self.parsed);
             }

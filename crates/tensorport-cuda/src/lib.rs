@@ -26,6 +26,8 @@ mod external;
 mod gpu;
 mod ipc;
 mod jpeg;
+mod kernel;
+mod normalise;
 pub mod nvjpeg;
 
 pub use cudarc::driver::sys;
@@ -37,6 +39,7 @@ pub use gpu::{
 };
 pub use ipc::{live_imports, CudaImporter, Fence, GpuProducer};
 pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegWindow};
+pub use normalise::GpuNormaliser;
 
 use thiserror::Error;
 

@@ -4,26 +4,32 @@
 //! exposes a tensor's device address (`bin/build-gpu.sh`).
 
 use dfdx::prelude::*;
-use tensorport::Request;
-use tensorport_cuda::Stream;
+use tensorport::{DType, Request};
+use tensorport_cuda::{GpuNormaliser, Stream};
 
 use crate::{check_shape, Error, Stacked, Tensor4};
 
 /// Builds the `[B, C, H, W]` model input on `dev` from `reqs`, copying on `stream` (which must
 /// belong to the same device and primary context), and waits for the copies, so the requests'
-/// slots and buffers may be released as soon as this returns. Requests that do not fit the model
-/// are listed in `rejected`.
+/// slots and buffers may be released as soon as this returns. `u8` images are copied into
+/// `norm`'s staging buffer and normalised into their rows by its kernel. Requests that do not
+/// fit the model are listed in `rejected`.
 pub fn gather_on_device(
     dev: &Cuda,
     stream: &Stream,
+    norm: &mut GpuNormaliser,
     reqs: &[Request],
     shape: [usize; 3],
 ) -> Stacked<Cuda> {
     let mut used = Vec::with_capacity(reqs.len());
+    let mut dtypes = Vec::with_capacity(reqs.len());
     let mut rejected = Vec::new();
     for (i, r) in reqs.iter().enumerate() {
         match check_shape(r, shape) {
-            Ok(()) => used.push(i),
+            Ok(dtype) => {
+                used.push(i);
+                dtypes.push(dtype);
+            }
             Err(e) => rejected.push((i, e)),
         }
     }
@@ -34,7 +40,9 @@ pub fn gather_on_device(
             rejected,
         };
     }
+    let plane = shape[1] * shape[2];
     let row = shape.iter().product::<usize>() * 4;
+    let row_u8 = row / 4;
     let input: Tensor4<Cuda> = dev.zeros_like(&(used.len(), shape[0], shape[1], shape[2]));
     let device_err = |e: String| Error::Device(e);
     let copied = (|| -> Result<(), Error> {
@@ -42,23 +50,47 @@ pub fn gather_on_device(
         dev.try_synchronize()
             .map_err(|e| device_err(format!("{e:?}")))?;
         let base = input.tensorport_device_ptr();
-        for (k, &i) in used.iter().enumerate() {
+        let eight_bit = dtypes.iter().filter(|&&d| d == DType::U8).count();
+        let staging = match eight_bit {
+            0 => 0,
+            n => norm
+                .staging(n * row_u8)
+                .map_err(|e| device_err(e.to_string()))?
+                .ptr(),
+        };
+        let mut next_u8 = 0;
+        for (k, (&i, &dtype)) in used.iter().zip(&dtypes).enumerate() {
             let dst = base + (k * row) as u64;
             let r = &reqs[i];
+            // 8-bit images land in the staging buffer first, and are normalised into the row.
+            let (to, len) = match dtype {
+                DType::U8 => {
+                    next_u8 += 1;
+                    (staging + ((next_u8 - 1) * row_u8) as u64, row_u8)
+                }
+                _ => (dst, row),
+            };
             match r.device() {
-                // SAFETY: `dst` is row k of `input`, which we own alone; the slot stays
-                // submitted (unreleased) until the stream is synchronised below.
-                None => unsafe { stream.copy_host_to_device_async(dst, &r.bytes()[..row]) }
+                // SAFETY: `to` is row k of `input` (which we own alone) or our own staging
+                // space for it; the slot stays submitted (unreleased) until the stream is
+                // synchronised below.
+                None => unsafe { stream.copy_host_to_device_async(to, &r.bytes()[..len]) }
                     .map_err(|e| device_err(e.to_string()))?,
                 // SAFETY: as above; the producer's buffer was bounds-checked against its
                 // registration, and our stream waits for its writes before copying.
                 Some(dt) => unsafe {
                     dt.wait_ready(stream.raw()).map_err(device_err)?;
                     stream
-                        .copy_device_to_device_async(dst, dt.ptr(), row)
+                        .copy_device_to_device_async(to, dt.ptr(), len)
                         .map_err(|e| device_err(e.to_string()))?;
                     dt.record_release(stream.raw()).map_err(device_err)?;
                 },
+            }
+            if dtype == DType::U8 {
+                // SAFETY: `to` holds this image's 3 × plane bytes (copied just before, on the
+                // same stream) and `dst` its row of 3 × plane floats.
+                unsafe { norm.normalise(to, dst, plane, stream) }
+                    .map_err(|e| device_err(e.to_string()))?;
             }
         }
         stream.synchronize().map_err(|e| device_err(e.to_string()))

@@ -62,17 +62,19 @@ mod cuda;
 #[cfg(feature = "cuda")]
 pub use cuda::gather_on_device;
 
-/// Checks that `req` describes a contiguous f32 tensor of exactly `shape` (wherever it is).
-pub fn check_shape(req: &Request, shape: [usize; 3]) -> Result<()> {
+/// Checks that `req` describes a contiguous tensor of exactly `shape` (wherever it is): `f32`,
+/// normalised, or `u8`, the 8-bit planes before normalising (the server normalises them with
+/// the ImageNet table, to the same floats). Returns the dtype.
+pub fn check_shape(req: &Request, shape: [usize; 3]) -> Result<DType> {
     let d = req.desc();
     let bad = |problem: String| Error::BadInput {
         request_id: req.request_id(),
         producer: req.producer().to_string(),
         problem,
     };
-    if d.dtype() != DType::F32 {
+    if d.dtype() != DType::F32 && d.dtype() != DType::U8 {
         return Err(bad(format!(
-            "dtype {} (the model takes f32)",
+            "dtype {} (the model takes f32, or u8 pixels it normalises)",
             d.dtype().name()
         )));
     }
@@ -89,17 +91,50 @@ pub fn check_shape(req: &Request, shape: [usize; 3]) -> Result<()> {
             "not contiguous (the model takes row-major images)".into()
         ));
     }
-    Ok(())
+    Ok(d.dtype())
 }
 
-/// Checks that `req` is a contiguous f32 tensor of exactly `shape` in a host slot, and returns
-/// its elements.
-pub fn check_image(req: &Request, shape: [usize; 3]) -> Result<&[f32]> {
-    check_shape(req, shape)?;
-    req.as_slice::<f32>().ok_or_else(|| Error::BadInput {
+/// An image's elements in a host slot.
+#[derive(Debug, Clone, Copy)]
+pub enum Pixels<'a> {
+    /// Normalised floats.
+    F32(&'a [f32]),
+    /// 8-bit planes, to normalise.
+    U8(&'a [u8]),
+}
+
+impl Pixels<'_> {
+    /// Appends the image's normalised floats to `out`.
+    pub fn extend_normalised(&self, out: &mut Vec<f32>) {
+        match *self {
+            Pixels::F32(px) => out.extend_from_slice(px),
+            Pixels::U8(px) => {
+                let start = out.len();
+                out.resize(start + px.len(), 0.0);
+                normaliser().normalise_planes(px, px.len() / 3, &mut out[start..]);
+            }
+        }
+    }
+}
+
+/// The ImageNet table the producers normalise with, made once.
+pub fn normaliser() -> &'static tensorport_vision::Normaliser {
+    static N: std::sync::OnceLock<tensorport_vision::Normaliser> = std::sync::OnceLock::new();
+    N.get_or_init(tensorport_vision::Normaliser::imagenet)
+}
+
+/// Checks that `req` is a contiguous image of exactly `shape` in a host slot (see
+/// [`check_shape`]), and returns its elements.
+pub fn check_image(req: &Request, shape: [usize; 3]) -> Result<Pixels<'_>> {
+    let dtype = check_shape(req, shape)?;
+    let not_host = || Error::BadInput {
         request_id: req.request_id(),
         producer: req.producer().to_string(),
         problem: "not in a host slot (a device tensor needs the CUDA server)".into(),
+    };
+    Ok(match dtype {
+        DType::U8 => Pixels::U8(req.as_slice::<u8>().ok_or_else(not_host)?),
+        _ => Pixels::F32(req.as_slice::<f32>().ok_or_else(not_host)?),
     })
 }
 
@@ -124,7 +159,7 @@ pub fn stack_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3]
     for (i, r) in reqs.iter().enumerate() {
         match check_image(r, shape) {
             Ok(px) => {
-                data.extend_from_slice(px);
+                px.extend_normalised(&mut data);
                 used.push(i);
             }
             Err(e) => bad.push((i, e)),
@@ -154,7 +189,14 @@ pub fn upload_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3
             Ok(px) => {
                 let mut t: Tensor<(usize, usize, usize), f32, D> =
                     dev.zeros_like(&(shape[0], shape[1], shape[2]));
-                t.copy_from(px);
+                match px {
+                    Pixels::F32(px) => t.copy_from(px),
+                    Pixels::U8(_) => {
+                        let mut floats = Vec::new();
+                        px.extend_normalised(&mut floats);
+                        t.copy_from(&floats);
+                    }
+                }
                 images.push(t);
                 used.push(i);
             }

@@ -22,8 +22,8 @@ use image::RgbImage;
 use thiserror::Error;
 
 pub use decode::{read_file, RgbBuf, MAX_SIDE};
-pub use normalise::{Normaliser, IMAGENET_MEAN, IMAGENET_STD};
-pub use preprocess::{Preprocessor, Stages};
+pub use normalise::{split_planes, Normaliser, IMAGENET_MEAN, IMAGENET_STD};
+pub use preprocess::{Planes, Preprocessor, Stages};
 pub use transform::Transform;
 
 /// Errors of this crate.

@@ -50,6 +50,47 @@ impl Normaliser {
     }
 }
 
+impl Normaliser {
+    /// Normalises 8-bit planes (`3 × plane` bytes, as [`split_planes`] lays them out) into
+    /// `out[..3 * plane]`: the same floats, bit for bit, as [`Normaliser::write_planes`] gives
+    /// from the interleaved pixels. The caller checks the lengths.
+    pub fn normalise_planes(&self, planes: &[u8], plane: usize, out: &mut [f32]) {
+        for (c, (src, dst)) in planes[..3 * plane]
+            .chunks_exact(plane)
+            .zip(out[..3 * plane].chunks_exact_mut(plane))
+            .enumerate()
+        {
+            let lut = &self.lut[c];
+            for (v, x) in src.iter().zip(dst) {
+                *x = lut[usize::from(*v)];
+            }
+        }
+    }
+
+    /// The table: `table()[c][v]` is the normalised value of byte `v` in channel `c` (for a
+    /// consumer that normalises elsewhere, e.g. on a GPU).
+    pub fn table(&self) -> &[[f32; 256]; 3] {
+        &self.lut
+    }
+}
+
+/// Writes `rgb` (interleaved, `plane` pixels) as three planes of `plane` bytes into
+/// `out[..3 * plane]`. The caller checks the lengths.
+pub fn split_planes(rgb: &[u8], plane: usize, out: &mut [u8]) {
+    let (r, rest) = out[..3 * plane].split_at_mut(plane);
+    let (g, b) = rest.split_at_mut(plane);
+    for (((px, r), g), b) in rgb[..3 * plane]
+        .chunks_exact(3)
+        .zip(r.iter_mut())
+        .zip(g.iter_mut())
+        .zip(b.iter_mut())
+    {
+        *r = px[0];
+        *g = px[1];
+        *b = px[2];
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -73,5 +114,20 @@ mod tests {
                 f(255.0, 2)
             ]
         );
+    }
+
+    #[test]
+    fn eight_bit_planes_normalise_to_the_same_floats() {
+        let n = Normaliser::imagenet();
+        let rgb: Vec<u8> = (0..3 * 100).map(|i| (i * 37 % 256) as u8).collect();
+        let mut direct = vec![0f32; 300];
+        n.write_planes(&rgb, 100, &mut direct);
+        let mut planes = vec![0u8; 300];
+        split_planes(&rgb, 100, &mut planes);
+        let mut later = vec![0f32; 300];
+        n.normalise_planes(&planes, 100, &mut later);
+        let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+        assert_eq!(bits(&direct), bits(&later));
+        assert_eq!(n.table()[2][usize::from(rgb[3 * 85 + 2])], direct[200 + 85]);
     }
 }

@@ -42,6 +42,26 @@ impl std::ops::AddAssign for Stages {
     }
 }
 
+/// Where a prepared image goes: normalised `f32` planes, or its 8-bit planes before normalising
+/// (a quarter of the bytes to hand over; the consumer normalises them with the same table,
+/// [`Normaliser::normalise_planes`], and gets the same floats bit for bit).
+#[derive(Debug)]
+pub enum Planes<'a> {
+    /// `3 × S × S` normalised floats.
+    F32(&'a mut [f32]),
+    /// `3 × S × S` bytes, planar RGB.
+    U8(&'a mut [u8]),
+}
+
+impl Planes<'_> {
+    fn len(&self) -> usize {
+        match self {
+            Planes::F32(v) => v.len(),
+            Planes::U8(v) => v.len(),
+        }
+    }
+}
+
 /// Turns inputs into normalised NCHW `f32` tensors of `3 × S × S` (S = the transform's output
 /// side), written straight into a caller's buffer such as a leased slot.
 pub struct Preprocessor {
@@ -87,7 +107,12 @@ impl Preprocessor {
 
     /// Loads `source` and writes its tensor into `out[..self.out_len()]`.
     pub fn prepare(&mut self, source: &Source, out: &mut [f32]) -> Result<()> {
-        self.check(out)?;
+        self.prepare_into(source, Planes::F32(out))
+    }
+
+    /// [`Preprocessor::prepare`], into `f32` or 8-bit planes.
+    pub fn prepare_into(&mut self, source: &Source, mut out: Planes<'_>) -> Result<()> {
+        self.check(&out)?;
         let t0 = Instant::now();
         let t1;
         match source {
@@ -102,7 +127,7 @@ impl Preprocessor {
             }
         }
         let t2 = Instant::now();
-        self.finish(out)?;
+        self.finish(&mut out)?;
         self.last.read = t1 - t0;
         self.last.decode = t2 - t1;
         Ok(())
@@ -111,11 +136,21 @@ impl Preprocessor {
     /// Like [`Preprocessor::prepare`], for a file already read into memory (`name` is used in
     /// errors): the read can happen on another thread.
     pub fn prepare_encoded(&mut self, bytes: &[u8], name: &Path, out: &mut [f32]) -> Result<()> {
-        self.check(out)?;
+        self.prepare_encoded_into(bytes, name, Planes::F32(out))
+    }
+
+    /// [`Preprocessor::prepare_encoded`], into `f32` or 8-bit planes.
+    pub fn prepare_encoded_into(
+        &mut self,
+        bytes: &[u8],
+        name: &Path,
+        mut out: Planes<'_>,
+    ) -> Result<()> {
+        self.check(&out)?;
         let t1 = Instant::now();
         decode_into(bytes, name, &mut self.decoded)?;
         let t2 = Instant::now();
-        self.finish(out)?;
+        self.finish(&mut out)?;
         self.last.read = Duration::ZERO;
         self.last.decode = t2 - t1;
         Ok(())
@@ -123,7 +158,8 @@ impl Preprocessor {
 
     /// Writes an RGB image (`3 × w × h` bytes, interleaved) into `out`.
     pub fn prepare_rgb(&mut self, rgb: &[u8], w: u32, h: u32, out: &mut [f32]) -> Result<()> {
-        self.check(out)?;
+        let mut out = Planes::F32(out);
+        self.check(&out)?;
         let n = 3 * w as usize * h as usize;
         if rgb.len() < n || n == 0 {
             return Err(Error::Input(format!(
@@ -132,13 +168,13 @@ impl Preprocessor {
             )));
         }
         self.decoded.reshape(w, h).copy_from_slice(&rgb[..n]);
-        self.finish(out)?;
+        self.finish(&mut out)?;
         self.last.read = Duration::ZERO;
         self.last.decode = Duration::ZERO;
         Ok(())
     }
 
-    fn check(&self, out: &[f32]) -> Result<()> {
+    fn check(&self, out: &Planes<'_>) -> Result<()> {
         if out.len() < self.out_len() {
             return Err(Error::Buffer {
                 need: self.out_len(),
@@ -148,8 +184,9 @@ impl Preprocessor {
         Ok(())
     }
 
-    /// Resize the decoded image's window into `resized`, then normalise into `out`.
-    fn finish(&mut self, out: &mut [f32]) -> Result<()> {
+    /// Resize the decoded image's window into `resized`, then normalise into `out` (or lay it
+    /// out as planes).
+    fn finish(&mut self, out: &mut Planes<'_>) -> Result<()> {
         let t2 = Instant::now();
         let (w, h) = (self.decoded.width, self.decoded.height);
         let win = self.transform.window(w, h);
@@ -176,7 +213,10 @@ impl Preprocessor {
             &self.resized[..3 * plane]
         };
         let t3 = Instant::now();
-        self.norm.write_planes(rgb, plane, out);
+        match out {
+            Planes::F32(out) => self.norm.write_planes(rgb, plane, out),
+            Planes::U8(out) => crate::normalise::split_planes(rgb, plane, out),
+        }
         let t4 = Instant::now();
         self.last.resize = t3 - t2;
         self.last.normalise = t4 - t3;

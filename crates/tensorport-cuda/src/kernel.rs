@@ -1,0 +1,107 @@
+//! Kernels of this crate: CUDA C compiled at run time with NVRTC (loaded like libcuda, so
+//! nothing here needs CUDA at build time), loaded into the device's primary context.
+
+use std::ffi::{CStr, CString};
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use crate::{Error, Gpu, Result, Stream};
+
+/// One compiled kernel and its module, unloaded on drop.
+pub(crate) struct Kernel {
+    gpu: Arc<Gpu>,
+    module: sys::CUmodule,
+    func: sys::CUfunction,
+}
+
+// SAFETY: module and function handles are identifiers valid in the context on any thread; every
+// use binds the context first.
+unsafe impl Send for Kernel {}
+
+impl Kernel {
+    /// Compiles `src` for `gpu`'s architecture and loads its `entry` function.
+    pub(crate) fn compile(gpu: &Arc<Gpu>, src: &str, file: &str, entry: &CStr) -> Result<Kernel> {
+        gpu.bind()?;
+        let ptx = compile(gpu, src, file)?;
+        let d = gpu.driver();
+        // SAFETY: the context is bound; `ptx` is NUL-terminated PTX text.
+        let module = unsafe { d.module_load_data(ptx.as_bytes_with_nul())? };
+        // SAFETY: a live module.
+        let func = match unsafe { d.module_get_function(module, entry) } {
+            Ok(f) => f,
+            Err(e) => {
+                // SAFETY: loaded above, nothing launched from it.
+                let _ = unsafe { d.module_unload(module) };
+                return Err(e);
+            }
+        };
+        Ok(Kernel {
+            gpu: gpu.clone(),
+            module,
+            func,
+        })
+    }
+
+    /// Launches the kernel on `stream`.
+    ///
+    /// # Safety
+    /// `params` must point at values matching the kernel's parameters in number, order and
+    /// types, and every memory the kernel touches must stay valid until it has run.
+    pub(crate) unsafe fn launch(
+        &self,
+        grid: (u32, u32, u32),
+        block: (u32, u32, u32),
+        stream: &Stream,
+        params: &mut [*mut std::ffi::c_void],
+    ) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: the caller's contract; the function is live in the bound context.
+        unsafe {
+            self.gpu
+                .driver()
+                .launch(self.func, grid, block, stream.raw().cast(), params)
+        }
+    }
+}
+
+impl Drop for Kernel {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: loaded in `compile`; owners wait for their launches before dropping.
+        let _ = unsafe { self.gpu.driver().module_unload(self.module) };
+    }
+}
+
+/// `src` as PTX for `gpu`'s architecture, compiled by NVRTC.
+fn compile(gpu: &Arc<Gpu>, src: &str, file: &str) -> Result<CString> {
+    // SAFETY: only tries to dlopen the library.
+    if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
+        return Err(Error::NoNvjpeg(
+            "libnvrtc could not be loaded (the GPU kernels are compiled at run time); install \
+             the CUDA toolkit or `pip install nvidia-cuda-nvrtc` and put its lib folder on \
+             LD_LIBRARY_PATH"
+                .into(),
+        ));
+    }
+    let d = gpu.driver();
+    let major = d.attribute(
+        gpu.dev(),
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MAJOR,
+    )?;
+    let minor = d.attribute(
+        gpu.dev(),
+        sys::CUdevice_attribute::CU_DEVICE_ATTRIBUTE_COMPUTE_CAPABILITY_MINOR,
+    )?;
+    let opts = cudarc::nvrtc::CompileOptions {
+        options: vec![format!("--gpu-architecture=compute_{major}{minor}")],
+        name: Some(file.into()),
+        ..Default::default()
+    };
+    let ptx = cudarc::nvrtc::compile_ptx_with_opts(src, opts).map_err(|e| Error::Call {
+        call: "nvrtcCompileProgram",
+        code: -1,
+        message: format!("{e:?}"),
+    })?;
+    CString::new(ptx.to_src()).map_err(|_| Error::BadAnswer("PTX with a NUL byte"))
+}

@@ -1,0 +1,98 @@
+//! 8-bit images normalised on the GPU: producers that hand over `u8` planes (a quarter of the
+//! bytes of `f32`) are normalised by the server with the producers' own table, so the model sees
+//! the same floats, bit for bit, as from an `f32` producer.
+
+use std::sync::Arc;
+
+use crate::kernel::Kernel;
+use crate::{DeviceBuffer, Gpu, Result, Stream};
+
+/// `out[i] = lut[c][in[i]]`, `c = i / plane`, over `3 × plane` values.
+const KERNEL: &str = r#"
+extern "C" __global__ void tp_normalise_u8(const unsigned char* src, float* dst,
+                                           const float* lut, unsigned long long plane) {
+    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= 3 * plane) return;
+    dst[i] = lut[(i / plane) * 256 + src[i]];
+}
+"#;
+
+/// The normalising kernel, the table on the device, and a staging buffer for the bytes.
+pub struct GpuNormaliser {
+    gpu: Arc<Gpu>,
+    kernel: Kernel,
+    lut: DeviceBuffer,
+    staging: Option<DeviceBuffer>,
+}
+
+impl std::fmt::Debug for GpuNormaliser {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GpuNormaliser").finish_non_exhaustive()
+    }
+}
+
+impl GpuNormaliser {
+    /// Compiles the kernel for `gpu` and uploads `table` (`table[c][v]`: byte `v` of channel
+    /// `c`, normalised).
+    pub fn new(gpu: &Arc<Gpu>, table: &[[f32; 256]; 3]) -> Result<GpuNormaliser> {
+        let kernel = Kernel::compile(gpu, KERNEL, "tensorport_normalise.cu", c"tp_normalise_u8")?;
+        let lut = DeviceBuffer::new(gpu, 3 * 256 * 4)?;
+        let bytes: Vec<u8> = table
+            .iter()
+            .flatten()
+            .flat_map(|x| x.to_ne_bytes())
+            .collect();
+        let stream = Stream::new(gpu)?;
+        // SAFETY: `lut` holds exactly these bytes; the copy is waited for before `bytes` goes.
+        unsafe { stream.copy_host_to_device_async(lut.ptr(), &bytes)? };
+        stream.synchronize()?;
+        Ok(GpuNormaliser {
+            gpu: gpu.clone(),
+            kernel,
+            lut,
+            staging: None,
+        })
+    }
+
+    /// A device buffer of at least `len` bytes for the 8-bit images of a batch (reused; grown
+    /// when too small — the caller must have waited for the previous batch's kernels).
+    pub fn staging(&mut self, len: usize) -> Result<&DeviceBuffer> {
+        if self.staging.as_ref().is_none_or(|b| b.len() < len) {
+            self.staging = None;
+            self.staging = Some(DeviceBuffer::new(&self.gpu, len.max(1))?);
+        }
+        Ok(self.staging.as_ref().expect("just set"))
+    }
+
+    /// Enqueues on `stream`: the `3 × plane` bytes at `src` normalised into the `3 × plane`
+    /// floats at `dst`.
+    ///
+    /// # Safety
+    /// `src` must be device memory of this context holding `3 × plane` bytes and `dst` holding
+    /// `3 × plane` floats, both valid until the kernel has run on `stream`.
+    pub unsafe fn normalise(
+        &self,
+        src: u64,
+        dst: u64,
+        plane: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let n = 3 * plane as u64;
+        let threads = 256u32;
+        let blocks = u32::try_from(n.div_ceil(u64::from(threads)))
+            .map_err(|_| crate::Error::BadAnswer("an image too large to normalise"))?;
+        let (mut s, mut d, mut l, mut p) = (src, dst, self.lut.ptr(), plane as u64);
+        let mut params: [*mut std::ffi::c_void; 4] = [
+            (&mut s as *mut u64).cast(),
+            (&mut d as *mut u64).cast(),
+            (&mut l as *mut u64).cast(),
+            (&mut p as *mut u64).cast(),
+        ];
+        // SAFETY: the parameters match the kernel's (three pointers, one 64-bit count); the
+        // caller's contract covers the memory; the table lives as long as `self`.
+        unsafe {
+            self.kernel
+                .launch((blocks, 1, 1), (threads, 1, 1), stream, &mut params)
+        }
+    }
+}
