@@ -47,6 +47,10 @@ pub enum What {
         /// does), or nothing (the tensor is ready; only the hand-off is measured).
         #[arg(long, value_enum, default_value_t = Work::Fill)]
         producer_work: Work,
+        /// The GPU the producer works on (the server uses GPU 0): another one measures the
+        /// cross-GPU hand-off (IPC opened with peer access, fences across the two devices).
+        #[arg(long, default_value_t = 0, value_name = "ORDINAL")]
+        producer_gpu: i32,
         /// (internal) run as the benchmark's producer on this socket.
         #[arg(long, hide = true)]
         producer_socket: Option<std::path::PathBuf>,
@@ -131,25 +135,27 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             bytes,
             fence,
             producer_work,
+            producer_gpu,
             producer_socket,
-        } => {
-            let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
-            match producer_socket {
-                Some(sock) => ipc_producer(&gpu, &sock, handoffs, bytes[0], fence, producer_work)?,
-                None => {
-                    println!("CUDA IPC hand-off, producer process -> usable in the server's stream (pool of 4 buffers):");
-                    let fences = match fence {
-                        FenceArg::Both => vec![FenceArg::Event, FenceArg::Timeline],
-                        f => vec![f],
-                    };
-                    for f in fences {
-                        for &b in &bytes {
-                            ipc_server(&gpu, handoffs, b, f, producer_work)?;
-                        }
+        } => match producer_socket {
+            Some(sock) => {
+                let gpu = tensorport_cuda::Gpu::open(producer_gpu).map_err(cuda)?;
+                ipc_producer(&gpu, &sock, handoffs, bytes[0], fence, producer_work)?
+            }
+            None => {
+                let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
+                println!("CUDA IPC hand-off, producer process on GPU {producer_gpu} -> usable in the server's stream on GPU 0 (pool of 4 buffers):");
+                let fences = match fence {
+                    FenceArg::Both => vec![FenceArg::Event, FenceArg::Timeline],
+                    f => vec![f],
+                };
+                for f in fences {
+                    for &b in &bytes {
+                        ipc_server(&gpu, handoffs, b, f, producer_work, producer_gpu)?;
                     }
                 }
             }
-        }
+        },
     }
     Ok(ExitCode::SUCCESS)
 }
@@ -194,6 +200,7 @@ fn ipc_server(
     bytes: usize,
     fence: FenceArg,
     work: Work,
+    producer_gpu: i32,
 ) -> CliResult<()> {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -220,6 +227,8 @@ fn ipc_server(
             &crate::common::arg_name(&fence),
             "--producer-work",
             &crate::common::arg_name(&work),
+            "--producer-gpu",
+            &producer_gpu.to_string(),
             "--producer-socket",
         ])
         .arg(&sock)

@@ -18,8 +18,8 @@ use tensorport_cuda::{
 fn main() {
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 13 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 13 skipped");
+            println!("skipped: 14 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 14 skipped");
             return;
         }
     }
@@ -52,6 +52,10 @@ fn main() {
             (
                 "device_vmm_fd_four_gpu_producers_intact",
                 device_four_producers_vmm,
+            ),
+            (
+                "device_cross_gpu_producers_intact_and_fenced",
+                device_cross_gpu,
             ),
             (
                 "device_ipc_killed_producer_frees_gpu_memory",
@@ -333,7 +337,7 @@ fn gpu_producer(socket: &str) {
     let id: u32 = env_or("TP_ID", "0").parse().unwrap();
     let count: u32 = env_or("TP_COUNT", "200").parse().unwrap();
     let mib: usize = env_or("TP_MIB", "1").parse().unwrap();
-    let gpu = Gpu::open(0).unwrap();
+    let gpu = Gpu::open(env_or("TP_GPU", "0").parse().unwrap()).unwrap();
     let name = format!("gpu-producer-{id}");
     let mut p = match env_or("TP_FENCE", "event").as_str() {
         "vmm" => GpuProducer::connect_vmm(socket, &name, &gpu, 2, mib << 20),
@@ -387,7 +391,27 @@ fn device_four_producers_vmm() {
     four_gpu_producers("vmm");
 }
 
+/// Producers on GPU 1 hand their buffers to a server on GPU 0: legacy IPC opened with peer
+/// access, VMM mapped for the server's device, fences waited on across the two.
+fn device_cross_gpu() {
+    let n = tensorport_cuda::probe()
+        .map(|c| c.devices.len())
+        .unwrap_or(0);
+    if n < 2 {
+        println!("  skipped: this machine has {n} GPU (run on a two-GPU machine)");
+        return;
+    }
+    for fence in ["event", "timeline", "vmm"] {
+        println!("  producers on GPU 1, server on GPU 0, {fence} fences:");
+        four_gpu_producers_on(fence, 1);
+    }
+}
+
 fn four_gpu_producers(fence: &str) {
+    four_gpu_producers_on(fence, 0);
+}
+
+fn four_gpu_producers_on(fence: &str, gpu: u32) {
     let (_dir, sock) = socket_dir();
     let srv = GpuServer::start(&sock);
     let mut kids: Vec<ChildGuard> = (0..4)
@@ -399,6 +423,7 @@ fn four_gpu_producers(fence: &str) {
                     ("TP_ID", i.to_string()),
                     ("TP_COUNT", "500".into()),
                     ("TP_FENCE", fence.into()),
+                    ("TP_GPU", gpu.to_string()),
                 ],
             )
         })
@@ -792,6 +817,26 @@ fn farm_gpu_producers() {
     let cpu = run(&["--producers", "2"], c.to_str().unwrap());
     assert_eq!(gpu.len(), 97);
     assert_eq!(cpu.len(), 97);
+    // u8 planes from the GPU producers, normalised by the server: the same scores.
+    let u = dir.path().join("u.jsonl");
+    let gpu_u8 = run(
+        &["--gpu-producers", "2", "--producers", "0", "--pixels", "u8"],
+        u.to_str().unwrap(),
+    );
+    assert_eq!(gpu_u8.len(), 97);
+    let mut u8_worst = 0f64;
+    for (i, v) in &gpu_u8 {
+        let (Some(a), Some(b)) = (v["scores"].as_array(), gpu[i]["scores"].as_array()) else {
+            assert!(v["error"].is_string() && gpu[i]["error"].is_string(), "{v}");
+            continue;
+        };
+        for (a, b) in a.iter().zip(b) {
+            let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+            u8_worst = u8_worst.max((a - b).abs() / (1.0 + b.abs()));
+        }
+    }
+    println!("  --pixels u8 from the GPU producers: largest relative score difference from f32 {u8_worst:.2e}");
+    assert!(u8_worst <= 1e-4, "{u8_worst}");
     let by_gpu = gpu
         .values()
         .filter(|v| v["producer"].as_str().unwrap().starts_with("gpu-"))

@@ -7,13 +7,15 @@ use std::sync::Arc;
 use crate::kernel::Kernel;
 use crate::{DeviceBuffer, Gpu, Result, Stream};
 
-/// `out[i] = lut[c][in[i]]`, `c = i / plane`, over `3 × plane` values.
+/// `out[i] = lut[c][in[i]]`, `c = (i / plane) % 3`, over `n` values (whole images of three
+/// planes each, one after the other).
 const KERNEL: &str = r#"
 extern "C" __global__ void tp_normalise_u8(const unsigned char* src, float* dst,
-                                           const float* lut, unsigned long long plane) {
+                                           const float* lut, unsigned long long plane,
+                                           unsigned long long n) {
     unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= 3 * plane) return;
-    dst[i] = lut[(i / plane) * 256 + src[i]];
+    if (i >= n) return;
+    dst[i] = lut[((i / plane) % 3) * 256 + src[i]];
 }
 "#;
 
@@ -64,31 +66,33 @@ impl GpuNormaliser {
         Ok(self.staging.as_ref().expect("just set"))
     }
 
-    /// Enqueues on `stream`: the `3 × plane` bytes at `src` normalised into the `3 × plane`
-    /// floats at `dst`.
+    /// Enqueues on `stream`: `images` images of `3 × plane` bytes each, one after the other at
+    /// `src`, normalised into as many images of floats at `dst` (one launch).
     ///
     /// # Safety
-    /// `src` must be device memory of this context holding `3 × plane` bytes and `dst` holding
-    /// `3 × plane` floats, both valid until the kernel has run on `stream`.
+    /// `src` must be device memory of this context holding `images × 3 × plane` bytes and `dst`
+    /// holding as many floats, both valid until the kernel has run on `stream`.
     pub unsafe fn normalise(
         &self,
         src: u64,
         dst: u64,
         plane: usize,
+        images: usize,
         stream: &Stream,
     ) -> Result<()> {
-        let n = 3 * plane as u64;
+        let n = (images * 3 * plane) as u64;
         let threads = 256u32;
         let blocks = u32::try_from(n.div_ceil(u64::from(threads)))
             .map_err(|_| crate::Error::BadAnswer("an image too large to normalise"))?;
-        let (mut s, mut d, mut l, mut p) = (src, dst, self.lut.ptr(), plane as u64);
-        let mut params: [*mut std::ffi::c_void; 4] = [
+        let (mut s, mut d, mut l, mut p, mut count) = (src, dst, self.lut.ptr(), plane as u64, n);
+        let mut params: [*mut std::ffi::c_void; 5] = [
             (&mut s as *mut u64).cast(),
             (&mut d as *mut u64).cast(),
             (&mut l as *mut u64).cast(),
             (&mut p as *mut u64).cast(),
+            (&mut count as *mut u64).cast(),
         ];
-        // SAFETY: the parameters match the kernel's (three pointers, one 64-bit count); the
+        // SAFETY: the parameters match the kernel's (three pointers, two 64-bit counts); the
         // caller's contract covers the memory; the table lives as long as `self`.
         unsafe {
             self.kernel

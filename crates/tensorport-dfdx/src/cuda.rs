@@ -50,24 +50,21 @@ pub fn gather_on_device(
         dev.try_synchronize()
             .map_err(|e| device_err(format!("{e:?}")))?;
         let base = input.tensorport_device_ptr();
-        let eight_bit = dtypes.iter().filter(|&&d| d == DType::U8).count();
-        let staging = match eight_bit {
-            0 => 0,
-            n => norm
-                .staging(n * row_u8)
+        // 8-bit images land in the staging buffer at their row's place, and each run of
+        // consecutive 8-bit rows is normalised into the batch by one kernel launch (usually one
+        // per batch: producers hand over one kind).
+        let staging = if dtypes.contains(&DType::U8) {
+            norm.staging(used.len() * row_u8)
                 .map_err(|e| device_err(e.to_string()))?
-                .ptr(),
+                .ptr()
+        } else {
+            0
         };
-        let mut next_u8 = 0;
         for (k, (&i, &dtype)) in used.iter().zip(&dtypes).enumerate() {
             let dst = base + (k * row) as u64;
             let r = &reqs[i];
-            // 8-bit images land in the staging buffer first, and are normalised into the row.
             let (to, len) = match dtype {
-                DType::U8 => {
-                    next_u8 += 1;
-                    (staging + ((next_u8 - 1) * row_u8) as u64, row_u8)
-                }
+                DType::U8 => (staging + (k * row_u8) as u64, row_u8),
                 _ => (dst, row),
             };
             match r.device() {
@@ -86,12 +83,27 @@ pub fn gather_on_device(
                     dt.record_release(stream.raw()).map_err(device_err)?;
                 },
             }
-            if dtype == DType::U8 {
-                // SAFETY: `to` holds this image's 3 × plane bytes (copied just before, on the
-                // same stream) and `dst` its row of 3 × plane floats.
-                unsafe { norm.normalise(to, dst, plane, stream) }
-                    .map_err(|e| device_err(e.to_string()))?;
+        }
+        let mut k = 0;
+        while k < dtypes.len() {
+            if dtypes[k] != DType::U8 {
+                k += 1;
+                continue;
             }
+            let run = dtypes[k..].iter().take_while(|&&d| d == DType::U8).count();
+            // SAFETY: rows k..k+run of the staging buffer hold those images' bytes (copied
+            // above, on the same stream), and rows k..k+run of `input` are theirs.
+            unsafe {
+                norm.normalise(
+                    staging + (k * row_u8) as u64,
+                    base + (k * row) as u64,
+                    plane,
+                    run,
+                    stream,
+                )
+            }
+            .map_err(|e| device_err(e.to_string()))?;
+            k += run;
         }
         stream.synchronize().map_err(|e| device_err(e.to_string()))
     })();
