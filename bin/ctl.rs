@@ -26,15 +26,22 @@ pub enum What {
         /// Print the raw report as JSON.
         #[arg(long)]
         json: bool,
+        /// Every server of a farm: the given socket and the ones `farm --servers`/`--devices`
+        /// puts beside it (`NAME-1.sock`, `NAME-2.sock`, …), each shown, then their totals.
+        #[arg(long)]
+        farm: bool,
     },
     /// Finish the work in flight, refuse new producers, and exit once the producers have left.
     Drain,
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
+    if let What::Status { json, farm: true } = a.what {
+        return farm_status(&a.socket.path(), a.timeout, json);
+    }
     let mut c = Control::connect(a.socket.path(), Duration::from_secs(a.timeout.max(1)))?;
     match a.what {
-        What::Status { json } => {
+        What::Status { json, .. } => {
             let s = c.status()?;
             if json {
                 println!("{}", status_json(&s));
@@ -121,4 +128,56 @@ pub fn render(s: &StatusReport) -> String {
         }
     }
     out
+}
+
+/// The sockets of a farm whose first server listens at `first`: it, then `STEM-1.sock`,
+/// `STEM-2.sock`… for as long as they exist.
+pub fn farm_sockets(first: &std::path::Path) -> Vec<std::path::PathBuf> {
+    let stem = first
+        .file_stem()
+        .map_or("tensorport".into(), |s| s.to_string_lossy().into_owned());
+    let mut v = vec![first.to_path_buf()];
+    for k in 1.. {
+        let p = first.with_file_name(format!("{stem}-{k}.sock"));
+        if !p.exists() {
+            break;
+        }
+        v.push(p);
+    }
+    v
+}
+
+/// `status --farm`: each server's status, then the farm's totals.
+fn farm_status(first: &std::path::Path, timeout: u64, json: bool) -> CliResult<ExitCode> {
+    let sockets = farm_sockets(first);
+    let mut reports = Vec::with_capacity(sockets.len());
+    for s in &sockets {
+        let mut c = Control::connect(s, Duration::from_secs(timeout.max(1)))?;
+        reports.push(c.status()?);
+    }
+    let sum = |f: &dyn Fn(&StatusReport) -> u64| reports.iter().map(f).sum::<u64>();
+    let (submitted, completed) = (sum(&|r| r.totals.submitted), sum(&|r| r.totals.completed));
+    let sessions = sum(&|r| r.sessions.len() as u64);
+    if json {
+        let servers: Vec<_> = sockets
+            .iter()
+            .zip(&reports)
+            .map(|(s, r)| serde_json::json!({"socket": s.display().to_string(), "status": status_json(r)}))
+            .collect();
+        let v = serde_json::json!({
+            "servers": servers,
+            "totals": {"servers": reports.len(), "sessions": sessions, "submitted": submitted, "completed": completed},
+        });
+        println!("{v}");
+        return Ok(ExitCode::SUCCESS);
+    }
+    for (s, r) in sockets.iter().zip(&reports) {
+        println!("== {}", s.display());
+        print!("{}", render(r));
+    }
+    println!(
+        "farm      {} servers, {sessions} sessions; {submitted} requests submitted, {completed} completed",
+        reports.len()
+    );
+    Ok(ExitCode::SUCCESS)
 }

@@ -665,6 +665,60 @@ fn eight_bit_pixels_give_the_same_scores_bitwise() {
 }
 
 #[test]
+fn ctl_status_farm_shows_every_server_of_a_farm() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let dir = tmp();
+    let sock = dir.path().join("f.sock");
+    let out = dir.path().join("r.jsonl");
+    let mut farm = farm_cmd(&out, 1_000_000, 2)
+        .args(["--servers", "2", "--socket", sock.to_str().unwrap()])
+        .spawn()
+        .unwrap();
+    // Both servers listen and each has a producer (however long the machine takes to start
+    // them); then the farm's view holds both and sums them.
+    let s = sock.to_str().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let seen = loop {
+        let (ok, stdout, err) = run(&["ctl", "--socket", s, "status", "--farm", "--json"]);
+        let last = if ok {
+            let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+            if v["totals"]["servers"] == 2 && v["totals"]["sessions"] == 2 {
+                break v;
+            }
+            stdout
+        } else {
+            err
+        };
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never saw both servers: {last}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let servers = seen["servers"].as_array().unwrap();
+    assert!(servers[1]["socket"].as_str().unwrap().ends_with("f-1.sock"));
+    for srv in servers {
+        assert_eq!(
+            srv["status"]["sessions"].as_array().unwrap().len(),
+            1,
+            "{srv}"
+        );
+    }
+    let (ok, text, err) = run(&["ctl", "--socket", s, "status", "--farm"]);
+    assert!(ok, "{err}");
+    assert!(text.contains("farm      2 servers, 2 sessions"), "{text}");
+    assert_eq!(text.matches("== ").count(), 2, "{text}");
+    // Two signals: the farm stops at once, its children with it.
+    let pid = Pid::from_raw(farm.id() as i32);
+    kill(pid, Signal::SIGINT).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    kill(pid, Signal::SIGINT).unwrap();
+    let st = farm.wait().unwrap();
+    assert_eq!(st.code(), Some(130));
+}
+
+#[test]
 fn farm_on_jpeg_and_png_files_profiles_every_stage() {
     let dir = tmp();
     let images = dir.path().join("images");

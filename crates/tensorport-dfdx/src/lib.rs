@@ -248,24 +248,35 @@ mod tests {
             l.write_pod(0, &px);
             l.submit(&TensorSpec::new(DType::F32, &[3, 4, 4])).unwrap();
         }
+        // An 8-bit image (normalised by the server), then a misfit.
+        let planes: Vec<u8> = (0..48).map(|k| (k * 5) as u8).collect();
         let mut l = p.lease(Duration::from_secs(2)).unwrap();
-        l.write_pod(0, &[0u8; 16]);
-        l.submit(&TensorSpec::new(DType::U8, &[16])).unwrap();
+        l.write_pod(0, &planes);
+        l.submit(&TensorSpec::new(DType::U8, &[3, 4, 4])).unwrap();
+        let mut l = p.lease(Duration::from_secs(2)).unwrap();
+        l.write_pod(0, &[0i32; 16]);
+        l.submit(&TensorSpec::new(DType::I32, &[16])).unwrap();
         let mut batch = Vec::new();
-        while batch.len() < 4 {
+        while batch.len() < 5 {
             batch.extend(
                 server
-                    .recv_batch(4, Duration::from_secs(2), Duration::from_millis(50))
+                    .recv_batch(5, Duration::from_secs(2), Duration::from_millis(50))
                     .unwrap(),
             );
         }
         let dev = dfdx::prelude::Cpu::default();
         let a = stack_images(&dev, &batch, shape);
         let b = upload_images(&dev, &batch, shape);
-        assert_eq!(a.used, vec![0, 1, 2]);
+        assert_eq!(a.used, vec![0, 1, 2, 3]);
         assert_eq!(b.used, a.used);
         assert_eq!(b.rejected.len(), 1);
-        assert!(b.rejected[0].1.to_string().contains("dtype u8"));
-        assert_eq!(a.input.unwrap().as_vec(), b.input.unwrap().as_vec());
+        assert!(b.rejected[0].1.to_string().contains("dtype i32"));
+        let (a, b) = (a.input.unwrap().as_vec(), b.input.unwrap().as_vec());
+        assert_eq!(a, b);
+        // The u8 image became the producers' normalised values.
+        let mut want = vec![0f32; 48];
+        normaliser().normalise_planes(&planes, 16, &mut want);
+        assert_eq!(&a[3 * 48..], &want[..]);
+        assert!(want[0] < 0.0 && want[47] > 0.0);
     }
 }
