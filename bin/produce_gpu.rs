@@ -236,11 +236,16 @@ pub fn run(
                     // not submitted, so it stays free for a later acquire.
                     continue;
                 }
+                // The request id is the input's index, as with CPU producers (a Python `Loader`
+                // yields the indices with the batch).
                 let before = Instant::now();
-                let id = p.submit(t.buffer, &spec).map_err(cuda)?;
+                p.submit_as(t.buffer, &spec, t.index).map_err(cuda)?;
                 let submitted = Instant::now();
                 t.st.submit_ms = ms(submitted - before);
-                pending.insert(id, (t.index, t.source.to_string(), t0, submitted, t.st));
+                pending.insert(
+                    t.index,
+                    (t.index, t.source.to_string(), t0, submitted, t.st),
+                );
             }
         }
         if pending.is_empty() {

@@ -315,12 +315,15 @@ class Server:
     """A tensorport server in this process: `Server(socket, slots=8, slot_size=1 << 20)`.
 
     Producers (Rust or Python) connect to `socket`; `recv_batch` hands their tensors over.
+    With `cuda_device=N`, producers' pools are pinned for GPU N and their device buffers (GPU
+    producers' tensors) are accepted, opened in this process's context (the one torch uses).
     """
 
     def __init__(self, socket=None, slots: int = 8, slot_size: int = 1 << 20, consumers: int = 1,
-                 max_sessions: int = 64):
+                 max_sessions: int = 64, cuda_device: Optional[int] = None):
         socket = default_socket() if socket is None else socket
-        self._native = _native.Server(str(socket), slots, slot_size, consumers, max_sessions)
+        self._native = _native.Server(str(socket), slots, slot_size, consumers, max_sessions,
+                                      cuda_device)
 
     @property
     def socket(self):
@@ -370,6 +373,9 @@ class Loader:
         for images, indices in tensorport.Loader(files, batch_size=32, producers=8):
             ...   # images: float32 [B, 3, S, S] (ImageNet-normalised); indices: positions in files
 
+        for images, indices in tensorport.Loader(files, device="cuda", gpu_producers=1):
+            ...   # images: a torch CUDA tensor, decoded and prepared on the GPU (nvJPEG)
+
     Each producer (`tensorport produce --worklist`) decodes, resizes and normalises its share
     of the files straight into its slots of shared memory; this process copies each batch out
     once and hands the slots back. Batches come in the order the producers finish them, with the
@@ -377,22 +383,38 @@ class Loader:
     started again on the files of its share that have not come; one that fails `max_restarts`
     times in a row ends the iteration with `TensorportError`, as does a file that cannot be
     decoded (named in the error).
+
+    With `device="cuda"` (or `"cuda:N"`) batches are torch tensors on that GPU: the producers'
+    slots are pinned and copied into the batch by DMA, and `gpu_producers` producers
+    (`tensorport produce --nvjpeg`, the CUDA build) decode and prepare their files on the GPU
+    and hand them over in device memory. A GPU producer's share of the files is `gpu_weight`
+    times a CPU producer's.
     """
 
     def __init__(self, files, batch_size: int = 32, producers: int = 4, image_size: int = 224,
                  transform: str = "standard", in_flight: int = 8, max_wait: float = 0.002,
                  timeout: float = 60.0, binary=None, torch: bool = False,
-                 max_restarts: int = 8, pin_memory: bool = False):
+                 max_restarts: int = 8, pin_memory: bool = False, device=None,
+                 gpu_producers: int = 0, gpu_weight: int = 24):
         self.files = [str(f) for f in files]
         self.batch_size = batch_size
-        self.producers = max(1, min(producers, len(self.files) or 1))
+        self.device = None if device is None else str(device)
+        if self.device is not None and not self.device.startswith("cuda"):
+            raise ValueError(f"device={device!r}: None (host memory) or 'cuda[:N]'")
+        self.gpu = 0 if self.device in (None, "cuda") else int(self.device.split(":")[1])
+        if gpu_producers and self.device is None:
+            raise ValueError("gpu_producers hand over GPU memory: give device='cuda'")
+        self.gpu_producers = max(0, gpu_producers)
+        self.gpu_weight = max(1, gpu_weight)
+        self.producers = max(0 if self.gpu_producers else 1,
+                             min(producers, len(self.files) or 1))
         self.image_size = image_size
         self.transform = transform
         self.in_flight = in_flight
         self.max_wait = max_wait
         self.timeout = timeout
         self.binary = _find_binary(binary)
-        self.torch = torch or pin_memory
+        self.torch = torch or pin_memory or self.device is not None
         # Batches in page-locked memory (torch's pinned allocator, which caches the blocks), so
         # `.cuda(non_blocking=True)` is one asynchronous DMA, as the DataLoader's pin_memory.
         self.pin_memory = pin_memory
@@ -414,7 +436,8 @@ class Loader:
             os.chmod(d, 0o700)
             sock = os.path.join(d, "tp.sock")
             server = Server(sock, slots=self.in_flight, slot_size=3 * s * s * 4,
-                            max_sessions=self.producers + 4)
+                            max_sessions=self.producers + self.gpu_producers + 4,
+                            cuda_device=None if self.device is None else self.gpu)
             failures: "queue.Queue[str]" = queue.Queue()
 
             def watch(out):
@@ -428,20 +451,42 @@ class Loader:
                         failures.put(f"{r.get('input')}: {r['error']}")
 
             def spawn(k, indices):
+                if k < self.producers:
+                    kind = ["--in-flight", str(self.in_flight)]
+                else:
+                    kind = ["--nvjpeg", "--gpu", str(self.gpu), "--in-flight", "64",
+                            "--batch", "32"]
                 p = subprocess.Popen(
                     [self.binary, "--log", "warn", "produce", "--worklist", "--socket", sock,
-                     "--image-size", str(s), "--in-flight", str(self.in_flight),
-                     "--transform", self.transform, "--name", f"loader-{k}"],
+                     "--image-size", str(s), "--transform", self.transform,
+                     "--name", f"loader-{k}"] + kind,
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 )
                 threading.Thread(target=watch, args=(p.stdout,), daemon=True).start()
-                # Its share of the files, all at once; it reads them as it has room.
-                p.stdin.write("".join(f"{i}\t{self.files[i]}\n" for i in indices).encode())
-                p.stdin.close()
+                # Its share of the files, on a thread of its own: the producer reads its list as
+                # it has room, so a long list must not hold up this thread (which takes the
+                # batches that make that room). A producer that dies first breaks the pipe; the
+                # batch loop restarts it.
+                data = "".join(f"{i}\t{self.files[i]}\n" for i in indices).encode()
+
+                def feed():
+                    try:
+                        p.stdin.write(data)
+                        p.stdin.close()
+                    except OSError:
+                        pass
+
+                threading.Thread(target=feed, daemon=True).start()
                 return p
 
-            shares = {k: list(range(k, len(self.files), self.producers))
-                      for k in range(self.producers)}
+            # Producers 0.. are CPU ones, then the GPU ones, each GPU producer's share
+            # `gpu_weight` times a CPU producer's (it runs that much faster).
+            weights = [1] * self.producers + [self.gpu_weight] * self.gpu_producers
+            slots = [k for k, w in enumerate(weights) for _ in range(w)]
+            shares = {k: [] for k in range(len(weights))}
+            for i in range(len(self.files)):
+                shares[slots[i % len(slots)]].append(i)
+            shares = {k: v for k, v in shares.items() if v}
             procs = {}
             try:
                 for k, share in shares.items():
@@ -469,16 +514,27 @@ class Loader:
                 pass
             want = min(self.batch_size, n - len(done))
             shape = (want, 3, self.image_size, self.image_size)
-            if self.pin_memory:
+            if self.device is not None:
+                import torch
+
+                dev = torch.device("cuda", self.gpu)
+                images = torch.empty(shape, dtype=torch.float32, device=dev)
+                address, nbytes = images.data_ptr(), images.numel() * 4
+                got = server._native._recv_into_device(
+                    address, nbytes, nbytes // want, torch.cuda.current_stream(dev).cuda_stream,
+                    want, 0.2, self.max_wait)
+            elif self.pin_memory:
                 import torch
 
                 images = torch.empty(shape, dtype=torch.float32, pin_memory=True)
                 address, nbytes = images.data_ptr(), images.numel() * 4
+                got = server._native._recv_into_address(
+                    address, nbytes, nbytes // want, want, 0.2, self.max_wait)
             else:
                 images = np.empty(shape, dtype=np.float32)
                 address, nbytes = images.ctypes.data, images.nbytes
-            got = server._native._recv_into_address(
-                address, nbytes, nbytes // want, want, 0.2, self.max_wait)
+                got = server._native._recv_into_address(
+                    address, nbytes, nbytes // want, want, 0.2, self.max_wait)
             if not got:
                 # A producer that ended with files of its share not yet here (killed, say) is
                 # started again on those; one that keeps failing is given up on.
@@ -506,13 +562,20 @@ class Loader:
             # dead producer handed over just before its replacement did is kept once.
             rows = [r for r, (rid, _) in enumerate(got) if rid not in done]
             indices = np.array([got[r][0] for r in rows], dtype=np.int64)
-            images = images[:len(got)] if len(rows) == len(got) else images[rows]
+            if len(rows) == len(got):
+                images = images[:len(got)]
+            elif self.device is not None:
+                import torch
+
+                images = images[torch.tensor(rows, device=images.device)]
+            else:
+                images = images[rows]
             done.update(indices.tolist())
             for k in restarts:
                 restarts[k] = 0 if procs[k].poll() is None else restarts[k]
             if not len(indices):
                 continue
-            if self.pin_memory:
+            if self.pin_memory or self.device is not None:
                 import torch
 
                 yield images, torch.from_numpy(indices)

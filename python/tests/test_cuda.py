@@ -98,6 +98,42 @@ def test_torch_cuda_tensors_answer_as_the_host_path(tmp_path):
     check_against_host_path(str(tmp_path))
 
 
+def check_loader_on_the_gpu(d):
+    """`Loader(device="cuda")`: CPU producers' slots copied into CUDA batches, and GPU producers
+    (nvJPEG) handing over device memory; every file once, and the two agree."""
+    import torch
+
+    images = os.path.join(d, "images")
+    subprocess.run([os.environ["TENSORPORT_BIN"], "images", "--out", images, "--count", "40"],
+                   check=True, stdout=subprocess.DEVNULL)
+    files = sorted(os.path.join(images, f) for f in os.listdir(images))
+
+    def load(**kw):
+        got = {}
+        for x, idx in tensorport.Loader(files, batch_size=8, image_size=64, device="cuda",
+                                        binary=os.environ["TENSORPORT_BIN"], **kw):
+            assert x.is_cuda and x.dtype == torch.float32 and x.shape[1:] == (3, 64, 64)
+            for a, i in zip(x, idx.tolist()):
+                assert i not in got
+                got[i] = a.clone()
+        assert sorted(got) == list(range(len(files)))
+        return got
+
+    cpu = load(producers=2)
+    gpu = load(producers=0, gpu_producers=1)
+    mixed = load(producers=1, gpu_producers=1, gpu_weight=4)
+    diff = torch.stack([(cpu[i] - gpu[i]).abs().mean() for i in cpu])
+    worst = max(float((cpu[i] - mixed[i]).abs().mean()) for i in cpu)
+    print(f"  Loader(device='cuda'): 40 files once each with CPU, GPU and mixed producers; mean "
+          f"|GPU - CPU| {float(diff.mean()):.4f} (worst file {float(diff.max()):.4f}); mixed "
+          f"vs CPU worst file {worst:.4f}")
+    assert float(diff.mean()) < 0.01 and worst < 0.05
+
+
+def test_loader_on_the_gpu(tmp_path):
+    check_loader_on_the_gpu(str(tmp_path))
+
+
 if __name__ == "__main__":
     why = _why_not()
     if why:
@@ -105,4 +141,6 @@ if __name__ == "__main__":
         sys.exit(0)
     with tempfile.TemporaryDirectory() as d:
         check_against_host_path(d)
-    print("1 passed")
+    with tempfile.TemporaryDirectory() as d:
+        check_loader_on_the_gpu(d)
+    print("2 passed")

@@ -272,12 +272,43 @@ def test_loader_yields_every_file_once_as_the_rust_preprocessing_makes_it(tmp_pa
         np.testing.assert_array_equal(got[i], want[f.name], err_msg=f.name)
 
 
+def test_loader_with_a_long_share_per_producer(tmp_path):
+    # 1,500 inputs for one producer: its list (over 100 KB) is more than a pipe holds, so it
+    # must be fed while the batches are taken (a blocking write once deadlocked here).
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "4")
+    files = sorted(images.iterdir()) * 375
+    seen = set()
+    for x, idx in tensorport.Loader(files, batch_size=64, producers=1, image_size=16,
+                                    binary=BIN, timeout=PATIENCE):
+        assert len(x) == len(idx)
+        seen.update(idx.tolist())
+    assert seen == set(range(len(files)))
+
+
 def test_loader_raises_for_a_file_it_cannot_prepare(tmp_path):
     bad = tmp_path / "broken.jpg"
     bad.write_bytes(b"\xff\xd8 not a jpeg")
     with pytest.raises(TensorportError, match="broken.jpg"):
         for _ in tensorport.Loader([bad], image_size=32, binary=BIN, timeout=PATIENCE):
             pass
+
+
+def test_loader_on_a_gpu_is_asked_for_clearly(tmp_path):
+    with pytest.raises(ValueError, match="cuda"):
+        tensorport.Loader(["x.jpg"], device="cpu", binary=BIN)
+    with pytest.raises(ValueError, match="device='cuda'"):
+        tensorport.Loader(["x.jpg"], gpu_producers=1, binary=BIN)
+    # A server that opens device memory needs a driver: without one it says so.
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return
+    except ImportError:
+        pass
+    with pytest.raises(TensorportError, match="NVIDIA driver"):
+        tensorport.Server(str(tmp_path / "g.sock"), cuda_device=0)
 
 
 def _children(needle):

@@ -348,6 +348,26 @@ impl Stream {
         unsafe { self.gpu.driver.memcpy_dtod_async(dst, src, len, self.raw) }
     }
 
+    /// Makes this stream wait (on the GPU) for the work enqueued so far on `other`, a stream of
+    /// the same context that another library owns (torch's current stream, say).
+    ///
+    /// # Safety
+    /// `other` must be a live stream of this context (or null: the legacy default stream).
+    pub unsafe fn wait_for_raw(&self, other: *mut std::ffi::c_void) -> Result<()> {
+        self.gpu.bind()?;
+        let d = &self.gpu.driver;
+        let e = d.event_create()?;
+        // SAFETY: the caller's contract for `other`; `e` and `raw` are ours and live. An event
+        // may be destroyed while a wait on it is pending: the driver frees it after.
+        unsafe {
+            let r = d
+                .event_record(e, other.cast())
+                .and_then(|()| d.stream_wait_event(self.raw, e));
+            let _ = d.event_destroy(e);
+            r
+        }
+    }
+
     /// Records an event now and returns it; [`Event::wait`] blocks until the work before it ran.
     pub fn record(&self) -> Result<Event> {
         self.gpu.bind()?;

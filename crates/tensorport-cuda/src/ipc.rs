@@ -509,6 +509,16 @@ impl GpuProducer {
     /// Fences buffer `i` after the work enqueued so far (records "ready", or writes the next
     /// timeline value) and submits `spec` in it; returns the request id.
     pub fn submit(&mut self, i: usize, spec: &TensorSpec) -> Result<u64> {
+        self.submit_inner(i, spec, None)
+    }
+
+    /// Like [`GpuProducer::submit`] with a request id of the caller's choosing (unique among its
+    /// requests in flight; a consumer sees it, e.g. an input's index).
+    pub fn submit_as(&mut self, i: usize, spec: &TensorSpec, request_id: u64) -> Result<()> {
+        self.submit_inner(i, spec, Some(request_id)).map(|_| ())
+    }
+
+    fn submit_inner(&mut self, i: usize, spec: &TensorSpec, id: Option<u64>) -> Result<u64> {
         self.gpu.bind()?;
         let d = self.gpu.driver();
         let stream = self.stream.raw().cast();
@@ -526,7 +536,14 @@ impl GpuProducer {
                 Some(b.seq)
             }
         };
-        Ok(self.producer.submit_device(i as u32, spec, timeline)?)
+        Ok(match id {
+            Some(id) => {
+                self.producer
+                    .submit_device_as(i as u32, id, spec, timeline)?;
+                id
+            }
+            None => self.producer.submit_device(i as u32, spec, timeline)?,
+        })
     }
 
     /// The underlying producer (results, status).

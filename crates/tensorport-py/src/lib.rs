@@ -308,26 +308,137 @@ impl Loan {
 #[pyclass(module = "tensorport._native")]
 struct Server {
     inner: Arc<tensorport::Server>,
+    /// With `cuda_device`: the GPU device tensors are opened in, and a stream for the copies.
+    cuda: Option<(Arc<tensorport_cuda::Gpu>, tensorport_cuda::Stream)>,
 }
 
 #[pymethods]
 impl Server {
     #[new]
-    #[pyo3(signature = (socket, slots = 8, slot_size = 1 << 20, consumers = 1, max_sessions = 64))]
+    #[pyo3(signature = (socket, slots = 8, slot_size = 1 << 20, consumers = 1, max_sessions = 64, cuda_device = None))]
     fn new(
         socket: std::path::PathBuf,
         slots: u32,
         slot_size: u64,
         consumers: usize,
         max_sessions: u32,
+        cuda_device: Option<i32>,
     ) -> PyResult<Server> {
         let mut cfg = ServerConfig::new(socket);
         cfg.slots_per_session = slots;
         cfg.slot_size = slot_size;
         cfg.consumers = consumers;
         cfg.max_sessions = max_sessions;
+        // On a GPU: producers' pools pinned (their slots copy to the GPU by DMA) and their
+        // device buffers opened in this process's context (the one torch uses).
+        let cuda = match cuda_device {
+            None => None,
+            Some(n) => {
+                let gpu = tensorport_cuda::Gpu::open(n).map_err(cuda_err)?;
+                cfg.pin = Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone())));
+                cfg.device = Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu.clone())));
+                let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda_err)?;
+                Some((gpu, stream))
+            }
+        };
         Ok(Server {
             inner: Arc::new(tensorport::Server::bind(cfg).map_err(py_err)?),
+            cuda,
+        })
+    }
+
+    /// (Internal: `tensorport.Loader`'s batch step on a GPU.) Receives a batch as `recv_batch`
+    /// does and copies each request of exactly `row` bytes — a host slot by DMA, a producer's
+    /// device buffer after waiting on its fence — into row k of the `capacity` bytes of device
+    /// memory at `address` (a torch CUDA tensor the package allocated for it), after the work
+    /// already on torch's `stream`; waits for the copies, answers each request with an empty
+    /// result (releasing slots and buffers), and returns `(request_id, row k)` for the rows
+    /// written. A request of another size is failed, saying so. The GIL is released throughout.
+    #[pyo3(signature = (address, capacity, row, stream, max = 32, timeout = 1.0, max_wait = 0.005))]
+    #[allow(clippy::too_many_arguments)]
+    fn _recv_into_device(
+        &self,
+        py: Python<'_>,
+        address: u64,
+        capacity: usize,
+        row: usize,
+        stream: usize,
+        max: usize,
+        timeout: f64,
+        max_wait: f64,
+    ) -> PyResult<Vec<(u64, usize)>> {
+        let (t, w) = (secs(timeout)?, secs(max_wait)?);
+        let Some((_, ours)) = &self.cuda else {
+            return Err(PyValueError::new_err(
+                "this server was made without cuda_device: it cannot write into GPU memory",
+            ));
+        };
+        if row == 0 || address == 0 {
+            return Err(PyValueError::new_err("a row of 0 bytes, or no buffer"));
+        }
+        let rows = (capacity / row).min(max.max(1));
+        if rows == 0 {
+            return Err(PyValueError::new_err("the buffer holds no row"));
+        }
+        let server = self.inner.clone();
+        py.allow_threads(move || {
+            let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
+            if batch.is_empty() {
+                return Ok(Vec::new());
+            }
+            let dev = |e: String| coded(e, None);
+            // SAFETY: `stream` is torch's current stream of this device (the package passes
+            // `torch.cuda.current_stream().cuda_stream`); the rows may be memory torch just
+            // freed and reused, so our copies wait for its work first.
+            unsafe { ours.wait_for_raw(stream as *mut std::ffi::c_void) }.map_err(cuda_err)?;
+            let mut kept = Vec::with_capacity(batch.len());
+            let mut written = Vec::with_capacity(batch.len());
+            let copy = |r: &tensorport::Request, dst: u64| -> PyResult<()> {
+                // SAFETY: `dst` is a row of the `capacity` bytes of device memory the package
+                // allocated for this call and holds until it returns; host slots stay
+                // unreleased and device buffers fenced until the stream is synchronised below
+                // (on every path); a device tensor was bounds-checked against its registration.
+                unsafe {
+                    match r.device() {
+                        None => ours
+                            .copy_host_to_device_async(dst, &r.bytes()[..row])
+                            .map_err(cuda_err),
+                        Some(dt) => {
+                            dt.wait_ready(ours.raw()).map_err(dev)?;
+                            ours.copy_device_to_device_async(dst, dt.ptr(), row)
+                                .map_err(cuda_err)?;
+                            dt.record_release(ours.raw()).map_err(dev)
+                        }
+                    }
+                }
+            };
+            let mut failed = None;
+            for r in batch {
+                if r.desc().byte_len() != row as u64 {
+                    let n = r.desc().byte_len();
+                    let _ = r.fail(format!("a tensor of {n} bytes; this consumer takes {row}"));
+                    continue;
+                }
+                let k = written.len();
+                if failed.is_none() {
+                    if let Err(e) = copy(&r, address + (k * row) as u64) {
+                        failed = Some(e);
+                    }
+                }
+                written.push((r.request_id(), k));
+                kept.push(r);
+            }
+            // The copies read the slots and buffers: they are answered (released) only after.
+            let synced = ours.synchronize().map_err(cuda_err);
+            if let Some(e) = failed.or(synced.err()) {
+                // Dropped unanswered: each producer gets a failure for its request.
+                drop(kept);
+                return Err(e);
+            }
+            for r in kept {
+                let _ = r.respond(&[]);
+            }
+            Ok(written)
         })
     }
 

@@ -887,6 +887,22 @@ impl Producer {
         spec: &TensorSpec,
         timeline: Option<u64>,
     ) -> Result<u64> {
+        let id = self.next_id;
+        self.next_id += 1;
+        self.submit_device_as(buffer, id, spec, timeline)?;
+        Ok(id)
+    }
+
+    /// Like [`Producer::submit_device`] with a request id of the caller's choosing (unique among
+    /// its requests in flight).
+    pub fn submit_device_as(
+        &mut self,
+        buffer: u32,
+        request_id: u64,
+        spec: &TensorSpec,
+        timeline: Option<u64>,
+    ) -> Result<()> {
+        let id = request_id;
         let d = self
             .devices
             .get(&buffer)
@@ -895,8 +911,6 @@ impl Producer {
         if d.in_flight {
             return Err(Error::DeviceInFlight(buffer));
         }
-        let id = self.next_id;
-        self.next_id += 1;
         let location = RawLocation::DeviceBuffer(SlotRef {
             slot: buffer,
             generation: d.generation,
@@ -915,7 +929,7 @@ impl Producer {
         if let Some(d) = self.devices.get_mut(&buffer) {
             d.in_flight = true;
         }
-        Ok(id)
+        Ok(())
     }
 
     fn submit_slot(&mut self, slot: SlotRef, request_id: u64, spec: &TensorSpec) -> Result<()> {
