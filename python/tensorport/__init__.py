@@ -286,21 +286,68 @@ class Request:
         """The numpy name of the tensor's dtype (`bf16` has none and stays `"bf16"`)."""
         return _TO_NUMPY.get(self._native.dtype, self._native.dtype)
 
+    device = property(lambda self: self._native.device)
+
     def array(self):
         """The tensor as a read-only numpy array, in the producer's pool (no copy)."""
         n = self._native
+        if n.device:
+            raise TensorportError("a device tensor (from a GPU producer): use tensor()")
         contiguous = list(n.strides) == _row_major(n.shape)
         return _view(n, n.address, n.nbytes, _TO_NUMPY[n.dtype], n.shape, False,
                      None if contiguous else n.strides)
 
+    def tensor(self):
+        """The tensor as a torch tensor, in place: a host one over the pool, or — for a GPU
+        producer's tensor (a server made with `cuda_device`) — a CUDA one over the producer's
+        buffer, after torch's current stream has been made to wait for the producer's writes.
+        Read it on that stream (or copy it) before answering: `respond` releases the buffer
+        after the work then enqueued there."""
+        import torch
+
+        n = self._native
+        if not n.device:
+            import warnings
+
+            # The view is read-only; torch has no read-only tensors and would say so each time.
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore", UserWarning)
+                return torch.from_numpy(self.array())
+        n._wait_ready(torch.cuda.current_stream().cuda_stream)
+        contiguous = list(n.strides) == _row_major(n.shape)
+        dt = _np().dtype(_TO_NUMPY[n.dtype])
+        item = dt.itemsize
+        # Marked writable because torch has no read-only tensors; do not write it.
+        iface = {
+            "shape": tuple(n.shape),
+            "typestr": dt.str,
+            "data": (n.address, False),
+            "version": 3,
+            "strides": None if contiguous else tuple(int(x) * item for x in n.strides),
+            "stream": None,
+        }
+        holder = type("_DeviceView", (), {"__cuda_array_interface__": iface, "_owner": n})()
+        return torch.as_tensor(holder, device="cuda")
+
+    def _stream(self) -> int:
+        """Torch's current stream for a device tensor's release (0 if torch is not in use)."""
+        import sys
+
+        torch = sys.modules.get("torch")
+        if self._native.device and torch is not None and torch.cuda.is_initialized():
+            return torch.cuda.current_stream().cuda_stream
+        return 0
+
     def respond(self, data) -> None:
-        """Sends `data` (bytes, or anything with a buffer, e.g. a numpy array) as the result."""
+        """Sends `data` (bytes, or anything with a buffer, e.g. a numpy array) as the result.
+        A device tensor's buffer goes back after the work enqueued so far on torch's current
+        stream."""
         if hasattr(data, "tobytes"):
             data = data.tobytes()
-        self._native.respond(bytes(data))
+        self._native.respond(bytes(data), self._stream())
 
     def fail(self, message: str) -> None:
-        self._native.fail(message)
+        self._native.fail(message, self._stream())
 
 
 def _row_major(shape) -> list:

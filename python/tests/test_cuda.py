@@ -134,6 +134,48 @@ def test_loader_on_the_gpu(tmp_path):
     check_loader_on_the_gpu(str(tmp_path))
 
 
+def check_device_views(d):
+    """A Python consumer viewing GPU producers' tensors in place (`Request.tensor()`), against
+    the same files prepared by CPU producers and viewed in their pools."""
+    import torch
+
+    images = os.path.join(d, "images")
+    subprocess.run([os.environ["TENSORPORT_BIN"], "images", "--out", images, "--count", "24"],
+                   check=True, stdout=subprocess.DEVNULL)
+    jpegs = sorted(f for f in os.listdir(images) if f.endswith(".jpg"))
+
+    def collect(extra):
+        sock = os.path.join(d, f"v{len(extra)}.sock")
+        server = tensorport.Server(sock, slots=8, slot_size=3 * 64 * 64 * 4, cuda_device=0)
+        p = subprocess.Popen(
+            [os.environ["TENSORPORT_BIN"], "--log", "warn", "produce", "--socket", sock,
+             "--input", images, "--image-size", "64"] + extra, stdout=subprocess.DEVNULL)
+        got, devices = {}, 0
+        while len(got) < 24:
+            for r in server.recv_batch(8, timeout=30):
+                t = r.tensor()
+                devices += r.device
+                got[r.request_id] = t.float().cpu().clone() if t.is_cuda else t.clone()
+                r.respond(b"\0" * 40)  # 10 float scores, as the producer expects
+        assert p.wait(timeout=60) == 0
+        server.drain()
+        return got, devices
+
+    cpu, _ = collect([])
+    gpu, devices = collect(["--nvjpeg"])
+    # Every one in device memory: the JPEGs decoded by nvJPEG, the PNGs prepared on the CPU
+    # and copied up by the GPU producer.
+    assert devices == 24, devices
+    worst = max(float((cpu[i] - gpu[i]).abs().mean()) for i in cpu)
+    print(f"  Request.tensor(): 24 GPU producer tensors viewed in place on the GPU "
+          f"({len(jpegs)} decoded by nvJPEG); worst file's mean |GPU - CPU| {worst:.4f}")
+    assert worst < 0.01
+
+
+def test_device_views(tmp_path):
+    check_device_views(str(tmp_path))
+
+
 if __name__ == "__main__":
     why = _why_not()
     if why:
@@ -143,4 +185,6 @@ if __name__ == "__main__":
         check_against_host_path(d)
     with tempfile.TemporaryDirectory() as d:
         check_loader_on_the_gpu(d)
-    print("2 passed")
+    with tempfile.TemporaryDirectory() as d:
+        check_device_views(d)
+    print("3 passed")
