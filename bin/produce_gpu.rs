@@ -20,6 +20,10 @@ use tensorport_vision::{Preprocessor, Source, IMAGENET_MEAN, IMAGENET_STD};
 use crate::common::{CliError, CliResult, PixelsArg, ResultLine, StageTimes};
 use crate::produce::{ms, result_line, Args, Item};
 
+/// Decoded bytes one batch may need on the GPU before it is cut short (32 ImageNet-sized images
+/// need about 20 MB; one image at the 16,384-pixel limit 805 MB).
+const SCRATCH_BUDGET: u64 = 1 << 30;
+
 fn cuda(e: tensorport_cuda::Error) -> CliError {
     CliError::new(e.to_string())
 }
@@ -90,7 +94,10 @@ pub fn run(
         // when nothing is in flight, then take what is already read.
         let mut taken: Vec<Taken> = Vec::new();
         let room = depth - pending.len();
-        while !eof && taken.len() < batch.min(room) {
+        // Decoded bytes the batch will need on the GPU: a batch ends early past the budget, so
+        // a few huge images cannot make the scratch buffer huge.
+        let mut scratch = 0u64;
+        while !eof && taken.len() < batch.min(room) && scratch < SCRATCH_BUDGET {
             let next = if taken.is_empty() && pending.is_empty() {
                 match rx.recv_timeout(Duration::from_millis(200)) {
                     Ok(it) => Some(it),
@@ -135,6 +142,9 @@ pub fn run(
                 None => None,
             };
             let gpu_size = bytes.as_deref().and_then(|b| jpeg.probe(b));
+            if let Some((w, h)) = gpu_size {
+                scratch += 3 * u64::from(w) * u64::from(h);
+            }
             taken.push(Taken {
                 index,
                 source,

@@ -253,6 +253,9 @@ impl GpuJpeg {
         self.as_u8 = as_u8;
     }
 
+    /// The largest side [`GpuJpeg::probe`] accepts (the CPU decoder's limit too).
+    pub const MAX_SIDE: u32 = 16_384;
+
     /// The backend decoding.
     pub fn backend(&self) -> JpegBackend {
         self.backend
@@ -271,6 +274,11 @@ impl GpuJpeg {
         unsafe {
             let (components, w, h) = self.lib.image_info(self.handle, data).ok()?;
             if !(components == 1 || components == 3) || w == 0 || h == 0 {
+                return None;
+            }
+            // A header may claim any size: beyond the CPU decoder's limit, the CPU path (which
+            // refuses it, saying so) is the one to answer.
+            if w > Self::MAX_SIDE || h > Self::MAX_SIDE {
                 return None;
             }
             if matches!(self.backend, JpegBackend::Hardware { .. })
