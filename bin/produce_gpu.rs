@@ -195,7 +195,11 @@ pub fn run(
                     ),
                 }
             }
-            // The last batch's decode has run (`run` waited for it): its bytes can be reused.
+            // The last batch's decode has run (a successful `run` waited for it; otherwise wait
+            // here): its bytes can be reused.
+            if !gpu_ok && !held.is_empty() {
+                jpeg.wait_idle().map_err(cuda)?;
+            }
             for b in held.drain(..) {
                 let _ = spent.send(b);
             }

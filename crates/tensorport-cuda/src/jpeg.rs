@@ -253,6 +253,15 @@ impl GpuJpeg {
         self.as_u8 = as_u8;
     }
 
+    /// Waits until the last batch's decode and kernel have run (after which its JPEG bytes
+    /// and output buffers are no longer read or written by this decoder).
+    pub fn wait_idle(&mut self) -> Result<()> {
+        match self.last.take() {
+            Some(e) => e.wait(),
+            None => Ok(()),
+        }
+    }
+
     /// The largest side [`GpuJpeg::probe`] accepts (the CPU decoder's limit too).
     pub const MAX_SIDE: u32 = 16_384;
 
