@@ -307,6 +307,8 @@ fn help_explains_every_subcommand() {
                 "--output",
                 "--in-flight",
                 "--image-size",
+                "--nvjpeg",
+                "--pixels",
             ],
         ),
         (
@@ -319,11 +321,21 @@ fn help_explains_every_subcommand() {
                 "--progress",
                 "--max-restarts",
                 "--in-flight",
+                "--gpu-producers",
+                "--pixels",
             ],
         ),
         (vec!["ctl"], vec!["status", "drain", "--socket"]),
         // Global options show (and work) after the subcommand too.
-        (vec!["ctl", "status"], vec!["--socket", "--log", "--json"]),
+        (
+            vec!["ctl", "status"],
+            vec!["--socket", "--log", "--json", "--farm"],
+        ),
+        (
+            vec!["model-bench"],
+            vec!["--device", "--batch", "--seconds"],
+        ),
+        (vec!["prep"], vec!["--nvjpeg", "--dump"]),
         (vec!["weights"], vec!["--out", "--seed"]),
     ] {
         let mut args: Vec<&str> = sub.clone();
@@ -373,6 +385,20 @@ fn errors_are_one_line_and_say_what_to_do() {
     assert_one_line_error(
         &["farm", "--synthetic", "4", "--gpu-producers", "1"],
         "run the servers on a GPU",
+    );
+    // A GPU producer with no GPU (CI) says so; with one, it names what is missing (nvJPEG,
+    // NVRTC) or goes on to find no server.
+    let (ok, _, err) = run(&["produce", "--socket", s, "--synthetic", "3", "--nvjpeg"]);
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(
+        !ok && lines.len() == 1 && lines[0].starts_with("error: "),
+        "{err}"
+    );
+    assert!(
+        ["NVIDIA driver", "libnvjpeg", "libnvrtc", "tensorport serve"]
+            .iter()
+            .any(|n| lines[0].contains(n)),
+        "{err}"
     );
     assert_one_line_error(&["ctl", "--socket", s, "status"], "tensorport serve");
     assert_one_line_error(
