@@ -151,7 +151,7 @@ fn file_name(path: &std::path::Path) -> String {
 /// `--nvjpeg`: every file through the GPU pipeline, a batch at a time, waiting for each batch;
 /// the best pass's time and the first pass's tensors.
 fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<(Duration, Dumped)> {
-    use tensorport_cuda::{DeviceBuffer, Gpu, GpuJpeg, JpegJob, JpegWindow, Stream};
+    use tensorport_cuda::{DeviceBuffer, Gpu, GpuJpeg, JpegJob, Stream};
     let cuda = |e: tensorport_cuda::Error| CliError::new(e.to_string());
     let gpu = Gpu::open(a.gpu as i32).map_err(cuda)?;
     let mut jpeg = GpuJpeg::new(
@@ -186,20 +186,8 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<(Duration, Dump
             let jobs: Vec<JpegJob<'_>> = chunk
                 .iter()
                 .enumerate()
-                .map(|(k, (_, bytes, (w, h)))| {
-                    let win = transform.window(*w, *h);
-                    JpegJob {
-                        data: bytes,
-                        size: (*w, *h),
-                        window: JpegWindow {
-                            left: win.left,
-                            top: win.top,
-                            width: win.width,
-                            height: win.height,
-                            out: win.out,
-                        },
-                        dst: (&out, k * image_bytes),
-                    }
+                .map(|(k, (_, bytes, size))| {
+                    crate::produce_gpu::jpeg_job(&transform, bytes, *size, (&out, k * image_bytes))
                 })
                 .collect();
             jpeg.run(&jobs, &stream).map_err(cuda)?;

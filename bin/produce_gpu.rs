@@ -14,8 +14,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorport::TensorSpec;
-use tensorport_cuda::{Gpu, GpuJpeg, GpuProducer, JpegJob, JpegWindow, PinnedBuffer};
-use tensorport_vision::{Preprocessor, Source, IMAGENET_MEAN, IMAGENET_STD};
+use tensorport_cuda::{DeviceBuffer, Gpu, GpuJpeg, GpuProducer, JpegJob, JpegWindow, PinnedBuffer};
+use tensorport_vision::{Preprocessor, Source, Transform, IMAGENET_MEAN, IMAGENET_STD};
 
 use crate::common::{CliError, CliResult, PixelsArg, ResultLine, StageTimes};
 use crate::produce::{ms, result_line, Args, Item};
@@ -23,6 +23,29 @@ use crate::produce::{ms, result_line, Args, Item};
 /// Decoded bytes one batch may need on the GPU before it is cut short (32 ImageNet-sized images
 /// need about 20 MB; one image at the 16,384-pixel limit 805 MB).
 const SCRATCH_BUDGET: u64 = 1 << 30;
+
+/// The GPU pipeline's job for a JPEG of `size` (as `GpuJpeg::probe` gave it), prepared with
+/// `transform` into `dst`.
+pub(crate) fn jpeg_job<'a>(
+    transform: &Transform,
+    data: &'a [u8],
+    size: (u32, u32),
+    dst: (&'a DeviceBuffer, usize),
+) -> JpegJob<'a> {
+    let win = transform.window(size.0, size.1);
+    JpegJob {
+        data,
+        size,
+        window: JpegWindow {
+            left: win.left,
+            top: win.top,
+            width: win.width,
+            height: win.height,
+            out: win.out,
+        },
+        dst,
+    }
+}
 
 fn cuda(e: tensorport_cuda::Error) -> CliError {
     CliError::new(e.to_string())
@@ -121,7 +144,7 @@ pub fn run(
                 break;
             };
             let in_batch = taken.iter().any(|t| t.index == index);
-            if in_batch || pending.values().any(|v| v.0 == index) {
+            if in_batch || pending.contains_key(&index) {
                 if let Some((Ok(buf), _)) = bytes {
                     let _ = spent.send(buf);
                 }
@@ -171,20 +194,12 @@ pub fn run(
                     .iter()
                     .map(|&i| {
                         let t = &taken[i];
-                        let (w, h) = t.gpu.expect("filtered");
-                        let win = transform.window(w, h);
-                        JpegJob {
-                            data: t.bytes.as_deref().expect("probed bytes"),
-                            size: (w, h),
-                            window: JpegWindow {
-                                left: win.left,
-                                top: win.top,
-                                width: win.width,
-                                height: win.height,
-                                out: win.out,
-                            },
-                            dst: (p.buffer(t.buffer), 0),
-                        }
+                        jpeg_job(
+                            &transform,
+                            t.bytes.as_deref().expect("probed bytes"),
+                            t.gpu.expect("filtered"),
+                            (p.buffer(t.buffer), 0),
+                        )
                     })
                     .collect();
                 match jpeg.run(&jobs, p.stream()) {

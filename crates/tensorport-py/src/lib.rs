@@ -373,13 +373,7 @@ impl Server {
                 "this server was made without cuda_device: it cannot write into GPU memory",
             ));
         };
-        if row == 0 || address == 0 {
-            return Err(PyValueError::new_err("a row of 0 bytes, or no buffer"));
-        }
-        let rows = (capacity / row).min(max.max(1));
-        if rows == 0 {
-            return Err(PyValueError::new_err("the buffer holds no row"));
-        }
+        let rows = batch_rows(address as usize, capacity, row, max)?;
         let server = self.inner.clone();
         py.allow_threads(move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
@@ -414,11 +408,9 @@ impl Server {
             };
             let mut failed = None;
             for r in batch {
-                if r.desc().byte_len() != row as u64 {
-                    let n = r.desc().byte_len();
-                    let _ = r.fail(format!("a tensor of {n} bytes; this consumer takes {row}"));
+                let Some(r) = one_row(r, row) else {
                     continue;
-                }
+                };
                 let k = written.len();
                 if failed.is_none() {
                     if let Err(e) = copy(&r, address + (k * row) as u64) {
@@ -478,13 +470,7 @@ impl Server {
         max_wait: f64,
     ) -> PyResult<Vec<(u64, usize)>> {
         let (t, w) = (secs(timeout)?, secs(max_wait)?);
-        if row == 0 || address == 0 {
-            return Err(PyValueError::new_err("a row of 0 bytes, or no buffer"));
-        }
-        let rows = (capacity / row).min(max.max(1));
-        if rows == 0 {
-            return Err(PyValueError::new_err("the buffer holds no row"));
-        }
+        let rows = batch_rows(address, capacity, row, max)?;
         let server = self.inner.clone();
         py.allow_threads(move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
@@ -494,12 +480,10 @@ impl Server {
             let out = unsafe { std::slice::from_raw_parts_mut(address as *mut u8, capacity) };
             let mut written = Vec::with_capacity(batch.len());
             for r in batch {
-                let bytes = r.bytes();
-                if bytes.len() != row {
-                    let n = bytes.len();
-                    let _ = r.fail(format!("a tensor of {n} bytes; this consumer takes {row}"));
+                let Some(r) = one_row(r, row) else {
                     continue;
-                }
+                };
+                let bytes = r.bytes();
                 let k = written.len();
                 out[k * row..(k + 1) * row].copy_from_slice(bytes);
                 written.push((r.request_id(), k));
@@ -662,6 +646,28 @@ impl Request {
     fn answered(&self) -> bool {
         lock(&self.inner).is_none()
     }
+}
+
+/// How many rows of `row` bytes a batch copied into `capacity` bytes at `address` may have (at
+/// most `max`), or why none.
+fn batch_rows(address: usize, capacity: usize, row: usize, max: usize) -> PyResult<usize> {
+    if row == 0 || address == 0 {
+        return Err(PyValueError::new_err("a row of 0 bytes, or no buffer"));
+    }
+    match (capacity / row).min(max.max(1)) {
+        0 => Err(PyValueError::new_err("the buffer holds no row")),
+        rows => Ok(rows),
+    }
+}
+
+/// `r` if its tensor is exactly one row of `row` bytes; otherwise it is failed, saying so.
+fn one_row(r: tensorport::Request, row: usize) -> Option<tensorport::Request> {
+    let n = r.desc().byte_len();
+    if n == row as u64 {
+        return Some(r);
+    }
+    let _ = r.fail(format!("a tensor of {n} bytes; this consumer takes {row}"));
+    None
 }
 
 /// For a device tensor: its release recorded on `stream` (after the consumer's reads there).
