@@ -1,0 +1,155 @@
+//! The remote producer's preparing thread: inputs become Arrow batches of tensors, written in
+//! place into the batch's (aligned) buffer.
+
+use std::path::PathBuf;
+
+use arrow_array::RecordBatch;
+use arrow_buffer::MutableBuffer;
+use tensorport_bridge::schema::TensorLayout;
+use tensorport_vision::{list_images, Planes, Preprocessor, Source, Transform};
+use tokio::sync::mpsc;
+
+use super::{CliError, CliResult};
+
+/// What the remote producer sends per image.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Pixels {
+    /// Normalised f32 planes.
+    #[default]
+    F32,
+    /// 8-bit planes (a quarter of the bytes; the server normalises them).
+    U8,
+}
+
+/// How images are resized.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Resize {
+    /// Shorter side to size/0.875, antialiased, then a centre crop (torchvision's evaluation
+    /// transform).
+    #[default]
+    Standard,
+    /// The whole image to size×size.
+    Square,
+}
+
+/// What to prepare.
+pub struct Plan {
+    pub inputs: Vec<(u64, Source)>,
+    pub layout: TensorLayout,
+    pub transform: Transform,
+    pub pixels: Pixels,
+    /// Prepare the first input once and send copies (or zeros of `layout`'s shape if `raw`).
+    pub ready: bool,
+    /// The tensors are not images: `ready` copies of zeros.
+    pub raw: bool,
+    pub batch: usize,
+}
+
+/// One step of the preparing thread's output.
+pub enum Prepared {
+    /// Tensors ready to send, with each one's index and input.
+    Batch {
+        batch: RecordBatch,
+        items: Vec<(u64, String)>,
+    },
+    /// An input that could not be prepared.
+    Failed {
+        index: u64,
+        input: String,
+        error: String,
+    },
+}
+
+impl Plan {
+    /// The inputs: a folder's images, or N generated ones.
+    pub fn inputs(dir: Option<&PathBuf>, synthetic: Option<u64>) -> CliResult<Vec<(u64, Source)>> {
+        Ok(match (dir, synthetic) {
+            (Some(d), _) => list_images(d)?
+                .into_iter()
+                .enumerate()
+                .map(|(i, p)| (i as u64, Source::File(p)))
+                .collect(),
+            (None, Some(n)) => (0..n).map(|i| (i, Source::Synthetic(i))).collect(),
+            (None, None) => {
+                return Err(CliError::usage(
+                    "say what to send: --input DIR or --synthetic N",
+                ))
+            }
+        })
+    }
+
+    /// Starts the thread; batches arrive on the channel, at most `queue` ahead.
+    pub fn start(self, queue: usize) -> mpsc::Receiver<Prepared> {
+        let (tx, rx) = mpsc::channel(queue.max(1));
+        std::thread::Builder::new()
+            .name("tp-bridge-prepare".into())
+            .spawn(move || self.run(tx))
+            .expect("spawn the preparing thread");
+        rx
+    }
+
+    fn planes<'a>(&self, out: &'a mut [u8]) -> Planes<'a> {
+        match self.pixels {
+            Pixels::U8 => Planes::U8(out),
+            // The batch buffer is 64-byte aligned and every tensor a multiple of 4 bytes long.
+            Pixels::F32 => Planes::F32(bytemuck::cast_slice_mut(out)),
+        }
+    }
+
+    fn run(self, tx: mpsc::Sender<Prepared>) {
+        let bytes = self.layout.bytes();
+        let mut prep = Preprocessor::new(self.transform);
+        let mut ready: Option<Vec<u8>> = None;
+        let batch = self.batch.max(1);
+        for chunk in self.inputs.chunks(batch) {
+            let mut buf = MutableBuffer::from_len_zeroed(chunk.len() * bytes);
+            let mut items = Vec::with_capacity(chunk.len());
+            for (index, source) in chunk {
+                let k = items.len();
+                let out = &mut buf.as_slice_mut()[k * bytes..(k + 1) * bytes];
+                let r = match (&ready, self.ready) {
+                    (Some(px), _) => {
+                        out.copy_from_slice(px);
+                        Ok(())
+                    }
+                    (None, true) if self.raw => {
+                        ready = Some(out.to_vec());
+                        Ok(())
+                    }
+                    (None, is_ready) => {
+                        let r = prep.prepare_into(source, self.planes(out));
+                        if is_ready && r.is_ok() {
+                            ready = Some(out.to_vec());
+                        }
+                        r
+                    }
+                };
+                match r {
+                    Ok(()) => items.push((*index, source.to_string())),
+                    Err(e) => {
+                        let failed = Prepared::Failed {
+                            index: *index,
+                            input: source.to_string(),
+                            error: e.to_string(),
+                        };
+                        if tx.blocking_send(failed).is_err() {
+                            return;
+                        }
+                    }
+                }
+            }
+            if items.is_empty() {
+                continue;
+            }
+            buf.truncate(items.len() * bytes);
+            let ids: Vec<u64> = items.iter().map(|(i, _)| *i).collect();
+            let batch = self
+                .layout
+                .batch(&ids, buf.into())
+                .expect("a batch of whole tensors of the layout");
+            if tx.blocking_send(Prepared::Batch { batch, items }).is_err() {
+                return;
+            }
+        }
+    }
+}

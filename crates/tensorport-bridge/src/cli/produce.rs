@@ -1,0 +1,423 @@
+//! `tensorport-bridge produce`: a remote producer.
+
+use std::collections::{HashMap, VecDeque};
+use std::io::Write;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::{Duration, Instant};
+
+use arrow_array::{BooleanArray, RecordBatch};
+use serde::Serialize;
+use tensorport::DType;
+use tensorport_bridge::auth::Token;
+use tensorport_bridge::remote::{connect, Exchange, RemoteConfig, RemoteError};
+use tensorport_bridge::schema::{ResultRow, TensorLayout};
+use tensorport_bridge::tls::ClientTls;
+use tensorport_vision::Transform;
+
+use super::inputs::{Pixels, Plan, Prepared, Resize};
+use super::{CliError, CliResult, TokenArg};
+
+/// Prepare images on this host and have a tensorport server on another classify them, through
+/// its `tensorport-bridge gateway`. Images are decoded, resized, cropped and normalised like
+/// `tensorport produce` does, gathered into Arrow batches of --batch tensors, and streamed to the
+/// gateway with up to --in-flight requests outstanding. If the connection is lost, it connects
+/// again and sends what has no result yet: every input gets exactly one line. Writes one JSON
+/// line per input, as `tensorport produce` does: {"index", "input", "class", "scores",
+/// "latency_ms", "producer"} (or "error"); a summary goes to stderr.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// The gateway: http://HOST:PORT, or https://HOST:PORT for TLS.
+    #[arg(long, env = "TENSORPORT_GATEWAY", value_name = "URL")]
+    pub gateway: String,
+    #[command(flatten)]
+    pub token: TokenArg,
+    /// CA certificate (PEM) that signed the gateway's certificate [default: the system's roots
+    /// are not used; give this for https].
+    #[arg(long, value_name = "PEM")]
+    pub tls_ca: Option<PathBuf>,
+    /// The name the gateway's certificate carries, if not the URL's host.
+    #[arg(long, value_name = "NAME")]
+    pub tls_domain: Option<String>,
+    /// This producer's certificate (PEM), for a gateway that requires one (mutual TLS).
+    #[arg(long, requires = "tls_key", value_name = "PEM")]
+    pub tls_cert: Option<PathBuf>,
+    /// This producer's private key (PEM).
+    #[arg(long, requires = "tls_cert", value_name = "PEM")]
+    pub tls_key: Option<PathBuf>,
+    /// Folder of PNG/JPEG images to classify.
+    #[arg(long, conflicts_with = "synthetic")]
+    pub input: Option<PathBuf>,
+    /// Classify N generated images instead of files.
+    #[arg(long, value_name = "N")]
+    pub synthetic: Option<u64>,
+    /// The tensors are ready: prepare the first input once and send a copy for every input
+    /// (measures the bridge without the preprocessing).
+    #[arg(long)]
+    pub ready: bool,
+    /// With --ready: send zero tensors of this shape (comma-separated, f32) instead of images;
+    /// for a server that takes any tensor (`serve --model none`).
+    #[arg(long, value_delimiter = ',', requires = "ready", value_name = "DIMS")]
+    pub shape: Option<Vec<u64>>,
+    /// Side of the square images the server's model takes, in pixels.
+    #[arg(long, default_value_t = 224)]
+    pub image_size: u32,
+    /// The resize.
+    #[arg(long, value_enum, default_value_t)]
+    pub transform: Resize,
+    /// What to send per image.
+    #[arg(long, value_enum, default_value_t)]
+    pub pixels: Pixels,
+    /// Requests outstanding at once.
+    #[arg(long, default_value_t = 64)]
+    pub in_flight: usize,
+    /// Tensors per Arrow batch (per gRPC message, up to 8 MiB).
+    #[arg(long, default_value_t = 8)]
+    pub batch: usize,
+    /// Where to write the JSON lines (`-` for stdout).
+    #[arg(long, short, default_value = "-")]
+    pub output: PathBuf,
+    /// Name shown in the gateway's and the server's logs and status.
+    #[arg(long, default_value = "remote")]
+    pub name: String,
+    /// Connections tried again, one after another, when the gateway cannot be reached or the
+    /// stream breaks, before giving up (a refused token or tensor is not retried).
+    #[arg(long, default_value_t = 5)]
+    pub retries: u32,
+    /// Seconds to wait for a connection.
+    #[arg(long, default_value_t = 10)]
+    pub connect_timeout: u64,
+}
+
+/// One line of output, as `tensorport produce` writes it.
+#[derive(Serialize)]
+struct Line<'a> {
+    index: u64,
+    input: &'a str,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    class: Option<usize>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    scores: Option<Vec<f32>>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    error: Option<String>,
+    latency_ms: f64,
+    producer: &'a str,
+}
+
+/// A request sent and not yet answered.
+struct Pending {
+    input: String,
+    sent: Instant,
+}
+
+struct Run {
+    out: Box<dyn Write>,
+    name: String,
+    pending: HashMap<u64, Pending>,
+    /// Batches sent with requests still unanswered, for sending again on a new stream.
+    unanswered: VecDeque<RecordBatch>,
+    lines: u64,
+    errors: u64,
+    bytes: u64,
+}
+
+impl Run {
+    fn emit(
+        &mut self,
+        index: u64,
+        input: &str,
+        outcome: Result<Vec<f32>, String>,
+        latency: f64,
+    ) -> CliResult<()> {
+        let (class, scores, error) = match outcome {
+            Ok(s) => (argmax(&s), Some(s), None),
+            Err(e) => (None, None, Some(e)),
+        };
+        if error.is_some() {
+            self.errors += 1;
+        }
+        let line = Line {
+            index,
+            input,
+            class,
+            scores,
+            error,
+            latency_ms: latency,
+            producer: &self.name,
+        };
+        let s = serde_json::to_string(&line).expect("serialisable");
+        writeln!(self.out, "{s}")?;
+        self.lines += 1;
+        Ok(())
+    }
+
+    fn answer(&mut self, rows: Vec<ResultRow>) -> CliResult<()> {
+        for r in rows {
+            // An answer to a request of an earlier stream, already answered: not again.
+            let Some(p) = self.pending.remove(&r.id) else {
+                continue;
+            };
+            let outcome = match r.outcome {
+                Ok(b) if b.len() % 4 == 0 => Ok(b
+                    .chunks_exact(4)
+                    .map(|c| f32::from_le_bytes(c.try_into().expect("4 bytes")))
+                    .collect()),
+                Ok(_) => Err("the server sent a malformed result".to_string()),
+                Err((code, msg)) => Err(format!(
+                    "{:?}: {msg}",
+                    tensorport::wire::ErrorCode::from_u16(code)
+                )),
+            };
+            let latency = p.sent.elapsed().as_secs_f64() * 1e3;
+            self.emit(r.id, &p.input, outcome, latency)?;
+        }
+        self.out.flush()?;
+        // Forget batches all of whose requests are answered.
+        while self
+            .unanswered
+            .front()
+            .is_some_and(|b| !ids(b).iter().any(|i| self.pending.contains_key(i)))
+        {
+            self.unanswered.pop_front();
+        }
+        Ok(())
+    }
+
+    /// The unanswered part of each batch sent, to send again.
+    fn resend(&self) -> Vec<RecordBatch> {
+        self.unanswered
+            .iter()
+            .filter_map(|b| {
+                let keep = BooleanArray::from(
+                    ids(b)
+                        .iter()
+                        .map(|i| self.pending.contains_key(i))
+                        .collect::<Vec<_>>(),
+                );
+                let f = arrow_select::filter::filter_record_batch(b, &keep).ok()?;
+                (f.num_rows() > 0).then_some(f)
+            })
+            .collect()
+    }
+}
+
+fn ids(b: &RecordBatch) -> &[u64] {
+    use arrow_array::cast::AsArray;
+    b.column(0)
+        .as_primitive::<arrow_array::types::UInt64Type>()
+        .values()
+}
+
+fn argmax(v: &[f32]) -> Option<usize> {
+    v.iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .map(|(i, _)| i)
+}
+
+pub fn run(a: Args) -> CliResult<ExitCode> {
+    let token = Token::read(&a.token.token_file)?;
+    if a.image_size == 0 || a.in_flight == 0 || a.batch == 0 {
+        return Err(CliError::usage(
+            "--image-size, --in-flight and --batch must be positive",
+        ));
+    }
+    let raw = a.shape.is_some();
+    let layout = match &a.shape {
+        Some(shape) => TensorLayout::new(DType::F32, shape)?,
+        None => {
+            let s = a.image_size as u64;
+            let dtype = match a.pixels {
+                Pixels::F32 => DType::F32,
+                Pixels::U8 => DType::U8,
+            };
+            TensorLayout::new(dtype, &[3, s, s])?
+        }
+    };
+    let inputs = Plan::inputs(a.input.as_ref(), a.synthetic)?;
+    let total = inputs.len();
+    let tls = ClientTls {
+        ca: a.tls_ca.clone(),
+        domain: a.tls_domain.clone(),
+        identity: a.tls_cert.clone().zip(a.tls_key.clone()),
+    };
+    let cfg = RemoteConfig {
+        gateway: a.gateway.clone(),
+        token,
+        tls: Some(tls),
+        name: a.name.clone(),
+        connect_timeout: Duration::from_secs(a.connect_timeout.max(1)),
+    };
+    let out: Box<dyn Write> = if a.output.as_os_str() == "-" {
+        Box::new(std::io::stdout().lock())
+    } else {
+        Box::new(std::io::BufWriter::new(
+            std::fs::File::create(&a.output).map_err(|e| {
+                CliError::usage(format!("cannot create {}: {e}", a.output.display()))
+            })?,
+        ))
+    };
+    let batch = a.batch.min(a.in_flight);
+    let plan = Plan {
+        inputs,
+        layout: layout.clone(),
+        transform: match a.transform {
+            Resize::Standard => Transform::standard(a.image_size),
+            Resize::Square => Transform::Square { size: a.image_size },
+        },
+        pixels: a.pixels,
+        ready: a.ready,
+        raw,
+        batch,
+    };
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .thread_name("tp-bridge-io")
+        .build()?;
+    let mut run = Run {
+        out,
+        name: a.name.clone(),
+        pending: HashMap::new(),
+        unanswered: VecDeque::new(),
+        lines: 0,
+        errors: 0,
+        bytes: 0,
+    };
+    let t0 = Instant::now();
+    let r = rt.block_on(stream_all(&cfg, &layout, plan, &a, &mut run));
+    let secs = t0.elapsed().as_secs_f64();
+    let reconnects = match &r {
+        Ok(n) => *n,
+        Err(_) => 0,
+    };
+    if let Err(e) = r {
+        // Every input sent still gets its line.
+        let why = format!("not answered: {e}");
+        let pending: Vec<(u64, String)> = run.pending.drain().map(|(i, p)| (i, p.input)).collect();
+        for (i, input) in pending {
+            run.emit(i, &input, Err(why.clone()), 0.0)?;
+        }
+        run.out.flush()?;
+        return Err(e);
+    }
+    eprintln!(
+        "{} of {total} inputs answered ({} with errors) in {secs:.2} s: {:.1} tensors/s, {:.1} MB/s sent; {reconnects} reconnects",
+        run.lines,
+        run.errors,
+        run.lines as f64 / secs,
+        run.bytes as f64 / 1e6 / secs,
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+/// Streams every input, reconnecting as needed; returns the number of reconnections.
+async fn stream_all(
+    cfg: &RemoteConfig,
+    layout: &TensorLayout,
+    plan: Plan,
+    a: &Args,
+    run: &mut Run,
+) -> CliResult<u32> {
+    let batch = plan.batch;
+    let window = a.in_flight.max(batch);
+    // Queued batches never exceed the window, so sending never waits on the gateway.
+    let queue = window / batch + 2;
+    let mut prepared = plan.start(2);
+    let mut prepared_done = false;
+    let mut failures = 0u32;
+    let mut reconnects = 0u32;
+    let mut last_error: Option<RemoteError> = None;
+    'connect: loop {
+        if failures > 0 {
+            let e = last_error.take().expect("set with each failure");
+            if !e.retryable() || failures > a.retries {
+                return Err(CliError::new(e.to_string()));
+            }
+            let pause = Duration::from_millis(200 << (failures - 1).min(5));
+            tracing::warn!("{e}; connecting again in {:.1} s", pause.as_secs_f64());
+            tokio::time::sleep(pause).await;
+            reconnects += 1;
+        }
+        let mut client = match connect(cfg).await {
+            Ok(c) => c,
+            Err(e) => {
+                failures += 1;
+                last_error = Some(e);
+                continue 'connect;
+            }
+        };
+        let mut ex = match Exchange::open(&mut client, layout, &cfg.name, queue).await {
+            Ok(x) => x,
+            Err(e) => {
+                failures += 1;
+                last_error = Some(e);
+                continue 'connect;
+            }
+        };
+        for b in run.resend() {
+            if let Err(e) = ex.send(b).await {
+                failures += 1;
+                last_error = Some(e);
+                continue 'connect;
+            }
+        }
+        if prepared_done {
+            ex.finish();
+        }
+        loop {
+            if prepared_done && run.pending.is_empty() {
+                return Ok(reconnects);
+            }
+            let room = run.pending.len() + batch <= window;
+            tokio::select! {
+                item = prepared.recv(), if room && !prepared_done => match item {
+                    Some(Prepared::Batch { batch: b, items }) => {
+                        let now = Instant::now();
+                        for (i, input) in items {
+                            run.pending.insert(i, Pending { input, sent: now });
+                        }
+                        run.bytes += (b.num_rows() * layout.bytes()) as u64;
+                        run.unanswered.push_back(b.clone());
+                        if let Err(e) = ex.send(b).await {
+                            failures += 1;
+                            last_error = Some(e);
+                            continue 'connect;
+                        }
+                    }
+                    Some(Prepared::Failed { index, input, error }) => {
+                        run.emit(index, &input, Err(error), 0.0)?;
+                    }
+                    None => {
+                        prepared_done = true;
+                        ex.finish();
+                    }
+                },
+                res = ex.results() => match res {
+                    Some(Ok(rows)) => {
+                        if !rows.is_empty() {
+                            failures = 0;
+                        }
+                        run.answer(rows)?;
+                    }
+                    Some(Err(e)) => {
+                        failures += 1;
+                        last_error = Some(e);
+                        continue 'connect;
+                    }
+                    None => {
+                        if prepared_done && run.pending.is_empty() {
+                            return Ok(reconnects);
+                        }
+                        failures += 1;
+                        last_error = Some(RemoteError::Connect(
+                            cfg.gateway.clone(),
+                            format!("the stream ended with {} requests unanswered", run.pending.len()),
+                        ));
+                        continue 'connect;
+                    }
+                },
+            }
+        }
+    }
+}

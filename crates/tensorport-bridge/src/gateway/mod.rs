@@ -1,0 +1,351 @@
+//! The gateway: an Arrow Flight server on the inference host whose remote producers become local
+//! producer sessions of a tensorport server.
+//!
+//! Each `DoExchange` stream is one remote producer. Its record batches of tensors are read here
+//! (the async side) and handed to a thread of its own ([`session`]) that holds a local
+//! [`tensorport::Producer`]: it leases a slot of that session's pool for each tensor, copies the
+//! tensor in, and submits it under the remote producer's request id. The server sees an ordinary
+//! producer, so its descriptor checks, backpressure and results routing apply unchanged. Results
+//! go back on the same stream. A stream that breaks is a dead producer: its session is closed and
+//! the server reclaims its slots, as for a local `SIGKILL`.
+//!
+//! Backpressure is the pool: while every slot is in flight the session thread does not take the
+//! next batch, the reader stops reading, and HTTP/2 flow control stops the remote producer.
+
+mod session;
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Duration;
+
+use arrow_flight::decode::FlightRecordBatchStream;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
+use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
+use arrow_flight::{
+    Action, ActionType, Criteria, Empty, FlightData, FlightDescriptor, FlightInfo,
+    HandshakeRequest, HandshakeResponse, PollInfo, PutResult, SchemaResult, Ticket,
+};
+use futures::stream::BoxStream;
+use futures::{StreamExt, TryStreamExt};
+use tokio::sync::{mpsc, Semaphore};
+use tonic::{Request, Response, Status, Streaming};
+
+use crate::auth::{Token, HEADER};
+use crate::schema::results_schema;
+use crate::tls::ServerTls;
+
+pub use session::Input;
+
+/// How a gateway runs.
+#[derive(Debug, Clone)]
+pub struct GatewayConfig {
+    /// The local tensorport server's socket.
+    pub socket: PathBuf,
+    /// The secret remote producers must present.
+    pub token: Token,
+    /// TLS; `None` is plaintext (for loopback and trusted networks only).
+    pub tls: Option<ServerTls>,
+    /// Remote producers connected at once; more are refused.
+    pub max_remotes: usize,
+    /// Slots (requests in flight) per remote producer.
+    pub in_flight: u32,
+    /// Largest tensor taken, in bytes.
+    pub max_tensor_bytes: u64,
+    /// Largest gRPC message taken (one record batch), in bytes.
+    pub max_message_bytes: usize,
+    /// How long a remote producer may leave its results unread, or the local server leave a
+    /// request unanswered, before its stream is ended.
+    pub peer_timeout: Duration,
+}
+
+/// What the gateway has done, for its logs and summary.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Streams accepted.
+    pub streams: AtomicU64,
+    /// Calls refused for want of the token.
+    pub refused: AtomicU64,
+    /// Tensors submitted to the local server.
+    pub tensors: AtomicU64,
+    /// Tensor bytes submitted.
+    pub bytes: AtomicU64,
+    /// Results sent back.
+    pub results: AtomicU64,
+    /// Streams that broke with requests in flight (their sessions reclaimed).
+    pub broken: AtomicU64,
+}
+
+/// Why a gateway could not serve.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// Its TLS certificate or key could not be read.
+    #[error(transparent)]
+    Pem(#[from] crate::tls::PemError),
+    /// gRPC failed (a bad certificate or key, or the listener).
+    #[error("gRPC: {0}")]
+    Transport(#[from] tonic::transport::Error),
+}
+
+/// The Flight service.
+#[derive(Clone)]
+pub struct Gateway {
+    cfg: Arc<GatewayConfig>,
+    permits: Arc<Semaphore>,
+    counters: Arc<Counters>,
+}
+
+impl Gateway {
+    /// A gateway for `cfg`.
+    pub fn new(cfg: GatewayConfig) -> Gateway {
+        Gateway {
+            permits: Arc::new(Semaphore::new(cfg.max_remotes.max(1))),
+            cfg: Arc::new(cfg),
+            counters: Arc::default(),
+        }
+    }
+
+    /// Its counters.
+    pub fn counters(&self) -> Arc<Counters> {
+        self.counters.clone()
+    }
+
+    /// Serves on `listener` until `shutdown` completes.
+    pub async fn serve(
+        self,
+        listener: tokio::net::TcpListener,
+        shutdown: impl std::future::Future<Output = ()> + Send,
+    ) -> Result<(), ServeError> {
+        let mut builder = tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(10)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+            .tcp_nodelay(true);
+        if let Some(tls) = &self.cfg.tls {
+            builder = builder.tls_config(tls.config()?)?;
+        }
+        let max = self.cfg.max_message_bytes;
+        let svc = FlightServiceServer::new(self)
+            .max_decoding_message_size(max)
+            .max_encoding_message_size(max);
+        let incoming =
+            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
+        builder
+            .add_service(svc)
+            .serve_with_incoming_shutdown(incoming, shutdown)
+            .await?;
+        Ok(())
+    }
+
+    /// Refuses a call without the token.
+    fn authorize<T>(&self, req: &Request<T>) -> Result<(), Status> {
+        let header = req.metadata().get(HEADER).map(|v| v.as_bytes());
+        if self.cfg.token.admits(header) {
+            return Ok(());
+        }
+        self.counters.refused.fetch_add(1, Ordering::Relaxed);
+        let peer = peer_of(req);
+        tracing::warn!(%peer, "refused a call without the gateway's token");
+        Err(Status::unauthenticated(
+            "this gateway needs its token: send `authorization: Bearer <token>` (tensorport-bridge produce --token-file)",
+        ))
+    }
+}
+
+fn peer_of<T>(req: &Request<T>) -> String {
+    req.remote_addr()
+        .map(|a: SocketAddr| a.to_string())
+        .unwrap_or_else(|| "unknown peer".into())
+}
+
+/// A remote producer's name, from its first message's descriptor: printable, at most 64
+/// characters.
+fn name_of(d: Option<&FlightDescriptor>) -> String {
+    let raw = d
+        .and_then(|d| d.path.first().cloned())
+        .unwrap_or_else(|| "remote".into());
+    let clean: String = raw.chars().filter(|c| !c.is_control()).take(64).collect();
+    if clean.is_empty() {
+        "remote".into()
+    } else {
+        clean
+    }
+}
+
+type Stream<T> = BoxStream<'static, Result<T, Status>>;
+
+#[tonic::async_trait]
+impl FlightService for Gateway {
+    type HandshakeStream = Stream<HandshakeResponse>;
+    type ListFlightsStream = Stream<FlightInfo>;
+    type DoGetStream = Stream<FlightData>;
+    type DoPutStream = Stream<PutResult>;
+    type DoActionStream = Stream<arrow_flight::Result>;
+    type ListActionsStream = Stream<ActionType>;
+    type DoExchangeStream = Stream<FlightData>;
+
+    /// Checks the token: a client can learn whether its credentials work before it streams.
+    async fn handshake(
+        &self,
+        req: Request<Streaming<HandshakeRequest>>,
+    ) -> Result<Response<Self::HandshakeStream>, Status> {
+        self.authorize(&req)?;
+        let ok = HandshakeResponse {
+            protocol_version: 0,
+            payload: bytes::Bytes::from_static(b"tensorport-bridge"),
+        };
+        Ok(Response::new(futures::stream::iter([Ok(ok)]).boxed()))
+    }
+
+    /// One remote producer: tensors in, results out.
+    async fn do_exchange(
+        &self,
+        req: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoExchangeStream>, Status> {
+        self.authorize(&req)?;
+        let peer = peer_of(&req);
+        let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
+            Status::resource_exhausted(format!(
+                "the gateway serves at most {} remote producers at once (--max-remotes); retry later",
+                self.cfg.max_remotes
+            ))
+        })?;
+        self.counters.streams.fetch_add(1, Ordering::Relaxed);
+        let mut input = req.into_inner();
+        // Batches wait here for the session thread: one at a time, so that a full pool stops
+        // the reading (the lease is the backpressure).
+        let (in_tx, in_rx) = mpsc::channel::<Input>(1);
+        let (out_tx, out_rx) = mpsc::channel::<Result<arrow_array::RecordBatch, Status>>(64);
+        let cfg = self.cfg.clone();
+        let counters = self.counters.clone();
+        tokio::spawn(async move {
+            // The descriptor of the first message names the producer.
+            let first = match input.message().await {
+                Ok(Some(m)) => m,
+                Ok(None) => return,
+                Err(e) => {
+                    tracing::info!(%peer, "stream broke before its first message: {e}");
+                    return;
+                }
+            };
+            let name = name_of(first.flight_descriptor.as_ref());
+            let rest = input.map_err(FlightError::from);
+            let data = futures::stream::iter([Ok(first)]).chain(rest);
+            let decoded = FlightRecordBatchStream::new_from_flight_data(data);
+            let handle = tokio::runtime::Handle::current();
+            let who = format!("{name} from {peer}");
+            let worker = session::Session::new(cfg, who, in_rx, out_tx, handle, counters);
+            std::thread::Builder::new()
+                .name("tp-bridge-session".into())
+                .spawn(move || {
+                    worker.run();
+                    drop(permit);
+                })
+                .expect("spawn a session thread");
+            forward(decoded, in_tx).await;
+        });
+        let results = futures::stream::unfold(out_rx, |mut rx| async move {
+            rx.recv()
+                .await
+                .map(|item| (item.map_err(FlightError::from), rx))
+        });
+        let flight = FlightDataEncoderBuilder::new()
+            .with_schema(results_schema())
+            .build(results)
+            .map_err(Status::from);
+        Ok(Response::new(flight.boxed()))
+    }
+
+    async fn list_flights(
+        &self,
+        req: Request<Criteria>,
+    ) -> Result<Response<Self::ListFlightsStream>, Status> {
+        self.authorize(&req)?;
+        Err(Status::unimplemented(
+            "a tensorport gateway only takes DoExchange streams",
+        ))
+    }
+
+    async fn get_flight_info(
+        &self,
+        req: Request<FlightDescriptor>,
+    ) -> Result<Response<FlightInfo>, Status> {
+        self.authorize(&req)?;
+        Err(Status::unimplemented(
+            "a tensorport gateway only takes DoExchange streams",
+        ))
+    }
+
+    async fn poll_flight_info(
+        &self,
+        req: Request<FlightDescriptor>,
+    ) -> Result<Response<PollInfo>, Status> {
+        self.authorize(&req)?;
+        Err(Status::unimplemented(
+            "a tensorport gateway only takes DoExchange streams",
+        ))
+    }
+
+    async fn get_schema(
+        &self,
+        req: Request<FlightDescriptor>,
+    ) -> Result<Response<SchemaResult>, Status> {
+        self.authorize(&req)?;
+        Err(Status::unimplemented(
+            "a tensorport gateway only takes DoExchange streams",
+        ))
+    }
+
+    async fn do_get(&self, req: Request<Ticket>) -> Result<Response<Self::DoGetStream>, Status> {
+        self.authorize(&req)?;
+        Err(Status::unimplemented(
+            "a tensorport gateway only takes DoExchange streams",
+        ))
+    }
+
+    async fn do_put(
+        &self,
+        req: Request<Streaming<FlightData>>,
+    ) -> Result<Response<Self::DoPutStream>, Status> {
+        self.authorize(&req)?;
+        Err(Status::unimplemented(
+            "a tensorport gateway takes DoExchange streams (results come back on them)",
+        ))
+    }
+
+    async fn do_action(
+        &self,
+        req: Request<Action>,
+    ) -> Result<Response<Self::DoActionStream>, Status> {
+        self.authorize(&req)?;
+        Err(Status::unimplemented("a tensorport gateway has no actions"))
+    }
+
+    async fn list_actions(
+        &self,
+        req: Request<Empty>,
+    ) -> Result<Response<Self::ListActionsStream>, Status> {
+        self.authorize(&req)?;
+        Ok(Response::new(futures::stream::empty().boxed()))
+    }
+}
+
+/// Reads a stream's batches into the session thread's channel until it ends (the channel closes:
+/// a clean end) or breaks (the session is told, and drops what is in flight).
+async fn forward(mut decoded: FlightRecordBatchStream, to: mpsc::Sender<Input>) {
+    loop {
+        let next = decoded.next().await;
+        let item = match next {
+            Some(Ok(batch)) => Input::Batch(batch),
+            Some(Err(FlightError::Tonic(s))) => Input::Broken(s.message().to_string()),
+            // The bytes arrived but are not Arrow IPC as the stream's schema says.
+            Some(Err(e)) => Input::Invalid(e.to_string()),
+            None => return,
+        };
+        let broken = !matches!(item, Input::Batch(_));
+        if to.send(item).await.is_err() || broken {
+            return;
+        }
+    }
+}

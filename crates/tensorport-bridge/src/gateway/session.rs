@@ -1,0 +1,271 @@
+//! One remote producer's thread: its batches become leases, copies and submissions of a local
+//! producer session; its results go back as result batches.
+
+use std::collections::HashSet;
+use std::sync::atomic::Ordering;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use arrow_array::RecordBatch;
+use tensorport::{Completion, Producer, ProducerConfig, TensorSpec};
+use tokio::runtime::Handle;
+use tokio::sync::mpsc;
+use tonic::Status;
+
+use super::{Counters, GatewayConfig};
+use crate::schema::{results_batch, ResultRow, TensorLayout, TensorRows};
+
+/// What the reader hands the session thread.
+#[derive(Debug)]
+pub enum Input {
+    /// A batch of tensors, not yet checked.
+    Batch(RecordBatch),
+    /// The stream broke (the remote producer died or the connection failed).
+    Broken(String),
+    /// The remote producer sent something that does not decode.
+    Invalid(String),
+}
+
+/// Why a session ends early.
+enum End {
+    /// The remote producer did something wrong or the local server failed: it is told why.
+    Tell(Status),
+    /// The remote producer is gone, or stopped reading: nobody to tell.
+    Gone(String),
+}
+
+type Out = mpsc::Sender<Result<RecordBatch, Status>>;
+
+/// The session thread's state.
+pub(super) struct Session {
+    cfg: Arc<GatewayConfig>,
+    who: String,
+    input: mpsc::Receiver<Input>,
+    out: Out,
+    rt: Handle,
+    counters: Arc<Counters>,
+    /// The local session, once the first batch gave the layout.
+    local: Option<(Producer, TensorLayout, TensorSpec)>,
+    /// Request ids submitted and not yet answered.
+    pending: HashSet<u64>,
+}
+
+impl Session {
+    pub(super) fn new(
+        cfg: Arc<GatewayConfig>,
+        who: String,
+        input: mpsc::Receiver<Input>,
+        out: Out,
+        rt: Handle,
+        counters: Arc<Counters>,
+    ) -> Session {
+        Session {
+            cfg,
+            who,
+            input,
+            out,
+            rt,
+            counters,
+            local: None,
+            pending: HashSet::new(),
+        }
+    }
+
+    /// Serves the stream to its end, then closes the local session.
+    pub(super) fn run(mut self) {
+        tracing::info!(remote = %self.who, "remote producer connected");
+        let t0 = Instant::now();
+        match self.serve() {
+            Ok(n) => tracing::info!(
+                remote = %self.who,
+                tensors = n,
+                seconds = t0.elapsed().as_secs_f64(),
+                "remote producer finished"
+            ),
+            Err(End::Tell(status)) => {
+                tracing::warn!(remote = %self.who, "ending the stream: {}", status.message());
+                let _ = self.send(Err(status));
+            }
+            Err(End::Gone(why)) => {
+                if !self.pending.is_empty() {
+                    self.counters.broken.fetch_add(1, Ordering::Relaxed);
+                }
+                tracing::warn!(
+                    remote = %self.who,
+                    in_flight = self.pending.len(),
+                    "remote producer gone ({why}); its session is closed and its requests in flight dropped"
+                );
+            }
+        }
+        // Dropping the producer closes the local session; the server reclaims its pool.
+        if let Some((p, _, _)) = self.local.take() {
+            let _ = p.close();
+        }
+    }
+
+    /// Returns the number of tensors submitted.
+    fn serve(&mut self) -> Result<u64, End> {
+        let mut submitted = 0u64;
+        loop {
+            let next = if self.pending.is_empty() {
+                self.rt.block_on(self.input.recv())
+            } else {
+                match self.input.try_recv() {
+                    Ok(i) => Some(i),
+                    Err(mpsc::error::TryRecvError::Empty) => {
+                        self.collect(Duration::from_millis(1))?;
+                        continue;
+                    }
+                    Err(mpsc::error::TryRecvError::Disconnected) => None,
+                }
+            };
+            match next {
+                Some(Input::Batch(b)) => {
+                    submitted += self.submit(&b)?;
+                    self.collect(Duration::ZERO)?;
+                }
+                Some(Input::Broken(why)) => return Err(End::Gone(why)),
+                Some(Input::Invalid(why)) => {
+                    return Err(End::Tell(Status::invalid_argument(format!(
+                        "the stream does not decode: {why}"
+                    ))))
+                }
+                None => break,
+            }
+        }
+        // The producer sent everything: answer what is in flight.
+        while !self.pending.is_empty() {
+            self.collect(self.cfg.peer_timeout)?;
+        }
+        Ok(submitted)
+    }
+
+    /// The local session for a batch's schema (connected on the first batch).
+    fn local_for(&mut self, batch: &RecordBatch) -> Result<(), End> {
+        if let Some((_, layout, _)) = &self.local {
+            let same = TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
+                .map(|l| &l == layout)
+                .unwrap_or(false);
+            return if same {
+                Ok(())
+            } else {
+                Err(End::Tell(Status::invalid_argument(
+                    "a stream's tensors keep the dtype and shape of its first batch",
+                )))
+            };
+        }
+        let layout = TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
+            .map_err(|e| End::Tell(Status::invalid_argument(e.to_string())))?;
+        let mut c = ProducerConfig::new(format!("bridge: {}", self.who));
+        c.slots = self.cfg.in_flight.max(1);
+        c.slot_size = layout.bytes() as u64;
+        let p = Producer::connect(&self.cfg.socket, c).map_err(|e| {
+            End::Tell(Status::unavailable(format!(
+                "the gateway cannot reach its tensorport server: {e}"
+            )))
+        })?;
+        if p.slot_size() < layout.bytes() as u64 {
+            return Err(End::Tell(Status::failed_precondition(format!(
+                "the server's slots hold {} bytes, this stream's tensors {}; start the server with a larger --slot-size",
+                p.slot_size(),
+                layout.bytes()
+            ))));
+        }
+        let spec = TensorSpec::new(layout.dtype, &layout.shape);
+        self.local = Some((p, layout, spec));
+        Ok(())
+    }
+
+    /// Leases, fills and submits one slot per tensor of `batch`.
+    fn submit(&mut self, batch: &RecordBatch) -> Result<u64, End> {
+        self.local_for(batch)?;
+        let (p, layout, spec) = self.local.as_mut().expect("connected above");
+        let rows = TensorRows::new(layout, batch)
+            .map_err(|e| End::Tell(Status::invalid_argument(e.to_string())))?;
+        let timeout = self.cfg.peer_timeout;
+        for i in 0..rows.len() {
+            let (id, bytes) = rows.get(i);
+            if !self.pending.insert(id) {
+                return Err(End::Tell(Status::invalid_argument(format!(
+                    "request id {id} is already in flight on this stream"
+                ))));
+            }
+            let mut lease = p.lease(timeout).map_err(local_failed)?;
+            lease.bytes_mut()[..bytes.len()].copy_from_slice(bytes);
+            lease.submit_as(id, spec).map_err(local_failed)?;
+            self.counters.tensors.fetch_add(1, Ordering::Relaxed);
+            self.counters
+                .bytes
+                .fetch_add(bytes.len() as u64, Ordering::Relaxed);
+        }
+        Ok(rows.len() as u64)
+    }
+
+    /// Sends back every result that has arrived, waiting up to `wait` for the first.
+    fn collect(&mut self, wait: Duration) -> Result<(), End> {
+        let Some((p, _, _)) = self.local.as_mut() else {
+            return Ok(());
+        };
+        let mut rows = Vec::new();
+        let first = if wait.is_zero() {
+            p.try_recv_result().map_err(local_failed)?
+        } else {
+            match p.recv_result(wait) {
+                Ok(c) => Some(c),
+                Err(tensorport::Error::Timeout(..)) if wait < self.cfg.peer_timeout => None,
+                Err(e) => return Err(local_failed(e)),
+            }
+        };
+        let mut next = first;
+        while let Some(c) = next {
+            if let Some(row) = answer(&mut self.pending, c) {
+                rows.push(row);
+            }
+            next = p.try_recv_result().map_err(local_failed)?;
+            if rows.len() >= 256 {
+                break;
+            }
+        }
+        if rows.is_empty() {
+            return Ok(());
+        }
+        let n = rows.len() as u64;
+        self.send(Ok(results_batch(&rows)))?;
+        self.counters.results.fetch_add(n, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Sends on the stream; a remote producer that leaves its results unread for the peer
+    /// timeout is dropped.
+    fn send(&self, item: Result<RecordBatch, Status>) -> Result<(), End> {
+        let sent = self.rt.block_on(async {
+            tokio::time::timeout(self.cfg.peer_timeout, self.out.send(item)).await
+        });
+        match sent {
+            Ok(Ok(())) => Ok(()),
+            Ok(Err(_)) => Err(End::Gone("the stream closed".into())),
+            Err(_) => Err(End::Gone(format!(
+                "it left its results unread for {} s",
+                self.cfg.peer_timeout.as_secs()
+            ))),
+        }
+    }
+}
+
+/// The row for a completion, if it answers a request of this stream.
+fn answer(pending: &mut HashSet<u64>, c: Completion) -> Option<ResultRow> {
+    if !pending.remove(&c.request_id) {
+        return None;
+    }
+    Some(ResultRow {
+        id: c.request_id,
+        outcome: c.result.map_err(|e| (e.code.as_u16(), e.message)),
+    })
+}
+
+/// A failure of the local session, told to the remote producer as retryable.
+fn local_failed(e: tensorport::Error) -> End {
+    End::Tell(Status::unavailable(format!(
+        "the gateway's tensorport server failed this stream: {e}"
+    )))
+}

@@ -1,0 +1,202 @@
+//! The remote producer's side: connect to a gateway, open an exchange, send batches of tensors,
+//! read results.
+
+use std::time::Duration;
+
+use arrow_array::RecordBatch;
+use arrow_flight::decode::FlightRecordBatchStream;
+use arrow_flight::encode::FlightDataEncoderBuilder;
+use arrow_flight::error::FlightError;
+use arrow_flight::{FlightClient, FlightDescriptor};
+use futures::StreamExt;
+use tokio::sync::mpsc;
+use tonic::transport::Endpoint;
+use tonic::Code;
+
+use crate::auth::{Token, HEADER};
+use crate::schema::{read_results, ResultRow, SchemaError, TensorLayout};
+use crate::tls::{ClientTls, PemError};
+
+/// Largest gRPC message a client builds from a batch (a larger tensor goes alone).
+const FLIGHT_DATA_BYTES: usize = 8 << 20;
+
+/// How a remote producer reaches its gateway.
+#[derive(Debug, Clone)]
+pub struct RemoteConfig {
+    /// The gateway's address: `http://host:port`, or `https://host:port` with TLS.
+    pub gateway: String,
+    /// The gateway's secret.
+    pub token: Token,
+    /// TLS settings for an `https` address.
+    pub tls: Option<ClientTls>,
+    /// The name the gateway and the server show for this producer.
+    pub name: String,
+    /// How long to wait for the connection.
+    pub connect_timeout: Duration,
+}
+
+/// What went wrong between a remote producer and its gateway.
+#[derive(Debug, thiserror::Error)]
+pub enum RemoteError {
+    /// The address is not a URL.
+    #[error("bad gateway address {0:?}: {1}")]
+    Address(String, String),
+    /// A TLS file could not be read.
+    #[error(transparent)]
+    Pem(#[from] PemError),
+    /// The connection could not be made or was lost.
+    #[error("cannot reach the gateway at {0}: {1}")]
+    Connect(String, String),
+    /// The gateway ended the call with a status.
+    #[error("the gateway said {code:?}: {message}")]
+    Status {
+        /// gRPC's code.
+        code: Code,
+        /// Its message.
+        message: String,
+    },
+    /// The gateway's answers did not have the bridge's format.
+    #[error("the gateway's answer: {0}")]
+    Format(#[from] SchemaError),
+}
+
+impl RemoteError {
+    /// Whether trying again (on a new connection) can help: not for a refused token, a bad
+    /// request or a tensor the gateway does not take.
+    pub fn retryable(&self) -> bool {
+        match self {
+            RemoteError::Connect(..) => true,
+            RemoteError::Status { code, .. } => matches!(
+                code,
+                Code::Unavailable
+                    | Code::ResourceExhausted
+                    | Code::Aborted
+                    | Code::Internal
+                    | Code::Unknown
+                    | Code::Cancelled
+                    | Code::DeadlineExceeded
+            ),
+            _ => false,
+        }
+    }
+}
+
+impl From<FlightError> for RemoteError {
+    fn from(e: FlightError) -> RemoteError {
+        match e {
+            FlightError::Tonic(s) => RemoteError::from(*s),
+            other => RemoteError::Status {
+                code: Code::Internal,
+                message: other.to_string(),
+            },
+        }
+    }
+}
+
+impl From<tonic::Status> for RemoteError {
+    fn from(s: tonic::Status) -> RemoteError {
+        RemoteError::Status {
+            code: s.code(),
+            message: s.message().to_string(),
+        }
+    }
+}
+
+/// A connected client whose calls carry the token.
+pub async fn connect(cfg: &RemoteConfig) -> Result<FlightClient, RemoteError> {
+    let bad = |e: &dyn std::fmt::Display| RemoteError::Address(cfg.gateway.clone(), e.to_string());
+    let mut ep = Endpoint::from_shared(cfg.gateway.clone())
+        .map_err(|e| bad(&e))?
+        .connect_timeout(cfg.connect_timeout)
+        .tcp_nodelay(true)
+        .http2_keep_alive_interval(Duration::from_secs(10))
+        .keep_alive_timeout(Duration::from_secs(20));
+    if cfg.gateway.starts_with("https://") {
+        let tls = cfg.tls.clone().unwrap_or_default().config()?;
+        ep = ep.tls_config(tls).map_err(|e| bad(&e))?;
+    }
+    let channel = ep
+        .connect()
+        .await
+        .map_err(|e| RemoteError::Connect(cfg.gateway.clone(), source_chain(&e)))?;
+    let mut client = FlightClient::new(channel);
+    client
+        .add_header(HEADER, &cfg.token.bearer())
+        .map_err(RemoteError::from)?;
+    // Fail fast on a wrong token, before any tensor is prepared.
+    client.handshake(bytes::Bytes::new()).await?;
+    Ok(client)
+}
+
+/// An error and its causes, on one line.
+fn source_chain(e: &dyn std::error::Error) -> String {
+    let mut s = e.to_string();
+    let mut cur = e.source();
+    while let Some(c) = cur {
+        s.push_str(": ");
+        s.push_str(&c.to_string());
+        cur = c.source();
+    }
+    s
+}
+
+/// One open stream to the gateway.
+pub struct Exchange {
+    tx: Option<mpsc::Sender<RecordBatch>>,
+    results: FlightRecordBatchStream,
+}
+
+impl Exchange {
+    /// Opens a stream for tensors of `layout`, with room for `queue` batches waiting to be
+    /// sent.
+    pub async fn open(
+        client: &mut FlightClient,
+        layout: &TensorLayout,
+        name: &str,
+        queue: usize,
+    ) -> Result<Exchange, RemoteError> {
+        let (tx, rx) = mpsc::channel::<RecordBatch>(queue.max(1));
+        let batches =
+            futures::stream::unfold(
+                rx,
+                |mut rx| async move { rx.recv().await.map(|b| (Ok(b), rx)) },
+            );
+        let data = FlightDataEncoderBuilder::new()
+            .with_schema(layout.schema())
+            .with_flight_descriptor(Some(FlightDescriptor::new_path(vec![name.to_string()])))
+            .with_max_flight_data_size(FLIGHT_DATA_BYTES)
+            .build(batches);
+        let results = client.do_exchange(data).await?;
+        Ok(Exchange {
+            tx: Some(tx),
+            results,
+        })
+    }
+
+    /// Queues a batch of tensors for sending; waits while `queue` batches wait.
+    pub async fn send(&self, batch: RecordBatch) -> Result<(), RemoteError> {
+        let tx = self.tx.as_ref().ok_or_else(|| RemoteError::Status {
+            code: Code::FailedPrecondition,
+            message: "send after finish".into(),
+        })?;
+        tx.send(batch).await.map_err(|_| RemoteError::Status {
+            code: Code::Unavailable,
+            message: "the stream to the gateway closed".into(),
+        })
+    }
+
+    /// Says there are no more tensors; results keep coming until every request is answered.
+    pub fn finish(&mut self) {
+        self.tx = None;
+    }
+
+    /// The next answers; `None` when the gateway ended the stream.
+    pub async fn results(&mut self) -> Option<Result<Vec<ResultRow>, RemoteError>> {
+        let batch = self.results.next().await?;
+        Some(
+            batch
+                .map_err(RemoteError::from)
+                .and_then(|b| Ok(read_results(&b)?)),
+        )
+    }
+}

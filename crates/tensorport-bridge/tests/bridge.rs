@@ -1,0 +1,465 @@
+//! The bridge between real processes over loopback, on Arrow Flight's real gRPC transport: a
+//! tensorport server (in this test process, so it can check every tensor it receives), a
+//! `tensorport-bridge gateway` process, and `tensorport-bridge produce` processes as remote
+//! producers. Nothing here depends on the machine's speed: waits are deadlines, not timings.
+
+use std::collections::{HashMap, HashSet};
+use std::io::{BufRead, BufReader};
+use std::path::PathBuf;
+use std::process::{Child, Command, Output, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::{Arc, Mutex};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant};
+
+use tensorport::{Server, ServerConfig};
+use tensorport_vision::{Preprocessor, Source, Transform};
+
+const BIN: &str = env!("CARGO_BIN_EXE_tensorport-bridge");
+/// Small images keep the unoptimised test build quick.
+const SIZE: u32 = 32;
+
+/// The tensor a remote producer prepares for synthetic input `i`.
+fn expected(i: u64) -> Vec<u8> {
+    let mut prep = Preprocessor::new(Transform::standard(SIZE));
+    let mut out = vec![0f32; (3 * SIZE * SIZE) as usize];
+    prep.prepare(&Source::Synthetic(i), &mut out).unwrap();
+    out.iter().flat_map(|x| x.to_ne_bytes()).collect()
+}
+
+/// What the in-process server saw.
+#[derive(Default)]
+struct Seen {
+    /// Producer name → request ids received.
+    ids: HashMap<String, Vec<u64>>,
+    /// Tensors whose bytes were not the expected ones.
+    torn: u64,
+}
+
+/// A server answering each request with `[request id, 1.0 if its tensor is intact]` as f32s,
+/// a gateway in front of it, and a token.
+struct Fixture {
+    dir: tempfile::TempDir,
+    server: Arc<Server>,
+    seen: Arc<Mutex<Seen>>,
+    stop: Arc<AtomicBool>,
+    handler: Option<JoinHandle<()>>,
+    gateway: Option<Child>,
+    url: String,
+}
+
+impl Fixture {
+    fn new() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let server = Arc::new(Server::bind(ServerConfig::new(dir.path().join("s.sock"))).unwrap());
+        let seen = Arc::new(Mutex::new(Seen::default()));
+        let stop = Arc::new(AtomicBool::new(false));
+        let handler = {
+            let (server, seen, stop) = (server.clone(), seen.clone(), stop.clone());
+            std::thread::spawn(move || {
+                let mut cache: HashMap<u64, Vec<u8>> = HashMap::new();
+                while !stop.load(Ordering::Relaxed) {
+                    let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(50)) else {
+                        continue;
+                    };
+                    let id = req.request_id();
+                    let want = cache.entry(id).or_insert_with(|| expected(id));
+                    let intact = req.bytes() == want.as_slice();
+                    {
+                        let mut s = seen.lock().unwrap();
+                        s.ids
+                            .entry(req.producer().to_string())
+                            .or_default()
+                            .push(id);
+                        s.torn += u64::from(!intact);
+                    }
+                    let answer: Vec<u8> = [id as f32, if intact { 1.0 } else { 0.0 }]
+                        .iter()
+                        .flat_map(|x| x.to_le_bytes())
+                        .collect();
+                    let _ = req.respond(&answer);
+                }
+            })
+        };
+        let token = dir.path().join("token");
+        run_ok(Command::new(BIN).arg("token").arg(&token));
+        let mut f = Fixture {
+            dir,
+            server,
+            seen,
+            stop,
+            handler: Some(handler),
+            gateway: None,
+            url: String::new(),
+        };
+        f.start_gateway("127.0.0.1:0");
+        f
+    }
+
+    fn token(&self) -> PathBuf {
+        self.dir.path().join("token")
+    }
+
+    /// Starts the gateway on `listen`; waits for its `listening on` line.
+    fn start_gateway(&mut self, listen: &str) {
+        let mut child = Command::new(BIN)
+            .args([
+                "gateway",
+                "--listen",
+                listen,
+                "--in-flight",
+                "16",
+                "--socket",
+            ])
+            .arg(self.dir.path().join("s.sock"))
+            .arg("--token-file")
+            .arg(self.token())
+            .stdout(Stdio::piped())
+            .stderr(std::fs::File::create(self.dir.path().join("gateway.log")).unwrap())
+            .spawn()
+            .unwrap();
+        let mut line = String::new();
+        BufReader::new(child.stdout.take().unwrap())
+            .read_line(&mut line)
+            .unwrap();
+        let url = line
+            .strip_prefix("listening on ")
+            .and_then(|r| r.split_whitespace().next())
+            .unwrap_or_else(|| panic!("the gateway did not start: {line:?}"));
+        self.url = url.to_string();
+        self.gateway = Some(child);
+    }
+
+    /// A remote producer of `n` synthetic inputs, writing to `name`.jsonl.
+    fn producer(&self, name: &str, n: u64, extra: &[&str]) -> Command {
+        let mut c = Command::new(BIN);
+        c.args(["produce", "--gateway", &self.url, "--name", name])
+            .arg("--token-file")
+            .arg(self.token())
+            .args([
+                "--synthetic",
+                &n.to_string(),
+                "--image-size",
+                &SIZE.to_string(),
+            ])
+            .args(["--batch", "4", "--in-flight", "16"])
+            .arg("-o")
+            .arg(self.dir.path().join(format!("{name}.jsonl")))
+            .args(extra);
+        c
+    }
+
+    fn lines(&self, name: &str) -> Vec<serde_json::Value> {
+        std::fs::read_to_string(self.dir.path().join(format!("{name}.jsonl")))
+            .unwrap_or_default()
+            .lines()
+            .map(|l| serde_json::from_str(l).unwrap())
+            .collect()
+    }
+
+    /// Requests the server received from the remote producer `name`.
+    fn received(&self, name: &str) -> Vec<u64> {
+        let s = self.seen.lock().unwrap();
+        s.ids
+            .iter()
+            .filter(|(k, _)| k.starts_with(&format!("bridge: {name} from ")))
+            .flat_map(|(_, v)| v.iter().copied())
+            .collect()
+    }
+
+    fn sessions(&self) -> usize {
+        self.server.status().sessions.len()
+    }
+
+    fn gateway_log(&self) -> String {
+        std::fs::read_to_string(self.dir.path().join("gateway.log")).unwrap_or_default()
+    }
+}
+
+impl Drop for Fixture {
+    fn drop(&mut self) {
+        if let Some(mut g) = self.gateway.take() {
+            let _ = g.kill();
+            let _ = g.wait();
+        }
+        self.stop.store(true, Ordering::Relaxed);
+        if let Some(h) = self.handler.take() {
+            let _ = h.join();
+        }
+    }
+}
+
+fn run_ok(c: &mut Command) -> Output {
+    let out = c.output().unwrap();
+    assert!(
+        out.status.success(),
+        "{c:?} failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    out
+}
+
+fn wait_until(what: &str, deadline: Duration, mut ok: impl FnMut() -> bool) {
+    let t0 = Instant::now();
+    while !ok() {
+        assert!(t0.elapsed() < deadline, "timed out waiting until {what}");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Every input of `lines` answered exactly once, by its own tensor, intact.
+fn assert_each_input_once(lines: &[serde_json::Value], n: u64) {
+    assert_eq!(lines.len() as u64, n, "one line per input");
+    let mut seen = HashSet::new();
+    for l in lines {
+        let i = l["index"].as_u64().unwrap();
+        assert!(seen.insert(i), "input {i} answered twice");
+        assert!(l.get("error").is_none(), "input {i} failed: {l}");
+        let scores = l["scores"].as_array().unwrap();
+        assert_eq!(
+            scores[0].as_f64().unwrap() as u64,
+            i,
+            "the answer is input {i}'s"
+        );
+        assert_eq!(
+            scores[1].as_f64().unwrap(),
+            1.0,
+            "input {i}'s tensor arrived intact"
+        );
+    }
+    assert_eq!(seen.len() as u64, n);
+}
+
+#[test]
+fn remote_producers_over_loopback_every_input_once_and_intact() {
+    let f = Fixture::new();
+    let mut a = f.producer("alpha", 300, &[]).spawn().unwrap();
+    let mut b = f
+        .producer("beta", 200, &["--batch", "16", "--in-flight", "48"])
+        .spawn()
+        .unwrap();
+    assert!(a.wait().unwrap().success());
+    assert!(b.wait().unwrap().success());
+    assert_each_input_once(&f.lines("alpha"), 300);
+    assert_each_input_once(&f.lines("beta"), 200);
+    let mut got = f.received("alpha");
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        (0..300).collect::<Vec<_>>(),
+        "the server got each tensor once"
+    );
+    assert_eq!(f.received("beta").len(), 200);
+    assert_eq!(f.seen.lock().unwrap().torn, 0, "no torn tensor");
+    // Each stream was a session of its own, closed at its end.
+    wait_until("the sessions close", Duration::from_secs(30), || {
+        f.sessions() == 0
+    });
+    let t = f.server.status().totals;
+    assert_eq!((t.sessions_opened, t.protocol_errors), (2, 0));
+}
+
+#[test]
+fn a_killed_remote_producer_is_reclaimed_and_others_carry_on() {
+    let f = Fixture::new();
+    let mut victim = f.producer("victim", 10_000_000, &[]).spawn().unwrap();
+    wait_until(
+        "the victim's tensors arrive",
+        Duration::from_secs(60),
+        || f.received("victim").len() >= 40,
+    );
+    assert_eq!(f.sessions(), 1);
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    victim.wait().unwrap();
+    wait_until(
+        "the gateway closes the victim's session",
+        Duration::from_secs(30),
+        || f.sessions() == 0,
+    );
+    assert!(f.gateway_log().contains("remote producer gone"));
+    // The gateway and the server serve the next producer as before.
+    run_ok(&mut f.producer("next", 64, &[]));
+    assert_each_input_once(&f.lines("next"), 64);
+    assert_eq!(f.seen.lock().unwrap().torn, 0);
+}
+
+#[test]
+fn a_peer_without_the_token_is_refused() {
+    let f = Fixture::new();
+    let wrong = f.dir.path().join("wrong");
+    run_ok(Command::new(BIN).arg("token").arg(&wrong));
+    let out = f
+        .producer("intruder", 10, &["--token-file", wrong.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(1), "refused, and not retried");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("Unauthenticated") && err.contains("token"),
+        "{err}"
+    );
+    assert!(f.lines("intruder").is_empty());
+    assert_eq!(
+        f.server.status().totals.sessions_opened,
+        0,
+        "nothing reached the server"
+    );
+    assert!(f
+        .gateway_log()
+        .contains("refused a call without the gateway's token"));
+    // A token file others may read is refused before connecting.
+    let loose = f.dir.path().join("loose");
+    std::fs::copy(f.token(), &loose).unwrap();
+    std::fs::set_permissions(&loose, std::os::unix::fs::PermissionsExt::from_mode(0o644)).unwrap();
+    let out = f
+        .producer("loose", 10, &["--token-file", loose.to_str().unwrap()])
+        .output()
+        .unwrap();
+    assert!(String::from_utf8_lossy(&out.stderr).contains("chmod 600"));
+}
+
+#[test]
+fn the_remote_producer_reconnects_after_the_gateway_dies_every_input_once() {
+    let mut f = Fixture::new();
+    let port = f.url.rsplit(':').next().unwrap().to_string();
+    let mut p = f
+        .producer("survivor", 600, &["--retries", "20", "--in-flight", "8"])
+        .spawn()
+        .unwrap();
+    wait_until("tensors arrive", Duration::from_secs(60), || {
+        f.received("survivor").len() >= 40
+    });
+    let mut g = f.gateway.take().unwrap();
+    g.kill().unwrap();
+    g.wait().unwrap();
+    // The dead gateway's session is reclaimed by the server; a new gateway takes its port.
+    wait_until(
+        "the dead gateway's session closes",
+        Duration::from_secs(30),
+        || f.sessions() == 0,
+    );
+    f.start_gateway(&format!("127.0.0.1:{port}"));
+    assert!(
+        p.wait().unwrap().success(),
+        "the producer finished through the new gateway"
+    );
+    assert_each_input_once(&f.lines("survivor"), 600);
+    assert_eq!(f.seen.lock().unwrap().torn, 0);
+}
+
+#[test]
+fn hostile_streams_are_ended_and_harm_no_one() {
+    use arrow_flight::encode::FlightDataEncoderBuilder;
+    use arrow_flight::FlightClient;
+    use futures::{StreamExt, TryStreamExt};
+    use tensorport_bridge::schema::{TensorLayout, EXTENSION_METADATA};
+
+    let f = Fixture::new();
+    let token = tensorport_bridge::auth::Token::read(&f.token()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
+    let good = |ids: &[u64]| {
+        let mut data = Vec::new();
+        for &i in ids {
+            data.extend(expected(i));
+        }
+        layout
+            .batch(ids, arrow_buffer::Buffer::from_vec(data))
+            .unwrap()
+    };
+    // Sends `batches` on one stream; returns how the gateway ended it.
+    let exchange = |batches: Vec<arrow_array::RecordBatch>, with_token: bool| {
+        rt.block_on(async {
+            let channel = tonic::transport::Endpoint::from_shared(f.url.clone())
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let mut c = FlightClient::new(channel);
+            if with_token {
+                c.add_header("authorization", &token.bearer()).unwrap();
+            }
+            // Each batch with its own schema message, so a later one may change it.
+            let data = futures::stream::iter(batches.into_iter().map(|b| {
+                FlightDataEncoderBuilder::new()
+                    .with_schema(b.schema())
+                    .build(futures::stream::iter([Ok(b)]))
+            }))
+            .flatten();
+            match c.do_exchange(data).await {
+                Err(e) => Err(e.to_string()),
+                Ok(s) => s.try_collect::<Vec<_>>().await.map_err(|e| e.to_string()),
+            }
+        })
+    };
+    // No token: refused before anything is read.
+    let e = exchange(vec![good(&[0])], false).unwrap_err();
+    assert!(e.contains("needs its token"), "{e}");
+    // A shape that lies about the list's size.
+    let b = good(&[0, 1]);
+    let mut field = b.schema().field(1).clone();
+    let mut meta = field.metadata().clone();
+    meta.insert(
+        EXTENSION_METADATA.to_string(),
+        r#"{"shape":[3,64,64]}"#.to_string(),
+    );
+    field = field.with_metadata(meta);
+    let lying = arrow_array::RecordBatch::try_new(
+        Arc::new(arrow_schema::Schema::new(vec![
+            b.schema().field(0).clone(),
+            field,
+        ])),
+        b.columns().to_vec(),
+    )
+    .unwrap();
+    let e = exchange(vec![lying], true).unwrap_err();
+    assert!(e.contains("bad tensor shape"), "{e}");
+    // The same request id twice in flight.
+    let e = exchange(vec![good(&[5, 5])], true).unwrap_err();
+    assert!(e.contains("already in flight"), "{e}");
+    // A stream whose second batch changes the tensors' shape.
+    let other = TensorLayout::new(tensorport::DType::F32, &[4]).unwrap();
+    let odd = other
+        .batch(&[9], arrow_buffer::Buffer::from_vec(vec![0u8; 16]))
+        .unwrap();
+    let e = exchange(vec![good(&[7]), odd], true).unwrap_err();
+    assert!(e.contains("the stream does not decode"), "{e}");
+    // A well-formed stream on the same gateway gets its answers.
+    let answers = exchange(vec![good(&[1, 2, 3])], true).unwrap();
+    let rows: usize = answers.iter().map(|b| b.num_rows()).sum();
+    assert_eq!(rows, 3);
+    // And so does a remote producer.
+    run_ok(&mut f.producer("after", 32, &[]));
+    assert_each_input_once(&f.lines("after"), 32);
+    assert_eq!(
+        f.seen.lock().unwrap().torn,
+        0,
+        "nothing torn reached the server"
+    );
+    assert_eq!(f.server.status().totals.protocol_errors, 0);
+}
+
+#[test]
+fn plaintext_on_an_address_other_hosts_reach_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    run_ok(Command::new(BIN).arg("token").arg(&token));
+    let out = Command::new(BIN)
+        .args(["gateway", "--listen", "0.0.0.0:0", "--token-file"])
+        .arg(&token)
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("--tls-cert") && err.contains("--allow-plaintext"),
+        "{err}"
+    );
+}
