@@ -110,7 +110,10 @@ pub async fn connect(cfg: &RemoteConfig) -> Result<FlightClient, RemoteError> {
         .connect_timeout(cfg.connect_timeout)
         .tcp_nodelay(true)
         .http2_keep_alive_interval(Duration::from_secs(10))
-        .keep_alive_timeout(Duration::from_secs(20));
+        .keep_alive_timeout(Duration::from_secs(20))
+        .initial_stream_window_size(Some(crate::gateway::WINDOW))
+        .initial_connection_window_size(Some(2 * crate::gateway::WINDOW))
+        .max_frame_size(Some(crate::gateway::FRAME));
     if cfg.gateway.starts_with("https://") {
         let tls = cfg.tls.clone().unwrap_or_default().config()?;
         ep = ep.tls_config(tls).map_err(|e| bad(&e))?;

@@ -46,10 +46,16 @@ struct Fixture {
     handler: Option<JoinHandle<()>>,
     gateway: Option<Child>,
     url: String,
+    extra: Vec<String>,
 }
 
 impl Fixture {
     fn new() -> Fixture {
+        Fixture::with_gateway_args(&[])
+    }
+
+    /// A fixture whose gateway gets `extra` arguments.
+    fn with_gateway_args(extra: &[String]) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         let server = Arc::new(Server::bind(ServerConfig::new(dir.path().join("s.sock"))).unwrap());
         let seen = Arc::new(Mutex::new(Seen::default()));
@@ -91,6 +97,7 @@ impl Fixture {
             handler: Some(handler),
             gateway: None,
             url: String::new(),
+            extra: extra.to_vec(),
         };
         f.start_gateway("127.0.0.1:0");
         f
@@ -114,6 +121,7 @@ impl Fixture {
             .arg(self.dir.path().join("s.sock"))
             .arg("--token-file")
             .arg(self.token())
+            .args(&self.extra)
             .stdout(Stdio::piped())
             .stderr(std::fs::File::create(self.dir.path().join("gateway.log")).unwrap())
             .spawn()
@@ -461,5 +469,100 @@ fn plaintext_on_an_address_other_hosts_reach_is_refused() {
     assert!(
         err.contains("--tls-cert") && err.contains("--allow-plaintext"),
         "{err}"
+    );
+}
+
+/// A CA, a gateway certificate for `localhost` and a producer certificate signed by it, and a
+/// producer certificate signed by another CA; as PEM files in `dir`.
+fn pki(dir: &std::path::Path) {
+    use rcgen::{
+        BasicConstraints, CertificateParams, CertifiedIssuer, IsCa, KeyPair, KeyUsagePurpose,
+    };
+    let ca = |name: &str| {
+        let mut p = CertificateParams::new(Vec::<String>::new()).unwrap();
+        p.is_ca = IsCa::Ca(BasicConstraints::Unconstrained);
+        p.key_usages = vec![
+            KeyUsagePurpose::KeyCertSign,
+            KeyUsagePurpose::DigitalSignature,
+        ];
+        let ca = CertifiedIssuer::self_signed(p, KeyPair::generate().unwrap()).unwrap();
+        std::fs::write(dir.join(format!("{name}.pem")), ca.pem()).unwrap();
+        ca
+    };
+    let leaf = |name: &str, san: &str, issuer: &CertifiedIssuer<'_, KeyPair>| {
+        let key = KeyPair::generate().unwrap();
+        let cert = CertificateParams::new(vec![san.to_string()])
+            .unwrap()
+            .signed_by(&key, issuer)
+            .unwrap();
+        std::fs::write(dir.join(format!("{name}.pem")), cert.pem()).unwrap();
+        std::fs::write(dir.join(format!("{name}.key")), key.serialize_pem()).unwrap();
+    };
+    let trusted = ca("ca");
+    leaf("gateway", "localhost", &trusted);
+    leaf("producer", "producer", &trusted);
+    let other = ca("other-ca");
+    leaf("rogue", "producer", &other);
+}
+
+#[test]
+fn mutual_tls_admits_only_producers_with_a_certificate_of_the_gateways_ca() {
+    let certs = tempfile::tempdir().unwrap();
+    pki(certs.path());
+    let p = |name: &str| certs.path().join(name).to_str().unwrap().to_string();
+    let f = Fixture::with_gateway_args(&[
+        "--tls-cert".into(),
+        p("gateway.pem"),
+        "--tls-key".into(),
+        p("gateway.key"),
+        "--tls-client-ca".into(),
+        p("ca.pem"),
+    ]);
+    assert!(f.url.starts_with("https://"), "{}", f.url);
+    let tls = |who: &str| {
+        vec![
+            "--tls-ca".to_string(),
+            p("ca.pem"),
+            "--tls-domain".into(),
+            "localhost".into(),
+            "--tls-cert".into(),
+            p(&format!("{who}.pem")),
+            "--tls-key".into(),
+            p(&format!("{who}.key")),
+            "--retries".into(),
+            "0".into(),
+        ]
+    };
+    let args = tls("producer");
+    let args: Vec<&str> = args.iter().map(String::as_str).collect();
+    run_ok(&mut f.producer("trusted", 40, &args));
+    assert_each_input_once(&f.lines("trusted"), 40);
+    // A certificate from another CA, none at all, or no TLS: refused, nothing reaches the server.
+    let rogue = tls("rogue");
+    let rogue: Vec<&str> = rogue.iter().map(String::as_str).collect();
+    let no_cert = [
+        "--tls-ca",
+        &p("ca.pem"),
+        "--tls-domain",
+        "localhost",
+        "--retries",
+        "0",
+    ];
+    let plain_url = f.url.replacen("https://", "http://", 1);
+    let plain = ["--gateway", plain_url.as_str(), "--retries", "0"];
+    for (name, args) in [
+        ("rogue", &rogue[..]),
+        ("no-cert", &no_cert[..]),
+        ("plain", &plain[..]),
+    ] {
+        let out = f.producer(name, 10, args).output().unwrap();
+        assert_eq!(out.status.code(), Some(1), "{name} must be refused");
+        assert!(f.lines(name).is_empty(), "{name} got answers");
+    }
+    assert_eq!(f.received("rogue").len() + f.received("no-cert").len(), 0);
+    assert_eq!(
+        f.server.status().totals.sessions_opened,
+        1,
+        "only the trusted producer's"
     );
 }

@@ -39,6 +39,11 @@ use crate::tls::ServerTls;
 
 pub use session::Input;
 
+/// HTTP/2 flow-control window per stream, in bytes.
+pub const WINDOW: u32 = 8 << 20;
+/// Largest HTTP/2 frame taken, in bytes.
+pub const FRAME: u32 = 1 << 20;
+
 /// How a gateway runs.
 #[derive(Debug, Clone)]
 pub struct GatewayConfig {
@@ -121,6 +126,11 @@ impl Gateway {
         let mut builder = tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(10)))
             .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+            // HTTP/2's default 64 KiB window would cost a round trip per 64 KiB of tensor; a
+            // remote producer may have WINDOW bytes unread here (bounded by --max-remotes).
+            .initial_stream_window_size(Some(WINDOW))
+            .initial_connection_window_size(Some(2 * WINDOW))
+            .max_frame_size(Some(FRAME))
             .tcp_nodelay(true);
         if let Some(tls) = &self.cfg.tls {
             builder = builder.tls_config(tls.config()?)?;
