@@ -10,7 +10,7 @@
 # 8 folders of 2,400 for the real-JPEG round; DEVICE: cpu (default) or cuda. Figures are
 # aggregate tensors per second over each group's wall time, start-up included.
 set -euo pipefail
-B=$(cd "$1" && pwd); J=${2:-}; DEV=${3:-cpu}
+B=$(cd "$1" && pwd); J=${2:+$(cd "$2" && pwd)}; DEV=${3:-cpu}
 W=$(mktemp -d); chmod 700 "$W"; cd "$W"
 trap 'pkill -TERM -P $$ 2>/dev/null || true; rm -rf "$W"' EXIT
 "$B/tensorport-bridge" token tok 2> /dev/null

@@ -367,6 +367,11 @@ async fn stream_all(
         }
         loop {
             if prepared_done && run.pending.is_empty() {
+                // Let the gateway end the stream, so that it sees a clean end, not a reset.
+                let _ = tokio::time::timeout(Duration::from_secs(5), async {
+                    while let Some(Ok(_)) = ex.results().await {}
+                })
+                .await;
                 return Ok(reconnects);
             }
             let room = run.pending.len() + batch <= window;

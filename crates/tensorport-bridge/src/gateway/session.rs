@@ -124,6 +124,8 @@ impl Session {
                     submitted += self.submit(&b)?;
                     self.collect(Duration::ZERO)?;
                 }
+                // Nothing in flight: the producer left with everything answered.
+                Some(Input::Broken(_)) if self.pending.is_empty() => break,
                 Some(Input::Broken(why)) => return Err(End::Gone(why)),
                 Some(Input::Invalid(why)) => {
                     return Err(End::Tell(Status::invalid_argument(format!(
