@@ -21,6 +21,22 @@ const SIZE: u32 = 32;
 
 /// The tensor a remote producer prepares for synthetic input `i`.
 fn expected(i: u64) -> Vec<u8> {
+    prepared(i)
+}
+
+/// The tensor `producer` sends for request `i`: `examples/python/flight_producer.py` sends
+/// `arange(3·32·32) + i`, `tensorport-bridge produce` synthetic image `i`.
+fn expected_from(producer: &str, i: u64) -> Vec<u8> {
+    if producer.starts_with("bridge: pyarrow") {
+        (0..3 * SIZE * SIZE)
+            .flat_map(|k| (k as f32 + i as f32).to_ne_bytes())
+            .collect()
+    } else {
+        prepared(i)
+    }
+}
+
+fn prepared(i: u64) -> Vec<u8> {
     let mut prep = Preprocessor::new(Transform::standard(SIZE));
     let mut out = vec![0f32; (3 * SIZE * SIZE) as usize];
     prep.prepare(&Source::Synthetic(i), &mut out).unwrap();
@@ -63,13 +79,16 @@ impl Fixture {
         let handler = {
             let (server, seen, stop) = (server.clone(), seen.clone(), stop.clone());
             std::thread::spawn(move || {
-                let mut cache: HashMap<u64, Vec<u8>> = HashMap::new();
+                let mut cache: HashMap<(bool, u64), Vec<u8>> = HashMap::new();
                 while !stop.load(Ordering::Relaxed) {
                     let Ok(Some(req)) = server.recv_timeout(Duration::from_millis(50)) else {
                         continue;
                     };
                     let id = req.request_id();
-                    let want = cache.entry(id).or_insert_with(|| expected(id));
+                    let python = req.producer().starts_with("bridge: pyarrow");
+                    let want = cache
+                        .entry((python, id))
+                        .or_insert_with(|| expected_from(req.producer(), id));
                     let intact = req.bytes() == want.as_slice();
                     {
                         let mut s = seen.lock().unwrap();
@@ -565,4 +584,69 @@ fn mutual_tls_admits_only_producers_with_a_certificate_of_the_gateways_ca() {
         1,
         "only the trusted producer's"
     );
+}
+
+/// A virtual environment with pyarrow and numpy from PyPI, made once under `target/`.
+fn pyarrow_python() -> PathBuf {
+    let exe = std::env::current_exe().unwrap();
+    let target = exe
+        .ancestors()
+        .nth(3)
+        .expect("target/<profile>/deps/<test>");
+    let venv = target.join("pyenv-flight");
+    let python = venv.join("bin/python");
+    let ready = venv.join(".tensorport-ready");
+    if !ready.is_file() {
+        let py = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+        run_ok(Command::new(py).args(["-m", "venv"]).arg(&venv));
+        run_ok(Command::new(&python).args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--retries",
+            "5",
+            "pyarrow",
+            "numpy",
+        ]));
+        std::fs::write(&ready, b"pyarrow numpy\n").unwrap();
+    }
+    python
+}
+
+#[test]
+fn a_pyarrow_flight_client_written_from_the_docs_is_served() {
+    let python = pyarrow_python();
+    let f = Fixture::new();
+    let example = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../../examples/python/flight_producer.py");
+    let url = f.url.replacen("http://", "grpc://", 1);
+    let out = run_ok(
+        Command::new(&python)
+            .arg(&example)
+            .arg(&url)
+            .arg(f.token())
+            .args(["--count", "50", "--shape", &format!("3,{SIZE},{SIZE}")])
+            .args(["--batch", "8", "--name", "pyarrow"]),
+    );
+    let lines: Vec<serde_json::Value> = String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut ids = HashSet::new();
+    for l in &lines {
+        let id = l["id"].as_u64().unwrap();
+        assert!(ids.insert(id), "request {id} answered twice");
+        let scores = l["scores"].as_array().unwrap_or_else(|| panic!("{l}"));
+        assert_eq!(scores[0].as_f64().unwrap() as u64, id);
+        assert_eq!(
+            scores[1].as_f64().unwrap(),
+            1.0,
+            "tensor {id} arrived intact"
+        );
+    }
+    assert_eq!(ids.len(), 50);
+    assert_eq!(f.received("pyarrow").len(), 50);
+    assert_eq!(f.seen.lock().unwrap().torn, 0);
 }

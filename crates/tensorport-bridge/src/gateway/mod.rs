@@ -240,8 +240,12 @@ impl FlightService for Gateway {
                 }
             };
             let name = name_of(first.flight_descriptor.as_ref());
-            let rest = input.map_err(FlightError::from);
-            let data = futures::stream::iter([Ok(first)]).chain(rest);
+            // Messages without an IPC header carry only a descriptor or app metadata (Arrow
+            // C++ and pyarrow open DoExchange with a descriptor-only message): not data.
+            let data = futures::stream::iter([Ok(first)])
+                .chain(input)
+                .try_filter(|m| std::future::ready(!m.data_header.is_empty()))
+                .map_err(FlightError::from);
             let decoded = FlightRecordBatchStream::new_from_flight_data(data);
             let handle = tokio::runtime::Handle::current();
             let who = format!("{name} from {peer}");
