@@ -2,8 +2,11 @@
 //! in-process, with and without a producer killed by SIGKILL mid-run.
 
 use std::collections::HashMap;
+use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
+use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorport_dfdx::dfdx::prelude::Cpu;
@@ -475,6 +478,67 @@ fn farm_over_two_servers_survives_one_sigkilled_every_input_once() {
         "{stderr}"
     );
     assert!(stdout.contains("server restarts 1"), "{stdout}");
+}
+
+#[test]
+fn farm_moves_producers_off_a_stalled_server_every_input_once() {
+    // Two servers, four producers; one server is stopped (SIGSTOP): its producers get no results
+    // while the other's keep going, so the farm moves one of them to the other server. Then the
+    // stopped server resumes and every input still gets exactly one line.
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    // The stopped server's producers hold inputs only it can answer, so the run cannot end
+    // before it resumes: a small run is enough.
+    let n = 600;
+    let mut child = farm_cmd(&out, n, 4)
+        .args(["--servers", "2"])
+        .spawn()
+        .unwrap();
+    let farm_pid = child.id();
+    let moved = Arc::new(AtomicBool::new(false));
+    let stderr = {
+        let (moved, err) = (moved.clone(), child.stderr.take().unwrap());
+        std::thread::spawn(move || {
+            let mut all = String::new();
+            for line in BufReader::new(err).lines().map_while(Result::ok) {
+                if line.contains("moving producer-") {
+                    moved.store(true, Ordering::SeqCst);
+                }
+                all.push_str(&line);
+                all.push('\n');
+            }
+            all
+        })
+    };
+    let t = Instant::now();
+    let server = loop {
+        let kids = children(farm_pid, "serve");
+        if kids.len() == 2 && count_lines(&out) >= 40 {
+            break kids[1];
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "the farm did not get going"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    let pid = nix::unistd::Pid::from_raw(server);
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGSTOP).unwrap();
+    let t = Instant::now();
+    while !moved.load(Ordering::SeqCst) && t.elapsed() < Duration::from_secs(120) {
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+    let o = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
+    let stderr = stderr.join().unwrap();
+    assert!(o.status.success(), "farm failed:\n{stdout}\n{stderr}");
+    assert!(
+        moved.load(Ordering::SeqCst),
+        "no producer moved off the stopped server:\n{stderr}"
+    );
+    assert!(stdout.contains("moved to a faster server"), "{stdout}");
+    check_results(&out, n);
 }
 
 /// Runs the farm on a few synthetic inputs with `extra` options, expecting it to fail; returns

@@ -50,6 +50,11 @@ pub(super) struct Worker {
     pub(super) server: usize,
     /// It prepares on the GPU (`produce --nvjpeg`).
     pub(super) gpu: bool,
+    /// It is finishing the inputs it holds (its worklist closed), to restart against
+    /// `next_server`: a move by demand, not a failure.
+    pub(super) moving: bool,
+    /// The server to start against next, if not the one with the fewest producers.
+    pub(super) next_server: Option<usize>,
 }
 
 /// A GPU producer's requests in flight (its device buffers; the protocol allows 64 per
@@ -73,6 +78,8 @@ impl Worker {
             last_exit: None,
             last_progress: Instant::now(),
             server: 0,
+            moving: false,
+            next_server: None,
         }
     }
 }

@@ -4,6 +4,7 @@
 //! [`Supervisor`] decides (hand out inputs, react to events, restart, give up), `view` shows
 //! (progress, summary), `children` starts the processes.
 
+mod balance;
 mod children;
 mod supervisor;
 mod view;
@@ -246,6 +247,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         sup.hand_out();
         sup.handle_events(&rx, Duration::from_millis(50), &mut out);
         sup.kill_stalled();
+        sup.rebalance();
         if sup.is_over() {
             break;
         }

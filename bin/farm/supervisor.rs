@@ -10,6 +10,7 @@ use std::time::{Duration, Instant};
 
 use tensorport_vision::Source;
 
+use super::balance::{pick_move, Load, Window, MIN_RESULTS};
 use super::children::{backoff, describe, unfixable_start, Ev, Farm, State, Worker};
 use crate::common::{CliError, CliResult, ResultLine, StageTimes};
 use crate::results::ResultsFile;
@@ -55,6 +56,10 @@ pub(super) struct Supervisor {
     started: Instant,
     /// Why the run ends early, if it does.
     pub(super) failure: Option<CliError>,
+    /// Results per server since the last look at the servers' demand.
+    window: Window,
+    /// Producers moved to another server by demand.
+    pub(super) moves: u32,
 }
 
 impl Supervisor {
@@ -81,6 +86,7 @@ impl Supervisor {
                     .map(|i| Worker::new(format!("gpu-producer-{i}"), true)),
             )
             .collect();
+        let farm_servers = servers.len();
         Ok(Supervisor {
             stall: Duration::from_secs_f64(farm.args.stall_secs.max(0.1)),
             depth: (farm.args.in_flight.max(1) * 2) as usize,
@@ -101,6 +107,8 @@ impl Supervisor {
             stopping: None,
             started: Instant::now(),
             failure: None,
+            window: Window::new(farm_servers),
+            moves: 0,
         })
     }
 
@@ -168,7 +176,11 @@ impl Supervisor {
         if self.done_count < self.n && !starting {
             for slot in 0..self.workers.len() {
                 if matches!(self.workers[slot].state, State::Waiting { until } if now >= until) {
-                    let Some(k) = self.least_loaded_server() else {
+                    let wanted = self.workers[slot]
+                        .next_server
+                        .take()
+                        .filter(|&k| self.servers[k].ready);
+                    let Some(k) = wanted.or_else(|| self.least_loaded_server()) else {
                         break;
                     };
                     self.farm.start_producer(slot, &mut self.workers[slot], k)?;
@@ -277,6 +289,9 @@ impl Supervisor {
             return;
         }
         let w = &mut self.workers[slot];
+        if let Some(r) = self.window.results.get_mut(w.server) {
+            *r += 1;
+        }
         w.done += 1;
         w.failures_in_row = 0;
         w.last_progress = Instant::now();
@@ -305,6 +320,13 @@ impl Supervisor {
             }
         }
         w.last_exit = Some(status.clone());
+        if std::mem::take(&mut w.moving) && self.done_count < self.n && self.stopping.is_none() {
+            // It finished its inputs to move: start it again at once, against its new server.
+            w.state = State::Waiting {
+                until: Instant::now(),
+            };
+            return;
+        }
         if self.done_count >= self.n || self.stopping.is_some() {
             w.state = State::Waiting {
                 until: Instant::now() + Duration::from_secs(3600),
@@ -382,6 +404,64 @@ impl Supervisor {
                 d.as_secs_f64()
             ));
         }
+    }
+
+    /// Every few seconds, with two servers or more: if one server's producers got clearly fewer
+    /// results each than another's, one of them (a CPU producer) finishes the inputs it holds
+    /// and restarts against the faster server (see `balance`).
+    pub(super) fn rebalance(&mut self) {
+        if self.servers.len() < 2 || self.stopping.is_some() || !self.window.is_due() {
+            return;
+        }
+        if self.window.results.iter().sum::<u64>() < MIN_RESULTS {
+            return; // the window grows until there is enough to judge
+        }
+        let loads: Vec<Load> = (0..self.servers.len())
+            .map(|k| {
+                let running = || {
+                    self.workers
+                        .iter()
+                        .filter(move |w| w.server == k && matches!(w.state, State::Running { .. }))
+                };
+                Load {
+                    ready: self.servers[k].ready,
+                    movable: running().filter(|w| !w.gpu && !w.moving).count(),
+                    producers: running().count(),
+                    results: self.window.results[k],
+                }
+            })
+            .collect();
+        if let Some((from, to)) = pick_move(&loads) {
+            // The producer on the slow server holding the fewest inputs moves.
+            let slot = (0..self.workers.len())
+                .filter(|&i| {
+                    let w = &self.workers[i];
+                    w.server == from
+                        && !w.gpu
+                        && !w.moving
+                        && matches!(w.state, State::Running { .. })
+                })
+                .min_by_key(|&i| self.workers[i].assigned.len());
+            if let Some(slot) = slot {
+                let rate = |l: &Load| l.results as f64 / l.producers.max(1) as f64;
+                let secs = self.window.began.elapsed().as_secs_f64();
+                let w = &mut self.workers[slot];
+                if let State::Running { stdin, .. } = &mut w.state {
+                    // Its worklist ends: it finishes what it holds and exits.
+                    stdin.take();
+                }
+                w.moving = true;
+                w.next_server = Some(to);
+                self.moves += 1;
+                self.farm.console.log(&format!(
+                    "moving {} from server {from} to server {to}: its producers got {:.1} results/s each, server {to}'s {:.1}",
+                    w.name,
+                    rate(&loads[from]) / secs,
+                    rate(&loads[to]) / secs
+                ));
+            }
+        }
+        self.window.reset();
     }
 
     /// Hung producers: inputs held, no result for the stall time, with the server up. SIGKILL

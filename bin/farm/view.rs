@@ -152,7 +152,7 @@ pub(super) fn print_summary(sup: &mut Supervisor, started: Instant, batches: (u6
          throughput  {:.1} images/s{}\n\
          latency     p50 {:.1} ms, p99 {:.1} ms (lease to result)\n\
          batches     {} (mean fill {fill:.1} of {}){}\n\
-         producers   {} ({}), server restarts {}\n\
+         producers   {} ({}{}), server restarts {}\n\
          results     {}",
         if done_count < n { "  INCOMPLETE" } else { "" },
         done_count as f64 / secs.max(1e-9),
@@ -175,6 +175,11 @@ pub(super) fn print_summary(sup: &mut Supervisor, started: Instant, batches: (u6
         },
         args.producers,
         plural(restarts, "restart"),
+        if sup.moves > 0 {
+            format!(", {} moved to a faster server", sup.moves)
+        } else {
+            String::new()
+        },
         sup.server_restarts(),
         args.output.display()
     );
