@@ -1,0 +1,556 @@
+//! The producer side: lease a slot, write the tensor into it, submit, collect the result.
+//!
+//! ```no_run
+//! # use tensorport::{Producer, ProducerConfig, TensorSpec};
+//! # use tensorport_wire::DType;
+//! # use std::time::Duration;
+//! let mut p = Producer::connect("/run/user/1000/tensorport/tensorport.sock", ProducerConfig::new("prep-0"))?;
+//! let mut lease = p.lease(Duration::from_secs(5))?;       // a slot of the shared pool, ours alone
+//! lease.write_pod(0, &[0.5f32; 3 * 224 * 224]);           // fill it in place
+//! let id = lease.submit(&TensorSpec::new(DType::F32, &[3, 224, 224]))?; // the lease is gone now
+//! let done = p.recv_result(Duration::from_secs(5))?;      // the server's answer
+//! assert_eq!(done.request_id, id);
+//! # Ok::<(), tensorport::Error>(())
+//! ```
+//!
+//! A lease borrows the producer mutably and `submit` consumes it, so a slot cannot be written
+//! after it was handed over. A lease dropped without `submit` goes back to the free list.
+
+use std::collections::{HashMap, VecDeque};
+use std::os::fd::{AsFd, BorrowedFd};
+use std::path::Path;
+use std::sync::atomic::{fence, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+use tensorport_shm::ring::{CQ_DEVICE_RELEASED, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT};
+use tensorport_shm::HostPool;
+use tensorport_wire::{
+    ClientMsg, ErrorCode, Outcome, PoolLayout, Role, ServerMsg, SlotRef, StatusReport, WireError,
+    PROTOCOL_VERSION,
+};
+
+use crate::client::{self, next_msg};
+use crate::conn::{FrameReader, FrameWriter};
+use crate::fast::{IdMap, ProducerRing};
+use crate::{Error, Result};
+use tensorport_wire::decode_server;
+
+mod completion;
+mod device;
+mod lease;
+mod spec;
+mod submit;
+
+use completion::Done;
+pub use completion::{Completion, RemoteError};
+use device::DeviceState;
+use lease::LoanHome;
+pub use lease::{Loan, SlotLease};
+pub use spec::{ProducerConfig, TensorSpec};
+use submit::Held;
+
+/// A connected producer session with its own pool.
+pub struct Producer {
+    reader: FrameReader,
+    writer: FrameWriter,
+    pool: Arc<HostPool>,
+    /// The protocol version negotiated.
+    version: u16,
+    /// Where dropped [`Loan`]s leave their slots; also what makes a loan ours.
+    home: Arc<LoanHome>,
+    /// Loans out (not yet submitted or given back).
+    loaned: usize,
+    layout: PoolLayout,
+    session_id: u64,
+    max_in_flight: u32,
+    free: VecDeque<SlotRef>,
+    in_flight: IdMap<Held>,
+    devices: HashMap<u32, DeviceState>,
+    registered: Option<(u32, Vec<u8>)>,
+    done: VecDeque<Done>,
+    status: Option<StatusReport>,
+    draining: bool,
+    next_id: u64,
+    /// The shared-memory queues, if the server gave us some.
+    ring: Option<ProducerRing>,
+    spin: Duration,
+    /// When the socket was last looked at without sleeping on it (a system call, so only every
+    /// [`SOCKET_LOOK_EVERY`] on the queue path).
+    socket_looked: Instant,
+    /// The server's socket-message counter when we last looked.
+    socket_seen: u64,
+}
+
+/// Looks at the queue between two reads of the clock while spinning.
+const SPINS_PER_LOOK: u32 = 32;
+
+/// How often a producer on the queues looks at its socket while it is busy or spinning (errors,
+/// draining and long results travel there; it sleeps on the socket too).
+const SOCKET_LOOK_EVERY: Duration = Duration::from_micros(100);
+
+impl std::fmt::Debug for Producer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Producer")
+            .field("session_id", &self.session_id)
+            .field("layout", &self.layout)
+            .field("free", &self.free.len())
+            .field("in_flight", &self.in_flight.len())
+            .finish()
+    }
+}
+
+impl Producer {
+    /// Connects to the server at `socket`, receives and maps the session's pool.
+    pub fn connect(socket: impl AsRef<Path>, config: ProducerConfig) -> Result<Producer> {
+        let c = client::connect(
+            socket.as_ref(),
+            Role::Producer,
+            &config.name,
+            config.slots,
+            config.slot_size,
+            if config.rings { PROTOCOL_VERSION } else { 1 },
+            config.connect_timeout,
+        )?;
+        let layout = c.welcome.pool;
+        let mut fds = c.fds.into_iter();
+        let fd = fds.next().ok_or_else(|| Error::Refused {
+            code: ErrorCode::Malformed,
+            message: "a producer Welcome without a pool".into(),
+        })?;
+        let pool = HostPool::open(fd, layout.slot_count, layout.slot_size)?;
+        let ring = match (fds.next(), fds.next(), fds.next()) {
+            (None, None, None) => None,
+            (Some(r), Some(a), Some(b)) if c.welcome.version >= 2 => {
+                Some(ProducerRing::open(r, a, b)?)
+            }
+            _ => {
+                return Err(Error::Refused {
+                    code: ErrorCode::Malformed,
+                    message: format!(
+                        "a protocol-{} Welcome with {} descriptors",
+                        c.welcome.version, c.welcome.fds
+                    ),
+                })
+            }
+        };
+        Ok(Producer {
+            reader: c.reader,
+            writer: c.writer,
+            pool: Arc::new(pool),
+            version: c.welcome.version,
+            home: Arc::new(LoanHome::default()),
+            loaned: 0,
+            layout,
+            session_id: c.welcome.session_id,
+            max_in_flight: c.welcome.max_in_flight.max(1),
+            free: VecDeque::new(),
+            in_flight: IdMap::default(),
+            devices: HashMap::new(),
+            registered: None,
+            done: VecDeque::new(),
+            status: None,
+            draining: false,
+            next_id: 1,
+            ring,
+            spin: config.spin,
+            socket_looked: Instant::now() - SOCKET_LOOK_EVERY * 2,
+            socket_seen: 0,
+        })
+    }
+
+    /// Whether this session hands tensors over on the shared-memory queues (protocol 2).
+    pub fn uses_rings(&self) -> bool {
+        self.ring.is_some()
+    }
+
+    /// The session id the server gave us.
+    pub fn session_id(&self) -> u64 {
+        self.session_id
+    }
+
+    /// The pool's layout.
+    pub fn layout(&self) -> PoolLayout {
+        self.layout
+    }
+
+    /// Bytes per slot.
+    pub fn slot_size(&self) -> u64 {
+        self.layout.slot_size
+    }
+
+    /// The pool's memfd (sealed: it can be neither shrunk nor grown).
+    pub fn pool_fd(&self) -> BorrowedFd<'_> {
+        self.pool.fd()
+    }
+
+    /// Requests submitted whose result has not been taken (still with the server, or received
+    /// and waiting in [`Producer::ready`]).
+    pub fn in_flight(&self) -> usize {
+        self.in_flight.len() + self.done.len()
+    }
+
+    /// Results received and not yet taken.
+    pub fn ready(&self) -> usize {
+        self.done.len()
+    }
+
+    /// Slots granted to us and not leased.
+    pub fn free_slots(&self) -> usize {
+        self.free.len()
+    }
+
+    /// Whether the server told us it drains.
+    pub fn is_draining(&self) -> bool {
+        self.draining
+    }
+
+    /// Most requests in flight the server allows this session.
+    pub fn max_in_flight(&self) -> u32 {
+        self.max_in_flight
+    }
+
+    fn handle(&mut self, msg: ServerMsg) -> Result<()> {
+        match msg {
+            ServerMsg::Grant(slots) => {
+                // A client checks what the server says too: a slot past the pool would index
+                // outside the mapping (the queue path drops such grants the same way).
+                if let Some(bad) = slots.iter().find(|s| s.slot >= self.layout.slot_count) {
+                    return Err(Error::Protocol(WireError::Malformed(format!(
+                        "the server granted slot {} of a pool of {}",
+                        bad.slot, self.layout.slot_count
+                    ))));
+                }
+                self.free.extend(slots)
+            }
+            ServerMsg::Result {
+                request_id,
+                outcome,
+            } => {
+                if self.in_flight.remove(&request_id).is_some() {
+                    self.done.push_back(Done::Message(Completion {
+                        request_id,
+                        result: match outcome {
+                            Outcome::Ok(b) => Ok(b),
+                            Outcome::Err { code, message } => Err(RemoteError {
+                                code: ErrorCode::from_u16(code),
+                                message,
+                            }),
+                        },
+                    }));
+                }
+            }
+            ServerMsg::Error {
+                code,
+                request_id,
+                fatal,
+                message,
+            } => {
+                let code = ErrorCode::from_u16(code);
+                if let Some(id) = request_id.filter(|_| !fatal) {
+                    // The submit was refused before the server took the slot: it is still ours.
+                    if let Some(held) = self.in_flight.remove(&id) {
+                        match held {
+                            Held::Host(slot) => self.free.push_back(slot),
+                            Held::Device(b) => {
+                                if let Some(d) = self.devices.get_mut(&b) {
+                                    d.in_flight = false;
+                                }
+                            }
+                        }
+                        self.done.push_back(Done::Message(Completion {
+                            request_id: id,
+                            result: Err(RemoteError { code, message }),
+                        }));
+                    }
+                } else {
+                    return Err(Error::Refused { code, message });
+                }
+            }
+            ServerMsg::Status(s) => self.status = Some(s),
+            ServerMsg::DeviceRegistered {
+                buffer,
+                release_event,
+            } => self.registered = Some((buffer, release_event)),
+            ServerMsg::DeviceReleased(r) => {
+                if let Some(d) = self.devices.get_mut(&r.slot) {
+                    d.generation = r.generation;
+                    d.in_flight = false;
+                }
+            }
+            ServerMsg::Draining => self.draining = true,
+            ServerMsg::Welcome(_) => {
+                return Err(Error::Refused {
+                    code: ErrorCode::Malformed,
+                    message: "a second Welcome".into(),
+                })
+            }
+        }
+        Ok(())
+    }
+
+    /// Handles what arrives — completions on the queue, messages on the socket — until
+    /// something did or `deadline` passes; returns whether something did.
+    fn pump(&mut self, deadline: Option<Instant>) -> Result<bool> {
+        if self.ring.is_none() {
+            return match next_msg(&mut self.reader, deadline)? {
+                Some(m) => {
+                    self.handle(m)?;
+                    Ok(true)
+                }
+                None => Ok(false),
+            };
+        }
+        let mut start = None;
+        let mut spins = 0u32;
+        loop {
+            if self.drain_ring()? {
+                return Ok(true);
+            }
+            // Between clock reads, a few quick looks at the queue.
+            if start.is_some() && !spins.is_multiple_of(SPINS_PER_LOOK) {
+                spins += 1;
+                std::hint::spin_loop();
+                continue;
+            }
+            spins = spins.wrapping_add(1);
+            // The socket carries errors, draining and results too long for the queue: frames
+            // already read are handled at once; the socket itself is looked at every 100 µs
+            // while spinning, once more at the deadline, and slept on with the doorbell.
+            let buffered = match self.reader.next_payload()? {
+                Some(p) => Some(decode_server(p)?),
+                None => None,
+            };
+            if let Some(m) = buffered {
+                self.handle(m)?;
+                return Ok(true);
+            }
+            let now = Instant::now();
+            let expired = deadline.is_some_and(|d| now >= d);
+            if self.socket_news() || now.duration_since(self.socket_looked) > SOCKET_LOOK_EVERY {
+                self.socket_looked = now;
+                if let Some(m) = next_msg(&mut self.reader, Some(now))? {
+                    self.handle(m)?;
+                    return Ok(true);
+                }
+            }
+            if expired {
+                return self.drain_ring();
+            }
+            if now.duration_since(*start.get_or_insert(now)) < self.spin {
+                if spins % (SPINS_PER_LOOK * 8) == 1 {
+                    // Now and then give the core away (a consumer sharing it gets to run).
+                    std::thread::yield_now();
+                }
+                continue;
+            }
+            self.sleep(deadline)?;
+            start = None;
+        }
+    }
+
+    /// Says we sleep, looks at the queue once more, then waits for the doorbell or the socket.
+    fn sleep(&mut self, deadline: Option<Instant>) -> Result<()> {
+        let ring = self.ring.as_mut().expect("only with a ring");
+        ring.mem.set_producer_waiting(true);
+        fence(Ordering::SeqCst);
+        if ring.has_work() {
+            ring.mem.set_producer_waiting(false);
+            return Ok(());
+        }
+        let ring = self.ring.as_ref().expect("only with a ring");
+        let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
+        let timeout = match left {
+            None => PollTimeout::NONE,
+            Some(l) => PollTimeout::try_from(l.as_millis().clamp(1, i32::MAX as u128) as i32)
+                .unwrap_or(PollTimeout::MAX),
+        };
+        let mut pfd = [
+            PollFd::new(self.reader.stream().as_fd(), PollFlags::POLLIN),
+            PollFd::new(ring.to_producer.as_fd(), PollFlags::POLLIN),
+        ];
+        match poll(&mut pfd, timeout) {
+            Ok(_) | Err(nix::Error::EINTR) => {}
+            Err(e) => {
+                ring.mem.set_producer_waiting(false);
+                return Err(Error::sys("poll")(e));
+            }
+        }
+        let readable = |p: &PollFd| p.revents().is_some_and(|r| !r.is_empty());
+        let (sock, bell) = (readable(&pfd[0]), readable(&pfd[1]));
+        if bell {
+            ring.to_producer.clear();
+        }
+        ring.mem.set_producer_waiting(false);
+        if sock && self.reader.fill()?.bytes == 0 {
+            return Err(Error::ServerGone);
+        }
+        Ok(())
+    }
+
+    /// Whether the server wrote to the socket since we last looked (its counter in the queue
+    /// header moved). Dead servers write nothing: waits also look at the socket on a timer and
+    /// sleep on it.
+    fn socket_news(&mut self) -> bool {
+        let Some(ring) = &self.ring else {
+            return false;
+        };
+        let n = ring.mem.socket_messages();
+        if n == self.socket_seen {
+            return false;
+        }
+        self.socket_seen = n;
+        true
+    }
+
+    /// Handles every completion on the queue; returns whether there was any.
+    fn drain_ring(&mut self) -> Result<bool> {
+        let Some(ring) = self.ring.as_mut() else {
+            return Ok(false);
+        };
+        let mut any = false;
+        let mut bytes = [0u8; CQ_INLINE_BYTES];
+        while let Some(h) = ring.next(&mut bytes)? {
+            any = true;
+            if h.flags & CQ_GRANT != 0 && h.slot < self.layout.slot_count {
+                self.free.push_back(SlotRef {
+                    slot: h.slot,
+                    generation: h.generation,
+                });
+            }
+            if h.flags & CQ_DEVICE_RELEASED != 0 {
+                if let Some(d) = self.devices.get_mut(&h.slot) {
+                    d.generation = h.generation;
+                    d.in_flight = false;
+                }
+            }
+            if h.flags & CQ_RESULT != 0 && self.in_flight.remove(&h.request_id).is_some() {
+                // `pop` bounds the length by CQ_INLINE_BYTES (232).
+                self.done.push_back(Done::Inline {
+                    request_id: h.request_id,
+                    len: h.len as u8,
+                    bytes,
+                });
+            }
+        }
+        Ok(any)
+    }
+
+    /// Handles everything already received, without waiting.
+    pub fn poll(&mut self) -> Result<()> {
+        if self.loaned > 0 {
+            self.reclaim_loans();
+        }
+        if self.ring.is_none() {
+            while self.pump(Some(Instant::now()))? {}
+            return Ok(());
+        }
+        // The queue path makes no system call and reads no clock: the socket is read when the
+        // server's message counter in the queue header says it wrote something.
+        self.drain_ring()?;
+        while let Some(p) = self.reader.next_payload()? {
+            let m = decode_server(p)?;
+            self.handle(m)?;
+        }
+        if self.socket_news() {
+            let now = Instant::now();
+            self.socket_looked = now;
+            while let Some(m) = next_msg(&mut self.reader, Some(now))? {
+                self.handle(m)?;
+            }
+        }
+        Ok(())
+    }
+
+    /// The next result, waiting up to `timeout`.
+    pub fn recv_result(&mut self, timeout: Duration) -> Result<Completion> {
+        Ok(self.next_done(timeout)?.into_completion())
+    }
+
+    /// [`Producer::recv_result`] without allocating: the result's bytes are copied into `out`
+    /// (cleared first; it grows only for a result longer than its capacity). Returns the
+    /// request id, and the result's length or the server's error.
+    pub fn recv_result_into(
+        &mut self,
+        timeout: Duration,
+        out: &mut Vec<u8>,
+    ) -> Result<(u64, std::result::Result<usize, RemoteError>)> {
+        out.clear();
+        Ok(match self.next_done(timeout)? {
+            Done::Inline {
+                request_id,
+                len,
+                bytes,
+            } => {
+                out.extend_from_slice(&bytes[..len as usize]);
+                (request_id, Ok(len as usize))
+            }
+            Done::Message(c) => match c.result {
+                Ok(v) => {
+                    out.extend_from_slice(&v);
+                    (c.request_id, Ok(v.len()))
+                }
+                Err(e) => (c.request_id, Err(e)),
+            },
+        })
+    }
+
+    fn next_done(&mut self, timeout: Duration) -> Result<Done> {
+        let mut deadline = None;
+        loop {
+            if let Some(c) = self.done.pop_front() {
+                return Ok(c);
+            }
+            if self.in_flight.is_empty() {
+                return Err(Error::NothingInFlight);
+            }
+            let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
+            if !self.pump(Some(deadline))? && Instant::now() >= deadline {
+                return Err(Error::Timeout(timeout, "a result"));
+            }
+        }
+    }
+
+    /// A result if one is ready, without waiting for the server.
+    pub fn try_recv_result(&mut self) -> Result<Option<Completion>> {
+        if self.done.is_empty() {
+            self.poll()?;
+        }
+        Ok(self.done.pop_front().map(Done::into_completion))
+    }
+
+    /// The server's status.
+    pub fn status(&mut self, timeout: Duration) -> Result<StatusReport> {
+        self.status = None;
+        self.writer.send(&ClientMsg::Status, &[])?;
+        let deadline = Instant::now() + timeout;
+        loop {
+            if let Some(s) = self.status.take() {
+                return Ok(s);
+            }
+            if !self.pump(Some(deadline))? && Instant::now() >= deadline {
+                return Err(Error::Timeout(timeout, "the server's status"));
+            }
+        }
+    }
+
+    /// Ends the session cleanly. Results not yet received are lost.
+    pub fn close(mut self) -> Result<()> {
+        self.goodbye()
+    }
+
+    /// Ends the session cleanly without consuming the producer (for owners that cannot move it
+    /// out); nothing may be sent after it.
+    pub fn goodbye(&mut self) -> Result<()> {
+        self.writer.send(&ClientMsg::Goodbye, &[])
+    }
+}
+
+/// The control socket. With the shared-memory queues ([`Producer::uses_rings`]) results and
+/// grants do not make it readable: wait with [`Producer::recv_result`] or [`Producer::lease`].
+impl AsFd for Producer {
+    fn as_fd(&self) -> BorrowedFd<'_> {
+        self.reader.stream().as_fd()
+    }
+}
