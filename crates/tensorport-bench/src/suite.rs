@@ -176,9 +176,19 @@ impl Ctx {
     }
 }
 
-/// Whether a streaming child goes on: it reads the clock every 64 messages (every peer alike).
+/// Messages every streaming child sends at least, however short --seconds: on a loaded machine a
+/// child may get so little time before its deadline that the reader sees all it sent in one
+/// look, which measures nothing (the rate needs a first and a last arrival apart).
+const MIN_MESSAGES: usize = 1024;
+
+/// Seconds a reader waits past --seconds for its children to finish (they send at least
+/// [`MIN_MESSAGES`], which a loaded machine may take a while to do).
+const READ_GRACE_S: f64 = 120.0;
+
+/// Whether a streaming child goes on: it reads the clock every 64 messages (every peer alike),
+/// and sends at least [`MIN_MESSAGES`].
 fn more(i: usize, deadline: Instant) -> bool {
-    !i.is_multiple_of(64) || Instant::now() < deadline
+    i < MIN_MESSAGES || !i.is_multiple_of(64) || Instant::now() < deadline
 }
 
 /// Every peer writes every byte of every payload with this same loop (iceoryx2 through
@@ -471,7 +481,8 @@ fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult
     let kids: Vec<Child> = (0..n)
         .map(|_| cx.child(Role::TpStream, &target, size, true, kid))
         .collect::<CliResult<_>>()?;
-    let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + 5.0);
+    // The readers stop when the children are done; this only bounds a run that hangs.
+    let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
     // Each consumer: its count, first and last message, and messages per session id.
     type ConsumerRun = (u64, Option<Instant>, Instant, Vec<u64>);
     let runs: Vec<CliResult<ConsumerRun>> = std::thread::scope(|s| {
@@ -554,7 +565,8 @@ fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
         .map(|_| cx.child(Role::IceStream, &tag, size, true, kid))
         .collect::<CliResult<_>>()?;
     let (mut count, mut first, mut last) = (0u64, None, Instant::now());
-    let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + 5.0);
+    // The readers stop when the children are done; this only bounds a run that hangs.
+    let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
     let mut idle_since = Instant::now();
     let mut spins = 0u32;
     loop {
