@@ -40,7 +40,7 @@ pub enum What {
         #[arg(long, value_delimiter = ',', default_value = "4096,19267584")]
         bytes: Vec<usize>,
         /// Fences to measure: event (interprocess CUDA events), timeline (semaphores in IPC
-        /// memory), or both.
+        /// memory), or both; or staged (no device hand-off: through host memory, to compare).
         #[arg(long, value_enum, default_value_t = FenceArg::Both)]
         fence: FenceArg,
         /// What the producer's GPU does per hand-off: fill the tensor (as PyTorch's benchmark
@@ -66,6 +66,10 @@ pub enum FenceArg {
     Timeline,
     /// Both, one after the other.
     Both,
+    /// No device hand-off, for comparison: the producer copies each tensor from its GPU into
+    /// its pool slot (pinned in its context), the server copies it from the slot (pinned in
+    /// its context) onto GPU 0: the path staged through host memory.
+    Staged,
 }
 
 /// What the benchmark's producer GPU does per hand-off.
@@ -140,7 +144,11 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         } => match producer_socket {
             Some(sock) => {
                 let gpu = tensorport_cuda::Gpu::open(producer_gpu).map_err(cuda)?;
-                ipc_producer(&gpu, &sock, handoffs, bytes[0], fence, producer_work)?
+                if fence == FenceArg::Staged {
+                    staged_producer(&gpu, &sock, handoffs, bytes[0], producer_work)?
+                } else {
+                    ipc_producer(&gpu, &sock, handoffs, bytes[0], fence, producer_work)?
+                }
             }
             None => {
                 let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
@@ -194,6 +202,50 @@ fn ipc_producer(
     Ok(())
 }
 
+/// The producer of `--fence staged`: fills a device buffer, copies it into a pinned slot,
+/// submits the host tensor.
+fn staged_producer(
+    gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
+    sock: &std::path::Path,
+    handoffs: usize,
+    bytes: usize,
+    work: Work,
+) -> CliResult<()> {
+    use std::time::Duration;
+    use tensorport::{DType, PinHook, Producer, ProducerConfig, TensorSpec};
+    let mut cfg = ProducerConfig::new("bench-staged");
+    cfg.slots = 4;
+    cfg.slot_size = bytes as u64;
+    let mut p = Producer::connect(sock, cfg)?;
+    let stream = tensorport_cuda::Stream::new(gpu).map_err(cuda)?;
+    let src = tensorport_cuda::DeviceBuffer::new(gpu, bytes).map_err(cuda)?;
+    let pool = p.loan(Duration::from_secs(30))?.mapping();
+    // SAFETY: `pool` holds the mapping and is declared before `_pinned`, so the registration is
+    // dropped (unpinned) before the mapping can go.
+    let _pinned = unsafe {
+        tensorport_cuda::CudaPin::new(gpu.clone())
+            .pin(pool.mapping().as_ptr(), pool.mapping().len())
+    }
+    .map_err(CliError::new)?;
+    let spec = TensorSpec::new(DType::U8, &[bytes as u64]);
+    for i in 0..handoffs {
+        let mut lease = p.lease(Duration::from_secs(30))?;
+        if work == Work::Fill {
+            src.fill_u32_range_async(0, bytes / 4 * 4, i as u32, &stream)
+                .map_err(cuda)?;
+        }
+        stream.synchronize().map_err(cuda)?;
+        src.copy_to_host(&mut lease.bytes_mut()[..bytes])
+            .map_err(cuda)?;
+        lease.submit(&spec)?;
+        while p.try_recv_result()?.is_some() {}
+    }
+    while p.in_flight() > 0 {
+        p.recv_result(Duration::from_secs(30))?;
+    }
+    Ok(())
+}
+
 fn ipc_server(
     gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
     handoffs: usize,
@@ -210,6 +262,12 @@ fn ipc_server(
     let sock = tmp.path().join("tp.sock");
     let mut cfg = tensorport::ServerConfig::new(&sock);
     cfg.device = Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu.clone())));
+    let staged = fence == FenceArg::Staged;
+    if staged {
+        cfg.pin = Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone())));
+        cfg.slot_size = bytes as u64;
+        cfg.max_slot_size = cfg.max_slot_size.max(bytes as u64);
+    }
     let server = tensorport::Server::bind(cfg)?;
     let mut child = std::process::Command::new(std::env::current_exe()?)
         .args([
@@ -242,6 +300,17 @@ fn ipc_server(
         let req = server
             .recv_timeout(Duration::from_secs(60))?
             .ok_or_else(|| CliError::new("the benchmark producer sent nothing for 60 s"))?;
+        if staged {
+            // SAFETY: `dst` holds `bytes` on this context; the slot stays ours until the
+            // release below, after the copy has run.
+            unsafe { stream.copy_host_to_device_async(dst.ptr(), req.bytes()) }.map_err(cuda)?;
+            stream.synchronize().map_err(cuda)?;
+            let responder = req.release();
+            lat.push(t1.elapsed().as_secs_f64() * 1e6);
+            let _ = responder.respond(&[]);
+            started.get_or_insert_with(Instant::now);
+            continue;
+        }
         let dt = req
             .device()
             .cloned()
