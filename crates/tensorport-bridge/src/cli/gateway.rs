@@ -48,8 +48,10 @@ pub struct Args {
     /// Requests in flight per remote producer (the slots of its session's pool).
     #[arg(long, default_value_t = 32)]
     pub in_flight: u32,
-    /// Largest tensor taken, in MiB.
-    #[arg(long, default_value_t = 256)]
+    /// Largest tensor taken, in MiB. With --max-remotes it bounds the gateway's memory for
+    /// messages being received: each stream holds at most one message of a tensor (or batch)
+    /// being decoded and one decoded batch waiting, plus its 8 MiB HTTP/2 window.
+    #[arg(long, default_value_t = 64)]
     pub max_tensor_mib: u64,
     /// Seconds a remote producer may leave its results unread (or the server a request
     /// unanswered) before its stream is ended and its session closed.

@@ -43,6 +43,8 @@ pub use session::Input;
 pub const WINDOW: u32 = 8 << 20;
 /// Largest HTTP/2 frame taken, in bytes.
 pub const FRAME: u32 = 1 << 20;
+/// Streams one connection may have open at once.
+const MAX_STREAMS_PER_CONNECTION: u32 = 32;
 
 /// How a gateway runs.
 #[derive(Debug, Clone)]
@@ -131,6 +133,9 @@ impl Gateway {
             .initial_stream_window_size(Some(WINDOW))
             .initial_connection_window_size(Some(2 * WINDOW))
             .max_frame_size(Some(FRAME))
+            // One connection cannot open streams without bound (each is refused beyond
+            // --max-remotes anyway, after its headers).
+            .max_concurrent_streams(Some(MAX_STREAMS_PER_CONNECTION))
             .tcp_nodelay(true);
         if let Some(tls) = &self.cfg.tls {
             builder = builder.tls_config(tls.config()?)?;
