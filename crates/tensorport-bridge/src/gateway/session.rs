@@ -125,7 +125,10 @@ impl Session {
                     self.collect(Duration::ZERO)?;
                 }
                 // Nothing in flight: the producer left with everything answered.
-                Some(Input::Broken(_)) if self.pending.is_empty() => break,
+                Some(Input::Broken(why)) if self.pending.is_empty() => {
+                    tracing::info!(remote = %self.who, "remote producer left ({why}) with nothing in flight");
+                    return Ok(submitted);
+                }
                 Some(Input::Broken(why)) => return Err(End::Gone(why)),
                 Some(Input::Invalid(why)) => {
                     return Err(End::Tell(Status::invalid_argument(format!(
