@@ -18,8 +18,8 @@ use tensorport_cuda::{
 fn main() {
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 14 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 14 skipped");
+            println!("skipped: 15 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 15 skipped");
             return;
         }
     }
@@ -56,6 +56,10 @@ fn main() {
             (
                 "device_cross_gpu_producers_intact_and_fenced",
                 device_cross_gpu,
+            ),
+            (
+                "farm_over_two_gpus_survives_a_sigkilled_server_every_input_once",
+                farm_two_gpus_server_killed,
             ),
             (
                 "device_ipc_killed_producer_frees_gpu_memory",
@@ -771,6 +775,100 @@ fn nvjpeg_tensors() {
 /// A farm whose producers decode on the GPU (and one on the CPU) over JPEGs, PNGs and a broken
 /// file: every input gets exactly one line, the GPU producers did most of them, the broken file
 /// an error, and the scores agree with a CPU-producer farm's.
+/// A farm over two GPUs (a server on each) with the server on GPU 1 SIGKILLed mid-run: its
+/// producers redo their inputs through the other server while it restarts, and every input gets
+/// exactly one line.
+fn farm_two_gpus_server_killed() {
+    let n = tensorport_cuda::probe()
+        .map(|c| c.devices.len())
+        .unwrap_or(0);
+    if n < 2 {
+        println!("  skipped: this machine has {n} GPU (run on a two-GPU machine)");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r.jsonl");
+    let sock = dir.path().join("f.sock");
+    let inputs = 20_000u64;
+    let child = std::process::Command::new(tensorport_exe())
+        .args([
+            "--log",
+            "warn",
+            "farm",
+            "--devices",
+            "0,1",
+            "--ready",
+            "-p",
+            "8",
+        ])
+        .args(["--synthetic", &inputs.to_string(), "--progress", "never"])
+        .arg("--socket")
+        .arg(&sock)
+        .arg("--output")
+        .arg(&out)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = || {
+        std::fs::read_to_string(&out)
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    };
+    let t = std::time::Instant::now();
+    while lines() < 2000 {
+        assert!(
+            t.elapsed().as_secs() < 120,
+            "the farm wrote no 2,000 results in 2 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // The server on GPU 1 listens on f-1.sock.
+    let victim = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| {
+                    let c = String::from_utf8_lossy(&c);
+                    c.contains("serve") && c.contains("f-1.sock")
+                })
+                .unwrap_or(false)
+        })
+        .expect("the server on GPU 1");
+    let before = lines();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let o = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "farm failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let mut seen = std::collections::HashSet::new();
+    let text = std::fs::read_to_string(&out).unwrap();
+    for l in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(v.get("error").is_none(), "{l}");
+        assert!(
+            seen.insert(v["index"].as_u64().unwrap()),
+            "an input answered twice"
+        );
+    }
+    assert_eq!(seen.len() as u64, inputs, "every input once");
+    assert!(stdout.contains("server restarts 1"), "{stdout}");
+    println!(
+        "  {inputs} inputs over two GPUs, the server on GPU 1 SIGKILLed after {before} results: {} lines, {} distinct",
+        text.lines().count(),
+        seen.len()
+    );
+}
+
 fn farm_gpu_producers() {
     let dir = tempfile::tempdir().unwrap();
     let (all, _) = sample_images(dir.path(), 96);
