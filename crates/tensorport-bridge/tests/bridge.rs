@@ -654,3 +654,52 @@ fn a_pyarrow_flight_client_written_from_the_docs_is_served() {
     assert_eq!(f.received("pyarrow").len(), 50);
     assert_eq!(f.seen.lock().unwrap().torn, 0);
 }
+
+#[test]
+fn help_explains_each_subcommand() {
+    for (args, needles) in [
+        (
+            &["--help"][..],
+            &["gateway", "produce", "token", "Arrow Flight"][..],
+        ),
+        (
+            &["gateway", "--help"],
+            &[
+                "--listen",
+                "--token-file",
+                "--tls-cert",
+                "--tls-client-ca",
+                "--allow-plaintext",
+                "--max-remotes",
+            ],
+        ),
+        (
+            &["produce", "--help"],
+            &[
+                "--gateway",
+                "--token-file",
+                "--tls-ca",
+                "--input",
+                "--synthetic",
+                "--retries",
+                "exactly one",
+            ],
+        ),
+        (
+            &["token", "--help"],
+            &["readable only by you", "never overwrites"],
+        ),
+    ] {
+        let out = run_ok(Command::new(BIN).args(args));
+        let text = String::from_utf8_lossy(&out.stdout);
+        for n in needles {
+            assert!(text.contains(n), "{args:?} --help lacks {n:?}:\n{text}");
+        }
+    }
+    // A mistake gets a usage error (exit 2), not a panic.
+    let out = Command::new(BIN)
+        .args(["produce", "--gateway"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+}
