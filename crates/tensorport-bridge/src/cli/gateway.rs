@@ -53,6 +53,10 @@ pub struct Args {
     /// being decoded and one decoded batch waiting, plus its 8 MiB HTTP/2 window.
     #[arg(long, default_value_t = 64)]
     pub max_tensor_mib: u64,
+    /// Threads that receive and decode the streams [default: the CPUs, at most 8]. Each remote
+    /// producer also has a thread of its own that hands its tensors to the server.
+    #[arg(long, value_name = "N")]
+    pub io_threads: Option<usize>,
     /// Seconds a remote producer may leave its results unread (or the server a request
     /// unanswered) before its stream is ended and its session closed.
     #[arg(long, default_value_t = 60)]
@@ -91,8 +95,14 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         max_message_bytes: (max_tensor_bytes as usize).saturating_add(1 << 20),
         peer_timeout: Duration::from_secs(a.peer_timeout.max(1)),
     };
+    let io_threads = a.io_threads.unwrap_or_else(|| {
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(2)
+            .min(8)
+    });
     let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
+        .worker_threads(io_threads.max(1))
         .enable_all()
         .thread_name("tp-bridge-io")
         .build()?;
