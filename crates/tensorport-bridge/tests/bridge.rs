@@ -703,3 +703,54 @@ fn help_explains_each_subcommand() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2));
 }
+
+#[test]
+fn a_gateway_without_its_server_says_so_and_the_producer_gives_up() {
+    // The gateway's local server is not running: each stream is told why, the producer retries
+    // (the server may be restarting), then gives up with the gateway's words.
+    let dir = tempfile::tempdir().unwrap();
+    let token = dir.path().join("token");
+    run_ok(Command::new(BIN).arg("token").arg(&token));
+    let mut gateway = Command::new(BIN)
+        .args(["gateway", "--listen", "127.0.0.1:0", "--socket"])
+        .arg(dir.path().join("nobody.sock"))
+        .arg("--token-file")
+        .arg(&token)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(gateway.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line.split_whitespace().nth(2).unwrap().to_string();
+    let out = Command::new(BIN)
+        .args([
+            "produce",
+            "--gateway",
+            &url,
+            "--synthetic",
+            "8",
+            "--retries",
+            "1",
+        ])
+        .args(["--image-size", &SIZE.to_string(), "--token-file"])
+        .arg(&token)
+        .output()
+        .unwrap();
+    let _ = gateway.kill();
+    let _ = gateway.wait();
+    assert_eq!(out.status.code(), Some(1));
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(
+        err.contains("cannot reach its tensorport server") && err.contains("tensorport serve"),
+        "{err}"
+    );
+    // What was sent gets its line, saying why it was not answered.
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    for l in stdout.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(v["error"].as_str().unwrap().contains("not answered"), "{l}");
+    }
+}
