@@ -754,3 +754,17 @@ fn a_gateway_without_its_server_says_so_and_the_producer_gives_up() {
         assert!(v["error"].as_str().unwrap().contains("not answered"), "{l}");
     }
 }
+
+#[test]
+fn a_long_producer_name_is_cut_to_fit_not_refused() {
+    let f = Fixture::new();
+    let name = "n".repeat(60);
+    run_ok(&mut f.producer(&name, 16, &[]));
+    assert_each_input_once(&f.lines(&name), 16);
+    let s = f.seen.lock().unwrap();
+    let local = s.ids.keys().next().unwrap();
+    assert!(
+        local.starts_with("bridge: nnnn") && local.len() <= 64,
+        "{local}"
+    );
+}

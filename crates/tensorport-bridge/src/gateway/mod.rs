@@ -235,12 +235,22 @@ impl FlightService for Gateway {
         let cfg = self.cfg.clone();
         let counters = self.counters.clone();
         tokio::spawn(async move {
-            // The descriptor of the first message names the producer.
-            let first = match input.message().await {
-                Ok(Some(m)) => m,
-                Ok(None) => return,
-                Err(e) => {
+            // The descriptor of the first message names the producer. A stream that sends
+            // nothing does not hold its place among --max-remotes for longer than the timeout.
+            let first = match tokio::time::timeout(cfg.peer_timeout, input.message()).await {
+                Ok(Ok(Some(m))) => m,
+                Ok(Ok(None)) => return,
+                Ok(Err(e)) => {
                     tracing::info!(%peer, "stream broke before its first message: {e}");
+                    return;
+                }
+                Err(_) => {
+                    tracing::warn!(%peer, "stream sent nothing for {} s; closed", cfg.peer_timeout.as_secs());
+                    let _ = out_tx
+                        .send(Err(Status::deadline_exceeded(
+                            "no message within the gateway's --peer-timeout",
+                        )))
+                        .await;
                     return;
                 }
             };

@@ -161,7 +161,7 @@ impl Session {
         }
         let layout = TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
             .map_err(|e| End::Tell(Status::invalid_argument(e.to_string())))?;
-        let mut c = ProducerConfig::new(format!("bridge: {}", self.who));
+        let mut c = ProducerConfig::new(local_name(&self.who));
         c.slots = self.cfg.in_flight.max(1);
         c.slot_size = layout.bytes() as u64;
         let p = Producer::connect(&self.cfg.socket, c).map_err(|e| {
@@ -257,6 +257,21 @@ impl Session {
     }
 }
 
+/// The local session's name: `bridge: NAME from ADDR`, cut to the protocol's limit on a
+/// character boundary (a long name or an IPv6 address would otherwise be refused).
+fn local_name(who: &str) -> String {
+    let mut name = format!("bridge: {who}");
+    let max = tensorport::wire::MAX_NAME_LEN;
+    if name.len() > max {
+        let mut end = max;
+        while !name.is_char_boundary(end) {
+            end -= 1;
+        }
+        name.truncate(end);
+    }
+    name
+}
+
 /// The row for a completion, if it answers a request of this stream.
 fn answer(pending: &mut HashSet<u64>, c: Completion) -> Option<ResultRow> {
     if !pending.remove(&c.request_id) {
@@ -273,4 +288,21 @@ fn local_failed(e: tensorport::Error) -> End {
     End::Tell(Status::unavailable(format!(
         "the gateway's tensorport server failed this stream: {e}"
     )))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::local_name;
+
+    #[test]
+    fn local_names_fit_the_protocol_on_a_character_boundary() {
+        assert_eq!(
+            local_name("a from 127.0.0.1:9"),
+            "bridge: a from 127.0.0.1:9"
+        );
+        let long = format!("{} from [2001:db8::1]:40000", "é".repeat(40));
+        let n = local_name(&long);
+        assert!(n.len() <= tensorport::wire::MAX_NAME_LEN, "{n}");
+        assert!(n.starts_with("bridge: éé"));
+    }
 }
