@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import json
-from typing import Iterator, Optional, Sequence, Tuple
+from typing import Iterator, List, Optional, Sequence, Tuple
 
 from . import _native
 from ._native import PROTOCOL_VERSION, TensorportError
@@ -203,6 +203,20 @@ class Producer:
         with self.loan(timeout) as slot:
             slot.array(a.dtype, a.shape)[...] = a
             return slot.submit()
+
+    def send(self, array, timeout: float = 10.0) -> int:
+        """Copies a numpy array into a free slot and submits it, in one call; returns the
+        request id. For small tensors, where a loan's few Python calls cost more than the copy
+        (a loan writes in place, with no copy: better for large ones)."""
+        np = _np()
+        a = array if isinstance(array, np.ndarray) and array.flags.c_contiguous else np.ascontiguousarray(array)
+        return self._native._send(a.ctypes.data, a.nbytes, _tp_dtype(a.dtype), a.shape, timeout)
+
+    def recv_many(self, max: int = 256, timeout: float = 0.0) -> List[Tuple[int, bytes]]:
+        """Every result that has arrived (up to `max`), waiting up to `timeout` seconds for the
+        first: a list of `(request_id, bytes)`, empty if none came. A failed request raises
+        `TensorportError` (with `request_id`); the results before it stay for the next call."""
+        return self._native.recv_many(max, timeout)
 
     def submit_tensor(self, tensor, timeout: float = 10.0) -> int:
         """Hands a torch CUDA tensor over in place (no copy): the allocation it lives in (a

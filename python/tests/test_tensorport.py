@@ -161,6 +161,57 @@ def test_several_loans_out_at_once_and_results_checked(sock):
     stop.set()
 
 
+def test_send_copies_in_one_call_and_recv_many_takes_what_came(sock):
+    # The server sums each tensor, and fails those whose first element is negative.
+    def answer(r):
+        a = r.array()
+        if a.flat[0] < 0:
+            raise ValueError
+        return np.float64([a.astype(np.float64).sum()])
+
+    srv = Server(sock)
+    stop = threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            for r in srv.recv_batch(16, timeout=0.05):
+                try:
+                    r.respond(answer(r))
+                except ValueError:
+                    r.fail("negative")
+
+    threading.Thread(target=serve, daemon=True).start()
+    with Producer(sock, slots=8, slot_size=4096) as p:
+        want = {}
+        for i in range(200):
+            a = np.arange(16, dtype=np.float32).reshape(4, 4) * i
+            want[p.send(a)] = float(a.sum())
+            if p.in_flight >= 8:
+                for rid, data in p.recv_many(timeout=5):
+                    assert np.frombuffer(data, np.float64)[0] == want.pop(rid)
+        while p.in_flight:
+            for rid, data in p.recv_many(timeout=5):
+                assert np.frombuffer(data, np.float64)[0] == want.pop(rid)
+        assert not want
+        assert p.recv_many() == []
+        # Non-contiguous input is copied contiguous first; the wrong size for a slot is refused.
+        p.send(np.arange(64, dtype=np.int32).reshape(8, 8)[:, ::2])
+        p.recv(timeout=5)
+        with pytest.raises(TensorportError) as e:
+            p.send(np.zeros(2048, dtype=np.float32))
+        assert e.value.code_name == "OutOfBounds"
+        # A failure after good results: the good ones come back, the failure is raised next.
+        good = p.send(np.ones(4, dtype=np.float32))
+        bad = p.send(-np.ones(4, dtype=np.float32))
+        got = p.recv_many(timeout=5)
+        assert [rid for rid, _ in got] == [good]
+        with pytest.raises(TensorportError) as e:
+            p.recv_many(timeout=5)
+        assert e.value.request_id == bad
+        assert p.in_flight == 0
+    stop.set()
+
+
 def test_misuse_raises_clear_errors(sock):
     srv, stop = answering_server(sock, lambda r: b"")
     with Producer(sock, slots=2, slot_size=4096) as p:

@@ -24,6 +24,26 @@ create_exception!(
     "A tensorport failure; `code` is the protocol's error code (a number) and `code_name` its name, where there is one."
 );
 
+/// `recv_many` met the result of a CUDA tensor, which `recv` must take (it orders the
+/// tensor's reuse after the server's reads).
+fn cuda_waits() -> PyErr {
+    coded(
+        "the next result is a CUDA tensor's: take it with recv (recv_many takes host tensors' only)".into(),
+        None,
+    )
+}
+
+/// A failed request's result as `TensorportError`, its `request_id` attribute set.
+fn failed(py: Python<'_>, c: &tensorport::Completion) -> PyErr {
+    let (message, code) = match &c.result {
+        Err(e) => (e.message.as_str(), Some(e.code)),
+        Ok(_) => ("", None),
+    };
+    let err = coded(format!("request {} failed: {message}", c.request_id), code);
+    let _ = err.value(py).setattr("request_id", c.request_id);
+    err
+}
+
 /// A Rust error as a Python exception: a timeout as `TimeoutError`, everything else as
 /// `TensorportError` with the protocol code when one applies.
 fn py_err(e: tensorport::Error) -> PyErr {
@@ -84,6 +104,8 @@ struct Producer {
     /// Allocations of other libraries registered as device buffers, per device ordinal, and
     /// the device and stream of each device request in flight.
     cuda: Mutex<CudaState>,
+    /// A failed result `recv_many` took after others: raised by the next `recv`/`recv_many`.
+    stashed: Mutex<Option<tensorport::Completion>>,
 }
 
 #[derive(Default)]
@@ -112,6 +134,12 @@ impl Producer {
     }
 }
 
+impl Producer {
+    fn has_cuda_in_flight(&self, request_id: u64) -> bool {
+        lock(&self.cuda).in_flight.contains_key(&request_id)
+    }
+}
+
 #[pymethods]
 impl Producer {
     #[new]
@@ -136,6 +164,7 @@ impl Producer {
         Ok(Producer {
             inner: Mutex::new(Some(p)),
             cuda: Mutex::new(CudaState::default()),
+            stashed: Mutex::new(None),
         })
     }
 
@@ -228,7 +257,11 @@ impl Producer {
     #[pyo3(signature = (timeout = 10.0))]
     fn recv(&self, py: Python<'_>, timeout: f64) -> PyResult<(u64, Py<PyBytes>)> {
         let t = secs(timeout)?;
-        let c = py.allow_threads(|| self.with(|p| p.recv_result(t)))?;
+        let stashed = lock(&self.stashed).take();
+        let c = match stashed {
+            Some(c) => c,
+            None => py.allow_threads(|| self.with(|p| p.recv_result(t)))?,
+        };
         // A CUDA tensor's memory is the caller's again once the server's reads are done: the
         // stream it was submitted from waits for them.
         {
@@ -252,6 +285,102 @@ impl Producer {
                 Err(err)
             }
         }
+    }
+
+    /// (Internal: `Producer.send`.) Copies `nbytes` at `address` (a C-contiguous numpy array
+    /// the package holds for the call) into a free slot, waiting up to `timeout` seconds for
+    /// one, and submits it as `dtype` and `shape`: one call per tensor instead of a loan's few.
+    #[pyo3(signature = (address, nbytes, dtype, shape, timeout = 10.0))]
+    fn _send(
+        &self,
+        address: usize,
+        nbytes: usize,
+        dtype: &str,
+        shape: Vec<u64>,
+        timeout: f64,
+    ) -> PyResult<u64> {
+        let t = secs(timeout)?;
+        let spec = TensorSpec::new(self::dtype(dtype)?, &shape);
+        let want = spec
+            .extent()
+            .ok_or_else(|| coded(format!("shape {shape:?} overflows"), None))?;
+        if want != nbytes as u64 {
+            return Err(coded(
+                format!(
+                    "{nbytes} bytes given for a {dtype} tensor of shape {shape:?} ({want} bytes)"
+                ),
+                None,
+            ));
+        }
+        // SAFETY: the package passes the data address and size of a C-contiguous numpy array it
+        // holds until this call returns; the GIL is held, so no Python code writes it meanwhile.
+        let src = unsafe { std::slice::from_raw_parts(address as *const u8, nbytes) };
+        let slot_size = self.with(|p| Ok(p.slot_size()))?;
+        if nbytes as u64 > slot_size {
+            return Err(coded(
+                format!(
+                    "a tensor of {nbytes} bytes does not fit this producer's slots of {slot_size}"
+                ),
+                Some(ErrorCode::OutOfBounds),
+            ));
+        }
+        self.with(|p| {
+            let mut lease = p.lease(t)?;
+            lease.bytes_mut()[..nbytes].copy_from_slice(src);
+            lease.submit(&spec)
+        })
+    }
+
+    /// Every result that has arrived, up to `max`, waiting up to `timeout` seconds for the
+    /// first: a list of `(request_id, bytes)`. A failed request raises `TensorportError` (with
+    /// its `request_id`); the results received before it stay queued for the next call.
+    #[pyo3(signature = (max = 256, timeout = 0.0))]
+    fn recv_many(
+        &self,
+        py: Python<'_>,
+        max: usize,
+        timeout: f64,
+    ) -> PyResult<Vec<(u64, Py<PyBytes>)>> {
+        let t = secs(timeout)?;
+        let mut out = Vec::new();
+        {
+            let mut st = lock(&self.stashed);
+            match st.as_ref().map(|c| c.result.is_err()) {
+                Some(true) => return Err(failed(py, &st.take().expect("just seen"))),
+                Some(false) => return Err(cuda_waits()),
+                None => {}
+            }
+        }
+        while out.len() < max.max(1) {
+            let next = if out.is_empty() && !t.is_zero() {
+                match py.allow_threads(|| self.with(|p| p.recv_result(t))) {
+                    Ok(c) => Some(c),
+                    Err(e) if e.is_instance_of::<pyo3::exceptions::PyTimeoutError>(py) => None,
+                    Err(e) => return Err(e),
+                }
+            } else {
+                self.with(|p| p.try_recv_result())?
+            };
+            let Some(c) = next else { break };
+            if self.has_cuda_in_flight(c.request_id) {
+                // A CUDA tensor's result needs its release handled by `recv`: kept for it.
+                *lock(&self.stashed) = Some(c);
+                if out.is_empty() {
+                    return Err(cuda_waits());
+                }
+                break;
+            }
+            match &c.result {
+                Ok(bytes) => out.push((c.request_id, PyBytes::new(py, bytes).unbind())),
+                Err(_) if out.is_empty() => return Err(failed(py, &c)),
+                Err(_) => {
+                    // Hand over what came before it; the failure is raised next time.
+                    *lock(&self.stashed) = Some(c);
+                    break;
+                }
+            }
+        }
+        Ok(out)
     }
 
     /// Requests submitted whose result has not been received.
