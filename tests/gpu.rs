@@ -395,14 +395,21 @@ fn device_four_producers_vmm() {
     four_gpu_producers("vmm");
 }
 
-/// Producers on GPU 1 hand their buffers to a server on GPU 0: legacy IPC opened with peer
-/// access, VMM mapped for the server's device, fences waited on across the two.
-fn device_cross_gpu() {
+/// Whether this machine has two GPUs; if not, says the test is skipped.
+fn two_gpus() -> bool {
     let n = tensorport_cuda::probe()
         .map(|c| c.devices.len())
         .unwrap_or(0);
     if n < 2 {
         println!("  skipped: this machine has {n} GPU (run on a two-GPU machine)");
+    }
+    n >= 2
+}
+
+/// Producers on GPU 1 hand their buffers to a server on GPU 0: legacy IPC opened with peer
+/// access, VMM mapped for the server's device, fences waited on across the two.
+fn device_cross_gpu() {
+    if !two_gpus() {
         return;
     }
     for fence in ["event", "timeline", "vmm"] {
@@ -779,11 +786,7 @@ fn nvjpeg_tensors() {
 /// producers redo their inputs through the other server while it restarts, and every input gets
 /// exactly one line.
 fn farm_two_gpus_server_killed() {
-    let n = tensorport_cuda::probe()
-        .map(|c| c.devices.len())
-        .unwrap_or(0);
-    if n < 2 {
-        println!("  skipped: this machine has {n} GPU (run on a two-GPU machine)");
+    if !two_gpus() {
         return;
     }
     let dir = tempfile::tempdir().unwrap();

@@ -69,7 +69,8 @@ def read_safetensors(path):
 
 
 def answering_server(sock, answer, **kw):
-    """A Python Server whose consumer thread answers each request with `answer(request)`."""
+    """A Python Server whose consumer thread answers each request with `answer(request)`; a
+    request for which `answer` raises ValueError is failed with its message."""
     srv = Server(sock, **kw)
     stop = threading.Event()
 
@@ -77,7 +78,12 @@ def answering_server(sock, answer, **kw):
         while not stop.is_set():
             for r in srv.recv_batch(16, timeout=0.05):
                 try:
-                    r.respond(answer(r))
+                    try:
+                        data = answer(r)
+                    except ValueError as e:
+                        r.fail(str(e) or "refused")
+                        continue
+                    r.respond(data)
                 except TensorportError:
                     pass  # the producer left
 
@@ -166,21 +172,10 @@ def test_send_copies_in_one_call_and_recv_many_takes_what_came(sock):
     def answer(r):
         a = r.array()
         if a.flat[0] < 0:
-            raise ValueError
+            raise ValueError("negative")
         return np.float64([a.astype(np.float64).sum()])
 
-    srv = Server(sock)
-    stop = threading.Event()
-
-    def serve():
-        while not stop.is_set():
-            for r in srv.recv_batch(16, timeout=0.05):
-                try:
-                    r.respond(answer(r))
-                except ValueError:
-                    r.fail("negative")
-
-    threading.Thread(target=serve, daemon=True).start()
+    srv, stop = answering_server(sock, answer)
     with Producer(sock, slots=8, slot_size=4096) as p:
         want = {}
         for i in range(200):

@@ -128,32 +128,17 @@ impl Fixture {
 
     /// Starts the gateway on `listen`; waits for its `listening on` line.
     fn start_gateway(&mut self, listen: &str) {
-        let mut child = Command::new(BIN)
-            .args([
-                "gateway",
-                "--listen",
-                listen,
-                "--in-flight",
-                "16",
-                "--socket",
-            ])
-            .arg(self.dir.path().join("s.sock"))
-            .arg("--token-file")
-            .arg(self.token())
-            .args(&self.extra)
-            .stdout(Stdio::piped())
-            .stderr(std::fs::File::create(self.dir.path().join("gateway.log")).unwrap())
-            .spawn()
-            .unwrap();
-        let mut line = String::new();
-        BufReader::new(child.stdout.take().unwrap())
-            .read_line(&mut line)
-            .unwrap();
-        let url = line
-            .strip_prefix("listening on ")
-            .and_then(|r| r.split_whitespace().next())
-            .unwrap_or_else(|| panic!("the gateway did not start: {line:?}"));
-        self.url = url.to_string();
+        let mut args = vec!["--in-flight".to_string(), "16".into()];
+        args.extend(self.extra.iter().cloned());
+        let log = std::fs::File::create(self.dir.path().join("gateway.log")).unwrap();
+        let (child, url) = spawn_gateway(
+            listen,
+            &self.dir.path().join("s.sock"),
+            &self.token(),
+            &args,
+            log.into(),
+        );
+        self.url = url;
         self.gateway = Some(child);
     }
 
@@ -214,6 +199,37 @@ impl Drop for Fixture {
             let _ = h.join();
         }
     }
+}
+
+/// A gateway on `listen` in front of `socket`; waits for its `listening on` line and returns
+/// it with its URL.
+fn spawn_gateway(
+    listen: &str,
+    socket: &std::path::Path,
+    token: &std::path::Path,
+    extra: &[String],
+    stderr: Stdio,
+) -> (Child, String) {
+    let mut child = Command::new(BIN)
+        .args(["gateway", "--listen", listen, "--socket"])
+        .arg(socket)
+        .arg("--token-file")
+        .arg(token)
+        .args(extra)
+        .stdout(Stdio::piped())
+        .stderr(stderr)
+        .spawn()
+        .unwrap();
+    let mut line = String::new();
+    BufReader::new(child.stdout.take().unwrap())
+        .read_line(&mut line)
+        .unwrap();
+    let url = line
+        .strip_prefix("listening on ")
+        .and_then(|r| r.split_whitespace().next())
+        .unwrap_or_else(|| panic!("the gateway did not start: {line:?}"))
+        .to_string();
+    (child, url)
 }
 
 fn run_ok(c: &mut Command) -> Output {
@@ -711,20 +727,13 @@ fn a_gateway_without_its_server_says_so_and_the_producer_gives_up() {
     let dir = tempfile::tempdir().unwrap();
     let token = dir.path().join("token");
     run_ok(Command::new(BIN).arg("token").arg(&token));
-    let mut gateway = Command::new(BIN)
-        .args(["gateway", "--listen", "127.0.0.1:0", "--socket"])
-        .arg(dir.path().join("nobody.sock"))
-        .arg("--token-file")
-        .arg(&token)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let mut line = String::new();
-    BufReader::new(gateway.stdout.take().unwrap())
-        .read_line(&mut line)
-        .unwrap();
-    let url = line.split_whitespace().nth(2).unwrap().to_string();
+    let (mut gateway, url) = spawn_gateway(
+        "127.0.0.1:0",
+        &dir.path().join("nobody.sock"),
+        &token,
+        &[],
+        Stdio::null(),
+    );
     let out = Command::new(BIN)
         .args([
             "produce",

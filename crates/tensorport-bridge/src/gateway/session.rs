@@ -46,6 +46,8 @@ pub(super) struct Session {
     counters: Arc<Counters>,
     /// The local session, once the first batch gave the layout.
     local: Option<(Producer, TensorLayout, TensorSpec)>,
+    /// The schema the layout was read from: later batches that share it are not parsed again.
+    schema: Option<arrow_schema::SchemaRef>,
     /// Request ids submitted and not yet answered.
     pending: HashSet<u64>,
 }
@@ -67,6 +69,7 @@ impl Session {
             rt,
             counters,
             local: None,
+            schema: None,
             pending: HashSet::new(),
         }
     }
@@ -148,9 +151,16 @@ impl Session {
     /// The local session for a batch's schema (connected on the first batch).
     fn local_for(&mut self, batch: &RecordBatch) -> Result<(), End> {
         if let Some((_, layout, _)) = &self.local {
-            let same = TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
-                .map(|l| &l == layout)
-                .unwrap_or(false);
+            // The decoder hands every batch of a stream the one schema it read: compare the
+            // pointer, and parse only a schema that is not that one.
+            let known = self
+                .schema
+                .as_ref()
+                .is_some_and(|s| std::sync::Arc::ptr_eq(s, batch.schema_ref()));
+            let same = known
+                || TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
+                    .map(|l| &l == layout)
+                    .unwrap_or(false);
             return if same {
                 Ok(())
             } else {
@@ -178,6 +188,7 @@ impl Session {
         }
         let spec = TensorSpec::new(layout.dtype, &layout.shape);
         self.local = Some((p, layout, spec));
+        self.schema = Some(batch.schema());
         Ok(())
     }
 
