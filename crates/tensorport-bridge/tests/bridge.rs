@@ -777,3 +777,98 @@ fn a_long_producer_name_is_cut_to_fit_not_refused() {
         "{local}"
     );
 }
+
+#[test]
+fn a_remote_producer_that_stops_reading_is_dropped_and_harms_no_one() {
+    use arrow_flight::encode::FlightDataEncoderBuilder;
+    use arrow_flight::FlightClient;
+    use futures::StreamExt;
+    use tensorport_bridge::schema::TensorLayout;
+
+    // A server that answers every request with an empty result.
+    let dir = tempfile::tempdir().unwrap();
+    let sock = dir.path().join("s.sock");
+    let server = Arc::new(Server::bind(ServerConfig::new(&sock)).unwrap());
+    let stop = Arc::new(AtomicBool::new(false));
+    let handler = {
+        let (server, stop) = (server.clone(), stop.clone());
+        std::thread::spawn(move || {
+            while !stop.load(Ordering::Relaxed) {
+                if let Ok(Some(r)) = server.recv_timeout(Duration::from_millis(50)) {
+                    let _ = r.respond(&[]);
+                }
+            }
+        })
+    };
+    let token = dir.path().join("token");
+    run_ok(Command::new(BIN).arg("token").arg(&token));
+    let log = dir.path().join("gateway.log");
+    let (mut gateway, url) = spawn_gateway(
+        "127.0.0.1:0",
+        &sock,
+        &token,
+        &["--peer-timeout".into(), "2".into()],
+        std::fs::File::create(&log).unwrap().into(),
+    );
+    // A client that streams tensors without end and never reads a result: once its receive
+    // window (64 KiB) and the gateway's queue are full of results, the gateway waits
+    // --peer-timeout, then drops it.
+    let t = tokio::runtime::Runtime::new().unwrap();
+    let bearer = tensorport_bridge::auth::Token::read(&token)
+        .unwrap()
+        .bearer();
+    let unread = t.block_on(async {
+        let channel = tonic::transport::Endpoint::from_shared(url.clone())
+            .unwrap()
+            .initial_stream_window_size(65_535)
+            .initial_connection_window_size(65_535)
+            .connect()
+            .await
+            .unwrap();
+        let mut c = FlightClient::new(channel);
+        c.add_header("authorization", &bearer).unwrap();
+        let layout = TensorLayout::new(tensorport::DType::U8, &[4]).unwrap();
+        let schema = layout.schema();
+        let batches = futures::stream::iter(0u64..).map(move |k| {
+            let ids: Vec<u64> = (k * 64..(k + 1) * 64).collect();
+            Ok(layout
+                .batch(&ids, arrow_buffer::Buffer::from_vec(vec![7u8; 64 * 4]))
+                .unwrap())
+        });
+        let data = FlightDataEncoderBuilder::new()
+            .with_schema(schema)
+            .build(batches);
+        c.do_exchange(data).await.unwrap()
+    });
+    wait_until(
+        "the reader-less stream has a session",
+        Duration::from_secs(60),
+        || server.status().sessions.len() == 1,
+    );
+    wait_until(
+        "the gateway drops the producer that stopped reading",
+        Duration::from_secs(120),
+        || server.status().sessions.is_empty(),
+    );
+    let said = std::fs::read_to_string(&log).unwrap();
+    assert!(said.contains("left its results unread"), "{said}");
+    // The gateway and the server go on serving others.
+    let out = dir.path().join("next.jsonl");
+    run_ok(
+        Command::new(BIN)
+            .args(["produce", "--gateway", &url, "--synthetic", "32"])
+            .args(["--image-size", &SIZE.to_string(), "--token-file"])
+            .arg(&token)
+            .arg("-o")
+            .arg(&out),
+    );
+    let lines = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(lines.lines().count(), 32);
+    assert!(!lines.contains("\"error\""), "{lines}");
+    drop(unread);
+    drop(t);
+    let _ = gateway.kill();
+    let _ = gateway.wait();
+    stop.store(true, Ordering::Relaxed);
+    handler.join().unwrap();
+}
