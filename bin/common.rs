@@ -361,6 +361,46 @@ impl TransformArg {
     }
 }
 
+/// The CPU's JPEG decoder (`--jpeg-decoder`).
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JpegDecoderArg {
+    /// libjpeg-turbo, linked in at build time where its development files were found: decodes
+    /// only the part of the image the transform keeps. The default where built in.
+    LibjpegTurbo,
+    /// zune-jpeg (pure Rust): decodes the whole image.
+    ZuneJpeg,
+}
+
+impl Default for JpegDecoderArg {
+    fn default() -> JpegDecoderArg {
+        match tensorport_vision::JpegDecoder::default() {
+            tensorport_vision::JpegDecoder::LibjpegTurbo => JpegDecoderArg::LibjpegTurbo,
+            tensorport_vision::JpegDecoder::ZuneJpeg => JpegDecoderArg::ZuneJpeg,
+        }
+    }
+}
+
+impl JpegDecoderArg {
+    pub fn decoder(self) -> tensorport_vision::JpegDecoder {
+        match self {
+            JpegDecoderArg::LibjpegTurbo => tensorport_vision::JpegDecoder::LibjpegTurbo,
+            JpegDecoderArg::ZuneJpeg => tensorport_vision::JpegDecoder::ZuneJpeg,
+        }
+    }
+
+    /// A preprocessor for `transform` decoding with this decoder (an error naming what to do if
+    /// it was not built in).
+    pub fn preprocessor(
+        self,
+        transform: tensorport_vision::Transform,
+    ) -> CliResult<tensorport_vision::Preprocessor> {
+        let mut p = tensorport_vision::Preprocessor::new(transform);
+        p.set_jpeg_decoder(self.decoder())
+            .map_err(|e| CliError::usage(format!("--jpeg-decoder: {e}")))?;
+        Ok(p)
+    }
+}
+
 /// Index of the largest score.
 pub fn argmax(v: &[f32]) -> Option<usize> {
     v.iter()

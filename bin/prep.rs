@@ -5,7 +5,7 @@ use std::path::PathBuf;
 use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
-use tensorport_vision::{list_images, Preprocessor, Stages};
+use tensorport_vision::{list_images, Stages};
 
 use crate::common::{CliError, CliResult, TransformArg};
 
@@ -29,6 +29,9 @@ pub struct Args {
     /// The preprocessing.
     #[arg(long, value_enum, default_value_t)]
     pub transform: TransformArg,
+    /// The CPU's JPEG decoder (the default: libjpeg-turbo where it was built in).
+    #[arg(long, value_enum, default_value_t)]
+    pub jpeg_decoder: crate::common::JpegDecoderArg,
     /// Passes over the files for the timing (the best pass counts).
     #[arg(long, default_value_t = 3)]
     pub repeat: u32,
@@ -77,7 +80,9 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         );
         return dump(&a, dumped);
     }
-    let mut prep = Preprocessor::new(a.transform.for_size(a.image_size));
+    let mut prep = a
+        .jpeg_decoder
+        .preprocessor(a.transform.for_size(a.image_size))?;
     let n = prep.out_len();
     let mut out = vec![0f32; n];
     let mut dumped: Vec<(String, Vec<u8>)> = Vec::new();
@@ -101,11 +106,12 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     let k = encoded.len() as f64;
     let us = |d: Duration| d.as_secs_f64() * 1e6 / k;
     println!(
-        "{} images, {} transform to 3x{}x{} f32, one thread, best of {} passes:",
+        "{} images, {} transform to 3x{}x{} f32, {} decoder, one thread, best of {} passes:",
         encoded.len(),
         a.transform.name(),
         a.image_size,
         a.image_size,
+        prep.jpeg_decoder().name(),
         a.repeat
     );
     println!(

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tensorport::{Producer, ProducerConfig, TensorSpec};
 use tensorport_dfdx::scores_from_bytes;
-use tensorport_vision::{list_images, Preprocessor, Source};
+use tensorport_vision::{list_images, Source};
 
 use crate::common::{
     argmax, CliError, CliResult, PixelsArg, ResultLine, SocketArg, StageTimes, TransformArg,
@@ -51,6 +51,9 @@ pub struct Args {
     /// The preprocessing.
     #[arg(long, value_enum, default_value_t)]
     pub transform: TransformArg,
+    /// The CPU's JPEG decoder (the default: libjpeg-turbo where it was built in).
+    #[arg(long, value_enum, default_value_t)]
+    pub jpeg_decoder: crate::common::JpegDecoderArg,
     /// What to hand over per image: normalised f32 planes, or u8 planes (4× fewer bytes; the
     /// server normalises them to the same floats).
     #[arg(long, value_enum, default_value_t)]
@@ -134,7 +137,9 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         )));
     }
     let spec = TensorSpec::new(a.pixels.dtype(), &[3, size as u64, size as u64]);
-    let mut prep = Preprocessor::new(a.transform.for_size(size as u32));
+    let mut prep = a
+        .jpeg_decoder
+        .preprocessor(a.transform.for_size(size as u32))?;
     let ready: Option<Vec<u8>> = if a.ready {
         // Bytes, as f32 or u8 (a Vec<f32>'s buffer keeps the f32 view aligned).
         let mut px = vec![0f32; 3 * size * size];

@@ -265,6 +265,8 @@ impl Farm {
             c.arg("--ready");
         }
         c.arg("--transform").arg(a.transform.name());
+        c.arg("--jpeg-decoder")
+            .arg(crate::common::arg_name(&a.jpeg_decoder));
         c.arg("--pixels").arg(crate::common::arg_name(&a.pixels));
         if a.profile {
             c.arg("--profile");

@@ -105,6 +105,9 @@ pub struct Args {
     /// The producers' preprocessing.
     #[arg(long, value_enum, default_value_t)]
     pub transform: TransformArg,
+    /// The CPU's JPEG decoder (the default: libjpeg-turbo where it was built in).
+    #[arg(long, value_enum, default_value_t)]
+    pub jpeg_decoder: crate::common::JpegDecoderArg,
     /// What producers hand over per image: normalised f32, or u8 planes (4× fewer bytes) that
     /// the server normalises to the same floats (on the GPU in the CUDA build).
     #[arg(long, value_enum, default_value_t)]

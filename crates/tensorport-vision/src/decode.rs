@@ -1,5 +1,7 @@
-//! Reading and decoding an input into a reused RGB buffer. JPEG goes through zune-jpeg straight
-//! into the buffer; PNG (and any JPEG zune-jpeg refuses) through the `image` crate.
+//! Reading and decoding an input into a reused RGB buffer. JPEG goes through libjpeg-turbo where
+//! it is built in ([`decode_jpeg_window`]: only the window a transform needs) or zune-jpeg
+//! (the whole image), straight into the buffer; PNG (and any JPEG both refuse) through the
+//! `image` crate.
 
 use std::io::Read;
 use std::path::Path;
@@ -14,27 +16,41 @@ use crate::{Error, Result};
 /// The largest side a file may declare: a decompression bomb is refused before it allocates.
 pub const MAX_SIDE: usize = 16_384;
 
-/// An 8-bit interleaved RGB image in a buffer that is kept and reused.
+/// An 8-bit interleaved RGB image in a buffer that is kept and reused: a whole image, or a
+/// window of one (a decoder may leave out what a crop throws away).
 #[derive(Default)]
 pub struct RgbBuf {
     /// Pixels, `3 * width * height` of them valid (the buffer may be longer).
     pub data: Vec<u8>,
-    /// Width in pixels.
+    /// Width in pixels of what the buffer holds.
     pub width: u32,
-    /// Height in pixels.
+    /// Height in pixels of what the buffer holds.
     pub height: u32,
+    /// Column of the whole image where the buffer's first column lies.
+    pub left: u32,
+    /// Row of the whole image where the buffer's first row lies.
+    pub top: u32,
+    /// Width of the whole image.
+    pub full_width: u32,
+    /// Height of the whole image.
+    pub full_height: u32,
 }
 
 impl RgbBuf {
-    /// Makes room for a `w`×`h` image (growing only) and sets the size.
+    /// Makes room for a whole `w`×`h` image (growing only) and sets the size.
     pub fn reshape(&mut self, w: u32, h: u32) -> &mut [u8] {
         let n = 3 * w as usize * h as usize;
         if self.data.len() < n {
             self.data.resize(n, 0);
         }
-        self.width = w;
-        self.height = h;
+        (self.width, self.height, self.left, self.top) = (w, h, 0, 0);
+        (self.full_width, self.full_height) = (w, h);
         &mut self.data[..n]
+    }
+
+    /// Whether the buffer holds the whole image.
+    pub fn is_whole(&self) -> bool {
+        (self.width, self.height) == (self.full_width, self.full_height)
     }
 
     /// The valid pixels.
@@ -55,7 +71,8 @@ pub fn read_file(path: &Path, buf: &mut Vec<u8>) -> Result<()> {
     Ok(())
 }
 
-fn is_jpeg(bytes: &[u8]) -> bool {
+/// Whether `bytes` start like a JPEG file.
+pub(crate) fn is_jpeg(bytes: &[u8]) -> bool {
     bytes.starts_with(&[0xFF, 0xD8, 0xFF])
 }
 
@@ -106,4 +123,47 @@ fn decode_jpeg(bytes: &[u8], out: &mut RgbBuf) -> std::result::Result<(), ()> {
         return Err(());
     }
     d.decode_into(buf).map_err(|_| ())
+}
+
+/// Pixels the resampler may read beyond a window's edge, over the filter's own reach: room for
+/// the decoder's handling of chroma at the edges of what it decodes.
+#[cfg_attr(not(tp_libjpeg), allow(dead_code))]
+const PAD: f64 = 16.0;
+
+/// The source rows and columns, `(left, right, top, bottom)` (right and bottom exclusive), that
+/// resampling `win` of a `w`×`h` image with the antialiased bilinear filter reads: the window
+/// grown by the filter's reach (one output pixel's span in source pixels, at least one) and
+/// [`PAD`], inside the image.
+#[cfg_attr(not(tp_libjpeg), allow(dead_code))]
+pub(crate) fn needed(win: &crate::transform::Window, w: u32, h: u32) -> (u32, u32, u32, u32) {
+    let span = |start: f64, len: f64, out: u32, limit: u32| {
+        let reach = (len / f64::from(out.max(1))).max(1.0) + PAD;
+        let lo = (start - reach).floor().max(0.0) as u32;
+        let hi = ((start + len + reach).ceil().min(f64::from(limit)) as u32).max(lo + 1);
+        (lo.min(limit - 1), hi.min(limit))
+    };
+    let (l, r) = span(win.left, win.width, win.out, w);
+    let (t, b) = span(win.top, win.height, win.out, h);
+    (l, r, t, b)
+}
+
+/// Decodes the part of a JPEG file that `transform` needs (see [`needed`]) with libjpeg-turbo
+/// into `out`, which then holds that window of the image.
+#[cfg(tp_libjpeg)]
+pub(crate) fn decode_jpeg_window(
+    dec: &mut crate::libjpeg::LibJpeg,
+    bytes: &[u8],
+    transform: crate::transform::Transform,
+    out: &mut RgbBuf,
+) -> std::result::Result<(), crate::libjpeg::JpegError> {
+    let header = dec.header(bytes, MAX_SIDE as u32)?;
+    let (w, h) = (header.width, header.height);
+    let (left, right, top, bottom) = needed(&transform.window(w, h), w, h);
+    let rows = bottom - top;
+    // Room for whole rows: the decoder may widen the columns to its block boundaries.
+    let buf = out.reshape(w, rows);
+    let d = header.window(left, right - left, top, rows, buf)?;
+    (out.width, out.height, out.left, out.top) = (d.cols, rows, d.left, top);
+    (out.full_width, out.full_height) = (w, h);
+    Ok(())
 }

@@ -5,11 +5,14 @@
 //!
 //! [`Preprocessor`] does it with buffers it keeps between images; [`prepare`] is the one-shot
 //! form. The steps live in their own modules: [`transform`] (geometry), `decode` (files to RGB),
-//! `normalise` (RGB to planes).
-#![forbid(unsafe_code)]
+//! `libjpeg` (libjpeg-turbo's decoder, where it was found at build time: the crate's only
+//! `unsafe`), `normalise` (RGB to planes).
+#![deny(unsafe_code)]
 #![warn(missing_docs)]
 
 mod decode;
+#[cfg(tp_libjpeg)]
+mod libjpeg;
 mod normalise;
 mod preprocess;
 pub mod transform;
@@ -52,6 +55,39 @@ pub enum Error {
 
 /// Results of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
+
+/// The JPEG decoder a [`Preprocessor`] uses on the CPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum JpegDecoder {
+    /// libjpeg-turbo (linked at build time where its development files were found): decodes only
+    /// the part of the image the transform keeps. The default where built in.
+    LibjpegTurbo,
+    /// zune-jpeg (pure Rust, always built in): decodes the whole image.
+    ZuneJpeg,
+}
+
+impl JpegDecoder {
+    /// Whether libjpeg-turbo was built into this binary.
+    pub const LIBJPEG_TURBO_BUILT_IN: bool = cfg!(tp_libjpeg);
+
+    /// The name used on command lines and in reports.
+    pub fn name(self) -> &'static str {
+        match self {
+            JpegDecoder::LibjpegTurbo => "libjpeg-turbo",
+            JpegDecoder::ZuneJpeg => "zune-jpeg",
+        }
+    }
+}
+
+impl Default for JpegDecoder {
+    fn default() -> JpegDecoder {
+        if JpegDecoder::LIBJPEG_TURBO_BUILT_IN {
+            JpegDecoder::LibjpegTurbo
+        } else {
+            JpegDecoder::ZuneJpeg
+        }
+    }
+}
 
 /// Where one input image comes from.
 #[derive(Debug, Clone, PartialEq, Eq, Hash)]

@@ -11,7 +11,7 @@ use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer
 use crate::decode::{decode_into, read_file, RgbBuf};
 use crate::normalise::Normaliser;
 use crate::transform::Transform;
-use crate::{fill_synthetic, Error, Result, Source};
+use crate::{fill_synthetic, Error, JpegDecoder, Result, Source};
 
 /// Time spent in each step, for one image or added up over many.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
@@ -72,6 +72,9 @@ pub struct Preprocessor {
     resized: Vec<u8>,
     resizer: Resizer,
     last: Stages,
+    jpeg: JpegDecoder,
+    #[cfg(tp_libjpeg)]
+    libjpeg: Option<crate::libjpeg::LibJpeg>,
 }
 
 impl Preprocessor {
@@ -86,7 +89,52 @@ impl Preprocessor {
             resized: vec![0; 3 * s * s],
             resizer: Resizer::new(),
             last: Stages::default(),
+            jpeg: JpegDecoder::default(),
+            #[cfg(tp_libjpeg)]
+            libjpeg: None,
         }
+    }
+
+    /// Chooses the JPEG decoder; an error if libjpeg-turbo is asked for and was not built in.
+    pub fn set_jpeg_decoder(&mut self, d: JpegDecoder) -> Result<()> {
+        if d == JpegDecoder::LibjpegTurbo && !JpegDecoder::LIBJPEG_TURBO_BUILT_IN {
+            return Err(Error::Input(
+                "this build has no libjpeg-turbo (its development files were not found when it \
+                 was built: install them, e.g. Debian's libjpeg62-turbo-dev, and rebuild), so \
+                 JPEG files are decoded with zune-jpeg"
+                    .into(),
+            ));
+        }
+        self.jpeg = d;
+        Ok(())
+    }
+
+    /// The JPEG decoder in use.
+    pub fn jpeg_decoder(&self) -> JpegDecoder {
+        self.jpeg
+    }
+
+    /// Decodes `bytes` into `self.decoded`: with libjpeg-turbo only the part the transform needs,
+    /// where that is the decoder; anything it does not take goes the general way.
+    fn decode(&mut self, bytes: &[u8], name: &Path) -> Result<()> {
+        #[cfg(tp_libjpeg)]
+        if self.jpeg == JpegDecoder::LibjpegTurbo && crate::decode::is_jpeg(bytes) {
+            if self.libjpeg.is_none() {
+                self.libjpeg = crate::libjpeg::LibJpeg::new();
+            }
+            if let Some(dec) = self.libjpeg.as_mut() {
+                let r = crate::decode::decode_jpeg_window(
+                    dec,
+                    bytes,
+                    self.transform,
+                    &mut self.decoded,
+                );
+                if r.is_ok() {
+                    return Ok(());
+                }
+            }
+        }
+        decode_into(bytes, name, &mut self.decoded)
     }
 
     /// The transform it applies.
@@ -119,7 +167,10 @@ impl Preprocessor {
             Source::File(p) => {
                 read_file(p, &mut self.file)?;
                 t1 = Instant::now();
-                decode_into(&self.file, p, &mut self.decoded)?;
+                let file = std::mem::take(&mut self.file);
+                let r = self.decode(&file, p);
+                self.file = file;
+                r?;
             }
             Source::Synthetic(n) => {
                 t1 = t0;
@@ -148,7 +199,7 @@ impl Preprocessor {
     ) -> Result<()> {
         self.check(&out)?;
         let t1 = Instant::now();
-        decode_into(bytes, name, &mut self.decoded)?;
+        self.decode(bytes, name)?;
         let t2 = Instant::now();
         self.finish(&mut out)?;
         self.last.read = Duration::ZERO;
@@ -188,15 +239,19 @@ impl Preprocessor {
     /// out as planes).
     fn finish(&mut self, out: &mut Planes<'_>) -> Result<()> {
         let t2 = Instant::now();
+        // The window is the whole image's; the buffer may hold only part of the image (the
+        // part the decoder was asked for), starting at (left, top).
+        let (fw, fh) = (self.decoded.full_width, self.decoded.full_height);
         let (w, h) = (self.decoded.width, self.decoded.height);
-        let win = self.transform.window(w, h);
+        let (x0, y0) = (f64::from(self.decoded.left), f64::from(self.decoded.top));
+        let win = self.transform.window(fw, fh);
         let s = win.out;
         let plane = s as usize * s as usize;
         let whole = win.left == 0.0
             && win.top == 0.0
-            && win.width == f64::from(w)
-            && win.height == f64::from(h);
-        let rgb: &[u8] = if whole && w == s && h == s {
+            && win.width == f64::from(fw)
+            && win.height == f64::from(fh);
+        let rgb: &[u8] = if whole && self.decoded.is_whole() && w == s && h == s {
             self.decoded.pixels()
         } else {
             let src = ImageRef::new(w, h, self.decoded.pixels(), PixelType::U8x3)
@@ -206,7 +261,7 @@ impl Preprocessor {
                     .map_err(|e| Error::Input(format!("resize buffer: {e}")))?;
             let opts = ResizeOptions::new()
                 .resize_alg(ResizeAlg::Convolution(FilterType::Bilinear))
-                .crop(win.left, win.top, win.width, win.height);
+                .crop(win.left - x0, win.top - y0, win.width, win.height);
             self.resizer
                 .resize(&src, &mut dst, &opts)
                 .map_err(|e| Error::Input(format!("resize: {e}")))?;
@@ -293,6 +348,144 @@ mod tests {
     }
 
     const IMAGENET_STD_MIN: f32 = 0.224;
+
+    /// libjpeg-turbo decoding only the window the crop needs gives the tensor that decoding the
+    /// whole image with it and resizing its window gives, for landscape, portrait, square and
+    /// odd-sized images; and the window really is smaller than the image.
+    #[cfg(tp_libjpeg)]
+    #[test]
+    fn libjpeg_window_decode_equals_whole_decode() {
+        use crate::libjpeg::LibJpeg;
+        for (w, h) in [
+            (500, 375),
+            (375, 500),
+            (333, 500),
+            (640, 480),
+            (300, 300),
+            (257, 999),
+        ] {
+            let img = synthetic(w as u64 ^ h as u64, w, h);
+            let mut jpeg = Vec::new();
+            image::DynamicImage::ImageRgb8(img)
+                .write_to(
+                    &mut std::io::Cursor::new(&mut jpeg),
+                    image::ImageFormat::Jpeg,
+                )
+                .unwrap();
+            let mut dec = LibJpeg::new().unwrap();
+            let header = dec.header(&jpeg, 20_000).unwrap();
+            assert_eq!((header.width, header.height), (w, h));
+            let mut whole = vec![0u8; 3 * w as usize * h as usize];
+            let d = header.window(0, w, 0, h, &mut whole).unwrap();
+            assert_eq!((d.left, d.cols), (0, w));
+
+            let mut p = Preprocessor::new(Transform::standard(224));
+            p.set_jpeg_decoder(JpegDecoder::LibjpegTurbo).unwrap();
+            let mut got = vec![0f32; p.out_len()];
+            p.prepare_encoded(&jpeg, Path::new("x.jpg"), &mut got)
+                .unwrap();
+            let part = (p.decoded.width, p.decoded.height);
+            let mut want = vec![0f32; p.out_len()];
+            p.prepare_rgb(&whole, w, h, &mut want).unwrap();
+            if w.max(h) >= 400 {
+                assert!(
+                    u64::from(part.0) * u64::from(part.1) < u64::from(w) * u64::from(h),
+                    "{w}x{h}: decoded {part:?}, the whole image"
+                );
+            }
+            let level = 1.0 / 255.0 / IMAGENET_STD_MIN + 1e-6;
+            let worst = got
+                .iter()
+                .zip(&want)
+                .map(|(a, b)| (a - b).abs())
+                .fold(0f32, f32::max);
+            let differing = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+            assert!(
+                worst <= level && differing * 1000 <= got.len(),
+                "{w}x{h}: worst difference {worst}, {differing} of {} values differ",
+                got.len()
+            );
+        }
+    }
+
+    /// Files libjpeg refuses or cannot finish: errors naming the file (after the general path
+    /// had its try), a truncated scan filled in; a header over the size limit refused before
+    /// anything is allocated for it; the decoder goes on working after each.
+    #[cfg(tp_libjpeg)]
+    #[test]
+    fn libjpeg_refuses_broken_and_oversized_files_and_recovers() {
+        use crate::libjpeg::{JpegError, LibJpeg};
+        let img = synthetic(2, 320, 240);
+        let mut jpeg = Vec::new();
+        image::DynamicImage::ImageRgb8(img)
+            .write_to(
+                &mut std::io::Cursor::new(&mut jpeg),
+                image::ImageFormat::Jpeg,
+            )
+            .unwrap();
+        let mut dec = LibJpeg::new().unwrap();
+        // A header read but never decoded leaves the decoder ready for the next file.
+        drop(dec.header(&jpeg, 20_000).unwrap());
+        // The size limit.
+        assert!(matches!(
+            dec.header(&jpeg, 300),
+            Err(JpegError::TooLarge(_))
+        ));
+        // A lying size in the frame header (SOF0: FF C0, length, precision, height, width).
+        let mut big = jpeg.clone();
+        let sof = big.windows(2).position(|b| b == [0xFF, 0xC0]).unwrap();
+        big[sof + 5..sof + 9].copy_from_slice(&[0xEA, 0x60, 0xEA, 0x60]); // 60000 x 60000
+        match dec.header(&big, crate::MAX_SIDE as u32) {
+            Err(JpegError::TooLarge(m)) => assert!(m.contains("60000x60000"), "{m}"),
+            other => panic!("{:?}", other.err()),
+        }
+        // Junk after the SOI marker.
+        assert!(matches!(
+            dec.header(&[0xFF, 0xD8, 0xFF, 0, 1, 2], 20_000),
+            Err(JpegError::Corrupt(_))
+        ));
+        // A window outside the image, or a buffer too small, is the caller's mistake.
+        let mut buf = vec![0u8; 3 * 320 * 240];
+        let h = dec.header(&jpeg, 20_000).unwrap();
+        assert!(matches!(
+            h.window(300, 40, 0, 10, &mut buf),
+            Err(JpegError::Misuse(_))
+        ));
+        let h = dec.header(&jpeg, 20_000).unwrap();
+        assert!(matches!(
+            h.window(0, 320, 0, 240, &mut buf[..100]),
+            Err(JpegError::Misuse(_))
+        ));
+        // Cut in the middle of the scan: libjpeg fills the rest, as torchvision's decoder does.
+        let cut = &jpeg[..jpeg.len() * 2 / 3];
+        let h = dec.header(cut, 20_000).unwrap();
+        h.window(0, 320, 0, 240, &mut buf).unwrap();
+        // Still a working decoder.
+        let h = dec.header(&jpeg, 20_000).unwrap();
+        assert_eq!(h.window(0, 320, 100, 20, &mut buf).unwrap().cols, 320);
+        // Through the preprocessor: errors name the file.
+        let mut p = Preprocessor::new(Transform::standard(64));
+        let mut out = vec![0f32; p.out_len()];
+        let e = p
+            .prepare_encoded(&big, Path::new("big.jpg"), &mut out)
+            .unwrap_err();
+        assert!(e.to_string().contains("big.jpg"), "{e}");
+        p.prepare_encoded(&jpeg, Path::new("ok.jpg"), &mut out)
+            .unwrap();
+    }
+
+    #[test]
+    fn asking_for_a_decoder_that_is_not_built_in_is_an_error_that_says_what_to_do() {
+        let mut p = Preprocessor::new(Transform::standard(64));
+        p.set_jpeg_decoder(JpegDecoder::ZuneJpeg).unwrap();
+        assert_eq!(p.jpeg_decoder(), JpegDecoder::ZuneJpeg);
+        let r = p.set_jpeg_decoder(JpegDecoder::LibjpegTurbo);
+        if JpegDecoder::LIBJPEG_TURBO_BUILT_IN {
+            r.unwrap();
+        } else {
+            assert!(r.unwrap_err().to_string().contains("libjpeg62-turbo-dev"));
+        }
+    }
 
     #[test]
     fn jpeg_png_and_grey_jpeg_files_go_through_one_path() {
