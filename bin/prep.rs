@@ -35,6 +35,11 @@ pub struct Args {
     /// Passes over the files for the timing (the best pass counts).
     #[arg(long, default_value_t = 3)]
     pub repeat: u32,
+    /// Also time libjpeg-turbo's least work per file for the transform: entropy-decode every row
+    /// down to the last one the transform needs, turn only a 16×16 corner into pixels. No
+    /// decoding with libjpeg-turbo can cost less, whatever else it leaves out.
+    #[arg(long)]
+    pub entropy_floor: bool,
     /// Write the tensors of the first pass to this safetensors file.
     #[arg(long, value_name = "FILE")]
     pub dump: Option<PathBuf>,
@@ -121,6 +126,27 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         us(s.normalise),
         k / wall.as_secs_f64()
     );
+    if a.entropy_floor {
+        let jpegs: Vec<&[u8]> = encoded
+            .iter()
+            .filter(|(_, b)| b.starts_with(&[0xFF, 0xD8, 0xFF]))
+            .map(|(_, b)| b.as_slice())
+            .collect();
+        match tensorport_vision::jpeg_entropy_floor(&jpegs, prep.transform(), a.repeat) {
+            None => return Err(CliError::usage(
+                "--entropy-floor needs libjpeg-turbo, which this build does not have",
+            )),
+            Some(Err(e)) => return Err(CliError::new(format!("--entropy-floor: {e}"))),
+            Some(Ok(d)) => println!(
+                "entropy decoding alone (libjpeg-turbo, {} JPEG files, every row down to the last the \
+                 transform needs): {:.0} us per image; no decode with it can go faster than {:.0} \
+                 images/s on one core",
+                jpegs.len(),
+                d.as_secs_f64() * 1e6,
+                1.0 / d.as_secs_f64().max(1e-9)
+            ),
+        }
+    }
     dump(&a, dumped)
 }
 

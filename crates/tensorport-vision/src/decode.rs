@@ -167,3 +167,23 @@ pub(crate) fn decode_jpeg_window(
     (out.full_width, out.full_height) = (w, h);
     Ok(())
 }
+
+/// Entropy-decodes a JPEG file with libjpeg-turbo down to the last row `transform` needs, but
+/// turns only a 16×16 corner at that row into pixels: what decoding the file for `transform`
+/// with libjpeg-turbo costs at least, since every row down to the last one needed must be
+/// entropy-decoded.
+#[cfg(tp_libjpeg)]
+pub(crate) fn entropy_floor(
+    dec: &mut crate::libjpeg::LibJpeg,
+    bytes: &[u8],
+    transform: crate::transform::Transform,
+    scratch: &mut Vec<u8>,
+) -> std::result::Result<(), crate::libjpeg::JpegError> {
+    let header = dec.header(bytes, MAX_SIDE as u32)?;
+    let (w, h) = (header.width, header.height);
+    let (_, _, _, bottom) = needed(&transform.window(w, h), w, h);
+    let rows = bottom.min(16);
+    scratch.resize(3 * w as usize * rows as usize, 0);
+    header.window(0, w.min(16), bottom - rows, rows, scratch)?;
+    Ok(())
+}

@@ -140,6 +140,43 @@ pub fn decode(path: &Path) -> Result<RgbImage> {
     Ok(RgbImage::from_raw(w, h, rgb.data).expect("sized by reshape"))
 }
 
+/// Times the least work libjpeg-turbo can do to decode each JPEG file of `files` for
+/// `transform`: entropy-decode every row down to the last one the transform needs, turn only a
+/// 16×16 corner into pixels (`tensorport prep --entropy-floor`). The mean per file (the best of
+/// `passes` passes), or `None` where libjpeg-turbo was not built in.
+pub fn jpeg_entropy_floor(
+    files: &[&[u8]],
+    transform: Transform,
+    passes: u32,
+) -> Option<Result<std::time::Duration>> {
+    #[cfg(tp_libjpeg)]
+    {
+        let Some(mut dec) = libjpeg::LibJpeg::new() else {
+            return Some(Err(Error::Input(
+                "libjpeg could not allocate a decoder".into(),
+            )));
+        };
+        let mut scratch = Vec::new();
+        let mut best: Option<std::time::Duration> = None;
+        for _ in 0..passes.max(1) {
+            let t = std::time::Instant::now();
+            for (i, f) in files.iter().enumerate() {
+                if let Err(e) = decode::entropy_floor(&mut dec, f, transform, &mut scratch) {
+                    return Some(Err(Error::Input(format!("file {i}: {e:?}"))));
+                }
+            }
+            let d = t.elapsed() / files.len().max(1) as u32;
+            best = Some(best.map_or(d, |b| b.min(d)));
+        }
+        best.map(Ok)
+    }
+    #[cfg(not(tp_libjpeg))]
+    {
+        let _ = (files, transform, passes);
+        None
+    }
+}
+
 /// A reproducible test image: colour gradients and a pattern that depend on `n`.
 pub fn synthetic(n: u64, width: u32, height: u32) -> RgbImage {
     let mut buf = RgbBuf::default();
@@ -252,6 +289,28 @@ mod tests {
             .unwrap_err()
             .to_string()
             .contains("--synthetic"));
+    }
+
+    #[test]
+    fn entropy_floor_is_timed_where_libjpeg_is_built_in_and_refuses_broken_files() {
+        let mut jpeg = Vec::new();
+        image::DynamicImage::ImageRgb8(synthetic(1, 320, 240))
+            .write_to(
+                &mut std::io::Cursor::new(&mut jpeg),
+                image::ImageFormat::Jpeg,
+            )
+            .unwrap();
+        let t = Transform::standard(224);
+        match jpeg_entropy_floor(&[&jpeg, &jpeg], t, 2) {
+            Some(r) => {
+                assert!(JpegDecoder::LIBJPEG_TURBO_BUILT_IN);
+                assert!(r.unwrap() > std::time::Duration::ZERO);
+                let broken: &[u8] = &[0xFF, 0xD8, 0xFF, 0, 1];
+                let e = jpeg_entropy_floor(&[&jpeg, broken], t, 1).unwrap();
+                assert!(e.unwrap_err().to_string().contains("file 1"));
+            }
+            None => assert!(!JpegDecoder::LIBJPEG_TURBO_BUILT_IN),
+        }
     }
 
     #[test]
