@@ -303,13 +303,13 @@ mod tests {
         let t = Transform::standard(224);
         match jpeg_entropy_floor(&[&jpeg, &jpeg], t, 2) {
             Some(r) => {
-                assert!(JpegDecoder::LIBJPEG_TURBO_BUILT_IN);
+                assert_eq!(JpegDecoder::default(), JpegDecoder::LibjpegTurbo);
                 assert!(r.unwrap() > std::time::Duration::ZERO);
                 let broken: &[u8] = &[0xFF, 0xD8, 0xFF, 0, 1];
                 let e = jpeg_entropy_floor(&[&jpeg, broken], t, 1).unwrap();
                 assert!(e.unwrap_err().to_string().contains("file 1"));
             }
-            None => assert!(!JpegDecoder::LIBJPEG_TURBO_BUILT_IN),
+            None => assert_eq!(JpegDecoder::default(), JpegDecoder::ZuneJpeg),
         }
     }
 
