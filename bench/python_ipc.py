@@ -5,7 +5,14 @@ in the extension: `consumer=rust`), measured as
 float32 tensor with its index (here in place, in its slot of shared memory) and hands it over;
 the consumer reads one element of each and answers. Run both in one call to compare.
 
+With `--server BINARY` the consumer is instead a separate Rust server process,
+`BINARY serve --sink` (answers every tensor at once), and the rates are the producers' own: from
+the first tensor handed over to the last result. `--fill torch` fills the slot with torch's
+`fill_` on a view of it (torch's own fill, as the peer's `torch.full`; torch may use several
+threads for it) instead of numpy's.
+
     PYTHONPATH=<the package> python3 bench/python_ipc.py [--json OUT]
+    PYTHONPATH=<the package> python3 bench/python_ipc.py --server target/release/tensorport [--fill torch]
 """
 import argparse
 import json
@@ -41,6 +48,76 @@ def producer(sock, shape, count, slots, send=False):
                 p.recv(timeout=60)
         while p.in_flight:
             p.recv(timeout=60)
+
+
+def filler(fill):
+    """The function that fills a slot's numpy view with a value."""
+    if fill == "torch":
+        import torch
+        return lambda a, v: torch.from_numpy(a).fill_(v)
+    return lambda a, v: a.fill(v)
+
+
+def timed_producer(sock, shape, count, slots, send, fill, out):
+    """A producer that reports (count, first hand-off, last result) on `out`."""
+    do_fill = filler(fill)
+    first = None
+    with tensorport.Producer(sock, name=f"bench-{os.getpid()}", slots=slots) as p:
+        a = np.empty(shape, np.float32) if send else None
+        for i in range(count):
+            if send:
+                do_fill(a, float(i))
+                p.send(a, timeout=60)
+                if p.in_flight >= slots:
+                    p.recv_many(timeout=60)
+            else:
+                with p.loan(timeout=60) as slot:
+                    do_fill(slot.array(np.float32, shape), float(i))
+                    slot.submit()
+                while p.in_flight >= slots:
+                    p.recv(timeout=60)
+            if first is None:
+                first = time.time()
+        while p.in_flight:
+            if send:
+                p.recv_many(timeout=60)
+            else:
+                p.recv(timeout=60)
+        out.put((count, first, time.time()))
+
+
+def run_rust_server(binary, shape, count, producers, slots=8, send=False, fill="numpy"):
+    """Producers against `BINARY serve --sink` in its own process."""
+    import subprocess
+    nbytes = int(np.prod(shape)) * 4
+    with tempfile.TemporaryDirectory(prefix="tp-pybench-") as d:
+        sock = os.path.join(d, "tp.sock")
+        server = subprocess.Popen(
+            [binary, "serve", "--sink", "--socket", sock, "--slots", str(slots),
+             "--slot-size", str(nbytes), "--memory-budget", "16G", "--max-session-memory", "4G"],
+            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+        try:
+            line = server.stdout.readline()
+            if not line.startswith("ready"):
+                raise RuntimeError(f"{binary} serve --sink did not start: {line!r}")
+            out = mp.Queue()
+            procs = [mp.Process(target=timed_producer,
+                                args=(sock, shape, count // producers, slots, send, fill, out))
+                     for _ in range(producers)]
+            start = time.time()
+            for p in procs:
+                p.start()
+            runs = [out.get(timeout=600) for _ in procs]
+            end = time.time()
+            for p in procs:
+                p.join()
+        finally:
+            server.terminate()
+            server.wait(timeout=30)
+        total = sum(r[0] for r in runs)
+        first = min(r[1] for r in runs)
+        last = max(r[2] for r in runs)
+        return total / (end - start), total * nbytes / (end - start) / 1e9, total / (last - first)
 
 
 def run(shape, count, producers, slots=8, rust_consumer=False, send=False):
@@ -83,9 +160,33 @@ def run(shape, count, producers, slots=8, rust_consumer=False, send=False):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--json")
+    ap.add_argument("--server", metavar="BINARY",
+                    help="hand over to `BINARY serve --sink` (a Rust server process) instead")
+    ap.add_argument("--fill", choices=("numpy", "torch"), default="numpy",
+                    help="with --server: how producers fill their slots [numpy]")
     a = ap.parse_args()
     mp.set_start_method("spawn")
     out = {}
+    if a.server:
+        cases = [(((1024,), 20000), (1, 4), (False, True)),
+                 (((256, 1024), 5000), (1, 4), (False, True)),
+                 (((32, 3, 224, 224), 400), (1, 4), (False,))]
+        for (shape, count), producer_counts, modes in cases:
+            for producers in producer_counts:
+                for send in modes:
+                    r, gb, steady = run_rust_server(a.server, shape, count, producers,
+                                                    send=send, fill=a.fill)
+                    key = (f"cpu shape={list(shape)} producers={producers} server=rust "
+                           f"producer={'send' if send else 'loan'} fill={a.fill}")
+                    out[key] = {"tensors_per_s": r, "GB_per_s": gb, "after_start_up_per_s": steady,
+                                "after_start_up_GB_per_s": steady * int(np.prod(shape)) * 4 / 1e9}
+                    print(f"tensorport (Python producers) {key}: {r:.0f} tensors/s, {gb:.2f} GB/s; "
+                          f"{steady:.0f} tensors/s ({steady * int(np.prod(shape)) * 4 / 1e9:.2f} GB/s) "
+                          f"after start-up", flush=True)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(out, f, indent=1)
+        return
     for consumer in ("python", "rust"):
         for shape, count in (((1024,), 20000), ((256, 1024), 5000), ((32, 3, 224, 224), 400)):
             for producers in (1, 4):

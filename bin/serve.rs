@@ -58,6 +58,12 @@ pub struct Args {
     /// thread's per-batch work, not the device, is the bound.
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
+    /// A sink instead of a model: answer every request at once with an empty result, whatever
+    /// its dtype and shape (the transport's checks still apply). For measuring producers and the
+    /// transport, e.g. Python producers of any tensor (bench/python_ipc.py --server rust); set
+    /// the slots with --slot-size.
+    #[arg(long)]
+    pub sink: bool,
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
@@ -144,6 +150,7 @@ fn serve_on<D: Device<f32>>(a: Args, hooks: Hooks, make: &WorkerFn<D>) -> CliRes
     let first = make()?;
     let load = |dev: &D| -> CliResult<Option<ImageClassifier<D>>> {
         Ok(match (a.model.model, &a.model.weights) {
+            _ if a.sink => None,
             (crate::common::ModelKind::None, _) => None,
             (_, Some(p)) => Some(ImageClassifier::load(dev, cfg, p)?),
             (_, None) => Some(ImageClassifier::from_seed(dev, cfg, a.model.seed)?),
@@ -180,9 +187,11 @@ fn serve_on<D: Device<f32>>(a: Args, hooks: Hooks, make: &WorkerFn<D>) -> CliRes
         classes = cfg.classes,
         max_batch = a.model.max_batch,
         workers,
+        sink = a.sink,
         "serving the model"
     );
-    let max_wait = Duration::from_millis(a.model.max_wait_ms);
+    // A sink answers what it has at once.
+    let max_wait = Duration::from_millis(if a.sink { 0 } else { a.model.max_wait_ms });
     let started = Instant::now();
     let images = std::sync::atomic::AtomicU64::new(0);
     let work = |dev: D, stack: Box<StackFn<D>>, model: Option<ImageClassifier<D>>| {
@@ -266,6 +275,16 @@ fn worker_loop<D: Device<f32>>(
         }
         let taken = Instant::now();
         let size = batch.len();
+        if a.sink {
+            for r in batch {
+                let _ = r.respond(&[]);
+            }
+            images.fetch_add(size as u64, Ordering::Relaxed);
+            if let Some(m) = metrics {
+                m.record_batch(size, Duration::ZERO, taken.elapsed());
+            }
+            continue;
+        }
         let stacked = stack(dev, &batch, shape);
         // The batch owns a copy of the pixels now: give the slots back before the model runs.
         let mut responders: Vec<Option<tensorport::Responder>> =

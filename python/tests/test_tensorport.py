@@ -207,6 +207,38 @@ def test_send_copies_in_one_call_and_recv_many_takes_what_came(sock):
     stop.set()
 
 
+def test_python_producers_of_any_tensor_into_the_rust_sink_server(sock):
+    # `tensorport serve --sink`: a Rust server that answers every tensor at once, whatever its
+    # dtype and shape; the transport's checks still hold (a tensor larger than a slot).
+    srv = subprocess.Popen([BIN, "--log", "warn", "serve", "--sink", "--socket", str(sock),
+                            "--slot-size", "8192", "--slots", "4"], stdout=subprocess.PIPE, text=True)
+    try:
+        line = srv.stdout.readline()
+        assert line.startswith("ready"), line
+        with Producer(sock, slots=4, slot_size=8192) as p:
+            sent = set()
+            for i, a in enumerate([np.arange(12, dtype=np.int32).reshape(3, 4),
+                                   np.ones((2, 2, 2), dtype=np.float64),
+                                   np.zeros(2048, dtype=np.float32),
+                                   np.array([i for i in range(7)], dtype=np.uint8)] * 50):
+                sent.add(p.send(a, timeout=PATIENCE))
+                while p.in_flight >= 4:
+                    for rid, data in p.recv_many(timeout=PATIENCE):
+                        assert data == b""
+                        sent.remove(rid)
+            while p.in_flight:
+                for rid, data in p.recv_many(timeout=PATIENCE):
+                    assert data == b""
+                    sent.remove(rid)
+            assert not sent
+            with pytest.raises(TensorportError) as e:
+                p.send(np.zeros(4096, dtype=np.float32))
+            assert e.value.code_name == "OutOfBounds"
+    finally:
+        srv.send_signal(signal.SIGTERM)
+        assert srv.wait(timeout=PATIENCE) == 0
+
+
 def test_misuse_raises_clear_errors(sock):
     srv, stop = answering_server(sock, lambda r: b"")
     with Producer(sock, slots=2, slot_size=4096) as p:

@@ -60,6 +60,10 @@ pub struct Args {
     /// Leave processes unpinned even with one producer.
     #[arg(long)]
     pub no_pin: bool,
+    /// With more than one producer, pin each producer process to its own CPU (one hardware
+    /// thread of every physical core first), on every side alike; consumers stay unpinned.
+    #[arg(long)]
+    pub pin_producers: bool,
     /// (internal) run as a benchmark child.
     #[arg(long, hide = true, value_enum)]
     pub role: Option<Role>,
@@ -115,6 +119,39 @@ struct Ctx {
     cpus: Option<(usize, usize)>,
     seconds: f64,
     round_trips: usize,
+    /// With `--pin-producers`: the allowed CPUs, one hardware thread of each physical core
+    /// first, then their siblings; producer k of a many-producer run goes to the k-th.
+    spread: Vec<usize>,
+}
+
+/// The allowed CPUs ordered so that each physical core's first hardware thread comes before any
+/// core's second (Linux's topology files; in CPU order where they are missing).
+fn spread_cpus(allowed: &Option<nix::sched::CpuSet>) -> Vec<usize> {
+    let Some(set) = allowed else {
+        return Vec::new();
+    };
+    let mut cpus: Vec<(usize, usize)> = (0..nix::sched::CpuSet::count())
+        .filter(|&c| set.is_set(c).unwrap_or(false))
+        .map(|c| {
+            let rank = std::fs::read_to_string(format!(
+                "/sys/devices/system/cpu/cpu{c}/topology/thread_siblings_list"
+            ))
+            .ok()
+            .and_then(|l| {
+                // "0,8" or "0-1": this CPU's place among its siblings.
+                let sibs: Vec<usize> = l
+                    .trim()
+                    .split([',', '-'])
+                    .filter_map(|x| x.parse().ok())
+                    .collect();
+                sibs.iter().position(|&x| x == c)
+            })
+            .unwrap_or(0);
+            (rank, c)
+        })
+        .collect();
+    cpus.sort();
+    cpus.into_iter().map(|(_, c)| c).collect()
 }
 
 /// What a benchmark child process does: stream into a sink, or answer pings; over tensorport,
@@ -158,6 +195,11 @@ impl Ctx {
             c.args(["--cpu", &cpu.to_string()]);
         }
         Ok(c.spawn()?)
+    }
+
+    /// The CPU for producer `k` of a many-producer run, with `--pin-producers`.
+    fn spread_cpu(&self, k: usize) -> Option<usize> {
+        (!self.spread.is_empty()).then(|| self.spread[k % self.spread.len()])
     }
 
     /// Cores for (parent, child) when one producer runs against one consumer.
@@ -289,6 +331,68 @@ fn ice_recv(
     }
 }
 
+/// With `TENSORPORT_BENCH_TRACE=1` in the environment, a streaming child prints where its time
+/// went (waiting for a slot or sample, filling it, handing it over) to stderr when it ends: to
+/// tell a slow fill from a slow return of slots.
+struct Trace {
+    on: bool,
+    start: Instant,
+    setup: Duration,
+    epoch: std::time::SystemTime,
+    wait: Duration,
+    fill: Duration,
+    send: Duration,
+    last: Option<Instant>,
+}
+
+impl Trace {
+    /// Starts the clock; `born` is when the child began setting up (connecting, its pool).
+    fn new(born: Instant) -> Trace {
+        Trace {
+            on: std::env::var_os("TENSORPORT_BENCH_TRACE").is_some_and(|v| v == "1"),
+            start: Instant::now(),
+            setup: born.elapsed(),
+            epoch: std::time::SystemTime::now(),
+            wait: Duration::ZERO,
+            fill: Duration::ZERO,
+            send: Duration::ZERO,
+            last: None,
+        }
+    }
+
+    /// One message: loan asked at `t0`, granted at `t1`, filled by `t2`, sent now.
+    fn add(&mut self, t0: Instant, t1: Instant, t2: Instant) {
+        if self.on {
+            let now = Instant::now();
+            self.wait += t1 - t0;
+            self.fill += t2 - t1;
+            self.send += now - t2;
+            self.last = Some(now);
+        }
+    }
+
+    fn report(&self, who: &str, n: usize) {
+        if let (true, Some(last)) = (self.on, self.last) {
+            let k = n.max(1) as f64;
+            let us = |d: Duration| d.as_secs_f64() * 1e6 / k;
+            let at = self
+                .epoch
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            eprintln!(
+                "trace {who} pid {}: set up {:.1} ms, started at {:.3} s: {n} messages in {:.3} s; per message: wait {:.1} us, fill {:.1} us, send {:.1} us",
+                std::process::id(),
+                self.setup.as_secs_f64() * 1e3,
+                at.as_secs_f64() % 1000.0,
+                (last - self.start).as_secs_f64(),
+                us(self.wait),
+                us(self.fill),
+                us(self.send)
+            );
+        }
+    }
+}
+
 /// The children.
 fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
     if let Some(cpu) = a.cpu {
@@ -300,7 +404,8 @@ fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
         .ok_or_else(|| CliError::usage("--target"))?;
     let size = a.size;
     let poll = a.poll != 0;
-    let deadline = Instant::now() + Duration::from_secs_f64(a.seconds);
+    let born = Instant::now();
+    let deadline = born + Duration::from_secs_f64(a.seconds);
     let total = a.round_trips + WARMUP;
     let mut rtts = Vec::with_capacity(total);
     match role {
@@ -313,11 +418,16 @@ fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
             let spec = TensorSpec::new(DType::U8, &[size as u64]);
             let ping = role == Role::TpPing;
             let mut i = 0;
+            let mut tr = Trace::new(born);
             while if ping { i < total } else { more(i, deadline) } {
                 let t = ping.then(Instant::now);
+                let t0 = Instant::now();
                 let mut l = p.lease(Duration::from_secs(10))?;
+                let t1 = Instant::now();
                 fill(&mut l.bytes_mut()[..size], i);
+                let t2 = Instant::now();
                 l.submit(&spec)?;
+                tr.add(t0, t1, t2);
                 if let Some(t) = t {
                     p.recv_result(Duration::from_secs(10))?;
                     rtts.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
@@ -330,16 +440,25 @@ fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
                 p.recv_result(Duration::from_secs(10))?;
             }
             let _ = p.close();
+            tr.report("tensorport", i);
         }
         Role::IceStream => {
             let node = ice_node()?;
             let svc = ice_data(&node, &format!("{target}/data"), 64)?;
             let publisher = ice_publisher(&svc, size)?;
             let mut i = 0;
+            let mut tr = Trace::new(born);
             while more(i, deadline) {
-                ice_send(&publisher, size, i)?;
+                let t0 = Instant::now();
+                let s = ice(publisher.loan_slice_uninit(size), "loan")?;
+                let t1 = Instant::now();
+                let s = s.write_from_fn(byte_of(i));
+                let t2 = Instant::now();
+                ice(s.send(), "send")?;
+                tr.add(t0, t1, t2);
                 i += 1;
             }
+            tr.report("iceoryx2", i);
         }
         Role::IcePing => {
             let node = ice_node()?;
@@ -479,7 +598,15 @@ fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult
     let server = Server::bind(cfg)?;
     let target = sock.to_string_lossy();
     let kids: Vec<Child> = (0..n)
-        .map(|_| cx.child(Role::TpStream, &target, size, true, kid))
+        .map(|k| {
+            cx.child(
+                Role::TpStream,
+                &target,
+                size,
+                true,
+                kid.or(cx.spread_cpu(k)),
+            )
+        })
         .collect::<CliResult<_>>()?;
     // The readers stop when the children are done; this only bounds a run that hangs.
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
@@ -562,7 +689,7 @@ fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
     let svc = ice_data(&node, &format!("{tag}/data"), 64)?;
     let sub = ice(svc.subscriber_builder().create(), "subscriber")?;
     let mut kids: Vec<Child> = (0..n)
-        .map(|_| cx.child(Role::IceStream, &tag, size, true, kid))
+        .map(|k| cx.child(Role::IceStream, &tag, size, true, kid.or(cx.spread_cpu(k))))
         .collect::<CliResult<_>>()?;
     let (mut count, mut first, mut last) = (0u64, None, Instant::now());
     // The readers stop when the children are done; this only bounds a run that hangs.
@@ -626,7 +753,15 @@ fn uds_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
     }
     let target = sock.to_string_lossy();
     let kids: Vec<Child> = (0..n)
-        .map(|_| cx.child(Role::UdsStream, &target, size, true, kid))
+        .map(|k| {
+            cx.child(
+                Role::UdsStream,
+                &target,
+                size,
+                true,
+                kid.or(cx.spread_cpu(k)),
+            )
+        })
         .collect::<CliResult<_>>()?;
     let readers: Vec<_> = (0..n)
         .map(|_| {
@@ -808,12 +943,18 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         .map(|n| n.get())
         .unwrap_or(1);
     let (allowed, pair) = allowed_cpus();
+    let spread = if a.pin_producers {
+        spread_cpus(&allowed)
+    } else {
+        Vec::new()
+    };
     let cx = Ctx {
         exe: std::env::current_exe()?,
         allowed,
         cpus: pair.filter(|_| !a.no_pin),
         seconds: a.seconds,
         round_trips: a.round_trips,
+        spread,
     };
     let pinning = match cx.cpus {
         Some((c, p)) => format!("pinned: consumer to CPU {c}, producer to CPU {p}"),
