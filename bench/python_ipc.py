@@ -7,9 +7,10 @@ the consumer reads one element of each and answers. Run both in one call to comp
 
 With `--server BINARY` the consumer is instead a separate Rust server process,
 `BINARY serve --sink` (answers every tensor at once), and the rates are the producers' own: from
-the first tensor handed over to the last result. `--fill torch` fills the slot with torch's
-`fill_` on a view of it (torch's own fill, as the peer's `torch.full`; torch may use several
-threads for it) instead of numpy's.
+the first tensor handed over to the last result, with every producer connected and started
+together, on five times the peer's tensor counts. `--fill torch` fills the slot with torch's
+`fill_` on a view of it (torch's own fill, as the peer's `torch.full`; each producer may use its
+share of the cores, less two, for it) instead of numpy's.
 
     PYTHONPATH=<the package> python3 bench/python_ipc.py [--json OUT]
     PYTHONPATH=<the package> python3 bench/python_ipc.py --server target/release/tensorport [--fill torch]
@@ -50,19 +51,24 @@ def producer(sock, shape, count, slots, send=False):
             p.recv(timeout=60)
 
 
-def filler(fill):
-    """The function that fills a slot's numpy view with a value."""
+def filler(fill, producers):
+    """The function that fills a slot's numpy view with a value. torch's fill may use several
+    threads: the cores are shared out among the producers, so they do not oversubscribe them."""
     if fill == "torch":
         import torch
+        # Two cores left for the server and the parent.
+        torch.set_num_threads(max(1, ((os.cpu_count() or 1) - 2) // producers))
         return lambda a, v: torch.from_numpy(a).fill_(v)
     return lambda a, v: a.fill(v)
 
 
-def timed_producer(sock, shape, count, slots, send, fill, out):
-    """A producer that reports (count, first hand-off, last result) on `out`."""
-    do_fill = filler(fill)
+def timed_producer(sock, shape, count, slots, send, fill, producers, start, out):
+    """A producer that connects, waits at `start` for the others, and reports (count, first
+    hand-off, last result) on `out`."""
+    do_fill = filler(fill, producers)
     first = None
     with tensorport.Producer(sock, name=f"bench-{os.getpid()}", slots=slots) as p:
+        start.wait()
         a = np.empty(shape, np.float32) if send else None
         for i in range(count):
             if send:
@@ -100,13 +106,17 @@ def run_rust_server(binary, shape, count, producers, slots=8, send=False, fill="
             line = server.stdout.readline()
             if not line.startswith("ready"):
                 raise RuntimeError(f"{binary} serve --sink did not start: {line!r}")
-            out = mp.Queue()
+            out, go = mp.Queue(), mp.Barrier(producers + 1)
             procs = [mp.Process(target=timed_producer,
-                                args=(sock, shape, count // producers, slots, send, fill, out))
+                                args=(sock, shape, count // producers, slots, send, fill,
+                                      producers, go, out))
                      for _ in range(producers)]
             start = time.time()
             for p in procs:
                 p.start()
+            # Every producer connected: they start together, so the rate after start-up has
+            # them all at work (spawning and importing take longer than tensorport's runs).
+            go.wait(timeout=300)
             runs = [out.get(timeout=600) for _ in procs]
             end = time.time()
             for p in procs:
@@ -164,14 +174,19 @@ def main():
                     help="hand over to `BINARY serve --sink` (a Rust server process) instead")
     ap.add_argument("--fill", choices=("numpy", "torch"), default="numpy",
                     help="with --server: how producers fill their slots [numpy]")
+    ap.add_argument("--min-bytes", type=int, default=0,
+                    help="with --server: only the tensors of at least this many bytes")
     a = ap.parse_args()
     mp.set_start_method("spawn")
     out = {}
     if a.server:
-        cases = [(((1024,), 20000), (1, 4), (False, True)),
-                 (((256, 1024), 5000), (1, 4), (False, True)),
-                 (((32, 3, 224, 224), 400), (1, 4), (False,))]
+        # Five times the peer's counts: at tensorport's rates the peer's would last milliseconds.
+        cases = [(((1024,), 100000), (1, 4), (False, True)),
+                 (((256, 1024), 25000), (1, 4), (False, True)),
+                 (((32, 3, 224, 224), 2000), (1, 4), (False,))]
         for (shape, count), producer_counts, modes in cases:
+            if int(np.prod(shape)) * 4 < a.min_bytes:
+                continue
             for producers in producer_counts:
                 for send in modes:
                     r, gb, steady = run_rust_server(a.server, shape, count, producers,

@@ -99,11 +99,15 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("what", choices=("cpu", "cuda", "all"))
     ap.add_argument("--json")
+    ap.add_argument("--min-bytes", type=int, default=0,
+                    help="cpu: only the tensors of at least this many bytes")
     a = ap.parse_args()
     mp.set_start_method("spawn")
     out = {"torch": torch.__version__}
     if a.what in ("cpu", "all"):
         for shape, count in (((1024,), 20000), ((256, 1024), 5000), ((32, 3, 224, 224), 400)):
+            if 4 * torch.Size(shape).numel() < a.min_bytes:
+                continue
             for producers in (1, 4):
                 r, gb, steady = cpu_run(shape, count, producers)
                 key = f"cpu shape={list(shape)} producers={producers}"
