@@ -610,15 +610,17 @@ fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult
         .collect::<CliResult<_>>()?;
     // The readers stop when the children are done; this only bounds a run that hangs.
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
-    // Each consumer: its count, first and last message, and messages per session id.
-    type ConsumerRun = (u64, Option<Instant>, Instant, Vec<u64>);
+    // Each consumer: its count, first and last message, and per session id its messages and
+    // first and last message.
+    type PerSession = Vec<(u64, Option<Instant>, Option<Instant>)>;
+    type ConsumerRun = (u64, Option<Instant>, Instant, PerSession);
     let runs: Vec<CliResult<ConsumerRun>> = std::thread::scope(|s| {
         let threads: Vec<_> = (0..consumers.max(1))
             .map(|_| {
                 let server = &server;
                 s.spawn(move || {
                     let (mut count, mut first, mut last) = (0u64, None, Instant::now());
-                    let mut per_session = vec![0u64; n + 2];
+                    let mut per_session: PerSession = vec![(0, None, None); n + 2];
                     let mut batch = Vec::with_capacity(64);
                     while Instant::now() < deadline {
                         server.recv_batch_into(
@@ -633,12 +635,15 @@ fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult
                             }
                             continue;
                         }
-                        first.get_or_insert_with(Instant::now);
+                        let now = Instant::now();
+                        first.get_or_insert(now);
                         for r in batch.drain(..) {
                             std::hint::black_box(r.bytes().first());
                             count += 1;
                             if let Some(c) = per_session.get_mut(r.session_id() as usize) {
-                                *c += 1;
+                                c.0 += 1;
+                                c.1.get_or_insert(now);
+                                c.2 = Some(now);
                             }
                             let _ = r.respond(&[]);
                         }
@@ -657,7 +662,7 @@ fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult
     cx.unpin();
     wait_ok(kids, "tensorport")?;
     let (mut count, mut first, mut last) = (0u64, None::<Instant>, None::<Instant>);
-    let mut per_session = vec![0u64; n + 2];
+    let mut per_session: Vec<(u64, Option<Instant>, Option<Instant>)> = vec![(0, None, None); n + 2];
     for r in runs {
         let (c, f, l, per) = r?;
         count += c;
@@ -666,12 +671,30 @@ fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult
             last = Some(last.map_or(l, |x| x.max(l)));
         }
         for (a, b) in per_session.iter_mut().zip(per) {
-            *a += b;
+            a.0 += b.0;
+            a.1 = match (a.1, b.1) {
+                (Some(x), Some(y)) => Some(x.min(y)),
+                (x, y) => x.or(y),
+            };
+            a.2 = a.2.max(b.2);
         }
     }
-    let got: Vec<u64> = per_session.into_iter().filter(|&c| c > 0).collect();
-    let mean = got.iter().sum::<u64>() as f64 / got.len().max(1) as f64;
-    let fairness = got.iter().min().map_or(1.0, |&m| m as f64 / mean.max(1e-9));
+    // Fairness: each producer's rate while it streamed (its messages over the time from its
+    // first to its last), the slowest against the mean. (Counts alone would read equal when
+    // every producer sends the minimum number of messages, as large payloads do.)
+    let rates: Vec<f64> = per_session
+        .iter()
+        .filter_map(|&(c, f, l)| match (f, l) {
+            (Some(f), Some(l)) if c > 1 && l > f => Some((c - 1) as f64 / (l - f).as_secs_f64()),
+            _ => None,
+        })
+        .collect();
+    let mean = rates.iter().sum::<f64>() / rates.len().max(1) as f64;
+    let fairness = rates
+        .iter()
+        .copied()
+        .reduce(f64::min)
+        .map_or(1.0, |m| m / mean.max(1e-9));
     Ok(TpRun {
         rate: rate(count, first, last.unwrap_or_else(Instant::now)),
         fairness,
@@ -1016,7 +1039,7 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         }
     }
     if !fairness_rows.is_empty() {
-        println!("\nFairness between tensorport's producers (the slowest one's messages / the mean, worst of the runs):\n");
+        println!("\nFairness between tensorport's producers (the slowest one's rate while it streamed / the mean rate, worst of the runs):\n");
         println!("| payload | producers | consumers | slowest / mean |");
         println!("| --- | --- | --- | --- |");
         for r in &fairness_rows {
