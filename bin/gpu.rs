@@ -51,6 +51,11 @@ pub enum What {
         /// cross-GPU hand-off (IPC opened with peer access, fences across the two devices).
         #[arg(long, default_value_t = 0, value_name = "ORDINAL")]
         producer_gpu: i32,
+        /// The server takes up to N hand-offs at once (those that have arrived), waits on each
+        /// one's fence, copies each, and synchronises its stream once for them all, as a server
+        /// that batches does; 1: one at a time, a synchronisation each. Device hand-offs only.
+        #[arg(long, default_value_t = 1, value_name = "N")]
+        server_batch: usize,
         /// (internal) run as the benchmark's producer on this socket.
         #[arg(long, hide = true)]
         producer_socket: Option<std::path::PathBuf>,
@@ -140,6 +145,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             fence,
             producer_work,
             producer_gpu,
+            server_batch,
             producer_socket,
         } => match producer_socket {
             Some(sock) => {
@@ -152,14 +158,15 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             }
             None => {
                 let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
-                println!("CUDA IPC hand-off, producer process on GPU {producer_gpu} -> usable in the server's stream on GPU 0 (pool of 4 buffers):");
+                let batch = server_batch.max(1);
+                println!("CUDA IPC hand-off, producer process on GPU {producer_gpu} -> usable in the server's stream on GPU 0 (pool of 4 buffers; the server takes up to {batch} at once):");
                 let fences = match fence {
                     FenceArg::Both => vec![FenceArg::Event, FenceArg::Timeline],
                     f => vec![f],
                 };
                 for f in fences {
                     for &b in &bytes {
-                        ipc_server(&gpu, handoffs, b, f, producer_work, producer_gpu)?;
+                        ipc_server(&gpu, handoffs, b, f, producer_work, producer_gpu, batch)?;
                     }
                 }
             }
@@ -253,6 +260,7 @@ fn ipc_server(
     fence: FenceArg,
     work: Work,
     producer_gpu: i32,
+    batch: usize,
 ) -> CliResult<()> {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -295,40 +303,61 @@ fn ipc_server(
     let dst = tensorport_cuda::DeviceBuffer::new(gpu, bytes).map_err(cuda)?;
     let mut lat = Vec::with_capacity(handoffs);
     let mut started: Option<Instant> = None;
-    for _ in 0..handoffs {
+    // Hand-offs after the clock started (it starts after the first batch: process start-up,
+    // cuInit and registration are not hand-offs).
+    let mut counted = 0usize;
+    let mut done = 0usize;
+    while done < handoffs {
         let t1 = Instant::now();
-        let req = server
-            .recv_timeout(Duration::from_secs(60))?
-            .ok_or_else(|| CliError::new("the benchmark producer sent nothing for 60 s"))?;
-        if staged {
-            // SAFETY: `dst` holds `bytes` on this context; the slot stays ours until the
-            // release below, after the copy has run.
-            unsafe { stream.copy_host_to_device_async(dst.ptr(), req.bytes()) }.map_err(cuda)?;
-            stream.synchronize().map_err(cuda)?;
-            let responder = req.release();
-            lat.push(t1.elapsed().as_secs_f64() * 1e6);
-            let _ = responder.respond(&[]);
-            started.get_or_insert_with(Instant::now);
-            continue;
+        let reqs = if batch > 1 && !staged {
+            let b = server.recv_batch(batch, Duration::from_secs(60), Duration::ZERO)?;
+            if b.is_empty() {
+                return Err(CliError::new("the benchmark producer sent nothing for 60 s"));
+            }
+            b
+        } else {
+            vec![server
+                .recv_timeout(Duration::from_secs(60))?
+                .ok_or_else(|| CliError::new("the benchmark producer sent nothing for 60 s"))?]
+        };
+        let mut responders = Vec::with_capacity(reqs.len());
+        for req in reqs {
+            if staged {
+                // SAFETY: `dst` holds `bytes` on this context; the slot stays ours until the
+                // release below, after the copy has run (the stream is synchronised first).
+                unsafe { stream.copy_host_to_device_async(dst.ptr(), req.bytes()) }
+                    .map_err(cuda)?;
+                stream.synchronize().map_err(cuda)?;
+                responders.push(req.release());
+                continue;
+            }
+            let dt = req
+                .device()
+                .cloned()
+                .ok_or_else(|| CliError::new("expected a device tensor"))?;
+            // SAFETY: our stream is live in the server's context; the tensor was bounds-checked
+            // against the registered buffer, and `dst` holds `bytes`. The release is recorded
+            // on the stream after the copy, so the producer reuses the buffer only after it.
+            unsafe {
+                dt.wait_ready(stream.raw()).map_err(CliError::new)?;
+                dst.copy_from_device_async(dt.ptr(), dt.len() as usize, &stream)
+                    .map_err(cuda)?;
+                dt.record_release(stream.raw()).map_err(CliError::new)?;
+            }
+            responders.push(req.release());
         }
-        let dt = req
-            .device()
-            .cloned()
-            .ok_or_else(|| CliError::new("expected a device tensor"))?;
-        // SAFETY: our stream is live in the server's context; the tensor was bounds-checked
-        // against the registered buffer, and `dst` holds `bytes`.
-        unsafe {
-            dt.wait_ready(stream.raw()).map_err(CliError::new)?;
-            dst.copy_from_device_async(dt.ptr(), dt.len() as usize, &stream)
-                .map_err(cuda)?;
-            dt.record_release(stream.raw()).map_err(CliError::new)?;
-        }
-        let responder = req.release();
+        // One synchronisation for the batch: every copy in it has run.
         stream.synchronize().map_err(cuda)?;
-        lat.push(t1.elapsed().as_secs_f64() * 1e6);
-        let _ = responder.respond(&[]);
-        // The clock starts after the first hand-off: process start-up (cuInit, registration)
-        // is not a hand-off.
+        let l = t1.elapsed().as_secs_f64() * 1e6;
+        let n = responders.len();
+        for r in responders {
+            lat.push(l);
+            let _ = r.respond(&[]);
+        }
+        done += n;
+        if started.is_some() {
+            counted += n;
+        }
         started.get_or_insert_with(Instant::now);
     }
     let secs = started.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
@@ -340,8 +369,8 @@ fn ipc_server(
         "  {:>8} fence, producer {:>4}, {bytes:>9} B: {:>8.0} hand-offs/s, {:>6.2} GB/s; latency p50 {:.1} us, p99 {:.1} us, p99.9 {:.1} us (first, with start-up: {:.0} us)",
         crate::common::arg_name(&fence),
         crate::common::arg_name(&work),
-        (handoffs - 1) as f64 / secs,
-        (handoffs - 1) as f64 * bytes as f64 / secs / 1e9,
+        counted as f64 / secs,
+        counted as f64 * bytes as f64 / secs / 1e9,
         pct(0.5),
         pct(0.99),
         pct(0.999),
