@@ -312,7 +312,9 @@ fn ipc_server(
         let reqs = if batch > 1 && !staged {
             let b = server.recv_batch(batch, Duration::from_secs(60), Duration::ZERO)?;
             if b.is_empty() {
-                return Err(CliError::new("the benchmark producer sent nothing for 60 s"));
+                return Err(CliError::new(
+                    "the benchmark producer sent nothing for 60 s",
+                ));
             }
             b
         } else {

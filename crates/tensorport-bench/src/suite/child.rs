@@ -1,0 +1,215 @@
+//! The benchmark's child processes (`--role`): streaming producers of every peer, and the
+//! latency children that answer pings; and the trace they print with `TENSORPORT_BENCH_TRACE=1`.
+
+use super::*;
+
+/// Messages every streaming child sends at least, however short --seconds: on a loaded machine a
+/// child may get so little time before its deadline that the reader sees all it sent in one
+/// look, which measures nothing (the rate needs a first and a last arrival apart).
+pub(super) const MIN_MESSAGES: usize = 1024;
+
+/// Whether a streaming child goes on: it reads the clock every 64 messages (every peer alike),
+/// and sends at least [`MIN_MESSAGES`].
+pub(super) fn more(i: usize, deadline: Instant) -> bool {
+    i < MIN_MESSAGES || !i.is_multiple_of(64) || Instant::now() < deadline
+}
+
+/// Every peer writes every byte of every payload with this same loop (iceoryx2 through
+/// `write_from_fn`, which runs it over its uninitialised sample).
+#[inline(always)]
+pub(super) fn byte_of(i: usize) -> impl FnMut(usize) -> u8 {
+    move |_| i as u8
+}
+
+pub(super) fn fill(buf: &mut [u8], i: usize) {
+    let mut f = byte_of(i);
+    for (k, b) in buf.iter_mut().enumerate() {
+        *b = f(k);
+    }
+}
+
+/// With `TENSORPORT_BENCH_TRACE=1` in the environment, a streaming child prints where its time
+/// went (waiting for a slot or sample, filling it, handing it over) to stderr when it ends: to
+/// tell a slow fill from a slow return of slots.
+pub(super) struct Trace {
+    on: bool,
+    start: Instant,
+    setup: Duration,
+    epoch: std::time::SystemTime,
+    wait: Duration,
+    fill: Duration,
+    send: Duration,
+    last: Option<Instant>,
+}
+
+impl Trace {
+    /// Starts the clock; `born` is when the child began setting up (connecting, its pool).
+    fn new(born: Instant) -> Trace {
+        Trace {
+            on: std::env::var_os("TENSORPORT_BENCH_TRACE").is_some_and(|v| v == "1"),
+            start: Instant::now(),
+            setup: born.elapsed(),
+            epoch: std::time::SystemTime::now(),
+            wait: Duration::ZERO,
+            fill: Duration::ZERO,
+            send: Duration::ZERO,
+            last: None,
+        }
+    }
+
+    /// One message: loan asked at `t0`, granted at `t1`, filled by `t2`, sent now.
+    fn add(&mut self, t0: Instant, t1: Instant, t2: Instant) {
+        if self.on {
+            let now = Instant::now();
+            self.wait += t1 - t0;
+            self.fill += t2 - t1;
+            self.send += now - t2;
+            self.last = Some(now);
+        }
+    }
+
+    fn report(&self, who: &str, n: usize) {
+        if let (true, Some(last)) = (self.on, self.last) {
+            let k = n.max(1) as f64;
+            let us = |d: Duration| d.as_secs_f64() * 1e6 / k;
+            let at = self
+                .epoch
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap_or_default();
+            eprintln!(
+                "trace {who} pid {}: set up {:.1} ms, started at {:.3} s: {n} messages in {:.3} s; per message: wait {:.1} us, fill {:.1} us, send {:.1} us",
+                std::process::id(),
+                self.setup.as_secs_f64() * 1e3,
+                at.as_secs_f64() % 1000.0,
+                (last - self.start).as_secs_f64(),
+                us(self.wait),
+                us(self.fill),
+                us(self.send)
+            );
+        }
+    }
+}
+
+/// The children.
+pub(super) fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
+    if let Some(cpu) = a.cpu {
+        pin(cpu)?;
+    }
+    let target = a
+        .target
+        .clone()
+        .ok_or_else(|| CliError::usage("--target"))?;
+    let size = a.size;
+    let poll = a.poll != 0;
+    let born = Instant::now();
+    let deadline = born + Duration::from_secs_f64(a.seconds);
+    let total = a.round_trips + WARMUP;
+    let mut rtts = Vec::with_capacity(total);
+    match role {
+        Role::TpStream | Role::TpPing => {
+            let mut cfg = ProducerConfig::new(role.name());
+            cfg.slots = 8;
+            cfg.slot_size = size as u64;
+            cfg.spin = if poll { FOREVER } else { Duration::ZERO };
+            let mut p = Producer::connect(&target, cfg)?;
+            let spec = TensorSpec::new(DType::U8, &[size as u64]);
+            let ping = role == Role::TpPing;
+            let mut i = 0;
+            let mut tr = Trace::new(born);
+            while if ping { i < total } else { more(i, deadline) } {
+                let t = ping.then(Instant::now);
+                let t0 = Instant::now();
+                let mut l = p.lease(Duration::from_secs(10))?;
+                let t1 = Instant::now();
+                fill(&mut l.bytes_mut()[..size], i);
+                let t2 = Instant::now();
+                l.submit(&spec)?;
+                tr.add(t0, t1, t2);
+                if let Some(t) = t {
+                    p.recv_result(Duration::from_secs(10))?;
+                    rtts.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+                } else {
+                    while p.try_recv_result()?.is_some() {}
+                }
+                i += 1;
+            }
+            while p.in_flight() > 0 {
+                p.recv_result(Duration::from_secs(10))?;
+            }
+            let _ = p.close();
+            tr.report("tensorport", i);
+        }
+        Role::IceStream => {
+            let node = ice_node()?;
+            let svc = ice_data(&node, &format!("{target}/data"), 64)?;
+            let publisher = ice_publisher(&svc, size)?;
+            let mut i = 0;
+            let mut tr = Trace::new(born);
+            while more(i, deadline) {
+                let t0 = Instant::now();
+                let s = ice(publisher.loan_slice_uninit(size), "loan")?;
+                let t1 = Instant::now();
+                let s = s.write_from_fn(byte_of(i));
+                let t2 = Instant::now();
+                ice(s.send(), "send")?;
+                tr.add(t0, t1, t2);
+                i += 1;
+            }
+            tr.report("iceoryx2", i);
+        }
+        Role::IcePing => {
+            let node = ice_node()?;
+            let ping = ice_data(&node, &format!("{target}/ping"), 1)?;
+            let pong = ice_data(&node, &format!("{target}/pong"), 1)?;
+            let publisher = ice_publisher(&ping, size)?;
+            let sub = ice(pong.subscriber_builder().create(), "subscriber")?;
+            let (notifier, listener) = if poll {
+                (None, None)
+            } else {
+                let to_server = ice_event(&node, &format!("{target}/ping-ev"))?;
+                let to_me = ice_event(&node, &format!("{target}/pong-ev"))?;
+                (
+                    Some(ice(to_server.notifier_builder().create(), "notifier")?),
+                    Some(ice(to_me.listener_builder().create(), "listener")?),
+                )
+            };
+            // The server's subscriber exists (it was made before this process started).
+            for i in 0..total {
+                let t = Instant::now();
+                ice_send(&publisher, size, i)?;
+                if let Some(n) = &notifier {
+                    ice(n.notify(), "notify")?;
+                }
+                ice_recv(
+                    &sub,
+                    listener.as_ref(),
+                    Instant::now() + Duration::from_secs(10),
+                )?;
+                rtts.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+            }
+        }
+        Role::UdsStream | Role::UdsPing => {
+            let mut s = UnixStream::connect(&target)?;
+            let mut buf = vec![0u8; size];
+            let mut ack = [0u8; 8];
+            let ping = role == Role::UdsPing;
+            let mut i = 0;
+            while if ping { i < total } else { more(i, deadline) } {
+                let t = Instant::now();
+                fill(&mut buf, i);
+                s.write_all(&buf)?;
+                if ping {
+                    s.read_exact(&mut ack)?;
+                    rtts.push(t.elapsed().as_secs_f64() * 1e6 / 2.0);
+                }
+                i += 1;
+            }
+        }
+    }
+    let mut out = std::io::stdout().lock();
+    for x in rtts.iter().skip(WARMUP) {
+        write!(out, "{x:.3} ")?;
+    }
+    writeln!(out)?;
+    Ok(ExitCode::SUCCESS)
+}

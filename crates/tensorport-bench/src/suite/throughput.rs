@@ -1,0 +1,280 @@
+//! Throughput runs, in the parent: consumer threads (tensorport), the subscriber (iceoryx2) or
+//! readers (Unix socket) taking what the streaming children send; and memcpy's rate beside them.
+
+use super::*;
+
+/// Seconds a reader waits past --seconds for its children to finish (they send at least
+/// [`MIN_MESSAGES`], which a loaded machine may take a while to do).
+pub(super) const READ_GRACE_S: f64 = 120.0;
+
+/// Messages/s from counts and the first and last arrival.
+pub(super) fn rate(count: u64, first: Option<Instant>, last: Instant) -> f64 {
+    let secs = first.map_or(0.0, |f| last.duration_since(f).as_secs_f64());
+    if secs > 0.0 {
+        count as f64 / secs
+    } else {
+        0.0
+    }
+}
+
+pub(super) fn socket_dir() -> CliResult<tempfile::TempDir> {
+    Ok(tempfile::Builder::new().prefix("tp-bench-").tempdir()?)
+}
+
+/// What one tensorport throughput run measured: the rate, and the slowest producer's share
+/// against the mean (1.0: all equal).
+pub(super) struct TpRun {
+    pub(super) rate: f64,
+    pub(super) fairness: f64,
+}
+
+/// tensorport: `n` producer processes streaming into one in-process server, taken by
+/// `consumers` threads (each serving its share of the sessions).
+pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult<TpRun> {
+    let dir = socket_dir()?;
+    let sock = dir.path().join("tp.sock");
+    let (me, kid) = if n == 1 && consumers == 1 {
+        cx.pair()
+    } else {
+        (None, None)
+    };
+    if let Some(c) = me {
+        pin(c)?;
+    }
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.slot_size = size as u64;
+    cfg.spin = FOREVER;
+    cfg.consumers = consumers.max(1);
+    let server = Server::bind(cfg)?;
+    let target = sock.to_string_lossy();
+    let kids: Vec<Child> = (0..n)
+        .map(|k| {
+            cx.child(
+                Role::TpStream,
+                &target,
+                size,
+                true,
+                kid.or(cx.spread_cpu(k)),
+            )
+        })
+        .collect::<CliResult<_>>()?;
+    // The readers stop when the children are done; this only bounds a run that hangs.
+    let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
+    // Each consumer: its count, first and last message, and per session id its messages and
+    // first and last message.
+    type PerSession = Vec<(u64, Option<Instant>, Option<Instant>)>;
+    type ConsumerRun = (u64, Option<Instant>, Instant, PerSession);
+    let runs: Vec<CliResult<ConsumerRun>> = std::thread::scope(|s| {
+        let threads: Vec<_> = (0..consumers.max(1))
+            .map(|_| {
+                let server = &server;
+                s.spawn(move || {
+                    let (mut count, mut first, mut last) = (0u64, None, Instant::now());
+                    let mut per_session: PerSession = vec![(0, None, None); n + 2];
+                    let mut batch = Vec::with_capacity(64);
+                    while Instant::now() < deadline {
+                        server.recv_batch_into(
+                            &mut batch,
+                            64,
+                            Duration::from_millis(100),
+                            Duration::ZERO,
+                        )?;
+                        if batch.is_empty() {
+                            if first.is_some() && server.status().sessions.is_empty() {
+                                break;
+                            }
+                            continue;
+                        }
+                        let now = Instant::now();
+                        first.get_or_insert(now);
+                        for r in batch.drain(..) {
+                            std::hint::black_box(r.bytes().first());
+                            count += 1;
+                            if let Some(c) = per_session.get_mut(r.session_id() as usize) {
+                                c.0 += 1;
+                                c.1.get_or_insert(now);
+                                c.2 = Some(now);
+                            }
+                            let _ = r.respond(&[]);
+                        }
+                        last = Instant::now();
+                    }
+                    Ok((count, first, last, per_session))
+                })
+            })
+            .collect();
+        threads
+            .into_iter()
+            .map(|t| t.join().expect("consumer thread"))
+            .collect()
+    });
+    drop(server);
+    cx.unpin();
+    wait_ok(kids, "tensorport")?;
+    let (mut count, mut first, mut last) = (0u64, None::<Instant>, None::<Instant>);
+    let mut per_session: Vec<(u64, Option<Instant>, Option<Instant>)> =
+        vec![(0, None, None); n + 2];
+    for r in runs {
+        let (c, f, l, per) = r?;
+        count += c;
+        if let Some(f) = f {
+            first = Some(first.map_or(f, |x| x.min(f)));
+            last = Some(last.map_or(l, |x| x.max(l)));
+        }
+        for (a, b) in per_session.iter_mut().zip(per) {
+            a.0 += b.0;
+            a.1 = match (a.1, b.1) {
+                (Some(x), Some(y)) => Some(x.min(y)),
+                (x, y) => x.or(y),
+            };
+            a.2 = a.2.max(b.2);
+        }
+    }
+    // Fairness: each producer's rate while it streamed (its messages over the time from its
+    // first to its last), the slowest against the mean. (Counts alone would read equal when
+    // every producer sends the minimum number of messages, as large payloads do.)
+    let rates: Vec<f64> = per_session
+        .iter()
+        .filter_map(|&(c, f, l)| match (f, l) {
+            (Some(f), Some(l)) if c > 1 && l > f => Some((c - 1) as f64 / (l - f).as_secs_f64()),
+            _ => None,
+        })
+        .collect();
+    let mean = rates.iter().sum::<f64>() / rates.len().max(1) as f64;
+    let fairness = rates
+        .iter()
+        .copied()
+        .reduce(f64::min)
+        .map_or(1.0, |m| m / mean.max(1e-9));
+    Ok(TpRun {
+        rate: rate(count, first, last.unwrap_or_else(Instant::now)),
+        fairness,
+    })
+}
+
+/// iceoryx2: `n` publisher processes, one subscriber in this process.
+pub(super) fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
+    let tag = format!("tp-bench-{}-{size}-{n}", std::process::id());
+    let (me, kid) = if n == 1 { cx.pair() } else { (None, None) };
+    if let Some(c) = me {
+        pin(c)?;
+    }
+    let node = ice_node()?;
+    let svc = ice_data(&node, &format!("{tag}/data"), 64)?;
+    let sub = ice(svc.subscriber_builder().create(), "subscriber")?;
+    let mut kids: Vec<Child> = (0..n)
+        .map(|k| cx.child(Role::IceStream, &tag, size, true, kid.or(cx.spread_cpu(k))))
+        .collect::<CliResult<_>>()?;
+    let (mut count, mut first, mut last) = (0u64, None, Instant::now());
+    // The readers stop when the children are done; this only bounds a run that hangs.
+    let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
+    let mut idle_since = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        // Up to 64 samples per look at the clock, as the tensorport server takes batches.
+        let mut got = 0;
+        while got < 64 {
+            match ice(sub.receive(), "receive")? {
+                Some(s) => {
+                    std::hint::black_box(s.payload().first());
+                    got += 1;
+                }
+                None => break,
+            }
+        }
+        if got > 0 {
+            let now = Instant::now();
+            first.get_or_insert(now);
+            count += got;
+            last = now;
+            idle_since = now;
+            spins = 0;
+            if now >= deadline {
+                break;
+            }
+            continue;
+        }
+        // Idle: the clock every 32 looks and a yield every 256, as tensorport's consumer does.
+        spins = spins.wrapping_add(1);
+        if !spins.is_multiple_of(32) {
+            std::hint::spin_loop();
+            continue;
+        }
+        if spins.is_multiple_of(256) {
+            std::thread::yield_now();
+        }
+        let now = Instant::now();
+        if now >= deadline
+            || (now.duration_since(idle_since) > Duration::from_millis(100)
+                && kids.iter_mut().all(|k| matches!(k.try_wait(), Ok(Some(_)))))
+        {
+            break;
+        }
+    }
+    cx.unpin();
+    wait_ok(kids, "iceoryx2")?;
+    Ok(rate(count, first, last))
+}
+
+/// A plain Unix-socket copy: `n` processes write payloads, one reader thread per connection.
+pub(super) fn uds_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
+    let dir = socket_dir()?;
+    let sock = dir.path().join("uds.sock");
+    let listener = UnixListener::bind(&sock)?;
+    let (me, kid) = if n == 1 { cx.pair() } else { (None, None) };
+    if let Some(c) = me {
+        pin(c)?;
+    }
+    let target = sock.to_string_lossy();
+    let kids: Vec<Child> = (0..n)
+        .map(|k| {
+            cx.child(
+                Role::UdsStream,
+                &target,
+                size,
+                true,
+                kid.or(cx.spread_cpu(k)),
+            )
+        })
+        .collect::<CliResult<_>>()?;
+    let readers: Vec<_> = (0..n)
+        .map(|_| {
+            let (mut s, _) = listener.accept()?;
+            Ok(std::thread::spawn(move || {
+                let mut buf = vec![0u8; size];
+                let (mut count, mut first, mut last) = (0u64, None, Instant::now());
+                while s.read_exact(&mut buf).is_ok() {
+                    first.get_or_insert_with(Instant::now);
+                    count += 1;
+                    last = Instant::now();
+                }
+                (count, first, last)
+            }))
+        })
+        .collect::<CliResult<_>>()?;
+    let mut total = 0;
+    let (mut t0, mut t1): (Option<Instant>, Option<Instant>) = (None, None);
+    for r in readers {
+        let (c, f, l) = r.join().map_err(|_| CliError::new("reader thread"))?;
+        total += c;
+        if let Some(f) = f {
+            t0 = Some(t0.map_or(f, |t: Instant| t.min(f)));
+            t1 = Some(t1.map_or(l, |t: Instant| t.max(l)));
+        }
+    }
+    cx.unpin();
+    wait_ok(kids, "Unix socket")?;
+    Ok(rate(total, t0, t1.unwrap_or_else(Instant::now)))
+}
+
+pub(super) fn memcpy_gbps(size: usize, seconds: f64) -> f64 {
+    let src = vec![7u8; size];
+    let mut dst = vec![0u8; size];
+    let (t, mut n) = (Instant::now(), 0u64);
+    while t.elapsed().as_secs_f64() < seconds {
+        dst.copy_from_slice(std::hint::black_box(&src));
+        std::hint::black_box(&dst);
+        n += 1;
+    }
+    n as f64 * size as f64 / t.elapsed().as_secs_f64() / 1e9
+}
