@@ -142,8 +142,8 @@ int tp_jpeg_window(tp_jpeg *t, uint32_t left, uint32_t cols, uint32_t top, uint3
     return TP_STATE;
   }
   t->header_read = 0;
-  if (cols == 0 || rows == 0 || left > t->dec.image_width - cols ||
-      top > t->dec.image_height - rows) {
+  if (cols == 0 || rows == 0 || cols > t->dec.image_width || rows > t->dec.image_height ||
+      left > t->dec.image_width - cols || top > t->dec.image_height - rows) {
     snprintf(t->message, TP_MSG, "window outside the image");
     jpeg_abort_decompress(&t->dec);
     return TP_STATE;

@@ -451,6 +451,12 @@ mod tests {
             h.window(300, 40, 0, 10, &mut buf),
             Err(JpegError::Misuse(_))
         ));
+        // Wider than the image (an unsigned subtraction must not wrap into "inside").
+        let h = dec.header(&jpeg, 20_000).unwrap();
+        assert!(matches!(
+            h.window(0, 400, 0, 10, &mut buf),
+            Err(JpegError::Misuse(_))
+        ));
         let h = dec.header(&jpeg, 20_000).unwrap();
         assert!(matches!(
             h.window(0, 320, 0, 240, &mut buf[..100]),
