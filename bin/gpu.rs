@@ -56,6 +56,9 @@ pub enum What {
         /// that batches does; 1: one at a time, a synchronisation each. Device hand-offs only.
         #[arg(long, default_value_t = 1, value_name = "N")]
         server_batch: usize,
+        /// Device buffers in the producer's pool (how many hand-offs may be in flight).
+        #[arg(long, default_value_t = 4, value_name = "N")]
+        pool: usize,
         /// (internal) run as the benchmark's producer on this socket.
         #[arg(long, hide = true)]
         producer_socket: Option<std::path::PathBuf>,
@@ -146,6 +149,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             producer_work,
             producer_gpu,
             server_batch,
+            pool,
             producer_socket,
         } => match producer_socket {
             Some(sock) => {
@@ -153,20 +157,29 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                 if fence == FenceArg::Staged {
                     staged_producer(&gpu, &sock, handoffs, bytes[0], producer_work)?
                 } else {
-                    ipc_producer(&gpu, &sock, handoffs, bytes[0], fence, producer_work)?
+                    ipc_producer(&gpu, &sock, handoffs, bytes[0], fence, producer_work, pool)?
                 }
             }
             None => {
                 let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
                 let batch = server_batch.max(1);
-                println!("CUDA IPC hand-off, producer process on GPU {producer_gpu} -> usable in the server's stream on GPU 0 (pool of 4 buffers; the server takes up to {batch} at once):");
+                println!("CUDA IPC hand-off, producer process on GPU {producer_gpu} -> usable in the server's stream on GPU 0 (pool of {pool} buffers; the server takes up to {batch} at once):");
                 let fences = match fence {
                     FenceArg::Both => vec![FenceArg::Event, FenceArg::Timeline],
                     f => vec![f],
                 };
                 for f in fences {
                     for &b in &bytes {
-                        ipc_server(&gpu, handoffs, b, f, producer_work, producer_gpu, batch)?;
+                        ipc_server(
+                            &gpu,
+                            handoffs,
+                            b,
+                            f,
+                            producer_work,
+                            producer_gpu,
+                            batch,
+                            pool,
+                        )?;
                     }
                 }
             }
@@ -182,6 +195,7 @@ fn ipc_producer(
     bytes: usize,
     fence: FenceArg,
     work: Work,
+    pool: usize,
 ) -> CliResult<()> {
     use std::time::Duration;
     use tensorport::{DType, TensorSpec};
@@ -190,7 +204,8 @@ fn ipc_producer(
         FenceArg::Timeline => Fence::Timeline,
         _ => Fence::Event,
     };
-    let mut p = GpuProducer::connect_with(sock, "bench-ipc", gpu, 4, bytes, fence).map_err(cuda)?;
+    let mut p = GpuProducer::connect_with(sock, "bench-ipc", gpu, pool.max(1), bytes, fence)
+        .map_err(cuda)?;
     let words_bytes = bytes / 4 * 4;
     let spec = TensorSpec::new(DType::U8, &[bytes as u64]);
     for i in 0..handoffs {
@@ -253,6 +268,8 @@ fn staged_producer(
     Ok(())
 }
 
+// The benchmark's settings, passed on as they came from the command line.
+#[allow(clippy::too_many_arguments)]
 fn ipc_server(
     gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
     handoffs: usize,
@@ -261,6 +278,7 @@ fn ipc_server(
     work: Work,
     producer_gpu: i32,
     batch: usize,
+    pool: usize,
 ) -> CliResult<()> {
     use std::sync::Arc;
     use std::time::{Duration, Instant};
@@ -295,6 +313,8 @@ fn ipc_server(
             &crate::common::arg_name(&work),
             "--producer-gpu",
             &producer_gpu.to_string(),
+            "--pool",
+            &pool.max(1).to_string(),
             "--producer-socket",
         ])
         .arg(&sock)
