@@ -11,7 +11,7 @@ use std::time::{Duration, Instant};
 
 use tensorport_dfdx::dfdx::prelude::Cpu;
 use tensorport_dfdx::{ImageClassifier, ModelConfig};
-use tensorport_vision::{prepare, Source};
+use tensorport_vision::{JpegDecoder, Preprocessor, Source, Transform};
 
 const EXE: &str = env!("CARGO_BIN_EXE_tensorport");
 const SIZE: usize = 32;
@@ -43,6 +43,11 @@ fn read_results(path: &Path) -> Vec<Line> {
 /// Every index 0..n exactly once, and every score bitwise equal to the model run in-process on
 /// the same preprocessed tensor.
 fn check_results(path: &Path, n: u64) {
+    check_results_decoded_with(path, n, JpegDecoder::default());
+}
+
+/// [`check_results`], the in-process preprocessing decoding JPEG with `decoder`.
+fn check_results_decoded_with(path: &Path, n: u64, decoder: JpegDecoder) {
     let lines = read_results(path);
     assert_eq!(lines.len() as u64, n, "one line per input");
     let mut seen = HashMap::new();
@@ -60,10 +65,12 @@ fn check_results(path: &Path, n: u64) {
     let dev = Cpu::default();
     let model = ImageClassifier::from_seed(&dev, config(), 0).unwrap();
     let mut px = vec![0f32; 3 * SIZE * SIZE];
+    let mut prep = Preprocessor::new(Transform::standard(SIZE as u32));
+    prep.set_jpeg_decoder(decoder).unwrap();
     for l in &lines {
         assert!(l.error.is_none(), "input {}: {:?}", l.index, l.error);
         let src: Source = l.input.parse().unwrap();
-        prepare(&src, SIZE as u32, &mut px).unwrap();
+        prep.prepare(&src, &mut px).unwrap();
         let want = &model.forward_flat(px.clone(), 1)[0];
         let got = l.scores.as_ref().unwrap();
         let wb: Vec<u32> = want.iter().map(|x| x.to_bits()).collect();
@@ -849,6 +856,45 @@ fn farm_on_jpeg_and_png_files_profiles_every_stage() {
         v["stages"]["decode_ms"].as_f64().is_some_and(|x| x >= 0.0),
         "expected per-input stage times with --profile: {v}"
     );
+    // `--jpeg-decoder zune-jpeg` reaches the producers: bitwise the in-process zune-jpeg path,
+    // and (where libjpeg-turbo is the default) not the default's scores for every JPEG file.
+    let zune = dir.path().join("zune.jsonl");
+    let o = Command::new(EXE)
+        .args(["farm", "--input", images.to_str().unwrap()])
+        .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
+        .args([
+            "--progress",
+            "never",
+            "--jpeg-decoder",
+            "zune-jpeg",
+            "--output",
+        ])
+        .arg(&zune)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check_results_decoded_with(&zune, 24, JpegDecoder::ZuneJpeg);
+    if JpegDecoder::default() == JpegDecoder::LibjpegTurbo {
+        let scores = |p: &Path| -> HashMap<String, Vec<u32>> {
+            read_results(p)
+                .into_iter()
+                .map(|l| {
+                    let bits = l.scores.unwrap().iter().map(|x| x.to_bits()).collect();
+                    (l.input, bits)
+                })
+                .collect()
+        };
+        let (a, b) = (scores(&out), scores(&zune));
+        let differ = a
+            .iter()
+            .filter(|(k, v)| k.ends_with(".jpg") && b.get(*k) != Some(*v))
+            .count();
+        assert!(
+            differ > 0,
+            "the two decoders gave the same scores for every JPEG file"
+        );
+    }
 }
 
 #[test]
