@@ -55,7 +55,16 @@ impl From<std::io::Error> for CliError {
 pub type CliResult<T> = Result<T, CliError>;
 
 #[derive(Parser, Debug)]
-#[command(name = "tensorport-bench", version, about, long_about = None)]
+#[command(
+    name = "tensorport-bench",
+    version,
+    about,
+    long_about = None,
+    after_help = "Fairness (several producers) is the slowest producer's rate while it streamed, \
+against the mean. TENSORPORT_BENCH_TRACE=1 in the environment makes every streaming child print \
+on stderr where its time went: waiting for a slot or sample, filling it, handing it over. \
+Tables and commands: docs/benchmarks.md."
+)]
 struct Cli {
     /// Log level for messages on stderr (the tables go to stdout): off, error, warn, info,
     /// debug, trace, or a filter such as `warn,tensorport=debug`.

@@ -33,7 +33,11 @@ use throughput::*;
 /// message: tensorport's result, an 8-byte sample or write), as percentiles, both sides polling
 /// and both sides sleeping between messages (tensorport on its doorbells, iceoryx2 on an event
 /// service, the socket in `read`). With one producer and at least two cores, the two processes
-/// are pinned to cores 0 and 1.
+/// are pinned to cores 0 and 1. Fairness (with several producers): the slowest producer's rate
+/// while it streamed, against the mean.
+///
+/// With TENSORPORT_BENCH_TRACE=1 in the environment, every streaming child prints on stderr where
+/// its time went: waiting for a slot or sample, filling it, handing it over.
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// A few seconds in all (what CI runs): 4 KiB and 64 KiB, one producer.
