@@ -291,15 +291,21 @@ mod tests {
             .contains("--synthetic"));
     }
 
-    #[test]
-    fn entropy_floor_is_timed_where_libjpeg_is_built_in_and_refuses_broken_files() {
+    /// `img` encoded as a JPEG file (the `image` crate's encoder), for tests.
+    pub(crate) fn jpeg_of(img: RgbImage) -> Vec<u8> {
         let mut jpeg = Vec::new();
-        image::DynamicImage::ImageRgb8(synthetic(1, 320, 240))
+        image::DynamicImage::ImageRgb8(img)
             .write_to(
                 &mut std::io::Cursor::new(&mut jpeg),
                 image::ImageFormat::Jpeg,
             )
             .unwrap();
+        jpeg
+    }
+
+    #[test]
+    fn entropy_floor_is_timed_where_libjpeg_is_built_in_and_refuses_broken_files() {
+        let jpeg = jpeg_of(synthetic(1, 320, 240));
         let t = Transform::standard(224);
         match jpeg_entropy_floor(&[&jpeg, &jpeg], t, 2) {
             Some(r) => {

@@ -333,12 +333,7 @@ mod tests {
             // One level of 8-bit rounding apart at most, on a few pixels: the window's
             // coefficients are computed from a fractional start.
             let level = 1.0 / 255.0 / IMAGENET_STD_MIN + 1e-6;
-            let worst = out
-                .iter()
-                .zip(&expect)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            let differing = out.iter().zip(&expect).filter(|(a, b)| a != b).count();
+            let (worst, differing) = differences(&out, &expect);
             assert!(
                 worst <= level && differing * 100 <= out.len(),
                 "{w}x{h}: worst difference {worst} (one level is {level}), {differing} of {} values differ",
@@ -348,6 +343,16 @@ mod tests {
     }
 
     const IMAGENET_STD_MIN: f32 = 0.224;
+
+    /// The largest |a - b| over two tensors, and how many values differ at all.
+    fn differences(a: &[f32], b: &[f32]) -> (f32, usize) {
+        let worst = a
+            .iter()
+            .zip(b)
+            .map(|(x, y)| (x - y).abs())
+            .fold(0f32, f32::max);
+        (worst, a.iter().zip(b).filter(|(x, y)| x != y).count())
+    }
 
     /// libjpeg-turbo decoding only the window the crop needs gives the tensor that decoding the
     /// whole image with it and resizing its window gives, for landscape, portrait, square and
@@ -364,14 +369,7 @@ mod tests {
             (300, 300),
             (257, 999),
         ] {
-            let img = synthetic(w as u64 ^ h as u64, w, h);
-            let mut jpeg = Vec::new();
-            image::DynamicImage::ImageRgb8(img)
-                .write_to(
-                    &mut std::io::Cursor::new(&mut jpeg),
-                    image::ImageFormat::Jpeg,
-                )
-                .unwrap();
+            let jpeg = crate::tests::jpeg_of(synthetic(w as u64 ^ h as u64, w, h));
             let mut dec = LibJpeg::new().unwrap();
             let header = dec.header(&jpeg, 20_000).unwrap();
             assert_eq!((header.width, header.height), (w, h));
@@ -394,12 +392,7 @@ mod tests {
                 );
             }
             let level = 1.0 / 255.0 / IMAGENET_STD_MIN + 1e-6;
-            let worst = got
-                .iter()
-                .zip(&want)
-                .map(|(a, b)| (a - b).abs())
-                .fold(0f32, f32::max);
-            let differing = got.iter().zip(&want).filter(|(a, b)| a != b).count();
+            let (worst, differing) = differences(&got, &want);
             assert!(
                 worst <= level && differing * 1000 <= got.len(),
                 "{w}x{h}: worst difference {worst}, {differing} of {} values differ",
@@ -415,14 +408,7 @@ mod tests {
     #[test]
     fn libjpeg_refuses_broken_and_oversized_files_and_recovers() {
         use crate::libjpeg::{JpegError, LibJpeg};
-        let img = synthetic(2, 320, 240);
-        let mut jpeg = Vec::new();
-        image::DynamicImage::ImageRgb8(img)
-            .write_to(
-                &mut std::io::Cursor::new(&mut jpeg),
-                image::ImageFormat::Jpeg,
-            )
-            .unwrap();
+        let jpeg = crate::tests::jpeg_of(synthetic(2, 320, 240));
         let mut dec = LibJpeg::new().unwrap();
         // A header read but never decoded leaves the decoder ready for the next file.
         drop(dec.header(&jpeg, 20_000).unwrap());
