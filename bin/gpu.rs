@@ -56,6 +56,12 @@ pub enum What {
         /// that batches does; 1: one at a time, a synchronisation each. Device hand-offs only.
         #[arg(long, default_value_t = 1, value_name = "N")]
         server_batch: usize,
+        /// When the server answers: after synchronising its stream once per batch (each copy
+        /// has run), or at once (none): the wait, copy and release are enqueued and the release
+        /// fence alone orders the producer's reuse after the copy, so the host never waits for
+        /// the GPU; the stream is synchronised once at the end, inside the timed span.
+        #[arg(long, value_enum, default_value_t = ServerSync::Batch)]
+        server_sync: ServerSync,
         /// Device buffers in the producer's pool (how many hand-offs may be in flight).
         #[arg(long, default_value_t = 4, value_name = "N")]
         pool: usize,
@@ -63,6 +69,15 @@ pub enum What {
         #[arg(long, hide = true)]
         producer_socket: Option<std::path::PathBuf>,
     },
+}
+
+/// When `bench-ipc`'s server answers a batch of device hand-offs.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerSync {
+    /// After one synchronisation of its stream for the batch.
+    Batch,
+    /// At once, the GPU-ordered release standing for the synchronisation.
+    None,
 }
 
 /// Which fences `bench-ipc` measures.
@@ -149,6 +164,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             producer_work,
             producer_gpu,
             server_batch,
+            server_sync,
             pool,
             producer_socket,
         } => match producer_socket {
@@ -163,7 +179,13 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             None => {
                 let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
                 let batch = server_batch.max(1);
-                println!("CUDA IPC hand-off, producer process on GPU {producer_gpu} -> usable in the server's stream on GPU 0 (pool of {pool} buffers; the server takes up to {batch} at once):");
+                println!(
+                    "CUDA IPC hand-off, producer process on GPU {producer_gpu} -> usable in the server's stream on GPU 0 (pool of {pool} buffers; the server takes up to {batch} at once and answers {}):",
+                    match server_sync {
+                        ServerSync::Batch => "after synchronising its stream",
+                        ServerSync::None => "without waiting for its stream",
+                    }
+                );
                 let fences = match fence {
                     FenceArg::Both => vec![FenceArg::Event, FenceArg::Timeline],
                     f => vec![f],
@@ -178,6 +200,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                             producer_work,
                             producer_gpu,
                             batch,
+                            server_sync,
                             pool,
                         )?;
                     }
@@ -278,6 +301,7 @@ fn ipc_server(
     work: Work,
     producer_gpu: i32,
     batch: usize,
+    sync: ServerSync,
     pool: usize,
 ) -> CliResult<()> {
     use std::sync::Arc;
@@ -368,8 +392,11 @@ fn ipc_server(
             }
             responders.push(req.release());
         }
-        // One synchronisation for the batch: every copy in it has run.
-        stream.synchronize().map_err(cuda)?;
+        // One synchronisation for the batch: every copy in it has run (staged copies were
+        // waited for one by one: their slots are host memory, with no GPU-ordered release).
+        if sync == ServerSync::Batch || staged {
+            stream.synchronize().map_err(cuda)?;
+        }
         let l = t1.elapsed().as_secs_f64() * 1e6;
         let n = responders.len();
         for r in responders {
@@ -382,6 +409,8 @@ fn ipc_server(
         }
         started.get_or_insert_with(Instant::now);
     }
+    // Every copy has run before the clock stops.
+    stream.synchronize().map_err(cuda)?;
     let secs = started.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
     let _ = child.wait();
     let first = lat.remove(0);

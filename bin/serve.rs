@@ -276,9 +276,8 @@ fn worker_loop<D: Device<f32>>(
         let taken = Instant::now();
         let size = batch.len();
         if a.sink {
-            for r in batch {
-                let _ = r.respond(&[]);
-            }
+            let mut answers: Vec<_> = batch.into_iter().map(|r| (r, [0u8; 0])).collect();
+            let _ = server.respond_all(&mut answers);
             images.fetch_add(size as u64, Ordering::Relaxed);
             if let Some(m) = metrics {
                 m.record_batch(size, Duration::ZERO, taken.elapsed());

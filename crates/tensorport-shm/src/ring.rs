@@ -278,9 +278,12 @@ impl Queue {
 
 /// A writer's position, and the reader's as last loaded: the shared word is read again only
 /// when the queue looks full, so the two cores do not trade its cache line on every entry.
+/// Entries written but not yet published lie between `tail` (what the reader may see) and
+/// `next` (where the next one goes).
 #[derive(Debug, Default)]
 struct WriteCursor {
     tail: u64,
+    next: u64,
     head: u64,
 }
 
@@ -288,10 +291,10 @@ impl WriteCursor {
     /// Free entries (an error if the reader's position cannot be).
     fn space(&mut self, r: &RingMem, q: Queue) -> std::result::Result<u64, RingError> {
         let cap = q.cap(r);
-        if self.tail.wrapping_sub(self.head) < cap {
-            return Ok(cap - self.tail.wrapping_sub(self.head));
+        if self.next.wrapping_sub(self.head) < cap {
+            return Ok(cap - self.next.wrapping_sub(self.head));
         }
-        let (head, tail) = (r.w(q.head_off()).load(Ordering::Acquire), self.tail);
+        let (head, tail) = (r.w(q.head_off()).load(Ordering::Acquire), self.next);
         let used = tail.wrapping_sub(head);
         if used > cap {
             return corrupt(
@@ -303,10 +306,17 @@ impl WriteCursor {
         Ok(cap - used)
     }
 
-    /// Publishes the entry at `tail` (written before this call).
+    /// The entry at `next` is written: the next goes after it (not yet published).
+    fn advance(&mut self) {
+        self.next = self.next.wrapping_add(1);
+    }
+
+    /// Publishes every entry written (one store of the shared word, however many).
     fn publish(&mut self, r: &RingMem, q: Queue) {
-        self.tail = self.tail.wrapping_add(1);
-        r.w(q.tail_off()).store(self.tail, Ordering::Release);
+        if self.tail != self.next {
+            self.tail = self.next;
+            r.w(q.tail_off()).store(self.tail, Ordering::Release);
+        }
     }
 }
 
@@ -360,7 +370,7 @@ impl SqWriter {
             return Ok(false);
         }
         // Only the words the entry uses: the header, `rank` dimensions, strides if given.
-        let (w, t) = (e.to_words(), self.0.tail);
+        let (w, t) = (e.to_words(), self.0.next);
         for (i, &v) in w.iter().enumerate().take(5) {
             r.sq_word(t, i).store(v, Ordering::Relaxed);
         }
@@ -376,6 +386,7 @@ impl SqWriter {
             r.sq_word(t, TIMELINE_WORD)
                 .store(w[TIMELINE_WORD], Ordering::Relaxed);
         }
+        self.0.advance();
         self.0.publish(r, Queue::Submission);
         Ok(true)
     }
@@ -431,11 +442,30 @@ impl CqWriter {
         h: &CqHeader,
         payload: &[u8],
     ) -> std::result::Result<bool, RingError> {
+        let written = self.stage(r, h, payload)?;
+        self.publish(r);
+        Ok(written)
+    }
+
+    /// Publishes every completion [`CqWriter::stage`]d since the last publication, at once.
+    pub fn publish(&mut self, r: &RingMem) {
+        self.0.publish(r, Queue::Completion);
+    }
+
+    /// Writes a completion without publishing it: the reader sees it, with every one staged
+    /// before it, at the next [`CqWriter::publish`] (or [`CqWriter::push`]). `Ok(false)` if the
+    /// queue is full, counting staged entries.
+    pub fn stage(
+        &mut self,
+        r: &RingMem,
+        h: &CqHeader,
+        payload: &[u8],
+    ) -> std::result::Result<bool, RingError> {
         assert!(payload.len() <= CQ_INLINE_BYTES, "inline result too long");
         if self.0.space(r, Queue::Completion)? == 0 {
             return Ok(false);
         }
-        let t = self.0.tail;
+        let t = self.0.next;
         let header = CqHeader {
             len: payload.len() as u32,
             ..*h
@@ -449,7 +479,7 @@ impl CqWriter {
             r.cq_word(t, CQ_HEADER_WORDS + i)
                 .store(u64::from_le_bytes(b), Ordering::Relaxed);
         }
-        self.0.publish(r, Queue::Completion);
+        self.0.advance();
         Ok(true)
     }
 }
@@ -582,6 +612,45 @@ mod tests {
             assert!(cw.push(&server, &CqHeader::default(), &[]).unwrap());
         }
         assert!(cw.push(&server, &CqHeader::default(), &[]).is_err());
+    }
+
+    #[test]
+    fn staged_completions_appear_together_at_publish_and_count_against_space() {
+        let server = RingMem::create(4, 4).unwrap();
+        let producer = reopen(&server);
+        let (mut cw, mut cr) = (CqWriter::default(), CqReader::default());
+        let mut bytes = [0u8; CQ_INLINE_BYTES];
+        let h = |i: u64| CqHeader {
+            flags: CQ_RESULT,
+            request_id: i,
+            ..CqHeader::default()
+        };
+        for i in 0..3 {
+            assert!(cw.stage(&server, &h(i), &[i as u8; 9]).unwrap());
+        }
+        // Nothing is visible before the publication.
+        assert_eq!(cr.available(&producer).unwrap(), 0);
+        assert!(cr.pop(&producer, &mut bytes).unwrap().is_none());
+        cw.publish(&server);
+        assert_eq!(cr.available(&producer).unwrap(), 3);
+        // A push publishes what was staged before it, in order.
+        assert!(cw.stage(&server, &h(3), &[]).unwrap());
+        for i in 0..3 {
+            let got = cr.pop(&producer, &mut bytes).unwrap().unwrap();
+            assert_eq!((got.request_id, got.len), (i, 9));
+            assert_eq!(bytes[..9], [i as u8; 9]);
+        }
+        assert!(cw.push(&server, &h(4), &[]).unwrap());
+        assert_eq!(cr.available(&producer).unwrap(), 2);
+        // Staged entries take space: four slots, two unread, two staged, then full.
+        assert!(cw.stage(&server, &h(5), &[]).unwrap());
+        assert!(cw.stage(&server, &h(6), &[]).unwrap());
+        assert!(!cw.stage(&server, &h(7), &[]).unwrap());
+        cw.publish(&server);
+        let ids: Vec<u64> = std::iter::from_fn(|| cr.pop(&producer, &mut bytes).unwrap())
+            .map(|h| h.request_id)
+            .collect();
+        assert_eq!(ids, [3, 4, 5, 6]);
     }
 
     #[test]

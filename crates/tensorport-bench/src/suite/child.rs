@@ -40,20 +40,24 @@ pub(super) struct Trace {
     fill: Duration,
     send: Duration,
     last: Option<Instant>,
+    /// Which of the first 64 slots a tensorport producer wrote (iceoryx2 does not say).
+    slots: u64,
 }
 
 impl Trace {
-    /// Starts the clock; `born` is when the child began setting up (connecting, its pool).
-    fn new(born: Instant) -> Trace {
+    /// Starts the clock; `setup` is how long the child took to connect and make its pool or
+    /// publisher (before it waited for the others).
+    fn new(setup: Duration) -> Trace {
         Trace {
             on: std::env::var_os("TENSORPORT_BENCH_TRACE").is_some_and(|v| v == "1"),
             start: Instant::now(),
-            setup: born.elapsed(),
+            setup,
             epoch: std::time::SystemTime::now(),
             wait: Duration::ZERO,
             fill: Duration::ZERO,
             send: Duration::ZERO,
             last: None,
+            slots: 0,
         }
     }
 
@@ -68,6 +72,11 @@ impl Trace {
         }
     }
 
+    /// A tensorport producer wrote slot `slot`.
+    fn slot(&mut self, slot: u32) {
+        self.slots |= 1u64.checked_shl(slot).unwrap_or(0);
+    }
+
     fn report(&self, who: &str, n: usize) {
         if let (true, Some(last)) = (self.on, self.last) {
             let k = n.max(1) as f64;
@@ -77,18 +86,40 @@ impl Trace {
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap_or_default();
             eprintln!(
-                "trace {who} pid {}: set up {:.1} ms, started at {:.3} s: {n} messages in {:.3} s; per message: wait {:.1} us, fill {:.1} us, send {:.1} us",
+                "trace {who} pid {}: set up {:.1} ms, started at {:.3} s: {n} messages in {:.3} s; per message: wait {:.1} us, fill {:.1} us, send {:.1} us{}",
                 std::process::id(),
                 self.setup.as_secs_f64() * 1e3,
                 at.as_secs_f64() % 1000.0,
                 (last - self.start).as_secs_f64(),
                 us(self.wait),
                 us(self.fill),
-                us(self.send)
+                us(self.send),
+                match self.slots.count_ones() {
+                    0 => String::new(),
+                    k => format!("; {k} distinct slots written"),
+                }
             );
         }
     }
 }
+
+/// A streaming child, set up (connected, its pool or publisher made), says so on stdout and
+/// waits for the parent's go on stdin: every producer of a run starts streaming at once, on
+/// every side alike, so no side's measurement holds a stretch where some producers were still
+/// setting up (tensorport's pools are backed up front; iceoryx2's pages come with the first
+/// writes). Returns when it may start.
+fn start_signal() -> CliResult<Instant> {
+    use std::io::Read;
+    let mut out = std::io::stdout().lock();
+    writeln!(out, "{READY}")?;
+    out.flush()?;
+    let mut go = [0u8; 1];
+    std::io::stdin().read_exact(&mut go)?;
+    Ok(Instant::now())
+}
+
+/// What a streaming child prints when it is ready to start.
+pub(super) const READY: &str = "ready";
 
 /// The children.
 pub(super) fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
@@ -102,7 +133,7 @@ pub(super) fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
     let size = a.size;
     let poll = a.poll != 0;
     let born = Instant::now();
-    let deadline = born + Duration::from_secs_f64(a.seconds);
+    let seconds = Duration::from_secs_f64(a.seconds);
     let total = a.round_trips + WARMUP;
     let mut rtts = Vec::with_capacity(total);
     match role {
@@ -114,13 +145,16 @@ pub(super) fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
             let mut p = Producer::connect(&target, cfg)?;
             let spec = TensorSpec::new(DType::U8, &[size as u64]);
             let ping = role == Role::TpPing;
+            let setup = born.elapsed();
+            let deadline = if ping { born } else { start_signal()? } + seconds;
             let mut i = 0;
-            let mut tr = Trace::new(born);
+            let mut tr = Trace::new(setup);
             while if ping { i < total } else { more(i, deadline) } {
                 let t = ping.then(Instant::now);
                 let t0 = Instant::now();
                 let mut l = p.lease(Duration::from_secs(10))?;
                 let t1 = Instant::now();
+                tr.slot(l.slot().slot);
                 fill(&mut l.bytes_mut()[..size], i);
                 let t2 = Instant::now();
                 l.submit(&spec)?;
@@ -143,8 +177,10 @@ pub(super) fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
             let node = ice_node()?;
             let svc = ice_data(&node, &format!("{target}/data"), 64)?;
             let publisher = ice_publisher(&svc, size)?;
+            let setup = born.elapsed();
+            let deadline = start_signal()? + seconds;
             let mut i = 0;
-            let mut tr = Trace::new(born);
+            let mut tr = Trace::new(setup);
             while more(i, deadline) {
                 let t0 = Instant::now();
                 let s = ice(publisher.loan_slice_uninit(size), "loan")?;
@@ -193,6 +229,7 @@ pub(super) fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
             let mut buf = vec![0u8; size];
             let mut ack = [0u8; 8];
             let ping = role == Role::UdsPing;
+            let deadline = if ping { born } else { start_signal()? } + seconds;
             let mut i = 0;
             while if ping { i < total } else { more(i, deadline) } {
                 let t = Instant::now();

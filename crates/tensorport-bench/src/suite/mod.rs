@@ -78,6 +78,11 @@ pub struct Args {
     /// thread of every physical core first), on every side alike; consumers stay unpinned.
     #[arg(long)]
     pub pin_producers: bool,
+    /// tensorport's consumers answer each request alone (`Request::respond`) instead of each
+    /// batch at once (`Server::respond_all`: per session one lock, one publication and one
+    /// wake-up check for its requests of the batch).
+    #[arg(long)]
+    pub respond_each: bool,
     /// (internal) run as a benchmark child.
     #[arg(long, hide = true, value_enum)]
     pub role: Option<Role>,
@@ -132,6 +137,8 @@ struct Ctx {
     /// With `--pin-producers`: the allowed CPUs, one hardware thread of each physical core
     /// first, then their siblings; producer k of a many-producer run goes to the k-th.
     spread: Vec<usize>,
+    /// `--respond-each`.
+    respond_each: bool,
 }
 
 /// The allowed CPUs ordered so that each physical core's first hardware thread comes before any
@@ -177,6 +184,11 @@ pub enum Role {
 }
 
 impl Role {
+    /// Streaming children wait for the parent's go (see [`start_together`]).
+    fn streams(self) -> bool {
+        matches!(self, Role::TpStream | Role::IceStream | Role::UdsStream)
+    }
+
     fn name(self) -> String {
         clap::ValueEnum::to_possible_value(&self)
             .map(|p| p.get_name().to_string())
@@ -199,7 +211,11 @@ impl Ctx {
             .args(["--seconds", &self.seconds.to_string()])
             .args(["--round-trips", &self.round_trips.to_string()])
             .args(["--poll", if poll { "1" } else { "0" }])
-            .stdin(Stdio::null())
+            .stdin(if role.streams() {
+                Stdio::piped()
+            } else {
+                Stdio::null()
+            })
             .stdout(Stdio::piped());
         if let Some(cpu) = cpu {
             c.args(["--cpu", &cpu.to_string()]);
@@ -226,6 +242,31 @@ impl Ctx {
             let _ = nix::sched::sched_setaffinity(nix::unistd::Pid::from_raw(0), set);
         }
     }
+}
+
+/// Waits until every streaming child says it is set up, then tells them all to start.
+fn start_together(kids: &mut [Child], who: &str) -> CliResult<()> {
+    use std::io::BufRead;
+    for k in kids.iter_mut() {
+        let out = k
+            .stdout
+            .as_mut()
+            .ok_or_else(|| CliError::new("a child without its stdout"))?;
+        // One line, read a byte at a time: nothing after it may be taken from the pipe.
+        let mut line = Vec::new();
+        std::io::BufReader::with_capacity(1, out).read_until(b'\n', &mut line)?;
+        if line.trim_ascii() != READY.as_bytes() {
+            return Err(CliError::new(format!(
+                "a {who} producer stopped before it was set up (see its error above)"
+            )));
+        }
+    }
+    for k in kids.iter_mut() {
+        if let Some(mut go) = k.stdin.take() {
+            go.write_all(b"g")?;
+        }
+    }
+    Ok(())
 }
 
 fn wait_ok(kids: Vec<Child>, who: &str) -> CliResult<()> {
@@ -315,6 +356,7 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         seconds: a.seconds,
         round_trips: a.round_trips,
         spread,
+        respond_each: a.respond_each,
     };
     let pinning = match cx.cpus {
         Some((c, p)) => format!("pinned: consumer to CPU {c}, producer to CPU {p}"),

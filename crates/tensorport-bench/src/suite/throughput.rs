@@ -47,7 +47,7 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
     cfg.consumers = consumers.max(1);
     let server = Server::bind(cfg)?;
     let target = sock.to_string_lossy();
-    let kids: Vec<Child> = (0..n)
+    let mut kids: Vec<Child> = (0..n)
         .map(|k| {
             cx.child(
                 Role::TpStream,
@@ -58,6 +58,7 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
             )
         })
         .collect::<CliResult<_>>()?;
+    start_together(&mut kids, "tensorport")?;
     // The readers stop when the children are done; this only bounds a run that hangs.
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
     // Each consumer: its count, first and last message, and per session id its messages and
@@ -72,6 +73,7 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
                     let (mut count, mut first, mut last) = (0u64, None, Instant::now());
                     let mut per_session: PerSession = vec![(0, None, None); n + 2];
                     let mut batch = Vec::with_capacity(64);
+                    let mut answers: Vec<(tensorport::Request, [u8; 0])> = Vec::with_capacity(64);
                     while Instant::now() < deadline {
                         server.recv_batch_into(
                             &mut batch,
@@ -95,8 +97,13 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
                                 c.1.get_or_insert(now);
                                 c.2 = Some(now);
                             }
-                            let _ = r.respond(&[]);
+                            if cx.respond_each {
+                                let _ = r.respond(&[]);
+                            } else {
+                                answers.push((r, []));
+                            }
                         }
+                        let _ = server.respond_all(&mut answers);
                         last = Instant::now();
                     }
                     Ok((count, first, last, per_session))
@@ -165,6 +172,7 @@ pub(super) fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> 
     let mut kids: Vec<Child> = (0..n)
         .map(|k| cx.child(Role::IceStream, &tag, size, true, kid.or(cx.spread_cpu(k))))
         .collect::<CliResult<_>>()?;
+    start_together(&mut kids, "iceoryx2")?;
     let (mut count, mut first, mut last) = (0u64, None, Instant::now());
     // The readers stop when the children are done; this only bounds a run that hangs.
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
@@ -226,7 +234,7 @@ pub(super) fn uds_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> 
         pin(c)?;
     }
     let target = sock.to_string_lossy();
-    let kids: Vec<Child> = (0..n)
+    let mut kids: Vec<Child> = (0..n)
         .map(|k| {
             cx.child(
                 Role::UdsStream,
@@ -252,6 +260,7 @@ pub(super) fn uds_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> 
             }))
         })
         .collect::<CliResult<_>>()?;
+    start_together(&mut kids, "Unix socket")?;
     let mut total = 0;
     let (mut t0, mut t1): (Option<Instant>, Option<Instant>) = (None, None);
     for r in readers {

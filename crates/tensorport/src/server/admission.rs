@@ -294,10 +294,39 @@ pub(crate) fn admit(
     request_id: u64,
     tensor: &RawTensorView<'_>,
 ) -> std::result::Result<Request, (ErrorCode, String)> {
+    let r = admit_locked(
+        shared,
+        session,
+        &mut lock(&session.state),
+        request_id,
+        tensor,
+    )?;
+    count_submitted(shared, 1, r.desc().byte_len());
+    Ok(r)
+}
+
+/// Adds admitted requests to the server's totals (once per batch on the queues).
+pub(crate) fn count_submitted(shared: &Shared, requests: u64, bytes: u64) {
+    shared
+        .counters
+        .submitted
+        .fetch_add(requests, Ordering::Relaxed);
+    shared.counters.bytes.fetch_add(bytes, Ordering::Relaxed);
+}
+
+/// [`admit`] under the session's lock, held by the caller (who may admit several in a row),
+/// without counting it in the server's totals ([`count_submitted`]). The session's idle clock
+/// is not stamped: a session with requests in flight is never idle, and answering stamps it.
+pub(crate) fn admit_locked(
+    shared: &Arc<Shared>,
+    session: &Arc<Session>,
+    st: &mut SessionState,
+    request_id: u64,
+    tensor: &RawTensorView<'_>,
+) -> std::result::Result<Request, (ErrorCode, String)> {
     if shared.is_draining() {
         return Err((ErrorCode::Draining, "the server is draining".into()));
     }
-    let mut st = lock(&session.state);
     let desc = {
         let devices = &st.devices;
         validate_view(tensor, &session.bounds, &|b| {
@@ -362,14 +391,7 @@ pub(crate) fn admit(
         }
         st.in_flight.insert(request_id);
         st.submitted += 1;
-        st.last_active = Instant::now();
     }
-    drop(st);
-    shared.counters.submitted.fetch_add(1, Ordering::Relaxed);
-    shared
-        .counters
-        .bytes
-        .fetch_add(desc.byte_len(), Ordering::Relaxed);
     Ok(Request {
         desc,
         device,

@@ -4,16 +4,16 @@
 
 use std::sync::atomic::{fence, Ordering};
 use std::sync::mpsc::{Receiver, TryRecvError};
-use std::sync::Arc;
+use std::sync::{Arc, MutexGuard};
 use std::time::{Duration, Instant};
 
 use nix::sys::epoll::{EpollEvent, EpollTimeout};
 use tensorport_shm::ring::{SqEntry, SqReader};
 use tensorport_wire::ErrorCode;
 
-use crate::server::admission::admit;
+use crate::server::admission::{admit_locked, count_submitted};
 use crate::server::request::Request;
-use crate::server::session::Session;
+use crate::server::session::{Session, SessionState};
 use crate::server::shared::{lock, Shared};
 use crate::{Error, Result};
 
@@ -34,8 +34,10 @@ pub(crate) struct Consumer {
     /// Where the next round-robin pass starts.
     next: usize,
     /// Requests taken in a row from the session at `next`.
-    burst: u32,
+    burst: usize,
     events: Vec<EpollEvent>,
+    /// Where [`Consumer::try_take`] takes its one request (kept: no allocation per call).
+    one: Vec<Request>,
 }
 
 impl Consumer {
@@ -48,6 +50,7 @@ impl Consumer {
             next: 0,
             burst: 0,
             events: vec![EpollEvent::empty(); 64],
+            one: Vec::with_capacity(1),
         }
     }
 
@@ -107,7 +110,27 @@ impl Consumer {
 
     /// One request from the queues (one per session per pass, round robin) or the channel.
     pub(crate) fn try_take(&mut self, sh: &Arc<Shared>) -> Option<Request> {
+        let mut one = std::mem::take(&mut self.one);
+        let r = (self.try_take_into(sh, &mut one, 1) > 0)
+            .then(|| one.pop())
+            .flatten();
+        self.one = one;
+        r
+    }
+
+    /// Up to `max` requests into `out` (at least one if any is waiting): from the queues, the
+    /// session at the turn giving up to its burst's remainder, admitted under one lock of its
+    /// state; else one from the channel. Returns how many.
+    pub(crate) fn try_take_into(
+        &mut self,
+        sh: &Arc<Shared>,
+        out: &mut Vec<Request>,
+        max: usize,
+    ) -> usize {
         let c = self;
+        if max == 0 {
+            return 0;
+        }
         let me = c.shard;
         let g = sh.shards[me].ring_generation.load(Ordering::SeqCst);
         if g != c.generation {
@@ -138,31 +161,35 @@ impl Consumer {
         }
         // Up to BURST requests from one session before the next one's turn: its queue, slots
         // and lock stay in cache, and no session waits more than (sessions − 1) × BURST.
-        const BURST: u32 = 16;
+        const BURST: usize = 16;
         let n = c.sessions.len();
         for k in 0..n {
             let i = (c.next + k) % n;
+            if k > 0 {
+                c.burst = 0;
+            }
             let p = &mut c.sessions[i];
-            if let Some(r) = take_from_ring(sh, &p.session, &mut p.sq) {
-                if k > 0 {
-                    c.burst = 0;
-                }
-                c.burst += 1;
+            let got = take_from_ring(sh, &p.session, &mut p.sq, out, max.min(BURST - c.burst));
+            if got > 0 {
+                c.burst += got;
                 if c.burst >= BURST {
                     c.burst = 0;
                     c.next = (i + 1) % n;
                 } else {
                     c.next = i;
                 }
-                return Some(r);
+                return got;
             }
         }
         c.burst = 0;
         loop {
             match c.rx.try_recv() {
-                Ok(r) if r.session().is_alive() => return Some(r),
+                Ok(r) if r.session().is_alive() => {
+                    out.push(r);
+                    return 1;
+                }
                 Ok(_) => continue,
-                Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return None,
+                Err(TryRecvError::Empty) | Err(TryRecvError::Disconnected) => return 0,
             }
         }
     }
@@ -219,37 +246,59 @@ impl Consumer {
     }
 }
 
-/// The next valid submission on `session`'s queue, if any. Invalid ones are refused on the
-/// socket, one error each, as on the socket path; a corrupted queue closes the session.
+/// Up to `max` valid submissions from `session`'s queue into `out`, admitted under one lock of
+/// its state; returns how many. Invalid ones are refused on the socket, one error each, as on
+/// the socket path; a corrupted queue closes the session.
 fn take_from_ring(
     shared: &Arc<Shared>,
     session: &Arc<Session>,
     sq: &mut SqReader,
-) -> Option<Request> {
-    let ring = session.ring.as_ref()?;
+    out: &mut Vec<Request>,
+    max: usize,
+) -> usize {
+    let Some(ring) = session.ring.as_ref() else {
+        return 0;
+    };
     if !session.is_alive() {
-        return None;
+        return 0;
     }
-    loop {
+    let mut st: Option<MutexGuard<'_, SessionState>> = None;
+    let (mut taken, mut bytes) = (0usize, 0u64);
+    while taken < max {
         let e: SqEntry = match sq.pop(&ring.mem) {
             Ok(Some(e)) => e,
-            Ok(None) => return None,
+            Ok(None) => break,
             Err(err) => {
+                drop(st.take());
                 session.close_with(shared, ErrorCode::Malformed, err.to_string());
-                return None;
+                break;
             }
         };
         let (location, fence) = (e.location(), e.fence());
-        let view = match e.view(&location, fence.as_ref()) {
-            Ok(v) => v,
-            Err(w) => {
-                session.refuse(shared, w.code(), Some(e.request_id), w.to_string());
-                continue;
+        let refused = match e.view(&location, fence.as_ref()) {
+            Err(w) => Some((w.code(), w.to_string())),
+            Ok(view) => {
+                let guard = st.get_or_insert_with(|| lock(&session.state));
+                match admit_locked(shared, session, guard, e.request_id, &view) {
+                    Ok(r) => {
+                        bytes += r.desc().byte_len();
+                        out.push(r);
+                        taken += 1;
+                        None
+                    }
+                    Err(why) => Some(why),
+                }
             }
         };
-        match admit(shared, session, e.request_id, &view) {
-            Ok(r) => return Some(r),
-            Err((code, message)) => session.refuse(shared, code, Some(e.request_id), message),
+        if let Some((code, message)) = refused {
+            // Refusing posts on the socket and counts the error under the lock: not held.
+            drop(st.take());
+            session.refuse(shared, code, Some(e.request_id), message);
         }
     }
+    drop(st);
+    if taken > 0 {
+        count_submitted(shared, taken as u64, bytes);
+    }
+    taken
 }

@@ -205,11 +205,12 @@ impl Server {
         out.push(first);
         let deadline = (!max_wait.is_zero()).then(|| Instant::now() + max_wait);
         while out.len() < max {
-            match (c.try_take(&self.shared), deadline) {
-                (Some(r), _) => out.push(r),
-                (None, None) => break,
-                (None, Some(d)) if Instant::now() >= d => break,
-                (None, Some(d)) => match c.next_request(&self.shared, d) {
+            let room = max - out.len();
+            match (c.try_take_into(&self.shared, out, room), deadline) {
+                (1.., _) => {}
+                (0, None) => break,
+                (0, Some(d)) if Instant::now() >= d => break,
+                (0, Some(d)) => match c.next_request(&self.shared, d) {
                     Ok(Some(r)) => out.push(r),
                     Ok(None) | Err(Error::Stopped) => break,
                     Err(e) => return Err(e),
@@ -221,6 +222,57 @@ impl Server {
         k.batches.fetch_add(1, Ordering::Relaxed);
         k.batched.fetch_add(out.len() as u64, Ordering::Relaxed);
         Ok(())
+    }
+
+    /// Answers a batch, each request with its payload, and empties `answers` (keep it for the
+    /// next batch: nothing is allocated). The results go out as [`Request::respond`] sends
+    /// them, but the requests of one session that follow each other are answered together: one
+    /// lock, one publication on its completion queue and at most one wake-up for all of them,
+    /// where answering one by one costs each of those per request. Every request is answered
+    /// (or its producer is gone) whatever this returns: the first error, if any.
+    pub fn respond_all<R: AsRef<[u8]>>(&self, answers: &mut Vec<(Request, R)>) -> Result<()> {
+        let mut first = Ok(());
+        let mut keep = |r: Result<()>| {
+            if first.is_ok() {
+                first = r;
+            }
+        };
+        let mut i = 0;
+        while i < answers.len() {
+            let (req, payload) = &mut answers[i];
+            let session = match req.answering_session() {
+                Some(s) if !req.desc().is_device() => s.clone(),
+                // Device tensors give their buffer back under the session's lock first: alone.
+                Some(_) => {
+                    keep(req.settle(session::Answer::Ok(payload.as_ref())));
+                    i += 1;
+                    continue;
+                }
+                None => {
+                    i += 1;
+                    continue;
+                }
+            };
+            let run = answers[i..]
+                .iter()
+                .take_while(|(r, _)| {
+                    !r.desc().is_device()
+                        && r.answering_session()
+                            .is_some_and(|s| Arc::ptr_eq(s, &session))
+                })
+                .count();
+            keep(session.answer_all(
+                &self.shared,
+                answers[i..i + run].iter_mut().map(|(r, payload)| {
+                    let (id, slot) = r.hand_over();
+                    let payload: &R = payload;
+                    (id, session::Answer::Ok(payload.as_ref()), slot)
+                }),
+            ));
+            i += run;
+        }
+        answers.clear();
+        first
     }
 
     /// Figures for `tensorport ctl status`.

@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use tensorport_wire::{ErrorCode, TensorDesc};
+use tensorport_wire::{ErrorCode, SlotRef, TensorDesc};
 
 use crate::device::DeviceTensor;
 use crate::server::session::{Answer, Session};
@@ -119,8 +119,30 @@ impl Request {
         self.settle(Answer::Failed(ErrorCode::HandlerFailed, message.into()))
     }
 
+    /// For [`crate::Server::respond_all`], a host tensor's request only: takes the answering
+    /// over (this request's drop then does nothing) and says what to answer and give back.
+    pub(crate) fn hand_over(&mut self) -> (u64, Option<SlotRef>) {
+        let r = self
+            .responder
+            .as_mut()
+            .expect("responder present until drop");
+        debug_assert!(!self.desc.is_device() && !r.answered);
+        // Kept (answered) until the request is dropped: its references go after the batch's
+        // completions are published, not between them.
+        r.answered = true;
+        (r.request_id, Some(self.desc.slot()))
+    }
+
+    /// The session that answers this request, while it is not answered.
+    pub(crate) fn answering_session(&self) -> Option<&Arc<Session>> {
+        self.responder
+            .as_ref()
+            .filter(|r| !r.answered)
+            .map(|r| &r.session)
+    }
+
     /// Gives the bytes back and answers, once.
-    fn settle(&mut self, answer: Answer<'_>) -> Result<()> {
+    pub(crate) fn settle(&mut self, answer: Answer<'_>) -> Result<()> {
         let mut r = self.responder.take().expect("responder present until drop");
         r.answered = true;
         let slot = if self.desc.is_device() {
@@ -135,7 +157,8 @@ impl Request {
 
 impl Drop for Request {
     fn drop(&mut self) {
-        if let Some(r) = self.responder.take() {
+        // (Answered through `Server::respond_all`: its bytes were given back then.)
+        if let Some(r) = self.responder.take().filter(|r| !r.answered) {
             r.session.give_back(&r.shared, &self.desc);
         }
     }

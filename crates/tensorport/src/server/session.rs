@@ -47,10 +47,10 @@ pub(crate) struct SessionState {
 
 impl SessionState {
     /// Whether `request_id` was still owed its answer (it is not any more).
+    /// (The caller stamps `last_active`.)
     pub(crate) fn settle(&mut self, request_id: u64) -> bool {
         let owed = self.in_flight.remove(&request_id);
         self.completed += owed as u64;
-        self.last_active = Instant::now();
         owed
     }
 }
@@ -189,65 +189,116 @@ impl Session {
         answer: Answer<'_>,
         slot: Option<SlotRef>,
     ) -> Result<()> {
-        let (answer, too_large) = match answer {
-            Answer::Ok(p) if p.len() > MAX_RESULT_LEN => (
-                Answer::Failed(
-                    ErrorCode::HandlerFailed,
-                    format!("result of {} bytes is over the frame limit", p.len()),
-                ),
-                Some(p.len()),
-            ),
-            a => (a, None),
-        };
+        self.answer_all(shared, std::iter::once((request_id, answer, slot)))
+    }
+
+    /// Answers several of this session's requests, each as [`Session::answer`] does, under one
+    /// lock, with one publication on the completion queue and at most one wake-up for all the
+    /// results that go there. Every request is answered (or its producer is gone) whatever it
+    /// returns: the first error, if any.
+    pub(crate) fn answer_all<'a>(
+        &self,
+        shared: &Shared,
+        answers: impl IntoIterator<Item = (u64, Answer<'a>, Option<SlotRef>)>,
+    ) -> Result<()> {
+        let mut first_err = None;
+        let (mut completed, mut staged) = (0u64, false);
         let mut st = lock(&self.state);
-        let grant = slot.and_then(|s| self.regrant(&mut st, shared, s));
-        let owed = st.settle(request_id);
-        if owed {
-            shared.counters.completed.fetch_add(1, Ordering::Relaxed);
-        }
-        if !self.is_alive() {
-            return Err(Error::SessionGone);
-        }
-        let inline = match (&self.ring, &answer) {
-            (Some(ring), Answer::Ok(p)) if owed && p.len() <= CQ_INLINE_BYTES => Some((ring, *p)),
-            _ => None,
-        };
-        if let Some((ring, payload)) = inline {
-            let h = CqHeader {
-                flags: CQ_RESULT | if grant.is_some() { CQ_GRANT } else { 0 },
-                len: payload.len() as u32,
-                request_id,
-                slot: grant.map_or(0, |g| g.slot),
-                generation: grant.map_or(0, |g| g.generation),
+        for (request_id, answer, slot) in answers {
+            let (answer, too_large) = match answer {
+                Answer::Ok(p) if p.len() > MAX_RESULT_LEN => (
+                    Answer::Failed(
+                        ErrorCode::HandlerFailed,
+                        format!("result of {} bytes is over the frame limit", p.len()),
+                    ),
+                    Some(p.len()),
+                ),
+                a => (a, None),
             };
-            let r = st.cq.push(&ring.mem, &h, payload);
-            drop(st);
-            if self.published(r) {
-                return Ok(());
+            let grant = slot.and_then(|s| self.regrant(&mut st, shared, s));
+            let owed = st.settle(request_id);
+            completed += owed as u64;
+            if !self.is_alive() {
+                first_err.get_or_insert(Error::SessionGone);
+                continue;
             }
-        } else {
-            drop(st);
+            if let (Some(ring), Answer::Ok(payload), true) = (&self.ring, &answer, owed) {
+                if payload.len() <= CQ_INLINE_BYTES {
+                    let h = CqHeader {
+                        flags: CQ_RESULT | if grant.is_some() { CQ_GRANT } else { 0 },
+                        len: payload.len() as u32,
+                        request_id,
+                        slot: grant.map_or(0, |g| g.slot),
+                        generation: grant.map_or(0, |g| g.generation),
+                    };
+                    match st.cq.stage(&ring.mem, &h, payload) {
+                        Ok(true) => {
+                            staged = true;
+                            continue;
+                        }
+                        // Full: the socket carries it, below.
+                        Ok(false) => {}
+                        // A corrupted queue: the session is closed.
+                        Err(e) => {
+                            drop(st);
+                            self.published(Err(e));
+                            st = lock(&self.state);
+                            continue;
+                        }
+                    }
+                }
+            }
+            // On the socket, after what is staged (so the producer sees the results in order),
+            // without the lock.
+            if std::mem::take(&mut staged) {
+                if let Some(ring) = &self.ring {
+                    st.cq.publish(&ring.mem);
+                }
+                drop(st);
+                self.published(Ok(true));
+            } else {
+                drop(st);
+            }
+            if let Some(g) = grant {
+                self.grant(g);
+            }
+            if owed {
+                let outcome = match answer {
+                    Answer::Ok(payload) => Outcome::Ok(payload.to_vec()),
+                    Answer::Failed(code, message) => Outcome::Err {
+                        code: code.as_u16(),
+                        message: clip_message(message),
+                    },
+                };
+                if let Err(e) = self.post(&ServerMsg::Result {
+                    request_id,
+                    outcome,
+                }) {
+                    first_err.get_or_insert(e);
+                }
+            }
+            if let Some(n) = too_large {
+                first_err.get_or_insert(Error::ResultTooLarge(n));
+            }
+            st = lock(&self.state);
         }
-        if let Some(g) = grant {
-            self.grant(g);
+        st.last_active = Instant::now();
+        if staged {
+            if let Some(ring) = &self.ring {
+                st.cq.publish(&ring.mem);
+            }
         }
-        if owed {
-            let outcome = match answer {
-                Answer::Ok(payload) => Outcome::Ok(payload.to_vec()),
-                Answer::Failed(code, message) => Outcome::Err {
-                    code: code.as_u16(),
-                    message: clip_message(message),
-                },
-            };
-            self.post(&ServerMsg::Result {
-                request_id,
-                outcome,
-            })?;
+        drop(st);
+        if staged {
+            self.published(Ok(true));
         }
-        match too_large {
-            Some(n) => Err(Error::ResultTooLarge(n)),
-            None => Ok(()),
+        if completed > 0 {
+            shared
+                .counters
+                .completed
+                .fetch_add(completed, Ordering::Relaxed);
         }
+        first_err.map_or(Ok(()), Err)
     }
 
     /// Gives a request's bytes back without answering it: a host slot (granted again at once

@@ -118,6 +118,98 @@ fn code<T>(r: std::result::Result<T, (ErrorCode, String)>) -> ErrorCode {
 }
 
 #[test]
+fn respond_all_answers_each_request_once_in_order_across_sessions() {
+    let f = server(|_| {});
+    let (mut p, mut q) = (Peer::open(&f), Peer::open(&f));
+    let (gp, gq) = (p.grants(), q.grants());
+    let before = f.server.shared.counters.completed.load(Ordering::SeqCst);
+    // Two of p's, one of q's, then p's again: three runs of one session each.
+    let a = p.submit(&f, 1, gp[0]).unwrap();
+    let b = p.submit(&f, 2, gp[1]).unwrap();
+    let c = q.submit(&f, 9, gq[0]).unwrap();
+    let mut answers = vec![
+        (a, b"one".to_vec()),
+        (b, b"two".to_vec()),
+        (c, b"nine".to_vec()),
+    ];
+    f.server.respond_all(&mut answers).unwrap();
+    assert!(answers.is_empty(), "the batch is emptied for reuse");
+    // Each producer gets its slots back, then its results, in order, each once.
+    for (peer, granted, ids) in [
+        (&mut p, &gp[..], &[1u64, 2][..]),
+        (&mut q, &gq[..1], &[9][..]),
+    ] {
+        for (g, &id) in granted.iter().zip(ids) {
+            let again = peer.grants();
+            assert_eq!(
+                again,
+                [SlotRef {
+                    slot: g.slot,
+                    generation: g.generation + 1
+                }]
+            );
+            match peer.next() {
+                ServerMsg::Result {
+                    request_id,
+                    outcome: Outcome::Ok(bytes),
+                } => {
+                    assert_eq!(request_id, id);
+                    let want: &[u8] = match id {
+                        1 => b"one",
+                        2 => b"two",
+                        _ => b"nine",
+                    };
+                    assert_eq!(bytes, want);
+                }
+                other => panic!("{other:?}"),
+            }
+        }
+    }
+    assert_eq!(
+        f.server.shared.counters.completed.load(Ordering::SeqCst),
+        before + 3
+    );
+    // A request over the frame limit in a batch is failed, the others answered, and the error
+    // says so.
+    let d = p
+        .submit(
+            &f,
+            3,
+            SlotRef {
+                slot: gp[0].slot,
+                generation: gp[0].generation + 1,
+            },
+        )
+        .unwrap();
+    let e = p
+        .submit(
+            &f,
+            4,
+            SlotRef {
+                slot: gp[1].slot,
+                generation: gp[1].generation + 1,
+            },
+        )
+        .unwrap();
+    let mut answers = vec![(d, vec![0u8; MAX_FRAME_LEN as usize]), (e, b"ok".to_vec())];
+    assert!(matches!(
+        f.server.respond_all(&mut answers),
+        Err(Error::ResultTooLarge(_))
+    ));
+    let mut outcomes = Vec::new();
+    while outcomes.len() < 2 {
+        if let ServerMsg::Result {
+            request_id,
+            outcome,
+        } = p.next()
+        {
+            outcomes.push((request_id, matches!(outcome, Outcome::Ok(_))));
+        }
+    }
+    assert_eq!(outcomes, [(3, false), (4, true)]);
+}
+
+#[test]
 fn a_slot_goes_granted_submitted_answered_and_granted_again() {
     let f = server(|_| {});
     let mut p = Peer::open(&f);
