@@ -110,6 +110,14 @@ impl Peer {
     }
 }
 
+/// The same slot under its next generation, as the server grants it again.
+fn regranted(g: SlotRef) -> SlotRef {
+    SlotRef {
+        generation: g.generation + 1,
+        ..g
+    }
+}
+
 fn code<T>(r: std::result::Result<T, (ErrorCode, String)>) -> ErrorCode {
     match r {
         Ok(_) => panic!("expected a refusal"),
@@ -123,7 +131,7 @@ fn respond_all_answers_each_request_once_in_order_across_sessions() {
     let (mut p, mut q) = (Peer::open(&f), Peer::open(&f));
     let (gp, gq) = (p.grants(), q.grants());
     let before = f.server.shared.counters.completed.load(Ordering::SeqCst);
-    // Two of p's, one of q's, then p's again: three runs of one session each.
+    // Two of p's, then one of q's: two runs, one session each.
     let a = p.submit(&f, 1, gp[0]).unwrap();
     let b = p.submit(&f, 2, gp[1]).unwrap();
     let c = q.submit(&f, 9, gq[0]).unwrap();
@@ -141,13 +149,7 @@ fn respond_all_answers_each_request_once_in_order_across_sessions() {
     ] {
         for (g, &id) in granted.iter().zip(ids) {
             let again = peer.grants();
-            assert_eq!(
-                again,
-                [SlotRef {
-                    slot: g.slot,
-                    generation: g.generation + 1
-                }]
-            );
+            assert_eq!(again, [regranted(*g)]);
             match peer.next() {
                 ServerMsg::Result {
                     request_id,
@@ -171,26 +173,8 @@ fn respond_all_answers_each_request_once_in_order_across_sessions() {
     );
     // A request over the frame limit in a batch is failed, the others answered, and the error
     // says so.
-    let d = p
-        .submit(
-            &f,
-            3,
-            SlotRef {
-                slot: gp[0].slot,
-                generation: gp[0].generation + 1,
-            },
-        )
-        .unwrap();
-    let e = p
-        .submit(
-            &f,
-            4,
-            SlotRef {
-                slot: gp[1].slot,
-                generation: gp[1].generation + 1,
-            },
-        )
-        .unwrap();
+    let d = p.submit(&f, 3, regranted(gp[0])).unwrap();
+    let e = p.submit(&f, 4, regranted(gp[1])).unwrap();
     let mut answers = vec![(d, vec![0u8; MAX_FRAME_LEN as usize]), (e, b"ok".to_vec())];
     assert!(matches!(
         f.server.respond_all(&mut answers),
