@@ -244,22 +244,30 @@ impl Ctx {
     }
 }
 
-/// Waits until every streaming child says it is set up, then tells them all to start.
+/// Waits until every streaming child says it is set up, then tells them all to start. A child
+/// that stops first, or is not set up within [`throughput::READ_GRACE_S`], ends the run with an
+/// error, and every child of it is killed (none is left waiting for its go).
 fn start_together(kids: &mut [Child], who: &str) -> CliResult<()> {
-    use std::io::BufRead;
-    for k in kids.iter_mut() {
+    let deadline = Instant::now() + Duration::from_secs_f64(READ_GRACE_S);
+    let ready = kids.iter_mut().try_for_each(|k| {
         let out = k
             .stdout
             .as_mut()
             .ok_or_else(|| CliError::new("a child without its stdout"))?;
-        // One line, read a byte at a time: nothing after it may be taken from the pipe.
-        let mut line = Vec::new();
-        std::io::BufReader::with_capacity(1, out).read_until(b'\n', &mut line)?;
-        if line.trim_ascii() != READY.as_bytes() {
-            return Err(CliError::new(format!(
+        if read_line_by(out, deadline)?.trim_ascii() == READY.as_bytes() {
+            Ok(())
+        } else {
+            Err(CliError::new(format!(
                 "a {who} producer stopped before it was set up (see its error above)"
-            )));
+            )))
         }
+    });
+    if let Err(e) = ready {
+        for k in kids.iter_mut() {
+            let _ = k.kill();
+            let _ = k.wait();
+        }
+        return Err(e);
     }
     for k in kids.iter_mut() {
         if let Some(mut go) = k.stdin.take() {
@@ -267,6 +275,54 @@ fn start_together(kids: &mut [Child], who: &str) -> CliResult<()> {
         }
     }
     Ok(())
+}
+
+/// One line from a child's stdout, a byte at a time (nothing after it may be taken from the
+/// pipe), by `deadline`; what came before the end of the pipe if it ends first.
+fn read_line_by(out: &mut std::process::ChildStdout, deadline: Instant) -> CliResult<Vec<u8>> {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::io::Read;
+    use std::os::fd::AsFd;
+    let mut line = Vec::new();
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        let ms =
+            PollTimeout::try_from(left.as_millis().min(60_000) as i32).unwrap_or(PollTimeout::MAX);
+        let mut pfd = [PollFd::new(out.as_fd(), PollFlags::POLLIN)];
+        match poll(&mut pfd, ms) {
+            Ok(0) if left.is_zero() => {
+                return Err(CliError::new(format!(
+                    "a benchmark child was not set up within {READ_GRACE_S} s"
+                )))
+            }
+            Ok(0) | Err(nix::Error::EINTR) => continue,
+            Ok(_) => {}
+            Err(e) => return Err(CliError::new(format!("waiting for a child: {e}"))),
+        }
+        let mut b = [0u8; 1];
+        match out.read(&mut b)? {
+            0 => return Ok(line),
+            _ if b[0] == b'\n' => return Ok(line),
+            _ => line.push(b[0]),
+        }
+    }
+}
+
+impl Ctx {
+    /// `n` streaming children of `role` (not yet started: see [`start_together`]), the k-th
+    /// on `cpu` or, with `--pin-producers`, on its own core.
+    fn streamers(
+        &self,
+        role: Role,
+        target: &str,
+        size: usize,
+        n: usize,
+        cpu: Option<usize>,
+    ) -> CliResult<Vec<Child>> {
+        (0..n)
+            .map(|k| self.child(role, target, size, true, cpu.or(self.spread_cpu(k))))
+            .collect()
+    }
 }
 
 fn wait_ok(kids: Vec<Child>, who: &str) -> CliResult<()> {

@@ -47,17 +47,7 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
     cfg.consumers = consumers.max(1);
     let server = Server::bind(cfg)?;
     let target = sock.to_string_lossy();
-    let mut kids: Vec<Child> = (0..n)
-        .map(|k| {
-            cx.child(
-                Role::TpStream,
-                &target,
-                size,
-                true,
-                kid.or(cx.spread_cpu(k)),
-            )
-        })
-        .collect::<CliResult<_>>()?;
+    let mut kids = cx.streamers(Role::TpStream, &target, size, n, kid)?;
     start_together(&mut kids, "tensorport")?;
     // The readers stop when the children are done; this only bounds a run that hangs.
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
@@ -169,9 +159,7 @@ pub(super) fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> 
     let node = ice_node()?;
     let svc = ice_data(&node, &format!("{tag}/data"), 64)?;
     let sub = ice(svc.subscriber_builder().create(), "subscriber")?;
-    let mut kids: Vec<Child> = (0..n)
-        .map(|k| cx.child(Role::IceStream, &tag, size, true, kid.or(cx.spread_cpu(k))))
-        .collect::<CliResult<_>>()?;
+    let mut kids = cx.streamers(Role::IceStream, &tag, size, n, kid)?;
     start_together(&mut kids, "iceoryx2")?;
     let (mut count, mut first, mut last) = (0u64, None, Instant::now());
     // The readers stop when the children are done; this only bounds a run that hangs.
@@ -234,17 +222,7 @@ pub(super) fn uds_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> 
         pin(c)?;
     }
     let target = sock.to_string_lossy();
-    let mut kids: Vec<Child> = (0..n)
-        .map(|k| {
-            cx.child(
-                Role::UdsStream,
-                &target,
-                size,
-                true,
-                kid.or(cx.spread_cpu(k)),
-            )
-        })
-        .collect::<CliResult<_>>()?;
+    let mut kids = cx.streamers(Role::UdsStream, &target, size, n, kid)?;
     let readers: Vec<_> = (0..n)
         .map(|_| {
             let (mut s, _) = listener.accept()?;
