@@ -62,6 +62,12 @@ pub enum What {
         /// the GPU; the stream is synchronised once at the end, inside the timed span.
         #[arg(long, value_enum, default_value_t = ServerSync::Batch)]
         server_sync: ServerSync,
+        /// How the server fences and copies the device tensors of a batch: each one alone
+        /// (wait, copy, release: three driver calls per tensor), or all together
+        /// (`tensorport_cuda::Gatherer`: one batched wait, one kernel launch for the copies,
+        /// one batched release).
+        #[arg(long, value_enum, default_value_t = ServerFences::Gather)]
+        server_fences: ServerFences,
         /// Device buffers in the producer's pool (how many hand-offs may be in flight).
         #[arg(long, default_value_t = 4, value_name = "N")]
         pool: usize,
@@ -78,6 +84,15 @@ pub enum ServerSync {
     Batch,
     /// At once, the GPU-ordered release standing for the synchronisation.
     None,
+}
+
+/// How `bench-ipc`'s server fences and copies a batch of device tensors.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServerFences {
+    /// Each tensor alone: wait, copy, release.
+    Each,
+    /// The batch together (`tensorport_cuda::Gatherer`).
+    Gather,
 }
 
 /// Which fences `bench-ipc` measures.
@@ -165,6 +180,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             producer_gpu,
             server_batch,
             server_sync,
+            server_fences,
             pool,
             producer_socket,
         } => match producer_socket {
@@ -180,7 +196,11 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                 let gpu = tensorport_cuda::Gpu::open(0).map_err(cuda)?;
                 let batch = server_batch.max(1);
                 println!(
-                    "CUDA IPC hand-off, producer process on GPU {producer_gpu} -> usable in the server's stream on GPU 0 (pool of {pool} buffers; the server takes up to {batch} at once and answers {}):",
+                    "CUDA IPC hand-off, producer process on GPU {producer_gpu} -> usable in the server's stream on GPU 0 (pool of {pool} buffers; the server takes up to {batch} at once, fences and copies them {}, and answers {}):",
+                    match server_fences {
+                        ServerFences::Each => "one by one",
+                        ServerFences::Gather => "together",
+                    },
                     match server_sync {
                         ServerSync::Batch => "after synchronising its stream",
                         ServerSync::None => "without waiting for its stream",
@@ -201,6 +221,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                             producer_gpu,
                             batch,
                             server_sync,
+                            server_fences,
                             pool,
                         )?;
                     }
@@ -231,19 +252,26 @@ fn ipc_producer(
         .map_err(cuda)?;
     let words_bytes = bytes / 4 * 4;
     let spec = TensorSpec::new(DType::U8, &[bytes as u64]);
+    let mut tr = StepTrace::new(["acquire", "fill", "submit", "results"]);
     for i in 0..handoffs {
+        tr.start();
         let b = p.acquire(Duration::from_secs(30)).map_err(cuda)?;
+        tr.step(0);
         if work == Work::Fill {
             p.buffer(b)
                 .fill_u32_range_async(0, words_bytes, i as u32, p.stream())
                 .map_err(cuda)?;
         }
+        tr.step(1);
         p.submit(b, &spec).map_err(cuda)?;
+        tr.step(2);
         while p.producer().try_recv_result()?.is_some() {}
+        tr.step(3);
     }
     while p.producer().in_flight() > 0 {
         p.producer().recv_result(Duration::from_secs(30))?;
     }
+    tr.report("producer", handoffs);
     Ok(())
 }
 
@@ -302,6 +330,7 @@ fn ipc_server(
     producer_gpu: i32,
     batch: usize,
     sync: ServerSync,
+    fences: ServerFences,
     pool: usize,
 ) -> CliResult<()> {
     use std::sync::Arc;
@@ -344,15 +373,19 @@ fn ipc_server(
         .arg(&sock)
         .spawn()?;
     let stream = tensorport_cuda::Stream::new(gpu).map_err(cuda)?;
-    let dst = tensorport_cuda::DeviceBuffer::new(gpu, bytes).map_err(cuda)?;
+    // One row per tensor of a batch.
+    let dst = tensorport_cuda::DeviceBuffer::new(gpu, bytes * batch).map_err(cuda)?;
+    let gatherer = tensorport_cuda::Gatherer::new(gpu);
     let mut lat = Vec::with_capacity(handoffs);
     let mut started: Option<Instant> = None;
     // Hand-offs after the clock started (it starts after the first batch: process start-up,
     // cuInit and registration are not hand-offs).
     let mut counted = 0usize;
     let mut done = 0usize;
+    let mut tr = StepTrace::new(["receive", "wait", "copy", "release", "answer"]);
     while done < handoffs {
         let t1 = Instant::now();
+        tr.start();
         let reqs = if batch > 1 && !staged {
             let b = server.recv_batch(batch, Duration::from_secs(60), Duration::ZERO)?;
             if b.is_empty() {
@@ -366,7 +399,36 @@ fn ipc_server(
                 .recv_timeout(Duration::from_secs(60))?
                 .ok_or_else(|| CliError::new("the benchmark producer sent nothing for 60 s"))?]
         };
+        tr.step(0);
         let mut responders = Vec::with_capacity(reqs.len());
+        let reqs = if !staged && fences == ServerFences::Gather {
+            let copies = reqs
+                .iter()
+                .enumerate()
+                .map(|(k, r)| {
+                    r.device()
+                        .map(|t| (t, dst.ptr() + (k * bytes) as u64))
+                        .ok_or_else(|| CliError::new("expected a device tensor"))
+                })
+                .collect::<CliResult<Vec<_>>>()?;
+            // SAFETY: our stream is live in the server's context, where the importer opened the
+            // buffers; row k of `dst` holds `bytes` (each tensor is `bytes` long, checked against
+            // its buffer), and nothing else writes `dst`.
+            let tensors: Vec<_> = copies.iter().map(|c| c.0).collect();
+            // (The three steps of `Gatherer::gather`, each timed.)
+            unsafe {
+                gatherer.wait_ready_all(&stream, &tensors).map_err(cuda)?;
+                tr.step(1);
+                gatherer.copy_all(&stream, &copies).map_err(cuda)?;
+                tr.step(2);
+                gatherer.release_all(&stream, &tensors).map_err(cuda)?;
+                tr.step(3);
+            }
+            responders.extend(reqs.into_iter().map(|r| r.release()));
+            Vec::new()
+        } else {
+            reqs
+        };
         for req in reqs {
             if staged {
                 // SAFETY: `dst` holds `bytes` on this context; the slot stays ours until the
@@ -386,9 +448,12 @@ fn ipc_server(
             // on the stream after the copy, so the producer reuses the buffer only after it.
             unsafe {
                 dt.wait_ready(stream.raw()).map_err(CliError::new)?;
+                tr.step(1);
                 dst.copy_from_device_async(dt.ptr(), dt.len() as usize, &stream)
                     .map_err(cuda)?;
+                tr.step(2);
                 dt.record_release(stream.raw()).map_err(CliError::new)?;
+                tr.step(3);
             }
             responders.push(req.release());
         }
@@ -403,6 +468,7 @@ fn ipc_server(
             lat.push(l);
             let _ = r.respond(&[]);
         }
+        tr.step(4);
         done += n;
         if started.is_some() {
             counted += n;
@@ -413,6 +479,7 @@ fn ipc_server(
     stream.synchronize().map_err(cuda)?;
     let secs = started.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
     let _ = child.wait();
+    tr.report("server", handoffs);
     let first = lat.remove(0);
     lat.sort_by(f64::total_cmp);
     let pct = |p: f64| lat[((lat.len() - 1) as f64 * p).round() as usize];
@@ -428,6 +495,54 @@ fn ipc_server(
         first
     );
     Ok(())
+}
+
+/// With `TENSORPORT_BENCH_TRACE=1`, `bench-ipc`'s two sides say where their time went: the
+/// mean time per hand-off in each step (every step's clock reads included), on stderr.
+struct StepTrace<const N: usize> {
+    on: bool,
+    names: [&'static str; N],
+    spent: [std::time::Duration; N],
+    last: std::time::Instant,
+}
+
+impl<const N: usize> StepTrace<N> {
+    fn new(names: [&'static str; N]) -> Self {
+        StepTrace {
+            on: std::env::var_os("TENSORPORT_BENCH_TRACE").is_some_and(|v| v == "1"),
+            names,
+            spent: [std::time::Duration::ZERO; N],
+            last: std::time::Instant::now(),
+        }
+    }
+
+    fn start(&mut self) {
+        if self.on {
+            self.last = std::time::Instant::now();
+        }
+    }
+
+    /// Step `k` ended now (it began at the last step's end or at `start`).
+    fn step(&mut self, k: usize) {
+        if self.on {
+            let now = std::time::Instant::now();
+            self.spent[k] += now - self.last;
+            self.last = now;
+        }
+    }
+
+    fn report(&self, who: &str, n: usize) {
+        if self.on {
+            let per = |d: std::time::Duration| d.as_secs_f64() * 1e6 / n.max(1) as f64;
+            let steps: Vec<String> = self
+                .names
+                .iter()
+                .zip(self.spent)
+                .map(|(name, d)| format!("{name} {:.2} us", per(d)))
+                .collect();
+            eprintln!("trace bench-ipc {who}, per hand-off: {}", steps.join(", "));
+        }
+    }
 }
 
 fn yes(b: bool) -> &'static str {

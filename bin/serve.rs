@@ -121,9 +121,11 @@ fn run_cuda(a: Args, ordinal: u32) -> CliResult<ExitCode> {
         let norm = tensorport_cuda::GpuNormaliser::new(&gpu, tensorport_dfdx::normaliser().table())
             .map_err(cuda)?;
         let norm = std::sync::Mutex::new(norm);
+        // GPU producers' tensors of a batch are fenced and copied together.
+        let gatherer = tensorport_cuda::Gatherer::new(&gpu);
         let stack: Box<StackFn<Cuda>> = Box::new(move |dev: &Cuda, reqs: &[Request], shape| {
             let mut norm = norm.lock().unwrap_or_else(|p| p.into_inner());
-            tensorport_dfdx::gather_on_device(dev, &stream, &mut norm, reqs, shape)
+            tensorport_dfdx::gather_on_device(dev, &stream, &mut norm, &gatherer, reqs, shape)
         });
         Ok((dev, stack))
     })

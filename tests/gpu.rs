@@ -18,8 +18,8 @@ use tensorport_cuda::{
 fn main() {
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 15 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 15 skipped");
+            println!("skipped: 16 GPU tests: {e}");
+            println!("\n0 passed, 0 failed, 16 skipped");
             return;
         }
     }
@@ -52,6 +52,10 @@ fn main() {
             (
                 "device_vmm_fd_four_gpu_producers_intact",
                 device_four_producers_vmm,
+            ),
+            (
+                "device_gathered_batches_of_mixed_fences_intact",
+                device_gathered_mixed_fences,
             ),
             (
                 "device_cross_gpu_producers_intact_and_fenced",
@@ -109,6 +113,12 @@ struct GpuServer {
 
 impl GpuServer {
     fn start(sock: &std::path::Path) -> GpuServer {
+        GpuServer::start_with(sock, false)
+    }
+
+    /// `gathered`: the consumer takes up to 8 requests at once and moves their device tensors
+    /// with one `tensorport_cuda::Gatherer::gather` (host tensors as above).
+    fn start_with(sock: &std::path::Path, gathered: bool) -> GpuServer {
         let gpu = Gpu::open(0).unwrap();
         let mut cfg = ServerConfig::new(sock);
         cfg.pin = Some(Arc::new(CudaPin::new(gpu.clone())));
@@ -125,6 +135,10 @@ impl GpuServer {
             let stream = Stream::new(&gpu).unwrap();
             let dev = DeviceBuffer::new(&gpu, 1 << 20).unwrap();
             let mut back = vec![0u8; 1 << 20];
+            if gathered {
+                gathered_loop(&s, &st, &v, &t, &gpu, &stream);
+                return;
+            }
             while !st.load(Ordering::SeqCst) {
                 let req = match s.recv_timeout(Duration::from_millis(50)) {
                     Ok(Some(r)) => r,
@@ -185,6 +199,64 @@ impl GpuServer {
             thread: Some(thread),
         }
     }
+}
+
+/// The consumer of [`GpuServer::start_with`] `gathered`: batches of up to 8, their device
+/// tensors copied into rows of one buffer by one `Gatherer::gather`, each row then checked.
+fn gathered_loop(
+    s: &Server,
+    stop: &AtomicBool,
+    verified: &AtomicU64,
+    torn: &AtomicU64,
+    gpu: &Arc<Gpu>,
+    stream: &Stream,
+) {
+    const ROW: usize = 1 << 20;
+    let rows = DeviceBuffer::new(gpu, 8 * ROW).unwrap();
+    let gatherer = tensorport_cuda::Gatherer::new(gpu);
+    assert!(gatherer.uses_kernel(), "the copy kernel did not compile");
+    let mut back = vec![0u8; ROW];
+    let (mut batches, mut most) = (0u64, 0usize);
+    while !stop.load(Ordering::SeqCst) {
+        let reqs = match s.recv_batch(8, Duration::from_millis(50), Duration::from_micros(200)) {
+            Ok(b) if b.is_empty() => continue,
+            Ok(b) => b,
+            Err(_) => break,
+        };
+        let (dev, host): (Vec<_>, Vec<_>) = reqs.into_iter().partition(|r| r.device().is_some());
+        assert!(host.is_empty(), "this server takes device tensors only");
+        let copies: Vec<_> = dev
+            .iter()
+            .enumerate()
+            .map(|(k, r)| {
+                let t = r.device().unwrap();
+                assert!(t.len() as usize <= ROW);
+                (t, rows.ptr() + (k * ROW) as u64)
+            })
+            .collect();
+        // SAFETY: our stream is in the server's context, where the buffers were imported; row
+        // k of `rows` holds ROW bytes, at least each tensor's (checked), and only we write it.
+        unsafe { gatherer.gather(stream, &copies).unwrap() };
+        let lens: Vec<usize> = copies.iter().map(|c| c.0.len() as usize).collect();
+        let responders: Vec<_> = dev.into_iter().map(|r| r.release()).collect();
+        stream.synchronize().unwrap();
+        batches += 1;
+        most = most.max(responders.len());
+        for (k, (r, n)) in responders.into_iter().zip(lens).enumerate() {
+            rows.copy_to_host_at(k * ROW, &mut back[..n]).unwrap();
+            let first = [back[0], back[1], back[2], back[3]];
+            let uniform = back[..n].chunks_exact(4).all(|c| c == first);
+            if uniform {
+                verified.fetch_add(1, Ordering::SeqCst);
+            } else {
+                torn.fetch_add(1, Ordering::SeqCst);
+            }
+            let mut answer = first.to_vec();
+            answer.push(uniform as u8);
+            let _ = r.respond(&answer);
+        }
+    }
+    println!("  gathered in {batches} batches, the largest of {most}");
 }
 
 impl Drop for GpuServer {
@@ -350,6 +422,9 @@ fn gpu_producer(socket: &str) {
     }
     .unwrap();
     let words = (1u64 << 20) / 4; // 1 MiB tensors at the start of each buffer
+                                  // Bytes into the buffer where the tensor starts (a multiple of 4; not of 16 takes the copy
+                                  // kernel's byte path).
+    let offset: u64 = env_or("TP_OFFSET", "0").parse().unwrap();
     let mut expected = std::collections::HashMap::new();
     let (mut ok, mut bad) = (0u32, 0u32);
     let mut check = |c: tensorport::Completion,
@@ -369,7 +444,12 @@ fn gpu_producer(socket: &str) {
         p.buffer(b)
             .fill_u32_range_async(0, 1 << 20, value, p.stream())
             .unwrap();
-        let rid = p.submit(b, &TensorSpec::new(DType::I32, &[words])).unwrap();
+        let rid = p
+            .submit(
+                b,
+                &TensorSpec::new(DType::I32, &[words - offset / 4]).at_offset(offset),
+            )
+            .unwrap();
         expected.insert(rid, value);
         while let Some(c) = p.producer().try_recv_result().unwrap() {
             check(c, &mut expected);
@@ -422,9 +502,21 @@ fn four_gpu_producers(fence: &str) {
     four_gpu_producers_on(fence, 0);
 }
 
+/// Four producers with three kinds of fences (two timeline, one event, one VMM) into a server
+/// that takes batches and moves them with one `Gatherer::gather` each: the timeline fences
+/// batched, the event ones alone, every tensor checked intact. The second producer's tensors
+/// start 4 bytes into its buffers (the kernel's byte-by-byte path).
+fn device_gathered_mixed_fences() {
+    four_producers(&["timeline", "timeline", "event", "vmm"], 0, true);
+}
+
 fn four_gpu_producers_on(fence: &str, gpu: u32) {
+    four_producers(&[fence; 4], gpu, false);
+}
+
+fn four_producers(fences: &[&str; 4], gpu: u32, gathered: bool) {
     let (_dir, sock) = socket_dir();
-    let srv = GpuServer::start(&sock);
+    let srv = GpuServer::start_with(&sock, gathered);
     let mut kids: Vec<ChildGuard> = (0..4)
         .map(|i| {
             spawn_child(
@@ -433,8 +525,12 @@ fn four_gpu_producers_on(fence: &str, gpu: u32) {
                     socket_env(&sock),
                     ("TP_ID", i.to_string()),
                     ("TP_COUNT", "500".into()),
-                    ("TP_FENCE", fence.into()),
+                    ("TP_FENCE", fences[i].into()),
                     ("TP_GPU", gpu.to_string()),
+                    (
+                        "TP_OFFSET",
+                        if gathered && i == 1 { "4" } else { "0" }.into(),
+                    ),
                 ],
             )
         })

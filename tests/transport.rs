@@ -45,6 +45,10 @@ fn main() {
                 "device_hand_offs_and_releases_travel_on_the_queues",
                 device_on_queues,
             ),
+            (
+                "large_slots_leased_warm_intact_and_a_held_slot_blocks_no_lease",
+                warm_lease,
+            ),
         ],
         child,
     );
@@ -724,6 +728,63 @@ fn loans() {
         .submit_loan(theirs, &TensorSpec::new(DType::U8, &[16]))
         .unwrap_err();
     assert!(matches!(e, Error::ForeignLoan), "{e}");
+}
+
+/// The warm lease (slots of 4 MiB and more): the slot submitted last is taken again when the
+/// server gives it back in time; every tensor stays intact and is answered once; and a server
+/// that holds that slot does not hold up the next lease, which takes another slot.
+fn warm_lease() {
+    let (_dir, sock) = socket_dir();
+    let cs = CheckingServer::start(ServerConfig::new(&sock));
+    let mut cfg = ProducerConfig::new("warm");
+    cfg.slots = 4;
+    cfg.slot_size = tensorport::WARM_MIN_SLOT;
+    // Long, so the bound that counts is a sixteenth of the time between leases (about 10 ms
+    // here: the "fill" below), which a server answering at once meets, even woken from sleep
+    // on a busy machine.
+    cfg.warm_wait = Duration::from_secs(1);
+    let mut p = Producer::connect(&sock, cfg).unwrap();
+    let spec = TensorSpec::new(DType::U8, &[4096]);
+    let (mut last, mut reused, mut sums) = (None, 0u32, HashMap::new());
+    for i in 0..100u64 {
+        let mut l = p.lease(PATIENCE).unwrap();
+        let slot = l.slot().slot;
+        reused += u32::from(last == Some(slot));
+        fill(i, &mut l.bytes_mut()[..4096]);
+        std::thread::sleep(Duration::from_millis(10));
+        let sum = checksum(&l.bytes_mut()[..4096]);
+        let id = l.submit(&spec).unwrap();
+        sums.insert(id, encode_answer(sum, 4096, DType::U8));
+        last = Some(slot);
+        while let Some(c) = p.try_recv_result().unwrap() {
+            assert_eq!(c.result.ok(), sums.remove(&c.request_id), "answered once, right");
+        }
+    }
+    while p.in_flight() > 0 {
+        let c = p.recv_result(PATIENCE).unwrap();
+        assert_eq!(c.result.ok(), sums.remove(&c.request_id), "answered once, right");
+    }
+    assert!(sums.is_empty());
+    assert_eq!(cs.verified.load(Ordering::SeqCst), 100);
+    assert_eq!(cs.torn.load(Ordering::SeqCst), 0);
+    println!("  the slot submitted last was leased again {reused} times of 99");
+    assert!(reused > 0, "the warm slot was never leased again");
+    // The server now holds this producer's next tensor: the lease after it must take another
+    // slot (after at most the warm wait), and so must the next ones.
+    *cs.hold_from.lock().unwrap() = Some(("warm".into(), 1));
+    let mut l = p.lease(PATIENCE).unwrap();
+    let held = l.slot().slot;
+    fill(1000, &mut l.bytes_mut()[..4096]);
+    std::thread::sleep(Duration::from_millis(2));
+    l.submit(&spec).unwrap();
+    for i in 0..3 {
+        let mut l = p.lease(PATIENCE).unwrap();
+        assert_ne!(l.slot().slot, held, "lease {i} after the held one");
+        fill(1001 + i, &mut l.bytes_mut()[..4096]);
+        l.submit(&spec).unwrap();
+        p.recv_result(PATIENCE).unwrap();
+    }
+    assert_eq!(cs.held.lock().unwrap().len(), 1);
 }
 
 /// A server that lies: it grants a slot past the pool it sent. The producer refuses the grant

@@ -12,6 +12,28 @@ use cudarc::driver::sys;
 
 use crate::{Error, Result};
 
+/// A 64-bit semaphore operation for [`Driver::stream_batch_mem_op`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum MemOp {
+    /// Later work waits until the word at `addr` is at least `value`.
+    WaitGeq {
+        /// Device address (8-byte aligned).
+        addr: sys::CUdeviceptr,
+        /// The value to reach.
+        value: u64,
+    },
+    /// Writes `value` to the word at `addr` once earlier work has run.
+    Write {
+        /// Device address (8-byte aligned).
+        addr: sys::CUdeviceptr,
+        /// The value written.
+        value: u64,
+    },
+}
+
+/// Most operations one `cuStreamBatchMemOp` takes.
+pub const MAX_MEM_OPS: usize = 255;
+
 /// Proof that libcuda is loaded and initialised.
 #[derive(Debug, Clone, Copy)]
 pub struct Driver(());
@@ -452,6 +474,52 @@ impl Driver {
                 value,
                 sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32,
             )
+        })
+    }
+
+    /// `cuStreamBatchMemOp`: the 64-bit waits (GEQ) or writes of `ops` on `s`, in one call, in
+    /// order. At most [`MAX_MEM_OPS`] at once.
+    ///
+    /// # Safety
+    /// As for [`Driver::stream_wait_value64`], for every address.
+    pub unsafe fn stream_batch_mem_op(&self, s: sys::CUstream, ops: &[MemOp]) -> Result<()> {
+        assert!(
+            ops.len() <= MAX_MEM_OPS,
+            "at most {MAX_MEM_OPS} operations at once"
+        );
+        if ops.is_empty() {
+            return Ok(());
+        }
+        let mut params: Vec<sys::CUstreamBatchMemOpParams> = ops
+            .iter()
+            .map(|op| {
+                // SAFETY: a plain C union for which all-zero is a valid (empty) value.
+                let mut p: sys::CUstreamBatchMemOpParams = unsafe { std::mem::zeroed() };
+                match *op {
+                    MemOp::WaitGeq { addr, value } => {
+                        p.waitValue.operation =
+                            sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WAIT_VALUE_64;
+                        p.waitValue.address = addr;
+                        p.waitValue.__bindgen_anon_1.value64 = value;
+                        p.waitValue.flags =
+                            sys::CUstreamWaitValue_flags::CU_STREAM_WAIT_VALUE_GEQ as u32;
+                    }
+                    MemOp::Write { addr, value } => {
+                        p.writeValue.operation =
+                            sys::CUstreamBatchMemOpType::CU_STREAM_MEM_OP_WRITE_VALUE_64;
+                        p.writeValue.address = addr;
+                        p.writeValue.__bindgen_anon_1.value64 = value;
+                        p.writeValue.flags =
+                            sys::CUstreamWriteValue_flags::CU_STREAM_WRITE_VALUE_DEFAULT as u32;
+                    }
+                }
+                p
+            })
+            .collect();
+        // SAFETY: `params` holds `ops.len()` (at most 255) initialised entries; the addresses
+        // are the caller's contract.
+        check("cuStreamBatchMemOp", unsafe {
+            sys::cuStreamBatchMemOp_v2(s, params.len() as u32, params.as_mut_ptr(), 0)
         })
     }
 

@@ -218,13 +218,23 @@ impl DeviceBuffer {
 
     /// Copies the first `dst.len()` bytes back to the host (synchronously).
     pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
-        assert!(dst.len() <= self.len, "copy larger than the buffer");
+        self.copy_to_host_at(0, dst)
+    }
+
+    /// Copies `dst.len()` bytes from `offset` on back to the host (synchronously).
+    pub fn copy_to_host_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        assert!(
+            offset
+                .checked_add(dst.len())
+                .is_some_and(|end| end <= self.len),
+            "copy past the buffer's end"
+        );
         self.gpu.bind()?;
         // SAFETY: both ranges are valid and sized as checked.
         unsafe {
             self.gpu
                 .driver
-                .memcpy_dtoh(dst.as_mut_ptr(), self.ptr, dst.len())
+                .memcpy_dtoh(dst.as_mut_ptr(), self.ptr + offset as u64, dst.len())
         }
     }
 }
@@ -309,6 +319,10 @@ impl Stream {
             gpu: gpu.clone(),
             raw: gpu.driver.stream_create()?,
         })
+    }
+    /// The GPU whose context the stream belongs to.
+    pub fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
     }
     /// The raw `CUstream`, for `tensorport::DeviceTensor::wait_ready` and friends.
     pub fn raw(&self) -> *mut std::ffi::c_void {

@@ -60,16 +60,16 @@ impl CudaImporter {
     }
 }
 
-struct Imported {
-    gpu: Arc<Gpu>,
-    ptr: sys::CUdeviceptr,
-    len: u64,
-    fence: Fence,
+pub(crate) struct Imported {
+    pub(crate) gpu: Arc<Gpu>,
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) len: u64,
+    pub(crate) fence: Fence,
     /// Event mode: the producer's "ready" event. Timeline mode: null.
     ready: sys::CUevent,
     /// Event mode: our interprocess "released" event. Timeline mode: a plain event recorded
     /// with each release, so closing the buffer can wait for the last read.
-    release: sys::CUevent,
+    pub(crate) release: sys::CUevent,
     release_handle: Vec<u8>,
     /// VMM imports: the allocation handle and the mapped size; legacy IPC imports: `None`.
     vmm: Option<(sys::CUmemGenericAllocationHandle, usize)>,

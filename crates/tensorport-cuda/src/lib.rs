@@ -11,6 +11,8 @@
 //!   `cuMemHostRegister`, so copies from it to the device run at pinned (DMA) speed.
 //! - [`CudaImporter`] and [`GpuProducer`]: the device path, over legacy CUDA IPC, with an event
 //!   as the fence in each direction.
+//! - [`Gatherer`]: a batch of device tensors copied into the server's memory with one batched
+//!   wait, one kernel launch and one batched release.
 //! - [`ExternalDevice`]: tensors another library allocated (PyTorch's caching allocator) handed
 //!   over in place, their allocations found and registered through the driver.
 //! - [`GpuJpeg`]: JPEG batches decoded with nvJPEG (the GPU's hardware decoder where it has
@@ -23,6 +25,7 @@
 
 pub mod driver;
 mod external;
+mod gather;
 mod gpu;
 mod ipc;
 mod jpeg;
@@ -33,6 +36,7 @@ pub mod nvjpeg;
 pub use cudarc::driver::sys;
 pub use driver::Driver;
 pub use external::ExternalDevice;
+pub use gather::Gatherer;
 pub use gpu::{
     bench_h2d, live_registrations, probe, Capabilities, CudaPin, DeviceBuffer, DeviceInfo, Event,
     Gpu, H2dBench, PinnedBuffer, Stream,
@@ -74,6 +78,11 @@ pub enum Error {
     /// nvJPEG or NVRTC (for the GPU JPEG pipeline) cannot be loaded.
     #[error("{0}")]
     NoNvjpeg(String),
+    /// A stream of another GPU than the one the call works on.
+    #[error(
+        "the stream belongs to another GPU than {0}'s: pass a stream of the GPU it was made for"
+    )]
+    ForeignStream(&'static str),
     /// The server answered something this crate cannot use (the protocol was broken).
     #[error("the server sent {0}")]
     BadAnswer(&'static str),

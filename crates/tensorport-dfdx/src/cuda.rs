@@ -5,19 +5,21 @@
 
 use dfdx::prelude::*;
 use tensorport::{DType, Request};
-use tensorport_cuda::{GpuNormaliser, Stream};
+use tensorport_cuda::{Gatherer, GpuNormaliser, Stream};
 
 use crate::{check_shape, Error, Stacked, Tensor4};
 
 /// Builds the `[B, C, H, W]` model input on `dev` from `reqs`, copying on `stream` (which must
 /// belong to the same device and primary context), and waits for the copies, so the requests'
 /// slots and buffers may be released as soon as this returns. `u8` images are copied into
-/// `norm`'s staging buffer and normalised into their rows by its kernel. Requests that do not
-/// fit the model are listed in `rejected`.
+/// `norm`'s staging buffer and normalised into their rows by its kernel. Device tensors of GPU
+/// producers are moved together by `gatherer` (one batched wait, one copy launch, one batched
+/// release). Requests that do not fit the model are listed in `rejected`.
 pub fn gather_on_device(
     dev: &Cuda,
     stream: &Stream,
     norm: &mut GpuNormaliser,
+    gatherer: &Gatherer,
     reqs: &[Request],
     shape: [usize; 3],
 ) -> Stacked<Cuda> {
@@ -60,6 +62,7 @@ pub fn gather_on_device(
         } else {
             0
         };
+        let mut from_devices = Vec::new();
         for (k, (&i, &dtype)) in used.iter().zip(&dtypes).enumerate() {
             let dst = base + (k * row) as u64;
             let r = &reqs[i];
@@ -73,17 +76,22 @@ pub fn gather_on_device(
                 // synchronised below.
                 None => unsafe { stream.copy_host_to_device_async(to, &r.bytes()[..len]) }
                     .map_err(|e| device_err(e.to_string()))?,
-                // SAFETY: as above; the producer's buffer was bounds-checked against its
-                // registration, and our stream waits for its writes before copying.
-                Some(dt) => unsafe {
-                    dt.wait_ready(stream.raw()).map_err(device_err)?;
-                    stream
-                        .copy_device_to_device_async(to, dt.ptr(), len)
-                        .map_err(|e| device_err(e.to_string()))?;
-                    dt.record_release(stream.raw()).map_err(device_err)?;
-                },
+                // Checked shape, dtype and contiguity make its length the row's; the gather
+                // copies the tensor's length, so a mismatch must not reach it.
+                Some(dt) if dt.len() as usize != len => {
+                    return Err(device_err(format!(
+                        "a device tensor of {} bytes for a row of {len}",
+                        dt.len()
+                    )))
+                }
+                Some(dt) => from_devices.push((dt, to)),
             }
         }
+        // SAFETY: each destination is its request's row of `input` (ours alone) or our staging
+        // space for it, `len` bytes as checked; the buffers were bounds-checked against their
+        // registrations, and the gather orders the copies after the producers' writes. The
+        // requests stay unreleased until the stream is synchronised below.
+        unsafe { gatherer.gather(stream, &from_devices) }.map_err(|e| device_err(e.to_string()))?;
         let mut k = 0;
         while k < dtypes.len() {
             if dtypes[k] != DType::U8 {

@@ -64,7 +64,7 @@ pub trait DeviceImporter: Send + Sync {
 }
 
 /// A producer's device buffer, open in the server. Dropping the last reference closes it.
-pub trait ImportedDevice: Send + Sync {
+pub trait ImportedDevice: Send + Sync + std::any::Any {
     /// The buffer's device address in the server's context.
     fn device_ptr(&self) -> u64;
     /// Bytes in the buffer.
@@ -130,6 +130,16 @@ impl DeviceTensor {
     /// Whether it covers no bytes.
     pub fn is_empty(&self) -> bool {
         self.len == 0
+    }
+    /// The producer's buffer the tensor lies in, as the server's importer opened it (an
+    /// importer may batch the fences of several tensors: `tensorport_cuda::gather`).
+    pub fn buffer(&self) -> &dyn ImportedDevice {
+        &*self.buffer
+    }
+    /// The value the buffer's "ready" semaphore must reach before the tensor may be read
+    /// (timeline buffers); `None` for event-fenced buffers.
+    pub fn timeline(&self) -> Option<u64> {
+        self.timeline
     }
     /// Makes `stream` wait until the producer's writes are done. Enqueue reads after this.
     ///

@@ -34,7 +34,8 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
 pub use device::{DeviceImporter, DeviceTensor, ImportError, ImportedDevice};
 pub use error::{Error, Result};
 pub use producer::{
-    Completion, Loan, Producer, ProducerConfig, RemoteError, SlotLease, TensorSpec,
+    Completion, Loan, Producer, ProducerConfig, RemoteError, SlotLease, TensorSpec, WARM_MIN_SLOT,
+    WARM_SKIP_AFTER_MISS,
 };
 pub use server::{protocol_version, Request, Responder, Server, ServerConfig};
 pub use tensorport_shm::{HostPool, PinHook, PinRegistration};

@@ -49,8 +49,8 @@ pub(super) struct Trace {
     fill: Duration,
     send: Duration,
     last: Option<Instant>,
-    /// Which of the first 64 slots a tensorport producer wrote (iceoryx2 does not say).
-    slots: u64,
+    /// The distinct buffers written (their addresses; up to 64 are told apart).
+    buffers: Vec<usize>,
 }
 
 impl Trace {
@@ -66,7 +66,7 @@ impl Trace {
             fill: Duration::ZERO,
             send: Duration::ZERO,
             last: None,
-            slots: 0,
+            buffers: Vec::new(),
         }
     }
 
@@ -81,9 +81,12 @@ impl Trace {
         }
     }
 
-    /// A tensorport producer wrote slot `slot`.
-    fn slot(&mut self, slot: u32) {
-        self.slots |= 1u64.checked_shl(slot).unwrap_or(0);
+    /// The message about to be filled is written at `addr`.
+    fn buffer(&mut self, addr: *const u8) {
+        let a = addr as usize;
+        if self.on && self.buffers.len() < 64 && !self.buffers.contains(&a) {
+            self.buffers.push(a);
+        }
     }
 
     fn report(&self, who: &str, n: usize) {
@@ -94,7 +97,8 @@ impl Trace {
                 .epoch
                 .duration_since(std::time::UNIX_EPOCH)
                 .unwrap_or_default();
-            eprintln!(
+            // One write, so the children's lines do not interleave.
+            let line = format!(
                 "trace {who} pid {}: set up {:.1} ms, started at {:.3} s: {n} messages in {:.3} s; per message: wait {:.1} us, fill {:.1} us, send {:.1} us{}",
                 std::process::id(),
                 self.setup.as_secs_f64() * 1e3,
@@ -103,11 +107,14 @@ impl Trace {
                 us(self.wait),
                 us(self.fill),
                 us(self.send),
-                match self.slots.count_ones() {
+                match self.buffers.len() {
                     0 => String::new(),
-                    k => format!("; {k} distinct slots written"),
+                    k => format!("; {k} distinct buffers written"),
                 }
             );
+            let _ = std::io::stderr()
+                .lock()
+                .write_all(format!("{line}\n").as_bytes());
         }
     }
 }
@@ -151,6 +158,9 @@ pub(super) fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
             cfg.slots = 8;
             cfg.slot_size = size as u64;
             cfg.spin = if poll { FOREVER } else { Duration::ZERO };
+            if let Some(us) = a.warm_wait_us {
+                cfg.warm_wait = Duration::from_micros(us);
+            }
             let mut p = Producer::connect(&target, cfg)?;
             let spec = TensorSpec::new(DType::U8, &[size as u64]);
             let ping = role == Role::TpPing;
@@ -167,8 +177,9 @@ pub(super) fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
                 let t0 = Instant::now();
                 let mut l = p.lease(Duration::from_secs(10))?;
                 let t1 = Instant::now();
-                tr.slot(l.slot().slot);
-                fill(&mut l.bytes_mut()[..size], i);
+                let buf = &mut l.bytes_mut()[..size];
+                tr.buffer(buf.as_ptr());
+                fill(buf, i);
                 let t2 = Instant::now();
                 l.submit(&spec)?;
                 tr.add(t0, t1, t2);
@@ -196,8 +207,9 @@ pub(super) fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
             let mut tr = Trace::new(setup);
             while more(i, size, deadline) {
                 let t0 = Instant::now();
-                let s = ice(publisher.loan_slice_uninit(size), "loan")?;
+                let mut s = ice(publisher.loan_slice_uninit(size), "loan")?;
                 let t1 = Instant::now();
+                tr.buffer(s.payload_mut().as_ptr().cast());
                 let s = s.write_from_fn(byte_of(i));
                 let t2 = Instant::now();
                 ice(s.send(), "send")?;

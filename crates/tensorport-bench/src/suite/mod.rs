@@ -83,6 +83,11 @@ pub struct Args {
     /// wake-up check for its requests of the batch).
     #[arg(long)]
     pub respond_each: bool,
+    /// How long a tensorport producer's lease of a slot of 4 MiB or more polls for the slot it
+    /// submitted last before taking another (`ProducerConfig::warm_wait`; 0: never); default:
+    /// the library's.
+    #[arg(long, value_name = "MICROSECONDS")]
+    pub warm_wait_us: Option<u64>,
     /// (internal) run as a benchmark child.
     #[arg(long, hide = true, value_enum)]
     pub role: Option<Role>,
@@ -139,6 +144,8 @@ struct Ctx {
     spread: Vec<usize>,
     /// `--respond-each`.
     respond_each: bool,
+    /// `--warm-wait-us`.
+    warm_wait_us: Option<u64>,
 }
 
 /// The allowed CPUs ordered so that each physical core's first hardware thread comes before any
@@ -219,6 +226,9 @@ impl Ctx {
             .stdout(Stdio::piped());
         if let Some(cpu) = cpu {
             c.args(["--cpu", &cpu.to_string()]);
+        }
+        if let Some(us) = self.warm_wait_us {
+            c.args(["--warm-wait-us", &us.to_string()]);
         }
         Ok(c.spawn()?)
     }
@@ -413,6 +423,7 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         round_trips: a.round_trips,
         spread,
         respond_each: a.respond_each,
+        warm_wait_us: a.warm_wait_us,
     };
     let pinning = match cx.cpus {
         Some((c, p)) => format!("pinned: consumer to CPU {c}, producer to CPU {p}"),
@@ -438,20 +449,31 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
                 (_, 0) => cores.saturating_sub(n).clamp(1, n),
                 (_, k) => k.min(n),
             };
-            let mut fair = Vec::new();
+            let (mut fair, mut ice_fair) = (Vec::new(), Vec::new());
             for _ in 0..a.repeat.max(1) {
                 let run = tp_throughput(&cx, size, n, consumers)?;
                 tps.push(run.rate);
                 fair.push(run.fairness);
-                ics.push(ice_throughput(&cx, size, n)?);
+                let run = ice_throughput(&cx, size, n)?;
+                ics.push(run.rate);
+                ice_fair.push(run.fairness);
                 udss.push(uds_throughput(&cx, size, n)?);
             }
             let (tp, ic, uds) = (median(&mut tps), median(&mut ics), median(&mut udss));
-            let fairness = fair.iter().copied().fold(f64::INFINITY, f64::min);
             if n > 1 {
+                let worst = |f: &[f64]| f.iter().copied().fold(f64::INFINITY, f64::min);
+                let show = |f: &[f64]| {
+                    f.iter()
+                        .map(|x| format!("{x:.2}"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                };
                 fairness_rows.push(format!(
-                    "| {size} B | {n} | {consumers} | {:.2} |",
-                    fairness
+                    "| {size} B | {n} | {consumers} | {:.2} ({}) | {:.2} ({}) |",
+                    worst(&fair),
+                    show(&fair),
+                    worst(&ice_fair),
+                    show(&ice_fair)
                 ));
             }
             let gb = |x: f64| x * size as f64 / 1e9;
@@ -474,9 +496,9 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         }
     }
     if !fairness_rows.is_empty() {
-        println!("\nFairness between tensorport's producers (the slowest one's rate while it streamed / the mean rate, worst of the runs):\n");
-        println!("| payload | producers | consumers | slowest / mean |");
-        println!("| --- | --- | --- | --- |");
+        println!("\nFairness between each peer's producers (the slowest one's rate while it streamed / the mean rate; the worst run, then every run):\n");
+        println!("| payload | producers | tensorport consumers | tensorport slowest / mean | iceoryx2 slowest / mean |");
+        println!("| --- | --- | --- | --- | --- |");
         for r in &fairness_rows {
             println!("{r}");
         }

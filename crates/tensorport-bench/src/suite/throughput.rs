@@ -21,16 +21,45 @@ pub(super) fn socket_dir() -> CliResult<tempfile::TempDir> {
     Ok(tempfile::Builder::new().prefix("tp-bench-").tempdir()?)
 }
 
-/// What one tensorport throughput run measured: the rate, and the slowest producer's share
-/// against the mean (1.0: all equal).
-pub(super) struct TpRun {
+/// What one throughput run measured: the rate, and the slowest producer's share against the
+/// mean (1.0: all equal).
+pub(super) struct Run {
     pub(super) rate: f64,
     pub(super) fairness: f64,
 }
 
+/// One producer's messages and its first and last arrival, as the reader saw them.
+type Arrivals = (u64, Option<Instant>, Option<Instant>);
+
+fn note(a: &mut Arrivals, now: Instant) {
+    a.0 += 1;
+    a.1.get_or_insert(now);
+    a.2 = Some(now);
+}
+
+/// Fairness: each producer's rate while it streamed (its messages over the time from its first
+/// to its last), the slowest against the mean. (Counts alone would read equal when every
+/// producer sends the minimum number of messages, as large payloads do.) The same measure for
+/// every peer.
+fn fairness<'a>(producers: impl IntoIterator<Item = &'a Arrivals>) -> f64 {
+    let rates: Vec<f64> = producers
+        .into_iter()
+        .filter_map(|&(c, f, l)| match (f, l) {
+            (Some(f), Some(l)) if c > 1 && l > f => Some((c - 1) as f64 / (l - f).as_secs_f64()),
+            _ => None,
+        })
+        .collect();
+    let mean = rates.iter().sum::<f64>() / rates.len().max(1) as f64;
+    rates
+        .iter()
+        .copied()
+        .reduce(f64::min)
+        .map_or(1.0, |m| m / mean.max(1e-9))
+}
+
 /// tensorport: `n` producer processes streaming into one in-process server, taken by
 /// `consumers` threads (each serving its share of the sessions).
-pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult<TpRun> {
+pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -> CliResult<Run> {
     let dir = socket_dir()?;
     let sock = dir.path().join("tp.sock");
     let (me, kid) = if n == 1 && consumers == 1 {
@@ -53,7 +82,7 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
     // Each consumer: its count, first and last message, and per session id its messages and
     // first and last message.
-    type PerSession = Vec<(u64, Option<Instant>, Option<Instant>)>;
+    type PerSession = Vec<Arrivals>;
     type ConsumerRun = (u64, Option<Instant>, Instant, PerSession);
     let runs: Vec<CliResult<ConsumerRun>> = std::thread::scope(|s| {
         let threads: Vec<_> = (0..consumers.max(1))
@@ -83,9 +112,7 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
                             std::hint::black_box(r.bytes().first());
                             count += 1;
                             if let Some(c) = per_session.get_mut(r.session_id() as usize) {
-                                c.0 += 1;
-                                c.1.get_or_insert(now);
-                                c.2 = Some(now);
+                                note(c, now);
                             }
                             if cx.respond_each {
                                 let _ = r.respond(&[]);
@@ -109,8 +136,7 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
     cx.unpin();
     wait_ok(kids, "tensorport")?;
     let (mut count, mut first, mut last) = (0u64, None::<Instant>, None::<Instant>);
-    let mut per_session: Vec<(u64, Option<Instant>, Option<Instant>)> =
-        vec![(0, None, None); n + 2];
+    let mut per_session: Vec<Arrivals> = vec![(0, None, None); n + 2];
     for r in runs {
         let (c, f, l, per) = r?;
         count += c;
@@ -127,30 +153,14 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
             a.2 = a.2.max(b.2);
         }
     }
-    // Fairness: each producer's rate while it streamed (its messages over the time from its
-    // first to its last), the slowest against the mean. (Counts alone would read equal when
-    // every producer sends the minimum number of messages, as large payloads do.)
-    let rates: Vec<f64> = per_session
-        .iter()
-        .filter_map(|&(c, f, l)| match (f, l) {
-            (Some(f), Some(l)) if c > 1 && l > f => Some((c - 1) as f64 / (l - f).as_secs_f64()),
-            _ => None,
-        })
-        .collect();
-    let mean = rates.iter().sum::<f64>() / rates.len().max(1) as f64;
-    let fairness = rates
-        .iter()
-        .copied()
-        .reduce(f64::min)
-        .map_or(1.0, |m| m / mean.max(1e-9));
-    Ok(TpRun {
+    Ok(Run {
         rate: rate(count, first, last.unwrap_or_else(Instant::now)),
-        fairness,
+        fairness: fairness(&per_session),
     })
 }
 
 /// iceoryx2: `n` publisher processes, one subscriber in this process.
-pub(super) fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> {
+pub(super) fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<Run> {
     let tag = format!("tp-bench-{}-{size}-{n}", std::process::id());
     let (me, kid) = if n == 1 { cx.pair() } else { (None, None) };
     if let Some(c) = me {
@@ -166,6 +176,10 @@ pub(super) fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> 
     let deadline = Instant::now() + Duration::from_secs_f64(cx.seconds + READ_GRACE_S);
     let mut idle_since = Instant::now();
     let mut spins = 0u32;
+    // Per publisher (by its id, in order of first arrival): its arrivals, for fairness.
+    let mut publishers: Vec<(iceoryx2::identifiers::UniquePublisherId, Arrivals)> =
+        Vec::with_capacity(n);
+    let mut origins = [0usize; 64];
     loop {
         // Up to 64 samples per look at the clock, as the tensorport server takes batches.
         let mut got = 0;
@@ -173,6 +187,14 @@ pub(super) fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> 
             match ice(sub.receive(), "receive")? {
                 Some(s) => {
                     std::hint::black_box(s.payload().first());
+                    let o = s.origin();
+                    origins[got] = match publishers.iter().position(|p| p.0 == o) {
+                        Some(k) => k,
+                        None => {
+                            publishers.push((o, (0, None, None)));
+                            publishers.len() - 1
+                        }
+                    };
                     got += 1;
                 }
                 None => break,
@@ -181,7 +203,10 @@ pub(super) fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> 
         if got > 0 {
             let now = Instant::now();
             first.get_or_insert(now);
-            count += got;
+            for &k in &origins[..got] {
+                note(&mut publishers[k].1, now);
+            }
+            count += got as u64;
             last = now;
             idle_since = now;
             spins = 0;
@@ -209,7 +234,10 @@ pub(super) fn ice_throughput(cx: &Ctx, size: usize, n: usize) -> CliResult<f64> 
     }
     cx.unpin();
     wait_ok(kids, "iceoryx2")?;
-    Ok(rate(count, first, last))
+    Ok(Run {
+        rate: rate(count, first, last),
+        fairness: fairness(publishers.iter().map(|p| &p.1)),
+    })
 }
 
 /// A plain Unix-socket copy: `n` processes write payloads, one reader thread per connection.

@@ -80,9 +80,16 @@ impl Producer {
             if self.loaned > 0 {
                 self.reclaim_loans();
             }
-            if self.in_flight.len() + self.loaned < self.max_in_flight as usize {
-                // The slot given back last: its pages are the likeliest to be in cache.
+            if self.in_flight.len() + self.loaned < self.max_in_flight as usize
+                && !self.free.is_empty()
+            {
+                self.await_warm_slot()?;
+                // The slot given back last (or the warm one): its pages are the likeliest to be
+                // in cache.
                 if let Some(slot) = self.free.pop_back() {
+                    if self.warm.on() {
+                        self.warm.leased(Instant::now());
+                    }
                     return Ok(slot);
                 }
             }
@@ -94,6 +101,37 @@ impl Producer {
                 ));
             }
         }
+    }
+}
+
+impl Producer {
+    /// With large slots: when the slot submitted last is still with the server, polls for it
+    /// to come back (as long as [`super::warm::WarmLease::plan`] allows), and puts it at the back of the
+    /// free list, where the next lease takes it (see [`super::warm`]).
+    fn await_warm_slot(&mut self) -> Result<()> {
+        if !self.warm.on() {
+            return Ok(());
+        }
+        let Some((warm, until)) = self.warm.plan(Instant::now()) else {
+            return Ok(());
+        };
+        let pos = loop {
+            if let Some(pos) = self.free.iter().rposition(|s| s.slot == warm) {
+                break pos;
+            }
+            if Instant::now() >= until {
+                self.warm.missed();
+                return Ok(());
+            }
+            for _ in 0..super::SPINS_PER_LOOK {
+                std::hint::spin_loop();
+            }
+            self.poll()?;
+        };
+        if let Some(s) = self.free.remove(pos) {
+            self.free.push_back(s);
+        }
+        Ok(())
     }
 }
 

@@ -42,6 +42,7 @@ mod device;
 mod lease;
 mod spec;
 mod submit;
+mod warm;
 
 use completion::Done;
 pub use completion::{Completion, RemoteError};
@@ -50,6 +51,8 @@ use lease::LoanHome;
 pub use lease::{Loan, SlotLease};
 pub use spec::{ProducerConfig, TensorSpec};
 use submit::Held;
+use warm::WarmLease;
+pub use warm::{WARM_MIN_SLOT, WARM_SKIP_AFTER_MISS};
 
 /// A connected producer session with its own pool.
 pub struct Producer {
@@ -81,6 +84,8 @@ pub struct Producer {
     socket_looked: Instant,
     /// The server's socket-message counter when we last looked.
     socket_seen: u64,
+    /// The warm lease (large slots): see [`warm`].
+    warm: WarmLease,
 }
 
 /// Looks at the queue between two reads of the clock while spinning.
@@ -157,6 +162,7 @@ impl Producer {
             spin: config.spin,
             socket_looked: Instant::now() - SOCKET_LOOK_EVERY * 2,
             socket_seen: 0,
+            warm: WarmLease::new(layout.slot_size, config.warm_wait),
         })
     }
 

@@ -23,6 +23,15 @@ pub struct ProducerConfig {
     /// How long a wait (lease, result) polls the queues before it sleeps on the doorbell:
     /// longer spins cost CPU and save the wake-up when the server answers soon.
     pub spin: Duration,
+    /// How long a lease of a large slot (at least [`super::WARM_MIN_SLOT`] bytes, 4 MiB) may
+    /// poll for the slot this producer submitted last, before it takes another free one (at
+    /// most a sixteenth of the time since the last lease, too). That slot's bytes are the ones
+    /// still in this core's caches; a producer that alternates between two large slots has
+    /// twice the working set, and when many producers do, their fills overflow the shared cache
+    /// and go to memory. A server that answers within microseconds gives the slot back well
+    /// within this; one that holds slots longer costs one wait, after which the producer stops
+    /// waiting for the next [`super::WARM_SKIP_AFTER_MISS`] leases. `Duration::ZERO`: never.
+    pub warm_wait: Duration,
 }
 
 impl ProducerConfig {
@@ -35,6 +44,7 @@ impl ProducerConfig {
             connect_timeout: Duration::from_secs(5),
             rings: true,
             spin: Duration::from_micros(20),
+            warm_wait: Duration::from_micros(20),
         }
     }
 }

@@ -23,6 +23,7 @@ impl Producer {
         request_id: u64,
         spec: &TensorSpec,
     ) -> Result<()> {
+        self.warm.submitted(slot.slot);
         if self.ring.is_some() {
             return self.submit_on_ring(
                 RawLocation::HostSlot(slot),
