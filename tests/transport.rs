@@ -757,12 +757,20 @@ fn warm_lease() {
         sums.insert(id, encode_answer(sum, 4096, DType::U8));
         last = Some(slot);
         while let Some(c) = p.try_recv_result().unwrap() {
-            assert_eq!(c.result.ok(), sums.remove(&c.request_id), "answered once, right");
+            assert_eq!(
+                c.result.ok(),
+                sums.remove(&c.request_id),
+                "answered once, right"
+            );
         }
     }
     while p.in_flight() > 0 {
         let c = p.recv_result(PATIENCE).unwrap();
-        assert_eq!(c.result.ok(), sums.remove(&c.request_id), "answered once, right");
+        assert_eq!(
+            c.result.ok(),
+            sums.remove(&c.request_id),
+            "answered once, right"
+        );
     }
     assert!(sums.is_empty());
     assert_eq!(cs.verified.load(Ordering::SeqCst), 100);
