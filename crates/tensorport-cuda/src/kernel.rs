@@ -18,6 +18,10 @@ pub(crate) struct Kernel {
 // SAFETY: module and function handles are identifiers valid in the context on any thread; every
 // use binds the context first.
 unsafe impl Send for Kernel {}
+// SAFETY: the only use through `&Kernel` is `launch`, and the driver API is thread-safe: a
+// function handle may be launched from several threads at once (each launch binds the context
+// and passes its own parameters and stream). Nothing in `Kernel` changes after `compile`.
+unsafe impl Sync for Kernel {}
 
 impl Kernel {
     /// Compiles `src` for `gpu`'s architecture and loads its `entry` function.

@@ -7,8 +7,13 @@ use crate::*;
 #[pyclass(module = "tensorport._native")]
 pub(crate) struct Server {
     inner: Arc<tensorport::Server>,
-    /// With `cuda_device`: the GPU device tensors are opened in, and a stream for the copies.
-    cuda: Option<(Arc<tensorport_cuda::Gpu>, tensorport_cuda::Stream)>,
+    /// With `cuda_device`: the GPU device tensors are opened in, a stream for the copies, and
+    /// what moves a batch's device tensors together.
+    cuda: Option<(
+        Arc<tensorport_cuda::Gpu>,
+        tensorport_cuda::Stream,
+        tensorport_cuda::Gatherer,
+    )>,
 }
 
 #[pymethods]
@@ -37,7 +42,8 @@ impl Server {
                 cfg.pin = Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone())));
                 cfg.device = Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu.clone())));
                 let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda_err)?;
-                Some((gpu, stream))
+                let gatherer = tensorport_cuda::Gatherer::new(&gpu);
+                Some((gpu, stream, gatherer))
             }
         };
         Ok(Server {
@@ -67,7 +73,7 @@ impl Server {
         max_wait: f64,
     ) -> PyResult<Vec<(u64, usize)>> {
         let (t, w) = (secs(timeout)?, secs(max_wait)?);
-        let Some((_, ours)) = &self.cuda else {
+        let Some((_, ours, gatherer)) = &self.cuda else {
             return Err(PyValueError::new_err(
                 "this server was made without cuda_device: it cannot write into GPU memory",
             ));
@@ -79,29 +85,30 @@ impl Server {
             if batch.is_empty() {
                 return Ok(Vec::new());
             }
-            let dev = |e: String| coded(e, None);
             // SAFETY: `stream` is torch's current stream of this device (the package passes
             // `torch.cuda.current_stream().cuda_stream`); the rows may be memory torch just
             // freed and reused, so our copies wait for its work first.
             unsafe { ours.wait_for_raw(stream as *mut std::ffi::c_void) }.map_err(cuda_err)?;
             let mut kept = Vec::with_capacity(batch.len());
             let mut written = Vec::with_capacity(batch.len());
-            let copy = |r: &tensorport::Request, dst: u64| -> PyResult<()> {
-                // SAFETY: `dst` is a row of the `capacity` bytes of device memory the package
-                // allocated for this call and holds until it returns; host slots stay
-                // unreleased and device buffers fenced until the stream is synchronised below
-                // (on every path); a device tensor was bounds-checked against its registration.
-                unsafe {
-                    match r.device() {
-                        None => ours
-                            .copy_host_to_device_async(dst, &r.bytes()[..row])
-                            .map_err(cuda_err),
-                        Some(dt) => {
-                            dt.wait_ready(ours.raw()).map_err(dev)?;
-                            ours.copy_device_to_device_async(dst, dt.ptr(), row)
-                                .map_err(cuda_err)?;
-                            dt.record_release(ours.raw()).map_err(dev)
-                        }
+            // Device tensors are moved together after the loop (one batched fence wait, one
+            // copy launch, one batched release).
+            let mut from_devices = Vec::new();
+            let mut copy = |r: &tensorport::Request, dst: u64| -> PyResult<()> {
+                match r.device() {
+                    // SAFETY: `dst` is a row of the `capacity` bytes of device memory the
+                    // package allocated for this call and holds until it returns; the slot
+                    // stays unreleased until the stream is synchronised below (on every path).
+                    None => unsafe { ours.copy_host_to_device_async(dst, &r.bytes()[..row]) }
+                        .map_err(cuda_err),
+                    // The gather copies the tensor's length: it must be the row's.
+                    Some(dt) if dt.len() as usize != row => Err(coded(
+                        format!("a device tensor of {} bytes for a row of {row}", dt.len()),
+                        None,
+                    )),
+                    Some(dt) => {
+                        from_devices.push((dt.clone(), dst));
+                        Ok(())
                     }
                 }
             };
@@ -118,6 +125,17 @@ impl Server {
                 }
                 written.push((r.request_id(), k));
                 kept.push(r);
+            }
+            if failed.is_none() {
+                let copies: Vec<_> = from_devices.iter().map(|(t, d)| (t, *d)).collect();
+                // SAFETY: each destination is a row of the package's device memory, `row`
+                // bytes as checked; the buffers were bounds-checked against their
+                // registrations and stay fenced (their requests unreleased) until the stream
+                // is synchronised below; the gather orders the copies after the producers'
+                // writes and after torch's work (waited for above).
+                if let Err(e) = unsafe { gatherer.gather(ours, &copies) } {
+                    failed = Some(cuda_err(e));
+                }
             }
             // The copies read the slots and buffers: they are answered (released) only after.
             let synced = ours.synchronize().map_err(cuda_err);
