@@ -159,16 +159,7 @@ impl GpuServer {
                     let responder = req.release();
                     stream.synchronize().unwrap();
                     dev.copy_to_host(&mut back[..n]).unwrap();
-                    let first = [back[0], back[1], back[2], back[3]];
-                    let uniform = back[..n].chunks_exact(4).all(|c| c == first);
-                    if uniform {
-                        v.fetch_add(1, Ordering::SeqCst);
-                    } else {
-                        t.fetch_add(1, Ordering::SeqCst);
-                    }
-                    let mut answer = first.to_vec();
-                    answer.push(uniform as u8);
-                    let _ = responder.respond(&answer);
+                    let _ = responder.respond(&check_copy(&back[..n], &v, &t));
                     continue;
                 }
                 let n = req.bytes().len();
@@ -244,19 +235,26 @@ fn gathered_loop(
         most = most.max(responders.len());
         for (k, (r, n)) in responders.into_iter().zip(lens).enumerate() {
             rows.copy_to_host_at(k * ROW, &mut back[..n]).unwrap();
-            let first = [back[0], back[1], back[2], back[3]];
-            let uniform = back[..n].chunks_exact(4).all(|c| c == first);
-            if uniform {
-                verified.fetch_add(1, Ordering::SeqCst);
-            } else {
-                torn.fetch_add(1, Ordering::SeqCst);
-            }
-            let mut answer = first.to_vec();
-            answer.push(uniform as u8);
-            let _ = r.respond(&answer);
+            let _ = r.respond(&check_copy(&back[..n], verified, torn));
         }
     }
     println!("  gathered in {batches} batches, the largest of {most}");
+}
+
+/// A GPU producer's tensor as copied back: every 4-byte word must be the first (the producer
+/// filled it with one value). Counts it as verified or torn, and returns the answer the
+/// producer checks: the word, then 1 if the tensor was uniform.
+fn check_copy(back: &[u8], verified: &AtomicU64, torn: &AtomicU64) -> Vec<u8> {
+    let first = [back[0], back[1], back[2], back[3]];
+    let uniform = back.chunks_exact(4).all(|c| c == first);
+    if uniform {
+        verified.fetch_add(1, Ordering::SeqCst);
+    } else {
+        torn.fetch_add(1, Ordering::SeqCst);
+    }
+    let mut answer = first.to_vec();
+    answer.push(uniform as u8);
+    answer
 }
 
 impl Drop for GpuServer {
