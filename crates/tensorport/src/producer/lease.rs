@@ -102,12 +102,10 @@ impl Producer {
             }
         }
     }
-}
 
-impl Producer {
     /// With large slots: when the slot submitted last is still with the server, polls for it
-    /// to come back (as long as [`super::warm::WarmLease::plan`] allows), and puts it at the back of the
-    /// free list, where the next lease takes it (see [`super::warm`]).
+    /// to come back (as long as [`super::warm::WarmLease::plan`] allows), and puts it at the
+    /// back of the free list, where the next lease takes it (see [`super::warm`]).
     fn await_warm_slot(&mut self) -> Result<()> {
         if !self.warm.on() {
             return Ok(());
