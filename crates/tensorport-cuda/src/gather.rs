@@ -195,7 +195,7 @@ impl Gatherer {
     }
 
     /// The middle step of [`Gatherer::gather`] alone: the copies, one launch per
-    /// [`PER_LAUNCH`] (or one driver call each without the kernel), with no fences: call
+    /// 32 tensors (or one driver call each without the kernel), with no fences: call
     /// [`Gatherer::wait_ready_all`] first and [`Gatherer::release_all`] after.
     ///
     /// # Safety

@@ -1,6 +1,6 @@
 //! The nvJPEG floor: the library found and loaded at run time (like libcuda), and one small
 //! function per call, each returning a `Result` that names the call. All of nvJPEG's FFI is
-//! here; [`crate::jpeg`] builds the safe decoder on it.
+//! here; the crate's `jpeg` module builds the safe decoder on it.
 //!
 //! Where the library is looked for, in order: `$TENSORPORT_NVJPEG` (a file), `libnvjpeg.so.13`
 //! and `libnvjpeg.so` on the loader's path (`LD_LIBRARY_PATH`, ldconfig), the CUDA toolkit

@@ -12,7 +12,7 @@
 //! - Slot bookkeeping ([`SlotTable`]) lives in the server's private memory, never in the shared
 //!   mapping: a producer can scribble on its own pool's bytes, never on the server's state.
 //!
-//! `unsafe` is confined to [`map`], which owns the one mapping call and the raw views.
+//! `unsafe` is confined to the `map` module, which owns the one mapping call and the raw views.
 #![warn(missing_docs)]
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]

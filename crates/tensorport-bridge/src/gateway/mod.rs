@@ -2,7 +2,7 @@
 //! producer sessions of a tensorport server.
 //!
 //! Each `DoExchange` stream is one remote producer. Its record batches of tensors are read here
-//! (the async side) and handed to a thread of its own ([`session`]) that holds a local
+//! (the async side) and handed to a thread of its own (the `session` module) that holds a local
 //! [`tensorport::Producer`]: it leases a slot of that session's pool for each tensor, copies the
 //! tensor in, and submits it under the remote producer's request id. The server sees an ordinary
 //! producer, so its descriptor checks, backpressure and results routing apply unchanged. Results

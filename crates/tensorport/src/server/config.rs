@@ -58,7 +58,7 @@ pub struct ServerConfig {
     /// [`Server::recv_batch`]: crate::Server::recv_batch
     /// [`Server::recv_timeout`]: crate::Server::recv_timeout
     pub consumers: usize,
-    /// How long [`Server::recv_timeout`] polls the queues before it sleeps on the doorbells:
+    /// How long [`crate::Server::recv_timeout`] polls the queues before it sleeps on the doorbells:
     /// longer spins cost CPU and save the wake-up (a few microseconds) when work comes soon.
     pub spin: Duration,
 }
