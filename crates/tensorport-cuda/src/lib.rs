@@ -27,6 +27,7 @@ pub mod driver;
 mod external;
 mod gather;
 mod gpu;
+mod gpu_producer;
 mod ipc;
 mod jpeg;
 mod kernel;
@@ -41,7 +42,8 @@ pub use gpu::{
     bench_h2d, live_registrations, probe, Capabilities, CudaPin, DeviceBuffer, DeviceInfo, Event,
     Gpu, H2dBench, PinnedBuffer, Stream,
 };
-pub use ipc::{live_imports, CudaImporter, Fence, GpuProducer};
+pub use gpu_producer::GpuProducer;
+pub use ipc::{live_imports, CudaImporter, Fence};
 pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegWindow};
 pub use normalise::GpuNormaliser;
 
