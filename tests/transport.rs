@@ -775,8 +775,9 @@ fn warm_lease() {
     assert!(sums.is_empty());
     assert_eq!(cs.verified.load(Ordering::SeqCst), 100);
     assert_eq!(cs.torn.load(Ordering::SeqCst), 0);
+    // How often depends on how soon the server thread runs (the machine's load): reported, not
+    // asserted. The warm choice itself is asserted below, where no timing decides it.
     println!("  the slot submitted last was leased again {reused} times of 99");
-    assert!(reused > 0, "the warm slot was never leased again");
     // The server now holds this producer's next tensor: the lease after it must take another
     // slot (after at most the warm wait), and so must the next ones.
     *cs.hold_from.lock().unwrap() = Some(("warm".into(), 1));
@@ -793,6 +794,49 @@ fn warm_lease() {
         p.recv_result(PATIENCE).unwrap();
     }
     assert_eq!(cs.held.lock().unwrap().len(), 1);
+
+    // On a fresh producer: slot W, submitted last, comes back before slot H (held by the server,
+    // then answered), so a plain last-in-first-out lease would take H. The warm lease takes W.
+    let mut cfg = ProducerConfig::new("warm-order");
+    cfg.slots = 4;
+    cfg.slot_size = tensorport::WARM_MIN_SLOT;
+    cfg.warm_wait = Duration::from_secs(1);
+    let mut q = Producer::connect(&sock, cfg).unwrap();
+    *cs.hold_from.lock().unwrap() = Some(("warm-order".into(), 1));
+    let (mut h, mut w) = (q.loan(PATIENCE).unwrap(), q.loan(PATIENCE).unwrap());
+    let (hs, ws) = (h.slot().slot, w.slot().slot);
+    fill(2000, &mut h.bytes_mut()[..4096]);
+    fill(2001, &mut w.bytes_mut()[..4096]);
+    let hid = q.submit_loan(h, &spec).unwrap();
+    let wid = q.submit_loan(w, &spec).unwrap();
+    assert_eq!(q.recv_result(PATIENCE).unwrap().request_id, wid);
+    let held = {
+        let mut held = cs.held.lock().unwrap();
+        let k = held
+            .iter()
+            .position(|r| r.producer() == "warm-order")
+            .expect("the server holds H");
+        held.remove(k)
+    };
+    let answer = encode_answer(
+        checksum(held.bytes()),
+        held.desc().numel(),
+        held.desc().dtype(),
+    );
+    held.respond(&answer).unwrap();
+    assert_eq!(q.recv_result(PATIENCE).unwrap().request_id, hid);
+    // Both slots granted back (each grant follows its result).
+    let deadline = Instant::now() + PATIENCE;
+    while q.free_slots() < 4 {
+        assert!(Instant::now() < deadline, "the slots were not granted back");
+        q.poll().unwrap();
+    }
+    let l = q.lease(PATIENCE).unwrap();
+    assert_eq!(
+        l.slot().slot,
+        ws,
+        "the warm slot, not {hs} (given back last)"
+    );
 }
 
 /// A server that lies: it grants a slot past the pool it sent. The producer refuses the grant
