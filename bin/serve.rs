@@ -111,6 +111,9 @@ fn run_cuda(a: Args, ordinal: u32) -> CliResult<ExitCode> {
         pin: Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone()))),
         device: Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu.clone()))),
     };
+    // GPU producers' tensors of a batch are fenced and copied together; the copy kernel is
+    // compiled once and launched from every worker (launches are thread-safe).
+    let gatherer = Arc::new(tensorport_cuda::Gatherer::new(&gpu));
     // Each worker thread builds its own dfdx device and copy stream (neither may be shared).
     serve_on(a, hooks, &move || {
         let dev = Cuda::try_build(ordinal as usize, seed).map_err(|e| {
@@ -121,8 +124,7 @@ fn run_cuda(a: Args, ordinal: u32) -> CliResult<ExitCode> {
         let norm = tensorport_cuda::GpuNormaliser::new(&gpu, tensorport_dfdx::normaliser().table())
             .map_err(cuda)?;
         let norm = std::sync::Mutex::new(norm);
-        // GPU producers' tensors of a batch are fenced and copied together.
-        let gatherer = tensorport_cuda::Gatherer::new(&gpu);
+        let gatherer = gatherer.clone();
         let stack: Box<StackFn<Cuda>> = Box::new(move |dev: &Cuda, reqs: &[Request], shape| {
             let mut norm = norm.lock().unwrap_or_else(|p| p.into_inner());
             tensorport_dfdx::gather_on_device(dev, &stream, &mut norm, &gatherer, reqs, shape)
