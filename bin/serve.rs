@@ -64,6 +64,11 @@ pub struct Args {
     /// the slots with --slot-size.
     #[arg(long)]
     pub sink: bool,
+    /// GPU producers' device tensors (--device cuda): milliseconds a batch waits for a
+    /// producer's "ready" fence. A tensor still not signalled then is failed (FenceTimeout) and
+    /// its producer's session ended, so a producer that never signals cannot stall the others.
+    #[arg(long, default_value_t = 10_000, value_name = "MS")]
+    pub fence_timeout_ms: u64,
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
@@ -107,6 +112,7 @@ fn run_cuda(a: Args, ordinal: u32) -> CliResult<ExitCode> {
         e => cuda(e),
     })?;
     let seed = a.model.seed;
+    let fence_timeout = Duration::from_millis(a.fence_timeout_ms.max(1));
     let hooks = Hooks {
         pin: Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone()))),
         device: Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu.clone()))),
@@ -127,7 +133,15 @@ fn run_cuda(a: Args, ordinal: u32) -> CliResult<ExitCode> {
         let gatherer = gatherer.clone();
         let stack: Box<StackFn<Cuda>> = Box::new(move |dev: &Cuda, reqs: &[Request], shape| {
             let mut norm = norm.lock().unwrap_or_else(|p| p.into_inner());
-            tensorport_dfdx::gather_on_device(dev, &stream, &mut norm, &gatherer, reqs, shape)
+            tensorport_dfdx::gather_on_device(
+                dev,
+                &stream,
+                &mut norm,
+                &gatherer,
+                reqs,
+                shape,
+                fence_timeout,
+            )
         });
         Ok((dev, stack))
     })
@@ -292,10 +306,18 @@ fn worker_loop<D: Device<f32>>(
         // The batch owns a copy of the pixels now: give the slots back before the model runs.
         let mut responders: Vec<Option<tensorport::Responder>> =
             batch.into_iter().map(|r| Some(r.release())).collect();
+        // (Before the results: a late device tensor's row is in the input, but it gets this.)
         for (i, e) in stacked.rejected {
             tracing::warn!("{e}");
             if let Some(r) = responders[i].take() {
-                let _ = r.fail(e.to_string());
+                let _ = match e {
+                    // The producer broke the hand-off: its session ends.
+                    tensorport_dfdx::Error::FenceTimeout { .. } => r.fail_and_end_session(
+                        tensorport::wire::ErrorCode::FenceTimeout,
+                        e.to_string(),
+                    ),
+                    e => r.fail(e.to_string()),
+                };
             }
         }
         let mut model_time = Duration::ZERO;

@@ -621,10 +621,12 @@ class Loader:
             last = time.monotonic()
             # One copy, made by the extension without the GIL: each slot into its row. A file a
             # dead producer handed over just before its replacement did is kept once.
-            rows = [r for r, (rid, _) in enumerate(got) if rid not in done]
-            indices = np.array([got[r][0] for r in rows], dtype=np.int64)
-            if len(rows) == len(got):
-                images = images[:len(got)]
+            # (A row the extension left out, a GPU producer's that never signalled its tensor
+            # ready, is not in `got`: rows go by the k it gives, not by place.)
+            rows = [k for rid, k in got if rid not in done]
+            indices = np.array([rid for rid, _ in got if rid not in done], dtype=np.int64)
+            if rows == list(range(len(rows))):
+                images = images[:len(rows)]
             elif self.device is not None:
                 import torch
 

@@ -234,6 +234,18 @@ impl Driver {
         })
     }
 
+    /// `cuStreamQuery`: whether all work enqueued on `s` has run (`false`: some is pending).
+    ///
+    /// # Safety
+    /// `s` must be a live stream of the current context.
+    pub unsafe fn stream_query(&self, s: sys::CUstream) -> Result<bool> {
+        // SAFETY: the caller's contract.
+        match unsafe { sys::cuStreamQuery(s) } {
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuStreamQuery", r).map(|()| true),
+        }
+    }
+
     /// `cuStreamDestroy`.
     ///
     /// # Safety
@@ -274,6 +286,25 @@ impl Driver {
         // SAFETY: the caller's contract.
         check("cuMemcpyDtoH", unsafe {
             sys::cuMemcpyDtoH_v2(dst.cast(), src, len)
+        })
+    }
+
+    /// `cuMemcpyDtoHAsync` on `s` (from pageable memory the call returns once the copy has
+    /// run).
+    ///
+    /// # Safety
+    /// `dst..dst+len` must be writable host memory that stays valid until the copy has run on
+    /// `s`; `src..src+len` device memory of this context; `s` live.
+    pub unsafe fn memcpy_dtoh_async(
+        &self,
+        dst: *mut u8,
+        src: sys::CUdeviceptr,
+        len: usize,
+        s: sys::CUstream,
+    ) -> Result<()> {
+        // SAFETY: the caller's contract.
+        check("cuMemcpyDtoHAsync", unsafe {
+            sys::cuMemcpyDtoHAsync_v2(dst.cast(), src, len, s)
         })
     }
 

@@ -55,7 +55,7 @@ struct Copies {
 /// [`Gatherer::gather`]). One per server GPU; the kernel is compiled once, in
 /// [`Gatherer::new`].
 pub struct Gatherer {
-    gpu: Arc<Gpu>,
+    pub(crate) gpu: Arc<Gpu>,
     /// `None` where NVRTC cannot be loaded: the copies then go through the driver one by one.
     kernel: Option<Kernel>,
 }
@@ -131,10 +131,12 @@ impl Gatherer {
         let mut ops = Vec::with_capacity(tensors.len().min(MAX_MEM_OPS));
         for t in tensors {
             match timeline(t, &self.gpu) {
-                Some((imp, v)) => ops.push(MemOp::WaitGeq {
-                    addr: imp.ptr + imp.len,
+                Some((imp, v)) if imp.await_ready(v) => ops.push(MemOp::WaitGeq {
+                    addr: imp.ready_addr(),
                     value: v,
                 }),
+                // Abandoned: nobody would signal it.
+                Some(_) => {}
                 // SAFETY: the caller's contract for `stream`.
                 None => unsafe { t.wait_ready(raw) }.map_err(fence_err)?,
             }
@@ -163,7 +165,7 @@ impl Gatherer {
             match timeline(t, &self.gpu) {
                 Some((imp, v)) => {
                     ops.push(MemOp::Write {
-                        addr: imp.ptr + imp.len + 8,
+                        addr: imp.released_addr(),
                         value: v,
                     });
                     if !closing.iter().any(|c| std::ptr::eq(*c, imp)) {
@@ -187,7 +189,7 @@ impl Gatherer {
     }
 
     /// Binds our context, and refuses a stream of another GPU.
-    fn check_stream(&self, stream: &Stream) -> Result<()> {
+    pub(crate) fn check_stream(&self, stream: &Stream) -> Result<()> {
         if !Arc::ptr_eq(stream.gpu(), &self.gpu) {
             return Err(Error::ForeignStream("the gatherer"));
         }
@@ -250,7 +252,7 @@ fn fence_err(e: String) -> Error {
 
 /// A tensor whose fence is a timeline semaphore of a buffer our importer opened in `gpu`'s
 /// context, with the value to wait for; `None` for the others (fenced one by one).
-fn timeline<'a>(t: &'a DeviceTensor, gpu: &Arc<Gpu>) -> Option<(&'a Imported, u64)> {
+pub(crate) fn timeline<'a>(t: &'a DeviceTensor, gpu: &Arc<Gpu>) -> Option<(&'a Imported, u64)> {
     let any: &dyn Any = t.buffer();
     let imp = any.downcast_ref::<Imported>()?;
     let v = t.timeline()?;

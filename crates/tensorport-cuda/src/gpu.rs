@@ -335,6 +335,12 @@ impl Stream {
         // SAFETY: `raw` lives until `drop`; its context is bound.
         unsafe { self.gpu.driver.stream_sync(self.raw) }
     }
+    /// Whether all work enqueued so far has run (no wait).
+    pub fn is_idle(&self) -> Result<bool> {
+        self.gpu.bind()?;
+        // SAFETY: `raw` lives until `drop`; its context is bound.
+        unsafe { self.gpu.driver.stream_query(self.raw) }
+    }
     /// Copies `src` to device address `dst` on this stream (asynchronously; from pinned memory,
     /// e.g. a registered pool slot, this is a DMA).
     ///

@@ -7,7 +7,7 @@
 //! is `crate::GpuProducer` (`gpu_producer.rs`).
 
 use std::ffi::c_void;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys;
@@ -69,6 +69,34 @@ pub(crate) struct Imported {
     release_handle: Vec<u8>,
     /// VMM imports: the allocation handle and the mapped size; legacy IPC imports: `None`.
     vmm: Option<(sys::CUmemGenericAllocationHandle, usize)>,
+    /// Timeline mode: the highest "ready" value a server stream was made to wait for.
+    awaited: AtomicU64,
+    /// The producer's session ended: its "ready" fence is not waited on any more (`abandon`).
+    abandoned: AtomicBool,
+}
+
+impl Imported {
+    /// The "ready" semaphore (timeline mode): right after the registered bytes.
+    pub(crate) fn ready_addr(&self) -> sys::CUdeviceptr {
+        self.ptr + self.len
+    }
+
+    /// The "released" semaphore (timeline mode): after the "ready" one.
+    pub(crate) fn released_addr(&self) -> sys::CUdeviceptr {
+        self.ptr + self.len + 8
+    }
+
+    /// Whether a server stream should wait for "ready" to reach `value` (not once the buffer
+    /// is abandoned: nobody would signal it); notes the value, for [`Imported::abandon`].
+    pub(crate) fn await_ready(&self, value: u64) -> bool {
+        self.awaited.fetch_max(value, Ordering::SeqCst);
+        !self.abandoned.load(Ordering::SeqCst)
+    }
+
+    /// The highest "ready" value a server stream waited for.
+    pub(crate) fn awaited(&self) -> u64 {
+        self.awaited.load(Ordering::SeqCst)
+    }
 }
 
 // SAFETY: the handles are identifiers usable from any thread once the context is bound, which
@@ -150,6 +178,8 @@ impl DeviceImporter for CudaImporter {
             release: std::ptr::null_mut(),
             release_handle: Vec::new(),
             vmm,
+            awaited: AtomicU64::new(0),
+            abandoned: AtomicBool::new(false),
         };
         LIVE_IMPORTS.fetch_add(1, Ordering::SeqCst);
         // From here `made` cleans up whatever was opened if a later step fails.
@@ -205,9 +235,10 @@ impl ImportedDevice for Imported {
         unsafe {
             match (self.fence, value) {
                 (Fence::Event, None) => d.stream_wait_event(stream.cast(), self.ready),
-                (Fence::Timeline, Some(v)) => {
-                    d.stream_wait_value64(stream.cast(), self.ptr + self.len, v)
+                (Fence::Timeline, Some(v)) if self.await_ready(v) => {
+                    d.stream_wait_value64(stream.cast(), self.ready_addr(), v)
                 }
+                (Fence::Timeline, Some(_)) => Ok(()),
                 _ => return Err("the fence does not match the buffer's kind".into()),
             }
         }
@@ -225,12 +256,25 @@ impl ImportedDevice for Imported {
             match (self.fence, value) {
                 (Fence::Event, None) => d.event_record(self.release, stream.cast()),
                 (Fence::Timeline, Some(v)) => d
-                    .stream_write_value64(stream.cast(), self.ptr + self.len + 8, v)
+                    .stream_write_value64(stream.cast(), self.released_addr(), v)
                     .and_then(|()| d.event_record(self.release, stream.cast())),
                 _ => return Err("the fence does not match the buffer's kind".into()),
             }
         }
         .map_err(|e| e.to_string())
+    }
+    fn abandon(&self) {
+        if self.abandoned.swap(true, Ordering::SeqCst) || self.fence != Fence::Timeline {
+            // Event fences cannot be signalled from here (see `stall.rs`).
+            return;
+        }
+        match crate::stall::let_through_abandoned(self) {
+            Ok(Some((was, now))) => tracing::warn!(
+                "a gone producer's buffer was still awaited (ready {was}, awaited {now}): its wait was let through"
+            ),
+            Ok(None) => {}
+            Err(e) => tracing::error!("letting a gone producer's fence through failed: {e}"),
+        }
     }
 }
 

@@ -12,7 +12,8 @@
 //! - [`CudaImporter`] and [`GpuProducer`]: the device path, over legacy CUDA IPC, with an event
 //!   as the fence in each direction.
 //! - [`Gatherer`]: a batch of device tensors copied into the server's memory with one batched
-//!   wait, one kernel launch and one batched release.
+//!   wait, one kernel launch and one batched release; [`Gatherer::synchronize`] waits for the
+//!   batch without letting a producer that never signals stall the server.
 //! - [`ExternalDevice`]: tensors another library allocated (PyTorch's caching allocator) handed
 //!   over in place, their allocations found and registered through the driver.
 //! - [`GpuJpeg`]: JPEG batches decoded with nvJPEG (the GPU's hardware decoder where it has
@@ -33,6 +34,7 @@ mod jpeg;
 mod kernel;
 mod normalise;
 pub mod nvjpeg;
+mod stall;
 
 pub use cudarc::driver::sys;
 pub use driver::Driver;
@@ -46,6 +48,7 @@ pub use gpu_producer::GpuProducer;
 pub use ipc::{live_imports, CudaImporter, Fence};
 pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegWindow};
 pub use normalise::GpuNormaliser;
+pub use stall::DEFAULT_FENCE_TIMEOUT;
 
 use thiserror::Error;
 
@@ -85,6 +88,11 @@ pub enum Error {
         "the stream belongs to another GPU than {0}'s: pass a stream of the GPU it was made for"
     )]
     ForeignStream(&'static str),
+    /// A stream still had not run its work a fence timeout after every late timeline fence
+    /// of its tensors was let through: it waits on something this crate cannot signal (an
+    /// event-fenced producer's, or a wait enqueued for tensors not passed in).
+    #[error("the stream is still stalled {0:?} after its late timeline fences were let through: it waits on an event-fenced producer, or on tensors not passed to synchronize")]
+    Stalled(std::time::Duration),
     /// The server answered something this crate cannot use (the protocol was broken).
     #[error("the server sent {0}")]
     BadAnswer(&'static str),

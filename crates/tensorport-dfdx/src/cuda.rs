@@ -14,7 +14,9 @@ use crate::{check_shape, Error, Stacked, Tensor4};
 /// slots and buffers may be released as soon as this returns. `u8` images are copied into
 /// `norm`'s staging buffer and normalised into their rows by its kernel. Device tensors of GPU
 /// producers are moved together by `gatherer` (one batched wait, one copy launch, one batched
-/// release). Requests that do not fit the model are listed in `rejected`.
+/// release). Requests that do not fit the model are listed in `rejected`; so is a device
+/// tensor whose producer did not signal it ready within `fence_timeout`
+/// ([`Error::FenceTimeout`]: its row is zeroed, and its producer's session should end).
 pub fn gather_on_device(
     dev: &Cuda,
     stream: &Stream,
@@ -22,6 +24,7 @@ pub fn gather_on_device(
     gatherer: &Gatherer,
     reqs: &[Request],
     shape: [usize; 3],
+    fence_timeout: std::time::Duration,
 ) -> Stacked<Cuda> {
     let mut used = Vec::with_capacity(reqs.len());
     let mut dtypes = Vec::with_capacity(reqs.len());
@@ -47,7 +50,9 @@ pub fn gather_on_device(
     let row_u8 = row / 4;
     let input: Tensor4<Cuda> = dev.zeros_like(&(used.len(), shape[0], shape[1], shape[2]));
     let device_err = |e: String| Error::Device(e);
-    let copied = (|| -> Result<(), Error> {
+    // Device tensors' rows (`k`) and requests (`i`), for those whose fences ran late.
+    let mut device_rows: Vec<(usize, usize)> = Vec::new();
+    let copied = (|| -> Result<Vec<usize>, Error> {
         // The zeros are written on dfdx's stream; our copies must come after them.
         dev.try_synchronize()
             .map_err(|e| device_err(format!("{e:?}")))?;
@@ -84,7 +89,10 @@ pub fn gather_on_device(
                         dt.len()
                     )))
                 }
-                Some(dt) => from_devices.push((dt, to)),
+                Some(dt) => {
+                    device_rows.push((k, i));
+                    from_devices.push((dt, to));
+                }
             }
         }
         // SAFETY: each destination is its request's row of `input` (ours alone) or our staging
@@ -113,14 +121,50 @@ pub fn gather_on_device(
             .map_err(|e| device_err(e.to_string()))?;
             k += run;
         }
-        stream.synchronize().map_err(|e| device_err(e.to_string()))
+        // A producer that never signals must not stall this stream (nor the batch's others).
+        let tensors: Vec<_> = from_devices.iter().map(|c| c.0).collect();
+        gatherer
+            .synchronize(stream, &tensors, fence_timeout)
+            .map_err(|e| device_err(e.to_string()))
     })();
     match copied {
-        Ok(()) => Stacked {
+        Ok(late) if late.is_empty() => Stacked {
             input: Some(input),
             used,
             rejected,
         },
+        Ok(late) => {
+            // Their rows hold whatever the buffers held: zeroed, and their requests failed.
+            let late: Vec<(usize, usize)> = late.iter().map(|&j| device_rows[j]).collect();
+            let zero = vec![0u8; row];
+            for &(k, _) in &late {
+                // SAFETY: row k of `input` (ours alone), `row` bytes; the stream is synchronised
+                // right after.
+                let _ = unsafe {
+                    stream.copy_host_to_device_async(
+                        input.tensorport_device_ptr() + (k * row) as u64,
+                        &zero,
+                    )
+                };
+            }
+            let _ = stream.synchronize();
+            for &(_, i) in &late {
+                rejected.push((
+                    i,
+                    Error::FenceTimeout {
+                        request_id: reqs[i].request_id(),
+                        producer: reqs[i].producer().to_string(),
+                        timeout: fence_timeout,
+                    },
+                ));
+            }
+            // Their rows stay in the input (zeroed), so `used` still lines up row by row.
+            Stacked {
+                input: Some(input),
+                used,
+                rejected,
+            }
+        }
         Err(e) => {
             let msg = e.to_string();
             rejected.extend(used.drain(..).map(|i| (i, Error::Device(msg.clone()))));

@@ -49,6 +49,18 @@ pub enum Error {
     /// The device failed.
     #[error("device error: {0}")]
     Device(String),
+    /// A GPU producer did not signal its device tensor ready within the fence timeout: the
+    /// wait was let through, the row holds no tensor of its; fail the request and end the
+    /// producer's session (`Request::fail_and_end_session`, `ErrorCode::FenceTimeout`).
+    #[error("request {request_id} from {producer}: its device tensor was not signalled ready within {timeout:?}; its session ends")]
+    FenceTimeout {
+        /// The request.
+        request_id: u64,
+        /// Its producer's name.
+        producer: String,
+        /// The fence timeout.
+        timeout: std::time::Duration,
+    },
 }
 
 /// Results of this crate.
@@ -144,7 +156,9 @@ pub struct Stacked<D: Device<f32>> {
     pub input: Option<Tensor4<D>>,
     /// Indices (into the requests given) of the images in `input`, row by row.
     pub used: Vec<usize>,
-    /// Indices of requests that do not fit the model, and why.
+    /// Indices of requests that do not fit the model, and why. A request may be here and in
+    /// `used` (a late device tensor whose row stays in `input`, zeroed): fail it, and skip its
+    /// row's result.
     pub rejected: Vec<(usize, Error)>,
 }
 

@@ -58,7 +58,9 @@ impl Server {
     /// memory at `address` (a torch CUDA tensor the package allocated for it), after the work
     /// already on torch's `stream`; waits for the copies, answers each request with an empty
     /// result (releasing slots and buffers), and returns `(request_id, row k)` for the rows
-    /// written. A request of another size is failed, saying so. The GIL is released throughout.
+    /// written. A request of another size is failed, saying so; so is a GPU producer's tensor
+    /// not signalled ready within `tensorport_cuda::DEFAULT_FENCE_TIMEOUT` (its row is left
+    /// out, and its producer's session ended). The GIL is released throughout.
     #[pyo3(signature = (address, capacity, row, stream, max = 32, timeout = 1.0, max_wait = 0.005))]
     #[allow(clippy::too_many_arguments)]
     fn _recv_into_device(
@@ -92,9 +94,10 @@ impl Server {
             let mut kept = Vec::with_capacity(batch.len());
             let mut written = Vec::with_capacity(batch.len());
             // Device tensors are moved together after the loop (one batched fence wait, one
-            // copy launch, one batched release).
+            // copy launch, one batched release); with the place in `kept` of each.
             let mut from_devices = Vec::new();
-            let mut copy = |r: &tensorport::Request, dst: u64| -> PyResult<()> {
+            let mut device_at = Vec::new();
+            let mut copy = |r: &tensorport::Request, k: usize, dst: u64| -> PyResult<()> {
                 match r.device() {
                     // SAFETY: `dst` is a row of the `capacity` bytes of device memory the
                     // package allocated for this call and holds until it returns; the slot
@@ -108,6 +111,7 @@ impl Server {
                     )),
                     Some(dt) => {
                         from_devices.push((dt.clone(), dst));
+                        device_at.push(k);
                         Ok(())
                     }
                 }
@@ -119,7 +123,7 @@ impl Server {
                 };
                 let k = written.len();
                 if failed.is_none() {
-                    if let Err(e) = copy(&r, address + (k * row) as u64) {
+                    if let Err(e) = copy(&r, k, address + (k * row) as u64) {
                         failed = Some(e);
                     }
                 }
@@ -137,17 +141,38 @@ impl Server {
                     failed = Some(cuda_err(e));
                 }
             }
-            // The copies read the slots and buffers: they are answered (released) only after.
-            let synced = ours.synchronize().map_err(cuda_err);
-            if let Some(e) = failed.or(synced.err()) {
-                // Dropped unanswered: each producer gets a failure for its request.
-                drop(kept);
-                return Err(e);
+            // The copies read the slots and buffers: they are answered (released) only after. A
+            // producer that never signals its tensor ready does not stall the rest: its wait is
+            // let through after the fence timeout, and its row left out.
+            let tensors: Vec<_> = from_devices.iter().map(|(t, _)| t).collect();
+            let synced = gatherer
+                .synchronize(ours, &tensors, tensorport_cuda::DEFAULT_FENCE_TIMEOUT)
+                .map_err(cuda_err);
+            let late = match (failed, synced) {
+                (None, Ok(late)) => late,
+                (Some(e), _) | (None, Err(e)) => {
+                    // Dropped unanswered: each producer gets a failure for its request.
+                    drop(kept);
+                    return Err(e);
+                }
+            };
+            let late: Vec<usize> = late.iter().map(|&j| device_at[j]).collect();
+            let mut rows = Vec::with_capacity(written.len());
+            for (k, (r, w)) in kept.into_iter().zip(written).enumerate() {
+                if late.contains(&k) {
+                    let _ = r.fail_and_end_session(
+                        tensorport::wire::ErrorCode::FenceTimeout,
+                        format!(
+                            "the device tensor was not signalled ready within {:?}",
+                            tensorport_cuda::DEFAULT_FENCE_TIMEOUT
+                        ),
+                    );
+                } else {
+                    let _ = r.respond(&[]);
+                    rows.push(w);
+                }
             }
-            for r in kept {
-                let _ = r.respond(&[]);
-            }
-            Ok(written)
+            Ok(rows)
         })
     }
 

@@ -54,6 +54,9 @@ pub enum ErrorCode: u16 {
     /// The pool asked for is over the per-session cap, or the server's memory budget for pools
     /// is spent.
     MemoryBudget = 23,
+    /// A device tensor's "ready" fence was not signalled within the server's fence timeout: its
+    /// request failed and the session ends (its stalled wait would hold up other producers).
+    FenceTimeout = 24,
     /// A code this version does not know (kept as received).
     Unknown = 0xFFFF,
 }

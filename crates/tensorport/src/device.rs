@@ -98,6 +98,13 @@ pub trait ImportedDevice: Send + Sync + std::any::Any {
         stream: *mut c_void,
         value: Option<u64>,
     ) -> std::result::Result<(), String>;
+    /// The producer's session ended: nobody signals this buffer's "ready" fence any more. A
+    /// server stream still waiting on it must be let through (else it would wait for good, and
+    /// every tensor behind the wait with it), and later waits on it skipped. The bytes then
+    /// read are whatever the buffer held; their requests cannot be answered anyway. The server
+    /// calls this for every device buffer of a session that ends, cleanly or not; the default
+    /// does nothing (for importers whose fences cannot stall).
+    fn abandon(&self) {}
 }
 
 /// A submitted tensor in a producer's device buffer, as the consumer sees it.

@@ -172,6 +172,16 @@ pub(crate) fn close_session(shared: &Shared, session: &Arc<Session>, clean: bool
         shard.ring_generation.fetch_add(1, Ordering::SeqCst);
     }
     session.outbox.close();
+    // Nobody signals this producer's device fences any more: waits still pending on them are
+    // let through (outside the lock: that takes driver calls).
+    let devices: Vec<_> = lock(&session.state)
+        .devices
+        .values()
+        .map(|d| d.imported.clone())
+        .collect();
+    for d in devices {
+        d.abandon();
+    }
     let st = session.status();
     if clean {
         tracing::info!(session = session.id, producer = %session.name, "producer left");

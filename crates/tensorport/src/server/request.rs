@@ -119,6 +119,15 @@ impl Request {
         self.settle(Answer::Failed(ErrorCode::HandlerFailed, message.into()))
     }
 
+    /// Fails the request with `code` and ends its producer's session, telling it why (a fatal
+    /// error): for a producer that broke its side of the contract in a way only the consumer
+    /// sees, such as a device tensor whose "ready" fence never came
+    /// ([`ErrorCode::FenceTimeout`], see `tensorport_cuda::Gatherer::synchronize`). The
+    /// session is reclaimed as after a crash; other producers are not touched.
+    pub fn fail_and_end_session(self, code: ErrorCode, message: impl Into<String>) -> Result<()> {
+        self.release().fail_and_end_session(code, message)
+    }
+
     /// For [`crate::Server::respond_all`], a host tensor's request only: takes the answering
     /// over (this request's drop then does nothing) and says what to answer and give back.
     pub(crate) fn hand_over(&mut self) -> (u64, Option<SlotRef>) {
@@ -212,6 +221,19 @@ impl Responder {
     /// Sends a failure as the result.
     pub fn fail(mut self, message: impl Into<String>) -> Result<()> {
         self.settle(Answer::Failed(ErrorCode::HandlerFailed, message.into()))
+    }
+
+    /// Fails the request with `code` and ends its producer's session, as
+    /// [`Request::fail_and_end_session`] does.
+    pub fn fail_and_end_session(
+        mut self,
+        code: ErrorCode,
+        message: impl Into<String>,
+    ) -> Result<()> {
+        let message = message.into();
+        let answered = self.settle(Answer::Failed(code, message.clone()));
+        self.session.close_with(&self.shared, code, message);
+        answered
     }
 }
 

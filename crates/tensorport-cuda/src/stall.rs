@@ -1,0 +1,146 @@
+//! Producers that never signal. A timeline-fenced tensor's wait (`cuStreamWaitValue64`) has no
+//! timeout: a producer that submits a value it never writes (a bug, a hostile peer, or one
+//! killed before its GPU got there) would stall the server's stream for good, and every other
+//! producer's tensor behind the wait with it. The server gets out two ways:
+//!
+//! - [`Gatherer::synchronize`] waits for a stream at most a fence timeout; a tensor whose
+//!   "ready" semaphore is still short of its value then is let through (the server writes the
+//!   awaited value into it from a side stream, which no wait blocks) and reported, so that its
+//!   request is failed and its producer's session ended
+//!   (`tensorport::Request::fail_and_end_session` with `ErrorCode::FenceTimeout`).
+//! - When a session ends, the server abandons its buffers (`ImportedDevice::abandon`): a wait
+//!   still pending on one is let through at once, and later ones are not enqueued.
+//!
+//! A tensor let through holds whatever its buffer held: its request is never answered with a
+//! result. Event-fenced buffers (legacy IPC events) cannot be signalled from another process;
+//! a stream stalled on one stays stalled ([`crate::Error::Stalled`]).
+
+use std::time::{Duration, Instant};
+
+use tensorport::DeviceTensor;
+
+use crate::gather::timeline;
+use crate::ipc::Imported;
+use crate::{Error, Gatherer, Result, Stream};
+
+/// How long a server waits by default for a producer's "ready" fence before it lets the wait
+/// through and ends the producer's session: far beyond any honest producer's GPU work between
+/// its submit and its signal, short enough that the other producers recover.
+pub const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Polling the stream: with a yield between looks for this long, then with short sleeps.
+const SPIN: Duration = Duration::from_millis(2);
+const NAP: Duration = Duration::from_micros(50);
+
+impl Gatherer {
+    /// Waits until `stream` has run its work, as [`Stream::synchronize`] does, but lets no
+    /// producer stall it: if the stream has not run by `timeout`, every timeline-fenced tensor
+    /// of `tensors` whose producer has not yet signalled it ready is let through (see the
+    /// module's notes), and the stream is given another `timeout`. Returns the indices in
+    /// `tensors` of those let through: their bytes are not the producer's tensor; fail their
+    /// requests and end their sessions (`Request::fail_and_end_session`).
+    ///
+    /// `tensors` must name every device tensor the stream was made to wait for since it last
+    /// ran dry (a batch's). Fails with [`Error::Stalled`] if the stream still has not run after
+    /// the second `timeout` (it waits on an event fence, or on a tensor not passed here).
+    pub fn synchronize(
+        &self,
+        stream: &Stream,
+        tensors: &[&DeviceTensor],
+        timeout: Duration,
+    ) -> Result<Vec<usize>> {
+        self.check_stream(stream)?;
+        let start = Instant::now();
+        let mut deadline = start + timeout;
+        let mut let_through: Option<Vec<usize>> = None;
+        loop {
+            if stream.is_idle()? {
+                return Ok(let_through.unwrap_or_default());
+            }
+            let now = Instant::now();
+            if now >= deadline {
+                if let_through.is_some() {
+                    return Err(Error::Stalled(now - start));
+                }
+                let_through = Some(self.let_late_through(tensors)?);
+                deadline = now + timeout;
+                continue;
+            }
+            if now - start < SPIN {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(NAP);
+            }
+        }
+    }
+
+    /// Lets through every timeline-fenced tensor of `tensors` whose "ready" semaphore is short
+    /// of its value; returns their indices.
+    fn let_late_through(&self, tensors: &[&DeviceTensor]) -> Result<Vec<usize>> {
+        let side = Stream::new(&self.gpu)?;
+        let mut late = Vec::new();
+        for (i, t) in tensors.iter().enumerate() {
+            if let Some((imp, v)) = timeline(t, &self.gpu) {
+                let now = ready_value(&side, imp)?;
+                if now < v {
+                    tracing::warn!(
+                        ready = now,
+                        awaited = v,
+                        "a producer's device tensor was not signalled ready in time: letting its wait through"
+                    );
+                    signal_ready(&side, imp, v)?;
+                    late.push(i);
+                }
+            }
+        }
+        side.synchronize()?;
+        Ok(late)
+    }
+}
+
+/// For an abandoned buffer (its producer's session ended): if a server stream was made to wait
+/// for a "ready" value the semaphore has not reached, writes that value. Returns the value
+/// found and the one written, if it wrote.
+pub(crate) fn let_through_abandoned(imp: &Imported) -> Result<Option<(u64, u64)>> {
+    let awaited = imp.awaited();
+    if awaited == 0 {
+        return Ok(None);
+    }
+    let side = Stream::new(&imp.gpu)?;
+    let now = ready_value(&side, imp)?;
+    if now >= awaited {
+        return Ok(None);
+    }
+    signal_ready(&side, imp, awaited)?;
+    side.synchronize()?;
+    Ok(Some((now, awaited)))
+}
+
+/// The buffer's "ready" semaphore as it is now, read on `side` (a stream of the buffer's
+/// context that no fence wait blocks).
+fn ready_value(side: &Stream, imp: &Imported) -> Result<u64> {
+    let mut v = [0u8; 8];
+    // SAFETY: the semaphore is the 8 bytes after the registered ones, inside the allocation
+    // (checked at import) and open while `imp` lives; `v` is 8 writable bytes that outlive
+    // the copy (synchronised before it is read).
+    unsafe {
+        imp.gpu.driver().memcpy_dtoh_async(
+            v.as_mut_ptr(),
+            imp.ready_addr(),
+            8,
+            side.raw().cast(),
+        )?;
+    }
+    side.synchronize()?;
+    Ok(u64::from_le_bytes(v))
+}
+
+/// Writes `value` into the buffer's "ready" semaphore on `side`.
+fn signal_ready(side: &Stream, imp: &Imported, value: u64) -> Result<()> {
+    // SAFETY: as in `ready_value`; `side` is a live stream of the buffer's context.
+    unsafe {
+        imp.gpu
+            .driver()
+            .stream_write_value64(side.raw().cast(), imp.ready_addr(), value)
+    }
+}
