@@ -49,6 +49,10 @@ fn main() {
                 "large_slots_leased_warm_intact_and_a_held_slot_blocks_no_lease",
                 warm_lease,
             ),
+            (
+                "paced_producer_stays_within_its_window_of_the_slowest",
+                paced_producers,
+            ),
         ],
         child,
     );
@@ -891,4 +895,83 @@ fn bad_grant() {
         "expected the bad grant refused by name, got: {e}"
     );
     liar.join().unwrap();
+}
+
+/// Fair pacing (`ServerConfig::pace`): a fast producer gets at most `window` slots granted back
+/// ahead of the slowest active one; each request the slow one gets answered lets it one further;
+/// once the slow one leaves, every held slot comes back. No step depends on timing: each result
+/// carries its slot's grant (or not), so the counts below are exact.
+fn paced_producers() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.slots_per_session = 4;
+    // Idle only after ten minutes: the slow producer stays active throughout.
+    cfg.pace = Some(tensorport::Pace {
+        window: 4,
+        idle: Duration::from_secs(600),
+    });
+    let cs = CheckingServer::start(cfg);
+    let spec = TensorSpec::new(DType::U8, &[4096]);
+    let producer = |name: &str| {
+        let mut c = ProducerConfig::new(name);
+        c.slots = 4;
+        c.slot_size = 4096;
+        Producer::connect(&sock, c).unwrap()
+    };
+    let one = |p: &mut Producer, i: u64| {
+        let mut l = p.lease(PATIENCE).unwrap();
+        fill(i, &mut l.bytes_mut()[..4096]);
+        l.submit(&spec).unwrap();
+        let c = p.recv_result(PATIENCE).unwrap();
+        assert!(c.result.is_ok(), "{:?}", c.result);
+    };
+    let slots_back = |p: &mut Producer, n: usize, what: &str| {
+        let deadline = Instant::now() + PATIENCE;
+        while p.free_slots() < n {
+            assert!(Instant::now() < deadline, "{what}: {} free", p.free_slots());
+            p.poll().unwrap();
+            std::thread::sleep(Duration::from_millis(1));
+        }
+    };
+    let mut slow = producer("slow");
+    let mut fast = producer("fast");
+    slots_back(&mut fast, 4, "the first grants");
+    one(&mut slow, 0);
+    // The fast one, one request at a time, while it has a slot: its 4 own, then one per grant
+    // the pacer lets through (4, or 5 if the floor moved up to the slow one's first grant
+    // meanwhile).
+    let mut sent = 0;
+    while fast.free_slots() > 0 {
+        one(&mut fast, 100 + sent);
+        sent += 1;
+        assert!(sent <= 9, "the fast producer ran past its window");
+    }
+    assert!(
+        sent >= 8,
+        "{sent} requests: held back before its window was spent"
+    );
+    // Each answer to the slow one lets the fast one one request further.
+    for k in 1..=3u64 {
+        one(&mut slow, k);
+        slots_back(&mut fast, 1, "no slot back after an answer to the slow one");
+        assert_eq!(fast.free_slots(), 1, "one slot per answer to the slow one");
+        one(&mut fast, 200 + k);
+        sent += 1;
+        assert_eq!(fast.free_slots(), 0);
+    }
+    // The slow one leaves: nobody holds the fast one back.
+    slow.close().unwrap();
+    slots_back(
+        &mut fast,
+        4,
+        "held slots not given back after the slow one left",
+    );
+    for i in 0..20 {
+        one(&mut fast, 300 + i);
+    }
+    assert_eq!(cs.torn.load(Ordering::SeqCst), 0);
+    println!(
+        "  the fast producer: {} requests within the window, one per answer to the slow one, 20 more once it left",
+        sent - 3
+    );
 }

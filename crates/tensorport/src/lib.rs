@@ -37,6 +37,6 @@ pub use producer::{
     Completion, Loan, Producer, ProducerConfig, RemoteError, SlotLease, TensorSpec, WARM_MIN_SLOT,
     WARM_SKIP_AFTER_MISS,
 };
-pub use server::{protocol_version, Request, Responder, Server, ServerConfig};
+pub use server::{protocol_version, Pace, Request, Responder, Server, ServerConfig};
 pub use tensorport_shm::{HostPool, PinHook, PinRegistration};
 pub use tensorport_wire::{self as wire, DType, StatusReport, TensorDesc};

@@ -88,6 +88,12 @@ pub struct Args {
     /// the library's.
     #[arg(long, value_name = "MICROSECONDS")]
     pub warm_wait_us: Option<u64>,
+    /// tensorport's server paces its producers (`ServerConfig::pace`): a producer this many
+    /// grants ahead of the slowest active one gets no slot back until that one catches up.
+    /// Evens the producers' shares out where their fills run at different speeds, at the cost
+    /// of the fast ones' time. 0 (the default): no pacing.
+    #[arg(long, value_name = "GRANTS", default_value_t = 0)]
+    pub pace_window: u32,
     /// (internal) run as a benchmark child.
     #[arg(long, hide = true, value_enum)]
     pub role: Option<Role>,
@@ -146,6 +152,8 @@ struct Ctx {
     respond_each: bool,
     /// `--warm-wait-us`.
     warm_wait_us: Option<u64>,
+    /// `--pace-window`.
+    pace_window: u32,
 }
 
 /// The allowed CPUs ordered so that each physical core's first hardware thread comes before any
@@ -424,13 +432,18 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         spread,
         respond_each: a.respond_each,
         warm_wait_us: a.warm_wait_us,
+        pace_window: a.pace_window,
     };
     let pinning = match cx.cpus {
         Some((c, p)) => format!("pinned: consumer to CPU {c}, producer to CPU {p}"),
         None => "unpinned".into(),
     };
+    let paced = match a.pace_window {
+        0 => String::new(),
+        w => format!("; tensorport's server paces its producers (window {w})"),
+    };
     println!(
-        "tensorport-bench — {cores} cores; throughput: median of {} runs of {} s per cell; {} round trips per latency cell; one producer {pinning}",
+        "tensorport-bench — {cores} cores; throughput: median of {} runs of {} s per cell; {} round trips per latency cell; one producer {pinning}{paced}",
         a.repeat.max(1),
         a.seconds,
         a.round_trips,

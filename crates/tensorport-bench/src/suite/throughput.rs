@@ -74,6 +74,9 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
     cfg.slot_size = size as u64;
     cfg.spin = FOREVER;
     cfg.consumers = consumers.max(1);
+    if cx.pace_window > 0 {
+        cfg.pace = Some(tensorport::Pace::new(cx.pace_window));
+    }
     let server = Server::bind(cfg)?;
     let target = sock.to_string_lossy();
     let mut kids = cx.streamers(Role::TpStream, &target, size, n, kid)?;

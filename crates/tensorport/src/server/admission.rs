@@ -205,6 +205,7 @@ pub(crate) fn open_session(
             ),
             submitted: 0,
             last_active: Instant::now(),
+            share: Default::default(),
             completed: 0,
             errors: 0,
         }),
@@ -269,6 +270,9 @@ pub(crate) fn open_session(
         unregister();
         return Err(handshake_write(e));
     }
+    // Counted, like every later socket message, so a producer on the queues that only polls
+    // (`Producer::poll`) reads the first grants too.
+    session.note_socket_write();
     // From here the reservation is released by `close_session`.
     reservation.1 = false;
     shared
@@ -391,6 +395,9 @@ pub(crate) fn admit_locked(
         }
         st.in_flight.insert(request_id);
         st.submitted += 1;
+        if let Some(p) = &shared.pacer {
+            st.share.submitted(Instant::now(), p.floor(), &p.pace);
+        }
     }
     Ok(Request {
         desc,

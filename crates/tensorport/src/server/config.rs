@@ -7,6 +7,7 @@ use std::time::Duration;
 use tensorport_shm::PinHook;
 
 use crate::device::DeviceImporter;
+use crate::server::pace::Pace;
 
 /// How a server is set up. [`ServerConfig::new`] gives sensible defaults.
 #[derive(Clone)]
@@ -61,6 +62,10 @@ pub struct ServerConfig {
     /// How long [`crate::Server::recv_timeout`] polls the queues before it sleeps on the doorbells:
     /// longer spins cost CPU and save the wake-up (a few microseconds) when work comes soon.
     pub spin: Duration,
+    /// Fair pacing: hold back the slots of producers that run ahead of the slowest active one
+    /// (see [`Pace`]); `None` (the default): every slot is granted back as soon as its request
+    /// is answered.
+    pub pace: Option<Pace>,
 }
 
 impl std::fmt::Debug for ServerConfig {
@@ -101,6 +106,7 @@ impl ServerConfig {
             rings: true,
             consumers: 1,
             spin: Duration::from_micros(50),
+            pace: None,
         }
     }
 }

@@ -62,6 +62,9 @@ impl Consumer {
         deadline: Instant,
     ) -> Result<Option<Request>> {
         let spin = sh.config.spin;
+        if let Some(p) = &sh.pacer {
+            p.tick(sh);
+        }
         // The clock is first read after 32 empty looks: a request already waiting costs none.
         let (mut start, mut checked) = (None, None);
         let mut spins = 0u32;
@@ -76,6 +79,9 @@ impl Consumer {
                 continue;
             }
             let now = Instant::now();
+            if let Some(p) = &sh.pacer {
+                p.tick(sh);
+            }
             if now >= deadline {
                 if sh.is_finished() {
                     return Err(Error::Stopped);
@@ -99,9 +105,12 @@ impl Consumer {
             if sh.is_finished() {
                 return Err(Error::Stopped);
             }
-            let step = deadline
-                .saturating_duration_since(now)
-                .min(Duration::from_millis(50));
+            // Held-back slots are granted by the pacer's ticks: sleep in short steps meanwhile.
+            let longest = match &sh.pacer {
+                Some(p) if p.is_holding() => Duration::from_millis(1),
+                _ => Duration::from_millis(50),
+            };
+            let step = deadline.saturating_duration_since(now).min(longest);
             if let Some(r) = self.sleep(sh, step) {
                 return Ok(Some(r));
             }

@@ -29,6 +29,7 @@ mod config;
 mod consumer;
 mod control;
 pub(crate) mod outbox;
+mod pace;
 mod reader;
 mod request;
 mod session;
@@ -48,6 +49,7 @@ use crate::fast::Doorbell;
 use crate::{path, Error, Result};
 
 pub use config::ServerConfig;
+pub use pace::Pace;
 pub use request::{Request, Responder};
 
 use accept::accept_loop;
@@ -110,6 +112,7 @@ impl Server {
             b => b.min(budget),
         };
         tracing::debug!(budget, max_session_bytes, "memory budget for pools");
+        let config_pace = config.pace;
         let shared = Arc::new(Shared {
             budget: budget::MemoryBudget::new(budget),
             max_session_bytes,
@@ -123,6 +126,7 @@ impl Server {
             draining: AtomicBool::new(false),
             stopping: AtomicBool::new(false),
             shards,
+            pacer: config_pace.map(pace::Pacer::new),
         });
         let sh = shared.clone();
         let acceptor = std::thread::Builder::new()

@@ -18,6 +18,7 @@ use crate::device::ImportedDevice;
 use crate::fast::{IdSet, ServerRing};
 use crate::server::budget::Charge;
 use crate::server::outbox::Outbox;
+use crate::server::pace::Share;
 use crate::server::shared::{lock, Shared};
 use crate::{Error, Result};
 
@@ -43,6 +44,8 @@ pub(crate) struct SessionState {
     pub(crate) errors: u64,
     /// The session's last submit or answer (its opening, before either).
     pub(crate) last_active: Instant,
+    /// Its place on the fair pacing's scale (unused without pacing).
+    pub(crate) share: Share,
 }
 
 impl SessionState {
@@ -356,7 +359,7 @@ impl Session {
 
     /// Grants a slot: on the completion queue if there is one and it has room, else on the
     /// socket.
-    fn grant(&self, g: SlotRef) {
+    pub(crate) fn grant(&self, g: SlotRef) {
         if let Some(ring) = &self.ring {
             if !self.is_alive() {
                 return;
@@ -403,6 +406,14 @@ impl Session {
             return None;
         }
         if self.is_alive() && !shared.is_draining() {
+            // Fair pacing: held back while this session is ahead (the pacer grants it later).
+            if let Some(p) = &shared.pacer {
+                if !st.share.may_grant(p.floor(), &p.pace) {
+                    st.share.held.push(slot.slot);
+                    p.held_one();
+                    return None;
+                }
+            }
             st.slots.grant(slot.slot).ok().map(|generation| SlotRef {
                 slot: slot.slot,
                 generation,

@@ -67,6 +67,8 @@ pub(crate) struct Shared {
     pub(crate) stopping: AtomicBool,
     /// One per consumer ([`ServerConfig::consumers`]); each session belongs to one.
     pub(crate) shards: Vec<Shard>,
+    /// Fair pacing, if [`ServerConfig::pace`] asks for it.
+    pub(crate) pacer: Option<crate::server::pace::Pacer>,
 }
 
 /// What one consumer takes requests from: its sessions' queues (their doorbells in its
