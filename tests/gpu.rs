@@ -428,9 +428,11 @@ fn gpu_producer(socket: &str) {
         _ => GpuProducer::connect_with(socket, &name, &gpu, 2, mib << 20, Fence::Event),
     }
     .unwrap();
-    let words = (1u64 << 20) / 4; // 1 MiB tensors at the start of each buffer
-                                  // Bytes into the buffer where the tensor starts (a multiple of 4; not of 16 takes the copy
-                                  // kernel's byte path).
+    // Tensors of this many 32-bit words (1 MiB by default) from the start of each buffer, less
+    // the offset.
+    let words: u64 = env_or("TP_WORDS", "262144").parse().unwrap();
+    // Bytes into the buffer where the tensor starts (a multiple of 4; not of 16 takes the copy
+    // kernels' byte paths).
     let offset: u64 = env_or("TP_OFFSET", "0").parse().unwrap();
     let mut expected = std::collections::HashMap::new();
     let (mut ok, mut bad) = (0u32, 0u32);
@@ -537,6 +539,17 @@ fn four_producers(fences: &[&str; 4], gpu: u32, gathered: bool) {
                     (
                         "TP_OFFSET",
                         if gathered && i == 1 { "4" } else { "0" }.into(),
+                    ),
+                    // Gathered: the two timeline producers' tensors are small (4 KiB, and
+                    // 63,996 bytes from 4 bytes in) beside the others' 1 MiB.
+                    (
+                        "TP_WORDS",
+                        match (gathered, i) {
+                            (true, 0) => "1024",
+                            (true, 1) => "16000",
+                            _ => "262144",
+                        }
+                        .into(),
                     ),
                 ],
             )

@@ -197,7 +197,11 @@ pub(super) fn ipc_server(
     // cuInit and registration are not hand-offs).
     let mut counted = 0usize;
     let mut done = 0usize;
-    let mut tr = StepTrace::new(["receive", "wait", "copy", "release", "answer"]);
+    // (Gathered, the fences and copies are one call: its time shows as "gather".)
+    let mut tr = StepTrace::new(match fences {
+        ServerFences::Gather if !staged => ["receive", "gather", "(none)", "(none)", "answer"],
+        _ => ["receive", "wait", "copy", "release", "answer"],
+    });
     while done < handoffs {
         let t1 = Instant::now();
         tr.start();
@@ -229,16 +233,10 @@ pub(super) fn ipc_server(
             // SAFETY: our stream is live in the server's context, where the importer opened the
             // buffers; row k of `dst` holds `bytes` (each tensor is `bytes` long, checked against
             // its buffer), and nothing else writes `dst`.
-            let tensors: Vec<_> = copies.iter().map(|c| c.0).collect();
-            // (The three steps of `Gatherer::gather`, each timed.)
-            unsafe {
-                gatherer.wait_ready_all(&stream, &tensors).map_err(cuda)?;
-                tr.step(1);
-                gatherer.copy_all(&stream, &copies).map_err(cuda)?;
-                tr.step(2);
-                gatherer.release_all(&stream, &tensors).map_err(cuda)?;
-                tr.step(3);
-            }
+            unsafe { gatherer.gather(&stream, &copies) }.map_err(cuda)?;
+            tr.step(1);
+            tr.step(2);
+            tr.step(3);
             responders.extend(reqs.into_iter().map(|r| r.release()));
             Vec::new()
         } else {

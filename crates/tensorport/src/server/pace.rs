@@ -26,7 +26,7 @@ use crate::server::session::Session;
 use crate::server::shared::{lock, Shared};
 
 /// How often the consumers recompute the floor and grant the slots that may go.
-pub(crate) const TICK: Duration = Duration::from_micros(250);
+pub(crate) const TICK: Duration = Duration::from_micros(50);
 
 /// How the server paces producers (see the module notes of `server/pace.rs`).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
