@@ -206,6 +206,19 @@ impl Driver {
         Ok(p.cast())
     }
 
+    /// `cuMemHostGetDevicePointer`: the device address of page-locked host memory.
+    ///
+    /// # Safety
+    /// `p` must come from [`Driver::mem_alloc_host`] (or be registered) in the current context.
+    pub unsafe fn mem_host_device_pointer(&self, p: *mut u8) -> Result<sys::CUdeviceptr> {
+        let mut d: sys::CUdeviceptr = 0;
+        // SAFETY: the caller's contract; writes one address.
+        check("cuMemHostGetDevicePointer", unsafe {
+            sys::cuMemHostGetDevicePointer_v2(&mut d, p.cast(), 0)
+        })?;
+        Ok(d)
+    }
+
     /// `cuMemFreeHost`.
     ///
     /// # Safety

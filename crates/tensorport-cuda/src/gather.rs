@@ -150,8 +150,9 @@ impl Gatherer {
     }
 
     /// The last step of [`Gatherer::gather`] alone: every tensor's buffer is released after
-    /// the work enqueued on `stream` so far (timeline fences in one batched call; each
-    /// buffer's close event recorded once). Then release the requests.
+    /// the work enqueued on `stream` so far (timeline fences in one batched call, which also
+    /// ticks the stream's clock: closing a buffer waits for that tick, where each buffer's
+    /// close event would cost a driver call). Then release the requests.
     ///
     /// # Safety
     /// As for [`Gatherer::wait_ready_all`].
@@ -176,14 +177,31 @@ impl Gatherer {
                 None => unsafe { t.record_release(raw) }.map_err(fence_err)?,
             }
         }
+        // The close fence: one more write in the same call, ticking the stream's clock (each
+        // buffer's event otherwise, where the clock cannot be made).
+        let tick = match (closing.is_empty(), stream.clock()) {
+            (false, Ok(clock)) => {
+                let v = clock.next_value();
+                ops.push(MemOp::Write {
+                    addr: clock.addr,
+                    value: v,
+                });
+                Some((clock, v))
+            }
+            _ => None,
+        };
         for chunk in ops.chunks(MAX_MEM_OPS) {
-            // SAFETY: each address is the "released" semaphore after the "ready" one.
+            // SAFETY: each address is the "released" semaphore after the "ready" one, or the
+            // stream's clock (page-locked memory of this context, live while the stream is).
             unsafe { d.stream_batch_mem_op(raw.cast(), chunk)? };
         }
         for imp in closing {
-            // SAFETY: the buffer's own event, live while it is open; recorded after its reads,
-            // so closing the buffer waits for them.
-            unsafe { d.event_record(imp.release, raw.cast())? };
+            match tick {
+                Some((clock, v)) => imp.read_before(clock, v),
+                // SAFETY: the buffer's own event, live while it is open; recorded after its
+                // reads, so closing the buffer waits for them.
+                None => unsafe { d.event_record(imp.release, raw.cast())? },
+            }
         }
         Ok(())
     }

@@ -304,6 +304,8 @@ impl Drop for PinnedBuffer {
 pub struct Stream {
     gpu: Arc<Gpu>,
     raw: sys::CUstream,
+    /// Made when first asked for (`Stream::clock`); dropped after the stream is synchronised.
+    clock: std::sync::OnceLock<Arc<crate::clock::Clock>>,
 }
 
 // SAFETY: stream handles may be used from any thread once the context is bound (we bind first).
@@ -318,6 +320,7 @@ impl Stream {
         Ok(Stream {
             gpu: gpu.clone(),
             raw: gpu.driver.stream_create()?,
+            clock: std::sync::OnceLock::new(),
         })
     }
     /// The GPU whose context the stream belongs to.
@@ -334,6 +337,14 @@ impl Stream {
         self.gpu.bind()?;
         // SAFETY: `raw` lives until `drop`; its context is bound.
         unsafe { self.gpu.driver.stream_sync(self.raw) }
+    }
+    /// The stream's clock (see `clock.rs`), made the first time.
+    pub(crate) fn clock(&self) -> Result<&Arc<crate::clock::Clock>> {
+        if let Some(c) = self.clock.get() {
+            return Ok(c);
+        }
+        let c = Arc::new(crate::clock::Clock::new(&self.gpu)?);
+        Ok(self.clock.get_or_init(|| c))
     }
     /// Whether all work enqueued so far has run (no wait).
     pub fn is_idle(&self) -> Result<bool> {

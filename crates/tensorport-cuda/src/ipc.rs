@@ -73,6 +73,9 @@ pub(crate) struct Imported {
     awaited: AtomicU64,
     /// The producer's session ended: its "ready" fence is not waited on any more (`abandon`).
     abandoned: AtomicBool,
+    /// The last tick of each stream clock after which a `Gatherer` read the buffer: closing
+    /// waits until each clock has passed it (as it waits on `release` for the per-tensor path).
+    read_by: std::sync::Mutex<Vec<(Arc<crate::clock::Clock>, u64)>>,
 }
 
 impl Imported {
@@ -96,6 +99,15 @@ impl Imported {
     /// The highest "ready" value a server stream waited for.
     pub(crate) fn awaited(&self) -> u64 {
         self.awaited.load(Ordering::SeqCst)
+    }
+
+    /// A stream read the buffer before its clock's tick `value`.
+    pub(crate) fn read_before(&self, clock: &Arc<crate::clock::Clock>, value: u64) {
+        let mut r = self.read_by.lock().unwrap_or_else(|p| p.into_inner());
+        match r.iter_mut().find(|(c, _)| Arc::ptr_eq(c, clock)) {
+            Some(e) => e.1 = e.1.max(value),
+            None => r.push((clock.clone(), value)),
+        }
     }
 }
 
@@ -180,6 +192,7 @@ impl DeviceImporter for CudaImporter {
             vmm,
             awaited: AtomicU64::new(0),
             abandoned: AtomicBool::new(false),
+            read_by: std::sync::Mutex::new(Vec::new()),
         };
         LIVE_IMPORTS.fetch_add(1, Ordering::SeqCst);
         // From here `made` cleans up whatever was opened if a later step fails.
@@ -282,6 +295,11 @@ impl Drop for Imported {
     fn drop(&mut self) {
         let d = self.gpu.driver();
         let _ = self.gpu.bind();
+        // The gatherers' reads: each stream clock past its tick after them.
+        let read_by = std::mem::take(self.read_by.get_mut().unwrap_or_else(|p| p.into_inner()));
+        for (clock, value) in read_by {
+            clock.wait_for(value);
+        }
         // SAFETY: every handle below was created or opened in `import` (null ones are skipped)
         // and is not used after this. The release event was recorded after the last read, so
         // waiting on it makes sure no copy still reads the mapping when it is closed.
