@@ -83,7 +83,7 @@ pub struct Args {
     /// wake-up check for its requests of the batch).
     #[arg(long)]
     pub respond_each: bool,
-    /// How long a tensorport producer's lease of a slot of 4 MiB or more polls for the slot it
+    /// How long a tensorport producer's lease of a slot of 1 MiB or more polls for the slot it
     /// submitted last before taking another (`ProducerConfig::warm_wait`; 0: never); default:
     /// the library's.
     #[arg(long, value_name = "MICROSECONDS")]

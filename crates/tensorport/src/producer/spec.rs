@@ -23,7 +23,7 @@ pub struct ProducerConfig {
     /// How long a wait (lease, result) polls the queues before it sleeps on the doorbell:
     /// longer spins cost CPU and save the wake-up when the server answers soon.
     pub spin: Duration,
-    /// How long a lease of a large slot (at least [`super::WARM_MIN_SLOT`] bytes, 4 MiB) may
+    /// How long a lease of a large slot (at least [`super::WARM_MIN_SLOT`] bytes, 1 MiB) may
     /// poll for the slot this producer submitted last, before it takes another free one (at
     /// most a sixteenth of the time since the last lease, too). That slot's bytes are the ones
     /// still in this core's caches; a producer that alternates between two large slots has
