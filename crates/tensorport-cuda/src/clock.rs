@@ -69,9 +69,14 @@ impl Clock {
         unsafe { self.host.cast::<u64>().read_volatile() }
     }
 
-    /// Waits until the stream has written `value` (its work before that tick has run).
-    pub(crate) fn wait_for(&self, value: u64) {
+    /// Waits until the stream has written `value` (its work before that tick has run), or
+    /// until `broken` says the context failed (its work will never run: nothing to wait for).
+    pub(crate) fn wait_for(&self, value: u64, broken: impl Fn() -> bool) {
         while self.now() < value {
+            if broken() {
+                tracing::warn!("a stream's clock stopped short of {value}: its context failed");
+                return;
+            }
             std::thread::sleep(Duration::from_micros(50));
         }
     }

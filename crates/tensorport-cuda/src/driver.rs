@@ -347,6 +347,19 @@ impl Driver {
         check("cuEventSynchronize", unsafe { sys::cuEventSynchronize(e) })
     }
 
+    /// `cuEventQuery`: whether the work before the event's last record has run (`false`: not
+    /// yet); an error where the context is broken.
+    ///
+    /// # Safety
+    /// `e` must be a live event.
+    pub unsafe fn event_query(&self, e: sys::CUevent) -> Result<bool> {
+        // SAFETY: the caller's contract.
+        match unsafe { sys::cuEventQuery(e) } {
+            sys::CUresult::CUDA_ERROR_NOT_READY => Ok(false),
+            r => check("cuEventQuery", r).map(|()| true),
+        }
+    }
+
     /// `cuEventElapsedTime`, in milliseconds.
     ///
     /// # Safety

@@ -295,10 +295,14 @@ impl Drop for Imported {
     fn drop(&mut self) {
         let d = self.gpu.driver();
         let _ = self.gpu.bind();
-        // The gatherers' reads: each stream clock past its tick after them.
+        // The gatherers' reads: each stream clock past its tick after them (as long as the
+        // context works; a broken one runs nothing more, as `event_sync` below then says).
         let read_by = std::mem::take(self.read_by.get_mut().unwrap_or_else(|p| p.into_inner()));
+        let release = self.release;
+        // SAFETY: `release` lives until destroyed below.
+        let broken = || !release.is_null() && unsafe { d.event_query(release) }.is_err();
         for (clock, value) in read_by {
-            clock.wait_for(value);
+            clock.wait_for(value, broken);
         }
         // SAFETY: every handle below was created or opened in `import` (null ones are skipped)
         // and is not used after this. The release event was recorded after the last read, so
