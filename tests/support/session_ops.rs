@@ -3,7 +3,7 @@
 //! Hello, garbage, goodbye), sent on a real socket to a real server whose consumer answers,
 //! drops or releases what it admits. Afterwards the server must have answered every request it
 //! admitted exactly once and given every pool back. Shared by the CI property test
-//! (`tests/reliability.rs`) and the fuzz target (`crates/tensorport/fuzz`), which includes this
+//! (`tests/reliability/hostile.rs`) and the fuzz target (`crates/tensorport/fuzz`), which includes this
 //! file by path; it uses only `tensorport` and `std`.
 #![allow(dead_code)]
 
