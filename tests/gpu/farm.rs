@@ -1,0 +1,345 @@
+//! The farm on the GPU: the CUDA model, nvJPEG decoding producers, two GPUs.
+
+use super::*;
+
+/// The farm with `--device cuda` (a dfdx `Cuda` model fed from pinned pools) gives the CPU
+/// model's scores, within 1e-3 (relative) — different kernels sum in different orders — and
+/// the same classes.
+pub(crate) fn farm_on_cuda() {
+    for pixels in ["f32", "u8"] {
+        farm_on_cuda_with(pixels);
+    }
+}
+
+/// The farm on the CUDA model, producers handing over `pixels` (u8 planes are normalised on the
+/// GPU), against the CPU model in-process.
+pub(crate) fn farm_on_cuda_with(pixels: &str) {
+    use tensorport_dfdx::dfdx::prelude::Cpu;
+    use tensorport_dfdx::{ImageClassifier, ModelConfig};
+    let exe = tensorport_exe();
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("gpu.jsonl");
+    let n = 256;
+    let size = 64usize;
+    let o = std::process::Command::new(&exe)
+        .args(["farm", "--device", "cuda", "--synthetic", &n.to_string()])
+        .args([
+            "--image-size",
+            &size.to_string(),
+            "--producers",
+            "4",
+            "--progress",
+            "never",
+            "--pixels",
+            pixels,
+        ])
+        .arg("--output")
+        .arg(&out)
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "farm --device cuda failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    println!(
+        "{}",
+        stdout
+            .lines()
+            .map(|l| format!("  {l}"))
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
+    let cfg = ModelConfig {
+        image_size: size,
+        classes: 10,
+        width: 16,
+    };
+    let model = ImageClassifier::from_seed(&Cpu::default(), cfg, 0).unwrap();
+    let mut px = vec![0f32; 3 * size * size];
+    let (mut worst, mut same_class, mut lines) = (0f32, 0, 0);
+    for line in std::fs::read_to_string(&out).unwrap().lines() {
+        let v: serde_json::Value = serde_json::from_str(line).unwrap();
+        let src: tensorport_vision::Source = v["input"].as_str().unwrap().parse().unwrap();
+        tensorport_vision::prepare(&src, size as u32, &mut px).unwrap();
+        let want = &model.forward_flat(px.clone(), 1)[0];
+        let got: Vec<f32> = v["scores"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap() as f32)
+            .collect();
+        for (g, w) in got.iter().zip(want) {
+            worst = worst.max((g - w).abs() / (1.0 + w.abs()));
+        }
+        let argmax = |s: &[f32]| {
+            s.iter()
+                .enumerate()
+                .max_by(|a, b| a.1.total_cmp(b.1))
+                .unwrap()
+                .0
+        };
+        same_class += (argmax(&got) == argmax(want)) as usize;
+        lines += 1;
+    }
+    println!("  --pixels {pixels}: {lines} results; max relative difference from the CPU model {worst:.2e}; same class {same_class}/{lines}");
+    assert_eq!(lines, n);
+    assert!(
+        worst <= 1e-3,
+        "GPU scores differ from the CPU model by {worst}"
+    );
+    assert_eq!(same_class, n);
+}
+
+/// `prep --nvjpeg --dump` against `prep --dump` (the CPU producers' tensors) on the same JPEGs:
+/// the two decoders and resamplers agree to within a few 8-bit levels.
+pub(crate) fn nvjpeg_tensors() {
+    let dir = tempfile::tempdir().unwrap();
+    let (_, jpegs) = sample_images(dir.path(), 48);
+    let (g, c) = (dir.path().join("g.st"), dir.path().join("c.st"));
+    let said = tp(&[
+        "prep",
+        "--input",
+        &jpegs,
+        "--nvjpeg",
+        "--batch",
+        "8",
+        "--repeat",
+        "1",
+        "--dump",
+        g.to_str().unwrap(),
+    ]);
+    println!("  {}", said.trim().replace('\n', "\n  "));
+    tp(&[
+        "prep",
+        "--input",
+        &jpegs,
+        "--repeat",
+        "1",
+        "--dump",
+        c.to_str().unwrap(),
+    ]);
+    let (gb, cb) = (std::fs::read(&g).unwrap(), std::fs::read(&c).unwrap());
+    let (gt, ct) = (
+        safetensors::SafeTensors::deserialize(&gb).unwrap(),
+        safetensors::SafeTensors::deserialize(&cb).unwrap(),
+    );
+    let (mut sum, mut n, mut worst) = (0f64, 0usize, 0f32);
+    let names = ct.names();
+    assert_eq!(names.len(), 24);
+    for name in names {
+        let a: &[f32] = bytemuck::cast_slice(gt.tensor(name).unwrap().data());
+        let b: &[f32] = bytemuck::cast_slice(ct.tensor(name).unwrap().data());
+        assert_eq!(a.len(), b.len());
+        for (x, y) in a.iter().zip(b) {
+            let d = (x - y).abs();
+            sum += f64::from(d);
+            n += 1;
+            worst = worst.max(d);
+        }
+    }
+    let mean = sum / n as f64;
+    println!("  24 files: mean |GPU - CPU| {mean:.4}, largest {worst:.3} (one 8-bit level is about 0.017)");
+    assert!(mean <= 0.02, "mean difference {mean}");
+    assert!(worst <= 0.5, "largest difference {worst}");
+}
+
+/// A farm whose producers decode on the GPU (and one on the CPU) over JPEGs, PNGs and a broken
+/// file: every input gets exactly one line, the GPU producers did most of them, the broken file
+/// an error, and the scores agree with a CPU-producer farm's.
+/// A farm over two GPUs (a server on each) with the server on GPU 1 SIGKILLed mid-run: its
+/// producers redo their inputs through the other server while it restarts, and every input gets
+/// exactly one line.
+pub(crate) fn farm_two_gpus_server_killed() {
+    if !two_gpus() {
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let out = dir.path().join("r.jsonl");
+    let sock = dir.path().join("f.sock");
+    let inputs = 20_000u64;
+    let child = std::process::Command::new(tensorport_exe())
+        .args([
+            "--log",
+            "warn",
+            "farm",
+            "--devices",
+            "0,1",
+            "--ready",
+            "-p",
+            "8",
+        ])
+        .args(["--synthetic", &inputs.to_string(), "--progress", "never"])
+        .arg("--socket")
+        .arg(&sock)
+        .arg("--output")
+        .arg(&out)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = || {
+        std::fs::read_to_string(&out)
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    };
+    let t = std::time::Instant::now();
+    while lines() < 2000 {
+        assert!(
+            t.elapsed().as_secs() < 120,
+            "the farm wrote no 2,000 results in 2 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    // The server on GPU 1 listens on f-1.sock.
+    let victim = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .find(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| {
+                    let c = String::from_utf8_lossy(&c);
+                    c.contains("serve") && c.contains("f-1.sock")
+                })
+                .unwrap_or(false)
+        })
+        .expect("the server on GPU 1");
+    let before = lines();
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let o = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "farm failed:\n{stdout}\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    let mut seen = std::collections::HashSet::new();
+    let text = std::fs::read_to_string(&out).unwrap();
+    for l in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        assert!(v.get("error").is_none(), "{l}");
+        assert!(
+            seen.insert(v["index"].as_u64().unwrap()),
+            "an input answered twice"
+        );
+    }
+    assert_eq!(seen.len() as u64, inputs, "every input once");
+    assert!(stdout.contains("server restarts 1"), "{stdout}");
+    println!(
+        "  {inputs} inputs over two GPUs, the server on GPU 1 SIGKILLed after {before} results: {} lines, {} distinct",
+        text.lines().count(),
+        seen.len()
+    );
+}
+
+pub(crate) fn farm_gpu_producers() {
+    let dir = tempfile::tempdir().unwrap();
+    let (all, _) = sample_images(dir.path(), 96);
+    std::fs::write(
+        std::path::Path::new(&all).join("zz-broken.jpg"),
+        b"\xff\xd8\xff\xe0 not a JPEG",
+    )
+    .unwrap();
+    let run = |extra: &[&str], out: &str| {
+        let mut args = vec![
+            "farm",
+            "--device",
+            "cuda",
+            "--input",
+            &all,
+            "--progress",
+            "never",
+            "--output",
+            out,
+        ];
+        args.extend_from_slice(extra);
+        let said = tp(&args);
+        println!(
+            "  farm {extra:?}: {}",
+            said.lines()
+                .find(|l| l.contains("throughput"))
+                .unwrap_or("")
+                .trim()
+        );
+        let mut lines = std::collections::BTreeMap::new();
+        for l in std::fs::read_to_string(out).unwrap().lines() {
+            let v: serde_json::Value = serde_json::from_str(l).unwrap();
+            let prev = lines.insert(v["index"].as_u64().unwrap(), v);
+            assert!(prev.is_none(), "an input answered twice");
+        }
+        lines
+    };
+    let g = dir.path().join("g.jsonl");
+    let c = dir.path().join("c.jsonl");
+    let gpu = run(
+        &["--gpu-producers", "2", "--producers", "1"],
+        g.to_str().unwrap(),
+    );
+    let cpu = run(&["--producers", "2"], c.to_str().unwrap());
+    assert_eq!(gpu.len(), 97);
+    assert_eq!(cpu.len(), 97);
+    // u8 planes from the GPU producers, normalised by the server: the same scores.
+    let u = dir.path().join("u.jsonl");
+    let gpu_u8 = run(
+        &["--gpu-producers", "2", "--producers", "0", "--pixels", "u8"],
+        u.to_str().unwrap(),
+    );
+    assert_eq!(gpu_u8.len(), 97);
+    let mut u8_worst = 0f64;
+    // Inputs a GPU producer prepared in both runs (in the first, the CPU producer took some).
+    let by_gpu_both = |i: &u64| gpu[i]["producer"].as_str().unwrap().starts_with("gpu-");
+    for (i, v) in gpu_u8.iter().filter(|(i, _)| by_gpu_both(i)) {
+        let (Some(a), Some(b)) = (v["scores"].as_array(), gpu[i]["scores"].as_array()) else {
+            assert!(v["error"].is_string() && gpu[i]["error"].is_string(), "{v}");
+            continue;
+        };
+        for (a, b) in a.iter().zip(b) {
+            let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+            u8_worst = u8_worst.max((a - b).abs() / (1.0 + b.abs()));
+        }
+    }
+    println!(
+        "  --pixels u8 from the GPU producers: largest relative score difference from f32 {u8_worst:.2e} over the {} inputs GPU producers prepared in both runs",
+        gpu.keys().filter(|i| by_gpu_both(i)).count()
+    );
+    assert!(u8_worst <= 1e-4, "{u8_worst}");
+    let by_gpu = gpu
+        .values()
+        .filter(|v| v["producer"].as_str().unwrap().starts_with("gpu-"))
+        .count();
+    let (mut same, mut worst, mut errors) = (0, 0f64, 0);
+    for (i, v) in &gpu {
+        let w = &cpu[i];
+        assert_eq!(v["input"], w["input"]);
+        if v["input"].as_str().unwrap().ends_with("zz-broken.jpg") {
+            assert!(
+                v["error"].is_string() && w["error"].is_string(),
+                "{v} / {w}"
+            );
+            errors += 1;
+            continue;
+        }
+        assert!(v["error"].is_null(), "{v}");
+        same += (v["class"] == w["class"]) as usize;
+        for (a, b) in v["scores"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .zip(w["scores"].as_array().unwrap())
+        {
+            let (a, b) = (a.as_f64().unwrap(), b.as_f64().unwrap());
+            worst = worst.max((a - b).abs() / (1.0 + b.abs()));
+        }
+    }
+    println!("  97 inputs once each; {by_gpu} by GPU producers; same class as the CPU producers' farm {same}/96; largest relative score difference {worst:.3}; broken file: an error line");
+    assert_eq!(errors, 1);
+    assert!(by_gpu >= 24, "the GPU producers did only {by_gpu}");
+    assert!(same >= 86, "only {same}/96 classes agree");
+    assert!(worst <= 0.1, "scores differ by {worst}");
+}
