@@ -11,8 +11,8 @@ use cudarc::driver::sys;
 use tensorport::wire::RawDeviceHandle;
 use tensorport::{Producer, ProducerConfig, TensorSpec};
 
-use crate::gpu::{DeviceBuffer, Gpu, Stream};
 use crate::ipc::Fence;
+use crate::{DeviceBuffer, Gpu, Stream};
 use crate::{Error, Result};
 
 struct OwnBuffer {

@@ -24,6 +24,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+mod buffer;
 mod clock;
 pub mod driver;
 mod external;
@@ -35,21 +36,25 @@ mod jpeg;
 mod kernel;
 mod normalise;
 pub mod nvjpeg;
+mod pin;
+mod probe;
 mod stall;
+mod stream;
 
+pub use buffer::{DeviceBuffer, PinnedBuffer};
 pub use cudarc::driver::sys;
 pub use driver::Driver;
 pub use external::ExternalDevice;
 pub use gather::Gatherer;
-pub use gpu::{
-    bench_h2d, live_registrations, probe, Capabilities, CudaPin, DeviceBuffer, DeviceInfo, Event,
-    Gpu, H2dBench, PinnedBuffer, Stream,
-};
+pub use gpu::Gpu;
 pub use gpu_producer::GpuProducer;
 pub use ipc::{live_imports, CudaImporter, Fence};
 pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegWindow};
 pub use normalise::GpuNormaliser;
+pub use pin::{live_registrations, CudaPin};
+pub use probe::{bench_h2d, probe, Capabilities, DeviceInfo, H2dBench};
 pub use stall::DEFAULT_FENCE_TIMEOUT;
+pub use stream::{Event, Stream};
 
 use thiserror::Error;
 

@@ -1,0 +1,225 @@
+//! Device buffers (`cuMemAlloc`, or exportable VMM memory) and page-locked host buffers.
+
+use std::sync::Arc;
+
+use cudarc::driver::sys;
+
+use crate::{Gpu, Result, Stream};
+
+/// Device memory from `cuMemAlloc`, or exportable VMM memory (`cuMemCreate`), freed on drop.
+#[derive(Debug)]
+pub struct DeviceBuffer {
+    gpu: Arc<Gpu>,
+    ptr: sys::CUdeviceptr,
+    len: usize,
+    /// VMM: the allocation handle and the mapped size (a multiple of the granularity).
+    vmm: Option<(sys::CUmemGenericAllocationHandle, usize)>,
+}
+
+impl DeviceBuffer {
+    /// Allocates `len` bytes on `gpu`.
+    pub fn new(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceBuffer> {
+        gpu.bind()?;
+        let ptr = gpu.driver().mem_alloc(len.max(1))?;
+        Ok(DeviceBuffer {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+            vmm: None,
+        })
+    }
+
+    /// Allocates at least `len` bytes of VMM memory that can be exported as a POSIX fd
+    /// ([`DeviceBuffer::export_fd`]), mapped for `gpu`.
+    pub fn new_exportable(gpu: &Arc<Gpu>, len: usize) -> Result<DeviceBuffer> {
+        gpu.bind()?;
+        let d = &gpu.driver();
+        let size = len.max(1).next_multiple_of(d.vmm_granularity(gpu.dev())?);
+        let h = d.vmm_create(gpu.dev(), size)?;
+        let ptr = match d.vmm_map(gpu.dev(), h, size) {
+            Ok(p) => p,
+            Err(e) => {
+                // SAFETY: nothing maps the allocation; released once.
+                unsafe { sys::cuMemRelease(h) };
+                return Err(e);
+            }
+        };
+        Ok(DeviceBuffer {
+            gpu: gpu.clone(),
+            ptr,
+            len: size,
+            vmm: Some((h, size)),
+        })
+    }
+
+    /// A POSIX fd for this VMM buffer, to pass to another process (`SCM_RIGHTS`).
+    pub fn export_fd(&self) -> Result<std::os::fd::OwnedFd> {
+        let (h, _) = self.vmm.ok_or(crate::Error::NotExportable)?;
+        self.gpu.driver().vmm_export_fd(h)
+    }
+    /// Device address.
+    pub fn ptr(&self) -> sys::CUdeviceptr {
+        self.ptr
+    }
+    /// Bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it has no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// Copies `src` to the start of this buffer on `stream` (asynchronously).
+    ///
+    /// # Safety
+    ///
+    /// The copy reads `src` after this returns, while the borrow has ended: the caller must keep
+    /// those bytes allocated and unchanged until the stream has passed this point — wait for an
+    /// event recorded after this call ([`Stream::copy_done`]) or synchronize the stream — before
+    /// freeing, reusing or writing them. (Safe code could otherwise free the slice mid-DMA.)
+    pub unsafe fn copy_from_host_async(&self, src: &[u8], stream: &Stream) -> Result<()> {
+        assert!(src.len() <= self.len, "copy larger than the buffer");
+        self.gpu.bind()?;
+        // SAFETY: dst is this buffer (long enough, checked); src is valid now, and the caller
+        // keeps it valid until the stream passes this point (documented above).
+        unsafe {
+            self.gpu.driver().memcpy_htod_async(
+                self.ptr,
+                src.as_ptr(),
+                src.len(),
+                stream.raw().cast(),
+            )
+        }
+    }
+    /// Fills the buffer with the 32-bit word `value` on `stream` (asynchronously).
+    pub fn fill_u32_async(&self, value: u32, stream: &Stream) -> Result<()> {
+        self.fill_u32_range_async(0, self.len / 4 * 4, value, stream)
+    }
+
+    /// Fills `bytes` bytes from byte `offset` with the 32-bit word `value` on `stream`.
+    pub fn fill_u32_range_async(
+        &self,
+        offset: usize,
+        bytes: usize,
+        value: u32,
+        stream: &Stream,
+    ) -> Result<()> {
+        assert!(
+            offset.is_multiple_of(4) && offset + bytes <= self.len,
+            "range outside the buffer"
+        );
+        self.gpu.bind()?;
+        // SAFETY: the range lies in the buffer (checked), on a live stream of its context.
+        unsafe {
+            self.gpu.driver().memset_d32_async(
+                self.ptr + offset as u64,
+                value,
+                bytes / 4,
+                stream.raw().cast(),
+            )
+        }
+    }
+
+    /// Copies `len` bytes from device address `src` into the start of this buffer on `stream`.
+    ///
+    /// # Safety
+    /// `src..src+len` must be device memory of this context that stays valid (and is not
+    /// written) until the copy has run, e.g. a `tensorport::DeviceTensor` after `wait_ready`.
+    pub unsafe fn copy_from_device_async(
+        &self,
+        src: u64,
+        len: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        assert!(len <= self.len, "copy larger than the buffer");
+        self.gpu.bind()?;
+        // SAFETY: dst is this buffer (checked); src is the caller's contract.
+        unsafe {
+            self.gpu
+                .driver()
+                .memcpy_dtod_async(self.ptr, src, len, stream.raw().cast())
+        }
+    }
+
+    /// Copies the first `dst.len()` bytes back to the host (synchronously).
+    pub fn copy_to_host(&self, dst: &mut [u8]) -> Result<()> {
+        self.copy_to_host_at(0, dst)
+    }
+
+    /// Copies `dst.len()` bytes from `offset` on back to the host (synchronously).
+    pub fn copy_to_host_at(&self, offset: usize, dst: &mut [u8]) -> Result<()> {
+        assert!(
+            offset
+                .checked_add(dst.len())
+                .is_some_and(|end| end <= self.len),
+            "copy past the buffer's end"
+        );
+        self.gpu.bind()?;
+        // SAFETY: both ranges are valid and sized as checked.
+        unsafe {
+            self.gpu
+                .driver()
+                .memcpy_dtoh(dst.as_mut_ptr(), self.ptr + offset as u64, dst.len())
+        }
+    }
+}
+
+impl Drop for DeviceBuffer {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        if let Some((h, size)) = self.vmm {
+            // SAFETY: mapped and created in `new_exportable`; callers synchronise before
+            // dropping buffers with pending work, and nothing uses the range after this.
+            let _ = unsafe { self.gpu.driver().vmm_unmap_release(self.ptr, size, h) };
+            return;
+        }
+        // SAFETY: allocated by mem_alloc; callers synchronise streams before dropping buffers
+        // they are copying into (cuMemFree also synchronises the device).
+        let _ = unsafe { self.gpu.driver().mem_free(self.ptr) };
+    }
+}
+
+/// Page-locked host memory from `cuMemAllocHost` (the reference for pinned bandwidth).
+#[derive(Debug)]
+pub struct PinnedBuffer {
+    gpu: Arc<Gpu>,
+    ptr: *mut u8,
+    len: usize,
+}
+
+// SAFETY: plain memory owned by this value.
+unsafe impl Send for PinnedBuffer {}
+
+impl PinnedBuffer {
+    /// Allocates `len` page-locked bytes.
+    pub fn new(gpu: &Arc<Gpu>, len: usize) -> Result<PinnedBuffer> {
+        gpu.bind()?;
+        let ptr = gpu.driver().mem_alloc_host(len.max(1))?;
+        Ok(PinnedBuffer {
+            gpu: gpu.clone(),
+            ptr,
+            len,
+        })
+    }
+    /// Its size in bytes.
+    pub fn len(&self) -> usize {
+        self.len
+    }
+    /// Whether it holds no bytes.
+    pub fn is_empty(&self) -> bool {
+        self.len == 0
+    }
+    /// The bytes.
+    pub fn as_mut_slice(&mut self) -> &mut [u8] {
+        // SAFETY: `len` bytes allocated by cuMemAllocHost, owned exclusively via `&mut self`.
+        unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+}
+
+impl Drop for PinnedBuffer {
+    fn drop(&mut self) {
+        let _ = self.gpu.bind();
+        // SAFETY: allocated by mem_alloc_host; no view outlives `self`.
+        let _ = unsafe { self.gpu.driver().mem_free_host(self.ptr) };
+    }
+}
