@@ -1,0 +1,241 @@
+//! The command line: help that explains, one-line errors that say what to do, configurations
+//! that cannot work failing at once.
+
+use super::*;
+
+#[test]
+fn help_explains_every_subcommand() {
+    for (sub, needles) in [
+        (vec![], vec!["serve", "produce", "farm", "ctl", "--log"]),
+        (
+            vec!["serve"],
+            vec![
+                "--socket",
+                "--weights",
+                "--seed",
+                "--max-batch",
+                "--max-wait-ms",
+                "--slots",
+                "--slot-size",
+                "--threads",
+                "--image-size",
+                "--device",
+            ],
+        ),
+        (
+            vec!["produce"],
+            vec![
+                "--input",
+                "--synthetic",
+                "--worklist",
+                "--output",
+                "--in-flight",
+                "--image-size",
+                "--nvjpeg",
+                "--pixels",
+            ],
+        ),
+        (
+            vec!["farm"],
+            vec![
+                "--producers",
+                "--input",
+                "--synthetic",
+                "--output",
+                "--progress",
+                "--max-restarts",
+                "--in-flight",
+                "--gpu-producers",
+                "--pixels",
+            ],
+        ),
+        (vec!["ctl"], vec!["status", "drain", "--socket"]),
+        // Global options show (and work) after the subcommand too.
+        (
+            vec!["ctl", "status"],
+            vec!["--socket", "--log", "--json", "--farm"],
+        ),
+        (
+            vec!["model-bench"],
+            vec!["--device", "--batch", "--seconds"],
+        ),
+        (vec!["prep"], vec!["--nvjpeg", "--dump"]),
+        (vec!["weights"], vec!["--out", "--seed"]),
+    ] {
+        let mut args: Vec<&str> = sub.clone();
+        args.push("--help");
+        let (ok, out, _) = run(&args);
+        assert!(ok, "{args:?}");
+        for n in needles {
+            assert!(
+                out.contains(n),
+                "`{}` --help does not mention {n}",
+                sub.join(" ")
+            );
+        }
+    }
+}
+
+#[test]
+fn errors_are_one_line_and_say_what_to_do() {
+    let dir = tmp();
+    let sock = dir.path().join("s.sock");
+    let s = sock.to_str().unwrap();
+    assert_one_line_error(
+        &["produce", "--socket", s, "--input", "/nonexistent/images"],
+        "--synthetic",
+    );
+    assert_one_line_error(&["farm", "--input", "/nonexistent/images"], "pass a folder");
+    assert_one_line_error(
+        &[
+            "serve",
+            "--socket",
+            s,
+            "--weights",
+            "/nonexistent.safetensors",
+        ],
+        "--weights",
+    );
+    assert_one_line_error(
+        &[
+            "farm",
+            "--synthetic",
+            "4",
+            "--weights",
+            "/nonexistent.safetensors",
+        ],
+        "tensorport weights",
+    );
+    assert_one_line_error(
+        &["farm", "--synthetic", "4", "--gpu-producers", "1"],
+        "run the servers on a GPU",
+    );
+    // A GPU producer with no GPU (CI) says so; with one, it names what is missing (nvJPEG,
+    // NVRTC) or goes on to find no server.
+    let (ok, _, err) = run(&["produce", "--socket", s, "--synthetic", "3", "--nvjpeg"]);
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert!(
+        !ok && lines.len() == 1 && lines[0].starts_with("error: "),
+        "{err}"
+    );
+    assert!(
+        ["NVIDIA driver", "libnvjpeg", "libnvrtc", "tensorport serve"]
+            .iter()
+            .any(|n| lines[0].contains(n)),
+        "{err}"
+    );
+    assert_one_line_error(&["ctl", "--socket", s, "status"], "tensorport serve");
+    assert_one_line_error(
+        &["produce", "--socket", s, "--synthetic", "3"],
+        "start one with `tensorport serve`",
+    );
+    assert_one_line_error(&["produce", "--socket", s], "--synthetic N");
+    // A socket already in use by a live server.
+    let (mut server, _lines) =
+        serve_until_ready(Command::new(EXE).args(["serve", "--socket", s, "--image-size", "32"]));
+    assert_one_line_error(
+        &["serve", "--socket", s, "--image-size", "32"],
+        "already listening",
+    );
+    // A producer whose images do not match the server's model gets an error per input, not a hang.
+    let (ok, out, err) = run(&[
+        "produce",
+        "--socket",
+        s,
+        "--synthetic",
+        "2",
+        "--image-size",
+        "16",
+    ]);
+    assert!(ok, "{err}");
+    assert_eq!(out.lines().count(), 2);
+    assert!(out.contains("--image-size"), "{out}");
+    // ctl status and drain work, and drain makes the server exit. --socket goes before or
+    // after the subcommand.
+    let (ok, out, err) = run(&["ctl", "--socket", s, "status"]);
+    assert!(ok && out.contains("requests"), "{out}{err}");
+    let (ok, out, err) = run(&["ctl", "status", "--socket", s]);
+    assert!(
+        ok && out.contains("requests"),
+        "`ctl status --socket PATH` should work:\n{out}{err}"
+    );
+    let (ok, _, err) = run(&["ctl", "--socket", s, "drain"]);
+    assert!(ok, "{err}");
+    let t = Instant::now();
+    while server.try_wait().unwrap().is_none() {
+        assert!(
+            t.elapsed() < Duration::from_secs(120),
+            "the server was still running 2 minutes after drain"
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(server.wait().unwrap().success());
+    let _: PathBuf = sock;
+}
+
+/// Runs the farm on a few synthetic inputs with `extra` options, expecting it to fail; returns
+/// its stderr and how many times it started a server.
+fn farm_that_cannot_start(extra: &[&str]) -> String {
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let mut c = farm_cmd(&out, 4, 1);
+    c.args(extra);
+    let o = c.output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr).into_owned();
+    assert!(
+        !o.status.success(),
+        "the farm should have failed with {extra:?}:\n{stderr}"
+    );
+    assert!(
+        !stderr.contains("restarting in"),
+        "a configuration a restart cannot fix should end the farm at once, not restart:\n{stderr}"
+    );
+    stderr
+}
+
+#[test]
+fn impossible_configurations_fail_at_once() {
+    // A CUDA model on a build without CUDA: refused before anything starts.
+    if !cfg!(feature = "cuda") {
+        let err = farm_that_cannot_start(&["--device", "cuda"]);
+        assert!(
+            err.contains("built without CUDA") && err.contains("--device cpu"),
+            "expected the missing-CUDA explanation:\n{err}"
+        );
+        assert_eq!(
+            err.matches("built without CUDA").count(),
+            1,
+            "expected the message once:\n{err}"
+        );
+    }
+    // A weights file that exists but is not safetensors: only the server finds out, and the farm
+    // stops with its words instead of restarting it.
+    let dir = tmp();
+    let bad = dir.path().join("bad.safetensors");
+    std::fs::write(&bad, b"not a safetensors file").unwrap();
+    let err = farm_that_cannot_start(&["--weights", bad.to_str().unwrap()]);
+    assert!(
+        err.contains("the server cannot start (exit 2)"),
+        "expected the farm to quote the server's refusal:\n{err}"
+    );
+    // An invalid log filter is refused, not taken as a filter that hides every line.
+    for args in [
+        &["--log", "bogus", "ctl", "status"][..],
+        &["farm", "--child-log", "bogus"],
+    ] {
+        let (ok, _, err) = run(args);
+        assert!(!ok, "{args:?} should be refused");
+        assert!(
+            err.contains("'bogus' is not a log level"),
+            "{args:?}: expected a clear refusal, got:\n{err}"
+        );
+    }
+    // `gpu probe` without a driver names no option it does not have.
+    let (ok, _, err) = run(&["gpu", "probe"]);
+    if !ok {
+        assert!(
+            err.contains("libcuda") && !err.contains("--device"),
+            "expected the missing-driver explanation without a foreign option:\n{err}"
+        );
+    }
+}

@@ -1,0 +1,133 @@
+//! Operating a running farm: Prometheus metrics, `ctl status`.
+
+use super::*;
+
+/// `GET path` on `addr` over plain HTTP/1.0; the whole response, headers and body.
+fn http_get(addr: &str, path: &str) -> String {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+    write!(s, "GET {path} HTTP/1.0\r\nHost: {addr}\r\n\r\n").unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out
+}
+
+#[test]
+fn serve_metrics_endpoint_is_scraped() {
+    let dir = tmp();
+    let sock = dir.path().join("s.sock");
+    let s = sock.to_str().unwrap();
+    let (mut server, mut lines) = serve_until_ready(
+        Command::new(EXE)
+            .args(["serve", "--socket", s, "--image-size", "32"])
+            .args(["--metrics", "127.0.0.1:0"]),
+    );
+    let announced = lines.next().unwrap().unwrap();
+    let addr = announced
+        .strip_prefix("metrics http://")
+        .and_then(|r| r.strip_suffix("/metrics"))
+        .unwrap_or_else(|| panic!("expected `metrics http://ADDR/metrics`, got {announced:?}"))
+        .to_string();
+    let (ok, out, err) = run(&[
+        "produce",
+        "--socket",
+        s,
+        "--synthetic",
+        "5",
+        "--image-size",
+        "32",
+    ]);
+    assert!(ok && out.lines().count() == 5, "{out}{err}");
+    // The serving loop records a batch's histograms after it has answered the batch, so the
+    // last batch may land a moment after the producer has its results: scrape until it has.
+    let t = Instant::now();
+    let page = loop {
+        let page = http_get(&addr, "/metrics");
+        if page.contains("tensorport_request_service_seconds_count 5")
+            || t.elapsed() > Duration::from_secs(60)
+        {
+            break page;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    assert!(
+        page.starts_with("HTTP/1.0 200") || page.starts_with("HTTP/1.1 200"),
+        "{page}"
+    );
+    for want in [
+        "tensorport_requests_submitted_total 5",
+        "tensorport_requests_completed_total 5",
+        "tensorport_sessions_opened_total 1",
+        "tensorport_batch_size_count",
+        "tensorport_batch_model_seconds_bucket{le=",
+        "tensorport_request_service_seconds_count 5",
+        "tensorport_sessions ",
+        "tensorport_in_flight ",
+        "# EOF",
+    ] {
+        assert!(
+            page.contains(want),
+            "expected {want:?} in the scrape:\n{page}"
+        );
+    }
+    // The batches' sizes add up to the five requests.
+    assert!(page.contains("tensorport_batch_size_sum 5"), "{page}");
+    let other = http_get(&addr, "/");
+    assert!(other.contains(" 404 "), "{other}");
+    drain_and_wait(s, &mut server);
+}
+
+#[test]
+fn ctl_status_farm_shows_every_server_of_a_farm() {
+    use nix::sys::signal::{kill, Signal};
+    use nix::unistd::Pid;
+    let dir = tmp();
+    let sock = dir.path().join("f.sock");
+    let out = dir.path().join("r.jsonl");
+    let mut farm = farm_cmd(&out, 1_000_000, 2)
+        .args(["--servers", "2", "--socket", sock.to_str().unwrap()])
+        .spawn()
+        .unwrap();
+    // Both servers listen and each has a producer (however long the machine takes to start
+    // them); then the farm's view holds both and sums them.
+    let s = sock.to_str().unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let seen = loop {
+        let (ok, stdout, err) = run(&["ctl", "--socket", s, "status", "--farm", "--json"]);
+        let last = if ok {
+            let v: serde_json::Value = serde_json::from_str(&stdout).unwrap();
+            if v["totals"]["servers"] == 2 && v["totals"]["sessions"] == 2 {
+                break v;
+            }
+            stdout
+        } else {
+            err
+        };
+        assert!(
+            std::time::Instant::now() < deadline,
+            "never saw both servers: {last}"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(100));
+    };
+    let servers = seen["servers"].as_array().unwrap();
+    assert!(servers[1]["socket"].as_str().unwrap().ends_with("f-1.sock"));
+    for srv in servers {
+        assert_eq!(
+            srv["status"]["sessions"].as_array().unwrap().len(),
+            1,
+            "{srv}"
+        );
+    }
+    let (ok, text, err) = run(&["ctl", "--socket", s, "status", "--farm"]);
+    assert!(ok, "{err}");
+    assert!(text.contains("farm      2 servers, 2 sessions"), "{text}");
+    assert_eq!(text.matches("== ").count(), 2, "{text}");
+    // Two signals: the farm stops at once, its children with it.
+    let pid = Pid::from_raw(farm.id() as i32);
+    kill(pid, Signal::SIGINT).unwrap();
+    std::thread::sleep(std::time::Duration::from_millis(200));
+    kill(pid, Signal::SIGINT).unwrap();
+    let st = farm.wait().unwrap();
+    assert_eq!(st.code(), Some(130));
+}

@@ -1,0 +1,198 @@
+//! The farm's results against the same model run in process: f32 and 8-bit pixels, two
+//! model workers, real JPEG and PNG files.
+
+use super::*;
+
+#[test]
+fn farm_results_match_the_in_process_model_bitwise() {
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let o = farm_cmd(&out, 300, 3).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "farm failed:\n{stdout}\n{stderr}");
+    assert!(
+        stdout.contains("done        300 (0 with errors)"),
+        "{stdout}"
+    );
+    assert!(
+        stdout.contains("images/s") && stdout.contains("p99"),
+        "{stdout}"
+    );
+    // Not a terminal: no progress drawing, no escape codes.
+    assert!(
+        !stderr.contains('\x1b') && !stderr.contains("tensorport farm"),
+        "{stderr}"
+    );
+    check_results(&out, 300);
+}
+
+#[test]
+fn two_model_workers_answer_as_the_in_process_model() {
+    // serve --workers 2: two threads, each its own copy of the model, each its share of the
+    // producers: every answer still equals the in-process model's, bit for bit.
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let o = farm_cmd(&out, 200, 4)
+        .args(["--workers", "2"])
+        .output()
+        .unwrap();
+    assert!(
+        o.status.success(),
+        "farm failed:\n{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    check_results(&out, 200);
+}
+
+#[test]
+fn eight_bit_pixels_give_the_same_scores_bitwise() {
+    // Producers hand over u8 planes (a quarter of the bytes); the server normalises them with
+    // the same table, so every score equals the in-process model's on f32 input, bit for bit —
+    // on generated images and on JPEG/PNG files.
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let o = farm_cmd(&out, 60, 2)
+        .args(["--pixels", "u8"])
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check_results(&out, 60);
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "12"]);
+    assert!(ok, "{err}");
+    let out = dir.path().join("f.jsonl");
+    let o = Command::new(EXE)
+        .args([
+            "farm",
+            "--input",
+            images.to_str().unwrap(),
+            "--pixels",
+            "u8",
+        ])
+        .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
+        .args(["--progress", "never", "--output"])
+        .arg(&out)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check_results(&out, 12);
+    // What the server receives: u8 tensors holding the image's 8-bit planes.
+    let sock = dir.path().join("s.sock");
+    let server = tensorport::Server::bind(tensorport::ServerConfig::new(&sock)).unwrap();
+    let size = SIZE.to_string();
+    let mut child = Command::new(EXE)
+        .args([
+            "--log",
+            "warn",
+            "produce",
+            "--socket",
+            sock.to_str().unwrap(),
+        ])
+        .args(["--synthetic", "2", "--image-size", &size, "--pixels", "u8"])
+        .stdout(Stdio::null())
+        .spawn()
+        .unwrap();
+    let mut prep =
+        tensorport_vision::Preprocessor::new(tensorport_vision::Transform::standard(SIZE as u32));
+    for _ in 0..2 {
+        let req = server
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .unwrap()
+            .expect("a request");
+        assert_eq!(req.desc().dtype(), tensorport::DType::U8);
+        assert_eq!(req.desc().shape(), &[3, SIZE as u64, SIZE as u64]);
+        let mut want = vec![0u8; 3 * SIZE * SIZE];
+        let src = Source::Synthetic(req.request_id());
+        prep.prepare_into(&src, tensorport_vision::Planes::U8(&mut want))
+            .unwrap();
+        assert_eq!(&req.bytes()[..want.len()], &want[..]);
+        req.release()
+            .respond(&tensorport_dfdx::scores_to_bytes(&[0.0; 10]))
+            .unwrap();
+    }
+    assert!(child.wait().unwrap().success());
+}
+
+#[test]
+fn farm_on_jpeg_and_png_files_profiles_every_stage() {
+    let dir = tmp();
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "24"]);
+    assert!(ok, "{err}");
+    let out = dir.path().join("r.jsonl");
+    let o = Command::new(EXE)
+        .args(["farm", "--input", images.to_str().unwrap()])
+        .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
+        .args(["--progress", "never", "--profile", "--output"])
+        .arg(&out)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success(),
+        "{stdout}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    // The standard transform on real files, bitwise the same as in-process.
+    check_results(&out, 24);
+    for stage in [
+        "decode",
+        "resize",
+        "normalise",
+        "lease wait",
+        "submit to result",
+    ] {
+        assert!(
+            stdout.contains(stage),
+            "expected the summary to give the {stage} stage:\n{stdout}"
+        );
+    }
+    let first = std::fs::read_to_string(&out).unwrap();
+    let v: serde_json::Value = serde_json::from_str(first.lines().next().unwrap()).unwrap();
+    assert!(
+        v["stages"]["decode_ms"].as_f64().is_some_and(|x| x >= 0.0),
+        "expected per-input stage times with --profile: {v}"
+    );
+    // `--jpeg-decoder zune-jpeg` reaches the producers: bitwise the in-process zune-jpeg path,
+    // and (where libjpeg-turbo is the default) not the default's scores for every JPEG file.
+    let zune = dir.path().join("zune.jsonl");
+    let o = Command::new(EXE)
+        .args(["farm", "--input", images.to_str().unwrap()])
+        .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
+        .args([
+            "--progress",
+            "never",
+            "--jpeg-decoder",
+            "zune-jpeg",
+            "--output",
+        ])
+        .arg(&zune)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check_results_decoded_with(&zune, 24, JpegDecoder::ZuneJpeg);
+    if JpegDecoder::default() == JpegDecoder::LibjpegTurbo {
+        let scores = |p: &Path| -> HashMap<String, Vec<u32>> {
+            read_results(p)
+                .into_iter()
+                .map(|l| {
+                    let bits = l.scores.unwrap().iter().map(|x| x.to_bits()).collect();
+                    (l.input, bits)
+                })
+                .collect()
+        };
+        let (a, b) = (scores(&out), scores(&zune));
+        let differ = a
+            .iter()
+            .filter(|(k, v)| k.ends_with(".jpg") && b.get(*k) != Some(*v))
+            .count();
+        assert!(
+            differ > 0,
+            "the two decoders gave the same scores for every JPEG file"
+        );
+    }
+}
