@@ -217,14 +217,6 @@ pub(crate) fn paced_producers() {
         let c = p.recv_result(PATIENCE).unwrap();
         assert!(c.result.is_ok(), "{:?}", c.result);
     };
-    let slots_back = |p: &mut Producer, n: usize, what: &str| {
-        let deadline = Instant::now() + PATIENCE;
-        while p.free_slots() < n {
-            assert!(Instant::now() < deadline, "{what}: {} free", p.free_slots());
-            p.poll().unwrap();
-            std::thread::sleep(Duration::from_millis(1));
-        }
-    };
     let mut slow = producer("slow");
     let mut fast = producer("fast");
     slots_back(&mut fast, 4, "the first grants");
@@ -266,4 +258,78 @@ pub(crate) fn paced_producers() {
         "  the fast producer: {} requests within the window, one per answer to the slow one, 20 more once it left",
         sent - 3
     );
+}
+
+/// Waits until `p` holds at least `n` free slots (polling, as a producer that only polls would);
+/// fails with `what` after [`PATIENCE`].
+fn slots_back(p: &mut Producer, n: usize, what: &str) {
+    let deadline = Instant::now() + PATIENCE;
+    while p.free_slots() < n {
+        assert!(Instant::now() < deadline, "{what}: {} free", p.free_slots());
+        p.poll().unwrap();
+        std::thread::sleep(Duration::from_millis(1));
+    }
+}
+
+/// Fair pacing counts host slots only: a producer of device tensors alone, however busy, never
+/// holds a host producer back (its count would never rise, and pin the floor).
+pub(crate) fn paced_server_ignores_device_producers() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.slots_per_session = 4;
+    cfg.device = Some(Arc::new(FakeImporter));
+    cfg.pace = Some(tensorport::Pace {
+        window: 2,
+        idle: Duration::from_secs(600),
+    });
+    let server = Arc::new(Server::bind(cfg).unwrap());
+    let (s, stop) = (server.clone(), Arc::new(AtomicBool::new(false)));
+    let st = stop.clone();
+    let consumer = std::thread::spawn(move || {
+        while !st.load(Ordering::SeqCst) {
+            if let Ok(Some(r)) = s.recv_timeout(Duration::from_millis(20)) {
+                let _ = r.respond(&[]);
+            }
+        }
+    });
+    let mut gpu = Producer::connect(&sock, ProducerConfig::new("device-only")).unwrap();
+    gpu.register_device(
+        0,
+        4096,
+        tensorport::wire::RawDeviceHandle::LegacyIpcTimeline {
+            memory: vec![0; 64],
+        },
+        None,
+        PATIENCE,
+    )
+    .unwrap();
+    let device_spec = TensorSpec::new(DType::U8, &[4096]);
+    let mut host = {
+        let mut c = ProducerConfig::new("host");
+        c.slots = 4;
+        c.slot_size = 4096;
+        Producer::connect(&sock, c).unwrap()
+    };
+    let spec = TensorSpec::new(DType::U8, &[4096]);
+    for k in 1..=3u64 {
+        // The device producer submits (and would count as active, were device tensors paced).
+        gpu.wait_device(0, PATIENCE).unwrap();
+        gpu.submit_device(0, &device_spec, Some(k)).unwrap();
+        gpu.recv_result(PATIENCE).unwrap();
+        // The host producer, well past the window: every slot comes back each time.
+        for i in 0..10u64 {
+            let mut l = host.lease(PATIENCE).unwrap();
+            fill(k * 100 + i, &mut l.bytes_mut()[..4096]);
+            l.submit(&spec).unwrap();
+            host.recv_result(PATIENCE).unwrap();
+            slots_back(
+                &mut host,
+                4,
+                "a host slot held behind a device-only producer",
+            );
+        }
+    }
+    stop.store(true, Ordering::SeqCst);
+    consumer.join().unwrap();
+    println!("  30 host requests past a window of 2, beside a busy device-only producer: never held for good");
 }

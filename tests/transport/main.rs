@@ -65,6 +65,10 @@ fn main() {
                 "paced_producer_stays_within_its_window_of_the_slowest",
                 paced_producers,
             ),
+            (
+                "paced_server_ignores_device_only_producers",
+                paced_server_ignores_device_producers,
+            ),
         ],
         child,
     );

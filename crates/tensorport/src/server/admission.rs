@@ -392,12 +392,14 @@ pub(crate) fn admit_locked(
             st.slots
                 .submit(slot.slot, slot.generation)
                 .map_err(|e| (ErrorCode::SlotNotLeased, e.to_string()))?;
+            // Paced: only host slots are held back and counted, so only their submits make a
+            // session active (a producer of device tensors alone would pin the floor).
+            if let Some(p) = &shared.pacer {
+                st.share.submitted(Instant::now(), p.floor(), &p.pace);
+            }
         }
         st.in_flight.insert(request_id);
         st.submitted += 1;
-        if let Some(p) = &shared.pacer {
-            st.share.submitted(Instant::now(), p.floor(), &p.pace);
-        }
     }
     Ok(Request {
         desc,

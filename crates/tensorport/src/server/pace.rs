@@ -6,8 +6,10 @@
 //! slot back (does not grant it yet) while its session is `window` grants ahead of the
 //! slowest active session; the consumers look again every [`TICK`] and grant what may go.
 //!
-//! - **Active**: a session that submitted within `idle`, or that has slots held back (it
-//!   would submit if it could). Idle sessions hold nobody back.
+//! - **Active**: a session that submitted a host tensor within `idle`, or that has slots held
+//!   back (it would submit if it could). Idle sessions hold nobody back. Device tensors are
+//!   not paced (their buffers are the producer's, given back as soon as they are read), so a
+//!   producer of device tensors alone is never active here.
 //! - **Coming back**: a session that was idle starts level with the slowest active one (the
 //!   floor), so it neither runs ahead on credit nor holds the others back to catch up.
 //! - **No deadlock**: the slowest active session is never held back (its count is the floor,
