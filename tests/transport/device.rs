@@ -48,6 +48,20 @@ impl tensorport::DeviceImporter for FakeImporter {
     }
 }
 
+/// Registers device buffer `b` of 4096 bytes, timeline-fenced, for [`FakeImporter`] to open.
+pub(crate) fn register_fake_buffer(p: &mut Producer, b: u32) {
+    p.register_device(
+        b,
+        4096,
+        tensorport::wire::RawDeviceHandle::LegacyIpcTimeline {
+            memory: vec![0; 64],
+        },
+        None,
+        PATIENCE,
+    )
+    .unwrap();
+}
+
 /// Protocol 3: device submissions (with their timeline values) and their releases go on the
 /// shared-memory queues. 500 hand-offs of two buffers in turn, each waiting for its release.
 pub(crate) fn device_on_queues() {
@@ -73,16 +87,7 @@ pub(crate) fn device_on_queues() {
     let mut p = Producer::connect(&sock, ProducerConfig::new("device")).unwrap();
     assert!(p.uses_rings());
     for b in 0..2u32 {
-        p.register_device(
-            b,
-            4096,
-            tensorport::wire::RawDeviceHandle::LegacyIpcTimeline {
-                memory: vec![0; 64],
-            },
-            None,
-            PATIENCE,
-        )
-        .unwrap();
+        register_fake_buffer(&mut p, b);
     }
     let spec = TensorSpec::new(DType::U8, &[4096]);
     for k in 1..=500u64 {

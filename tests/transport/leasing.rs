@@ -293,16 +293,7 @@ pub(crate) fn paced_server_ignores_device_producers() {
         }
     });
     let mut gpu = Producer::connect(&sock, ProducerConfig::new("device-only")).unwrap();
-    gpu.register_device(
-        0,
-        4096,
-        tensorport::wire::RawDeviceHandle::LegacyIpcTimeline {
-            memory: vec![0; 64],
-        },
-        None,
-        PATIENCE,
-    )
-    .unwrap();
+    register_fake_buffer(&mut gpu, 0);
     let device_spec = TensorSpec::new(DType::U8, &[4096]);
     let mut host = {
         let mut c = ProducerConfig::new("host");
