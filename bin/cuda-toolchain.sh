@@ -62,11 +62,18 @@ ln -sfn ../../include "$root/targets/x86_64-linux/include"
 stub="$root/lib64/stubs/libcuda.so"
 if [[ ! -f "$stub" ]]; then
   syms="$prefix/libcuda-symbols.txt"
+  # cudarc's sources come with the project's dependencies: on a fresh machine, fetch them first.
+  cudarc_sys() { ls "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.9.*/src/driver/sys.rs 2>/dev/null; }
+  if [[ -z "$(cudarc_sys)" ]]; then
+    say "fetching the project's crates (cudarc's driver bindings name the stub's symbols)"
+    (cd "$(dirname "$0")/.." && cargo fetch --quiet) || die "cargo fetch failed (is crates.io reachable?)"
+  fi
+  [[ -n "$(cudarc_sys)" ]] || die "no cudarc 0.9 sources under ${CARGO_HOME:-$HOME/.cargo}/registry after cargo fetch"
   {
     grep -oP 'CUresult CUDAAPI \K\w+' "$root/include/cuda.h"
     grep -oP '^#define\s+cu\w+\s+\Kcu\w+' "$root/include/cuda.h"
-    for sys in "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/cudarc-0.9.*/src/driver/sys.rs; do
-      [[ -f "$sys" ]] && grep -oP 'pub fn \Kcu\w+(?=\()' "$sys"
+    for sys in $(cudarc_sys); do
+      grep -oP 'pub fn \Kcu\w+(?=\()' "$sys"
     done
   } | sort -u > "$syms"
   sed 's/.*/int &(void) { return 999; }/' "$syms" > "$prefix/libcuda-stub.c"
