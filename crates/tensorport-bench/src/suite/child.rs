@@ -155,7 +155,7 @@ pub(super) fn run_child(a: &Args, role: Role) -> CliResult<ExitCode> {
     match role {
         Role::TpStream | Role::TpPing => {
             let mut cfg = ProducerConfig::new(role.name());
-            cfg.slots = 8;
+            cfg.slots = a.slots;
             cfg.slot_size = size as u64;
             cfg.spin = if poll { FOREVER } else { Duration::ZERO };
             if let Some(us) = a.warm_wait_us {

@@ -88,6 +88,15 @@ pub struct Args {
     /// the library's.
     #[arg(long, value_name = "MICROSECONDS")]
     pub warm_wait_us: Option<u64>,
+    /// Slots in each tensorport producer's pool (`ProducerConfig::slots`): how many of its
+    /// tensors may be in flight at once.
+    #[arg(long, default_value_t = 8)]
+    pub slots: u32,
+    /// Most requests a tensorport consumer takes in one `recv_batch` (and answers together)
+    /// in the throughput runs. A producer's slots come back when its requests are answered, so
+    /// a larger batch holds them longer.
+    #[arg(long, default_value_t = 64)]
+    pub batch: usize,
     /// tensorport's server paces its producers (`ServerConfig::pace`): a producer this many
     /// grants ahead of the slowest active one gets no slot back until that one catches up.
     /// Evens the producers' shares out where their fills run at different speeds, at the cost
@@ -152,6 +161,10 @@ struct Ctx {
     respond_each: bool,
     /// `--warm-wait-us`.
     warm_wait_us: Option<u64>,
+    /// `--slots`.
+    slots: u32,
+    /// `--batch`.
+    batch: usize,
     /// `--pace-window`.
     pace_window: u32,
 }
@@ -238,6 +251,7 @@ impl Ctx {
         if let Some(us) = self.warm_wait_us {
             c.args(["--warm-wait-us", &us.to_string()]);
         }
+        c.args(["--slots", &self.slots.to_string()]);
         Ok(c.spawn()?)
     }
 
@@ -432,6 +446,8 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         spread,
         respond_each: a.respond_each,
         warm_wait_us: a.warm_wait_us,
+        slots: a.slots,
+        batch: a.batch.max(1),
         pace_window: a.pace_window,
     };
     let pinning = match cx.cpus {
@@ -443,10 +459,12 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
         w => format!("; tensorport's server paces its producers (window {w})"),
     };
     println!(
-        "tensorport-bench — {cores} cores; throughput: median of {} runs of {} s per cell; {} round trips per latency cell; one producer {pinning}{paced}",
+        "tensorport-bench — {cores} cores; throughput: median of {} runs of {} s per cell; {} round trips per latency cell; one producer {pinning}{paced}; tensorport: {} slots per producer, batches of up to {}",
         a.repeat.max(1),
         a.seconds,
         a.round_trips,
+        a.slots,
+        a.batch.max(1),
     );
     println!("\n| payload | producers | tensorport msgs/s | tensorport GB/s | iceoryx2 msgs/s | iceoryx2 GB/s | Unix socket msgs/s | Unix socket GB/s | memcpy GB/s | tensorport / iceoryx2 |");
     println!("| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |");

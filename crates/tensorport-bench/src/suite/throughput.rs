@@ -28,6 +28,52 @@ pub(super) struct Run {
     pub(super) fairness: f64,
 }
 
+/// With `TENSORPORT_BENCH_TRACE=1`, a tensorport consumer thread says how full its batches were
+/// and where its time went: in `recv_batch` (taking and admitting, or waiting for work) and in
+/// answering. Full batches and little time in `recv_batch` per message: the consumer is the
+/// bound; batches of one or two: it waits for the producers.
+struct ConsumerTrace {
+    on: bool,
+    batches: u64,
+    messages: u64,
+    recv: Duration,
+    answer: Duration,
+}
+
+impl Default for ConsumerTrace {
+    fn default() -> Self {
+        ConsumerTrace {
+            on: std::env::var_os("TENSORPORT_BENCH_TRACE").is_some_and(|v| v == "1"),
+            batches: 0,
+            messages: 0,
+            recv: Duration::ZERO,
+            answer: Duration::ZERO,
+        }
+    }
+}
+
+impl ConsumerTrace {
+    fn add(&mut self, n: usize, recv: Duration, answer: Duration) {
+        self.batches += 1;
+        self.messages += n as u64;
+        self.recv += recv;
+        self.answer += answer;
+    }
+
+    fn report(&self) {
+        if self.on && self.batches > 0 {
+            let k = self.messages as f64;
+            eprintln!(
+                "trace tensorport consumer: {} batches, {:.1} messages each; per message: recv {:.3} us, answer {:.3} us",
+                self.batches,
+                k / self.batches as f64,
+                self.recv.as_secs_f64() * 1e6 / k,
+                self.answer.as_secs_f64() * 1e6 / k,
+            );
+        }
+    }
+}
+
 /// One producer's messages and its first and last arrival, as the reader saw them.
 type Arrivals = (u64, Option<Instant>, Option<Instant>);
 
@@ -96,13 +142,16 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
                     let mut per_session: PerSession = vec![(0, None, None); n + 2];
                     let mut batch = Vec::with_capacity(64);
                     let mut answers: Vec<(tensorport::Request, [u8; 0])> = Vec::with_capacity(64);
+                    let mut tr = ConsumerTrace::default();
                     while Instant::now() < deadline {
+                        let t0 = tr.on.then(Instant::now);
                         server.recv_batch_into(
                             &mut batch,
-                            64,
+                            cx.batch,
                             Duration::from_millis(100),
                             Duration::ZERO,
                         )?;
+                        let t1 = t0.map(|t| (t, Instant::now()));
                         if batch.is_empty() {
                             if first.is_some() && server.status().sessions.is_empty() {
                                 break;
@@ -123,9 +172,14 @@ pub(super) fn tp_throughput(cx: &Ctx, size: usize, n: usize, consumers: usize) -
                                 answers.push((r, []));
                             }
                         }
+                        let n = answers.len();
                         let _ = server.respond_all(&mut answers);
                         last = Instant::now();
+                        if let Some((t0, t1)) = t1 {
+                            tr.add(n.max(1), t1 - t0, last - t1);
+                        }
                     }
+                    tr.report();
                     Ok((count, first, last, per_session))
                 })
             })
