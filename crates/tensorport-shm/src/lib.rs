@@ -22,7 +22,7 @@ mod pool;
 pub mod ring;
 mod slots;
 
-pub use map::Mapping;
+pub use map::{Mapping, Prefetch};
 pub use pool::{page_size, HostPool, PinHook, PinRegistration, REQUIRED_SEALS};
 pub use ring::{RingError, RingMem};
 pub use slots::{SlotError, SlotState, SlotTable};

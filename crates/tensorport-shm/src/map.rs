@@ -110,6 +110,45 @@ impl Mapping {
     }
 }
 
+/// What a [`Mapping::prefetch`] is for.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Prefetch {
+    /// The line will be read.
+    Read,
+    /// The line will be written (fetched exclusive: the write does not wait for the other
+    /// core's copy to be invalidated).
+    Write,
+}
+
+impl Mapping {
+    /// Starts fetching the cache line holding `offset` into this core's cache, without waiting
+    /// for it: a hint, so a line another core is writing arrives while this one works on
+    /// something else. Does nothing past the end of the mapping, or off x86-64.
+    #[inline]
+    pub fn prefetch(&self, offset: usize, why: Prefetch) {
+        if offset >= self.len {
+            return;
+        }
+        #[cfg(target_arch = "x86_64")]
+        {
+            use std::arch::x86_64::{_mm_prefetch, _MM_HINT_ET0, _MM_HINT_T0};
+            let p = self.ptr.as_ptr().wrapping_add(offset) as *const i8;
+            // SAFETY: a prefetch is only a hint: it never faults, reads nothing into this
+            // program's values and writes nothing (and the address is inside the mapping
+            // anyway). SSE, which `prefetcht0` needs, is part of x86-64; `prefetchw` is a no-op
+            // hint on cores without it.
+            unsafe {
+                match why {
+                    Prefetch::Read => _mm_prefetch::<_MM_HINT_T0>(p),
+                    Prefetch::Write => _mm_prefetch::<_MM_HINT_ET0>(p),
+                }
+            }
+        }
+        #[cfg(not(target_arch = "x86_64"))]
+        let _ = why;
+    }
+}
+
 impl Drop for Mapping {
     fn drop(&mut self) {
         // SAFETY: `ptr`/`len` are exactly what mmap returned, and every view into the mapping
