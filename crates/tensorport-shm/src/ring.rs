@@ -434,17 +434,13 @@ impl SqReader {
         }
         let h = self.0.head;
         // The next few published entries start arriving while this one is copied and checked.
-        let end = h.wrapping_add(n.min(SQ_LOOKAHEAD + 1));
-        let mut pos = if self.1.wrapping_sub(h) <= SQ_LOOKAHEAD + 1 {
-            self.1.max(h.wrapping_add(1))
-        } else {
-            h.wrapping_add(1)
-        };
-        while pos.wrapping_sub(h) < end.wrapping_sub(h) {
+        // (Positions count up from 0 and never wrap; the mark never trails the head, as every
+        // pop leaves it past the entry it takes.)
+        let end = h + n.min(SQ_LOOKAHEAD + 1);
+        for pos in self.1.max(h + 1)..end {
             r.prefetch_sq(pos);
-            pos = pos.wrapping_add(1);
         }
-        self.1 = pos;
+        self.1 = self.1.max(end);
         // The words the entry says it uses (each read once; unused ones stay zero).
         let mut w = [0u64; SQ_ENTRY_WORDS];
         for (i, v) in w.iter_mut().enumerate().take(5) {

@@ -37,6 +37,11 @@ pub(super) fn fill(buf: &mut [u8], i: usize) {
     }
 }
 
+/// Whether `TENSORPORT_BENCH_TRACE=1` is in the environment.
+pub(super) fn trace_on() -> bool {
+    std::env::var_os("TENSORPORT_BENCH_TRACE").is_some_and(|v| v == "1")
+}
+
 /// With `TENSORPORT_BENCH_TRACE=1` in the environment, a streaming child prints where its time
 /// went (waiting for a slot or sample, filling it, handing it over) to stderr when it ends: to
 /// tell a slow fill from a slow return of slots.
@@ -58,7 +63,7 @@ impl Trace {
     /// publisher (before it waited for the others).
     fn new(setup: Duration) -> Trace {
         Trace {
-            on: std::env::var_os("TENSORPORT_BENCH_TRACE").is_some_and(|v| v == "1"),
+            on: trace_on(),
             start: Instant::now(),
             setup,
             epoch: std::time::SystemTime::now(),

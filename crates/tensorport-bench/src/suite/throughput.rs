@@ -43,7 +43,7 @@ struct ConsumerTrace {
 impl Default for ConsumerTrace {
     fn default() -> Self {
         ConsumerTrace {
-            on: std::env::var_os("TENSORPORT_BENCH_TRACE").is_some_and(|v| v == "1"),
+            on: trace_on(),
             batches: 0,
             messages: 0,
             recv: Duration::ZERO,
