@@ -82,19 +82,37 @@ pub struct PoolBounds {
 
 /// A tensor descriptor that passed [`validate`]: every byte it describes lies inside its slot.
 ///
-/// Fields are private so that no unchecked descriptor can be built outside this module.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// Fields are private so that no unchecked descriptor can be built outside this module. It is
+/// kept small (it travels inside every request a server hands out): strides are stored only
+/// when the peer gave ones other than the row-major strides of the shape.
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TensorDesc {
     dtype: DType,
     rank: u8,
-    shape: [u64; MAX_DIMS],
-    strides: [u64; MAX_DIMS],
     contiguous: bool,
+    device: bool,
+    slot: SlotRef,
     offset: u64,
     len: u64,
     numel: u64,
-    location: Location,
     timeline: Option<u64>,
+    shape: [u64; MAX_DIMS],
+    /// The strides given, where they differ from the shape's row-major strides.
+    strides: Option<Box<[u64; MAX_DIMS]>>,
+}
+
+/// A tensor's strides in elements, one per dimension: [`TensorDesc::strides`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Strides {
+    values: [u64; MAX_DIMS],
+    rank: u8,
+}
+
+impl std::ops::Deref for Strides {
+    type Target = [u64];
+    fn deref(&self) -> &[u64] {
+        &self.values[..self.rank as usize]
+    }
 }
 
 impl TensorDesc {
@@ -106,9 +124,18 @@ impl TensorDesc {
     pub fn shape(&self) -> &[u64] {
         &self.shape[..self.rank as usize]
     }
-    /// Strides in elements, one per dimension.
-    pub fn strides(&self) -> &[u64] {
-        &self.strides[..self.rank as usize]
+    /// Strides in elements, one per dimension: the ones the peer gave, or the row-major
+    /// strides of the shape.
+    pub fn strides(&self) -> Strides {
+        let values = match &self.strides {
+            Some(s) => **s,
+            // Validation checked that these do not overflow.
+            None => contiguous_strides(self.shape()).unwrap_or([0; MAX_DIMS]),
+        };
+        Strides {
+            values,
+            rank: self.rank,
+        }
     }
     /// Whether the strides are the row-major (C) strides of the shape.
     pub fn is_contiguous(&self) -> bool {
@@ -128,13 +155,15 @@ impl TensorDesc {
     }
     /// Where the bytes are.
     pub fn location(&self) -> Location {
-        self.location
+        if self.device {
+            Location::DeviceBuffer(self.slot)
+        } else {
+            Location::HostSlot(self.slot)
+        }
     }
     /// The slot (host) or buffer (device) and its generation.
     pub fn slot(&self) -> SlotRef {
-        match self.location {
-            Location::HostSlot(s) | Location::DeviceBuffer(s) => s,
-        }
+        self.slot
     }
 
     /// The `Timeline` fence value a device tensor carries, if any.
@@ -144,7 +173,7 @@ impl TensorDesc {
 
     /// Whether the bytes are in device memory.
     pub fn is_device(&self) -> bool {
-        matches!(self.location, Location::DeviceBuffer(_))
+        self.device
     }
 }
 
@@ -227,22 +256,29 @@ pub fn validate_view(
         return Err(WireError::BadRank(rank));
     }
     let elem = dtype.size();
-    let mut numel: u64 = 1;
+    // The element count, and the product of the dimensions with zeros counted as ones (the
+    // row-major strides' largest): neither may overflow, even for an empty tensor.
+    let (mut numel, mut span): (u64, u64) = (1, 1);
     for &d in raw.shape {
         numel = numel
             .checked_mul(d)
             .ok_or_else(|| WireError::ShapeOverflow(raw.shape.to_vec()))?;
+        span = span
+            .checked_mul(d.max(1))
+            .ok_or_else(|| WireError::ShapeOverflow(raw.shape.to_vec()))?;
     }
-    numel
+    let bytes = numel
         .checked_mul(elem)
         .ok_or_else(|| WireError::ShapeOverflow(raw.shape.to_vec()))?;
 
-    let mut shape = [0u64; MAX_DIMS];
-    shape[..rank].copy_from_slice(raw.shape);
-    let natural = contiguous_strides(raw.shape)
-        .ok_or_else(|| WireError::ShapeOverflow(raw.shape.to_vec()))?;
-    let (strides, contiguous) = match raw.strides {
-        None => (natural, true),
+    // Filled word by word to its full width (the unused dimensions zero), not copied as a
+    // slice of the rank's length: the descriptor is then moved out in wide loads, which a
+    // variable-length copy's narrow stores just before would stall.
+    let shape: [u64; MAX_DIMS] = std::array::from_fn(|i| raw.shape.get(i).copied().unwrap_or(0));
+    // Strides other than the row-major ones are kept; the extent of row-major ones is the
+    // byte size.
+    let (strides, contiguous, extent) = match raw.strides {
+        None => (None, true, bytes),
         Some(s) => {
             if s.len() != rank {
                 return Err(WireError::BadStrides(format!(
@@ -251,27 +287,20 @@ pub fn validate_view(
                     rank
                 )));
             }
-            let mut st = [0u64; MAX_DIMS];
-            st[..rank].copy_from_slice(s);
-            (st, st[..rank] == natural[..rank] || numel <= 1)
+            let natural = contiguous_strides(raw.shape)
+                .ok_or_else(|| WireError::ShapeOverflow(raw.shape.to_vec()))?;
+            if s == &natural[..rank] {
+                (None, true, bytes)
+            } else {
+                let mut st = [0u64; MAX_DIMS];
+                st[..rank].copy_from_slice(s);
+                (
+                    Some(Box::new(st)),
+                    numel <= 1,
+                    strided_extent(&shape[..rank], s, numel, elem)?,
+                )
+            }
         }
-    };
-
-    // Extent in bytes: (1 + sum((d_i - 1) * s_i)) * elem, or 0 for an empty tensor.
-    let extent = if numel == 0 {
-        0
-    } else {
-        let mut last: u64 = 0;
-        for i in 0..rank {
-            let span = (shape[i] - 1)
-                .checked_mul(strides[i])
-                .and_then(|x| last.checked_add(x))
-                .ok_or_else(|| WireError::BadStrides("strided extent overflows".into()))?;
-            last = span;
-        }
-        last.checked_add(1)
-            .and_then(|n| n.checked_mul(elem))
-            .ok_or_else(|| WireError::BadStrides("strided extent overflows".into()))?
     };
     if raw.len < extent {
         return Err(WireError::OutOfBounds(format!(
@@ -279,7 +308,9 @@ pub fn validate_view(
             raw.len, extent
         )));
     }
-    if !raw.offset.is_multiple_of(elem) {
+    // Element sizes are powers of two: a mask, not a division.
+    debug_assert!(elem.is_power_of_two());
+    if raw.offset & (elem - 1) != 0 {
         return Err(WireError::Misaligned {
             offset: raw.offset,
             elem,
@@ -345,18 +376,41 @@ pub fn validate_view(
             ))
         }
     };
+    let (device, slot) = match location {
+        Location::HostSlot(s) => (false, s),
+        Location::DeviceBuffer(s) => (true, s),
+    };
     Ok(TensorDesc {
         dtype,
         rank: rank as u8,
-        shape,
-        strides,
         contiguous,
+        device,
+        slot,
         offset: raw.offset,
         len: raw.len,
         numel,
-        location,
         timeline,
+        shape,
+        strides,
     })
+}
+
+/// Bytes a strided tensor reaches from element 0: (1 + sum((d_i - 1) * s_i)) * elem, or 0 for
+/// an empty tensor.
+fn strided_extent(shape: &[u64], strides: &[u64], numel: u64, elem: u64) -> Result<u64, WireError> {
+    if numel == 0 {
+        return Ok(0);
+    }
+    let mut last: u64 = 0;
+    for (&d, &s) in shape.iter().zip(strides) {
+        last = (d - 1)
+            .checked_mul(s)
+            .and_then(|x| last.checked_add(x))
+            .ok_or_else(|| WireError::BadStrides("strided extent overflows".into()))?;
+    }
+    last.checked_add(1)
+        .and_then(|n| n.checked_mul(elem))
+        .ok_or_else(|| WireError::BadStrides("strided extent overflows".into()))
 }
 
 #[cfg(test)]
@@ -392,7 +446,7 @@ mod tests {
     fn accepts_a_plain_tensor() {
         let d = validate(&raw(0, &[2, 3, 4], 64, 96), &POOL).unwrap();
         assert_eq!(d.numel(), 24);
-        assert_eq!(d.strides(), &[12, 4, 1]);
+        assert_eq!(&*d.strides(), &[12, 4, 1]);
         assert!(d.is_contiguous());
         assert_eq!(d.slot().slot, 1);
     }
@@ -450,6 +504,30 @@ mod tests {
         assert_eq!(code(&r), ErrorCode::OutOfBounds);
         r.strides = Some(vec![u64::MAX, 1]);
         assert_eq!(code(&r), ErrorCode::BadStrides);
+    }
+
+    #[test]
+    fn strides_are_kept_only_where_they_differ_from_row_major() {
+        // Row-major strides given explicitly: the same descriptor as none given.
+        let mut r = raw(0, &[2, 3, 4], 0, 96);
+        r.strides = Some(vec![12, 4, 1]);
+        let given = validate(&r, &POOL).unwrap();
+        assert_eq!(given, validate(&raw(0, &[2, 3, 4], 0, 96), &POOL).unwrap());
+        assert!(given.is_contiguous());
+        assert_eq!(&*given.strides(), &[12, 4, 1]);
+        // Others are kept as given: extent (1·1 + 2·2 + 3·6 + 1) elements of 4 bytes = 96.
+        r.strides = Some(vec![1, 2, 6]);
+        let d = validate(&r, &POOL).unwrap();
+        assert_eq!(&*d.strides(), &[1, 2, 6]);
+        assert_eq!(d.shape(), &[2, 3, 4]);
+        assert!(!d.is_contiguous());
+        // A single element is contiguous whatever its strides say.
+        let mut one = raw(0, &[1, 1], 0, 4);
+        one.strides = Some(vec![7, 9]);
+        assert!(validate(&one, &POOL).unwrap().is_contiguous());
+        // Every request the server hands out carries one: it stays small.
+        let size = std::mem::size_of::<TensorDesc>();
+        assert!(size <= 128, "TensorDesc is {size} bytes");
     }
 
     #[test]

@@ -25,8 +25,8 @@ pub mod frame;
 pub mod msg;
 
 pub use desc::{
-    validate, validate_in, validate_view, DType, Location, PoolBounds, RawTensorView, TensorDesc,
-    MAX_DIMS,
+    validate, validate_in, validate_view, DType, Location, PoolBounds, RawTensorView, Strides,
+    TensorDesc, MAX_DIMS,
 };
 pub use error::{ErrorCode, WireError};
 pub use frame::{

@@ -76,7 +76,7 @@ fuzz_target!(|data: &[u8]| {
         // The strided extent fits in the bytes described.
         if d.numel() > 0 {
             let mut last = 0u64;
-            for (dim, st) in d.shape().iter().zip(d.strides()) {
+            for (dim, st) in d.shape().iter().zip(d.strides().iter()) {
                 last += (dim - 1) * st;
             }
             assert!((last + 1) * d.dtype().size() <= d.byte_len());
