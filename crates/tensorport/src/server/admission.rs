@@ -13,7 +13,7 @@ use tensorport_shm::ring::CqWriter;
 use tensorport_shm::{HostPool, SlotTable};
 use tensorport_wire::{
     validate_view, ErrorCode, Hello, PoolBounds, PoolLayout, RawDeviceHandle, RawTensorView,
-    ServerMsg, SlotRef, Welcome, MAX_DEVICE_BUFFERS,
+    ServerMsg, SlotRef, TensorDesc, Welcome, MAX_DEVICE_BUFFERS,
 };
 
 use crate::conn::FrameWriter;
@@ -213,6 +213,7 @@ pub(crate) fn open_session(
             .map_err(|e| (ErrorCode::Internal, e.to_string()))?,
         alive: AtomicBool::new(true),
         ring,
+        shared: shared.clone(),
     });
     // Registered before the producer hears of it, so that once its `connect` returns the
     // session is in the table (status, places) — nothing can be submitted before the Welcome.
@@ -338,79 +339,93 @@ pub(crate) fn admit_locked(
         })
         .map_err(|e| (e.code(), e.to_string()))?
     };
-    let slot = desc.slot();
-    let mut device = None;
-    {
-        if st.in_flight.contains(&request_id) {
-            return Err((
-                ErrorCode::DuplicateRequest,
-                format!("request {request_id} is already in flight"),
-            ));
-        }
-        if st.in_flight.len() >= session.max_in_flight as usize {
-            return Err((
-                ErrorCode::TooManyInFlight,
-                format!("{} requests already in flight", st.in_flight.len()),
-            ));
-        }
-        if desc.is_device() {
-            let e = st
-                .devices
-                .get_mut(&slot.slot)
-                .expect("validated: registered");
-            if e.in_flight || e.generation != slot.generation {
-                return Err((
-                    ErrorCode::SlotNotLeased,
-                    format!(
-                        "device buffer {} is {} at generation {}, not free at {}",
-                        slot.slot,
-                        if e.in_flight { "in flight" } else { "free" },
-                        e.generation,
-                        slot.generation
-                    ),
-                ));
-            }
-            if e.imported.timeline() != desc.timeline().is_some() {
-                let why = if e.imported.timeline() {
-                    "is timeline-fenced: each submit needs a Timeline fence"
-                } else {
-                    "is event-fenced: submits carry no fence"
-                };
-                return Err((
-                    ErrorCode::Unsupported,
-                    format!("device buffer {} {why}", slot.slot),
-                ));
-            }
-            e.in_flight = true;
-            device = Some(DeviceTensor {
-                buffer: e.imported.clone(),
-                offset: desc.offset(),
-                len: desc.byte_len(),
-                timeline: desc.timeline(),
-            });
-        } else {
-            st.slots
-                .submit(slot.slot, slot.generation)
-                .map_err(|e| (ErrorCode::SlotNotLeased, e.to_string()))?;
-            // Paced: only host slots are held back and counted, so only their submits make a
-            // session active (a producer of device tensors alone would pin the floor).
-            if let Some(p) = &shared.pacer {
-                st.share.submitted(Instant::now(), p.floor(), &p.pace);
-            }
-        }
-        st.in_flight.insert(request_id);
-        st.submitted += 1;
+    // One look-up of the id on the way in (the set is the in-flight check); every refusal
+    // after it takes the id out again.
+    if !st.in_flight.insert(request_id) {
+        return Err((
+            ErrorCode::DuplicateRequest,
+            format!("request {request_id} is already in flight"),
+        ));
     }
+    let device = match claim(shared, session, st, &desc) {
+        Ok(device) => device,
+        Err(why) => {
+            st.in_flight.remove(&request_id);
+            return Err(why);
+        }
+    };
+    st.submitted += 1;
     Ok(Request {
         desc,
         device,
         responder: Some(Responder {
             session: session.clone(),
-            shared: shared.clone(),
             request_id,
             answered: false,
         }),
     })
+}
+
+/// For [`admit_locked`], with the request's id already in the in-flight set: checks the
+/// session's limit and takes the slot or device buffer the descriptor names.
+fn claim(
+    shared: &Shared,
+    session: &Session,
+    st: &mut SessionState,
+    desc: &TensorDesc,
+) -> std::result::Result<Option<Box<DeviceTensor>>, (ErrorCode, String)> {
+    if st.in_flight.len() > session.max_in_flight as usize {
+        return Err((
+            ErrorCode::TooManyInFlight,
+            format!("{} requests already in flight", st.in_flight.len() - 1),
+        ));
+    }
+    let slot = desc.slot();
+    if !desc.is_device() {
+        st.slots
+            .submit(slot.slot, slot.generation)
+            .map_err(|e| (ErrorCode::SlotNotLeased, e.to_string()))?;
+        // Paced: only host slots are held back and counted, so only their submits make a
+        // session active (a producer of device tensors alone would pin the floor).
+        if let Some(p) = &shared.pacer {
+            st.share.submitted(Instant::now(), p.floor(), &p.pace);
+        }
+        return Ok(None);
+    }
+    let e = st
+        .devices
+        .get_mut(&slot.slot)
+        .expect("validated: registered");
+    if e.in_flight || e.generation != slot.generation {
+        return Err((
+            ErrorCode::SlotNotLeased,
+            format!(
+                "device buffer {} is {} at generation {}, not free at {}",
+                slot.slot,
+                if e.in_flight { "in flight" } else { "free" },
+                e.generation,
+                slot.generation
+            ),
+        ));
+    }
+    if e.imported.timeline() != desc.timeline().is_some() {
+        let why = if e.imported.timeline() {
+            "is timeline-fenced: each submit needs a Timeline fence"
+        } else {
+            "is event-fenced: submits carry no fence"
+        };
+        return Err((
+            ErrorCode::Unsupported,
+            format!("device buffer {} {why}", slot.slot),
+        ));
+    }
+    e.in_flight = true;
+    Ok(Some(Box::new(DeviceTensor {
+        buffer: e.imported.clone(),
+        offset: desc.offset(),
+        len: desc.byte_len(),
+        timeline: desc.timeline(),
+    })))
 }
 
 pub(crate) fn register_device(

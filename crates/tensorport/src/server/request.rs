@@ -8,7 +8,6 @@ use tensorport_wire::{ErrorCode, SlotRef, TensorDesc};
 
 use crate::device::DeviceTensor;
 use crate::server::session::{Answer, Session};
-use crate::server::shared::Shared;
 use crate::Result;
 
 /// A tensor a producer submitted: a zero-copy view into its pool, valid until released.
@@ -17,7 +16,9 @@ use crate::Result;
 /// sent, sends the producer a `HandlerFailed` result, so every request gets exactly one answer.
 pub struct Request {
     pub(crate) desc: TensorDesc,
-    pub(crate) device: Option<DeviceTensor>,
+    /// Boxed: device tensors are the rarer kind, and every request of either kind is moved
+    /// between the server's vectors (a host request carries 8 bytes for this, not 48).
+    pub(crate) device: Option<Box<DeviceTensor>>,
     pub(crate) responder: Option<Responder>,
 }
 
@@ -59,7 +60,7 @@ impl Request {
     /// For a tensor in a producer's device buffer (`desc().is_device()`): where it is, and the
     /// events that order the GPU work around it.
     pub fn device(&self) -> Option<&DeviceTensor> {
-        self.device.as_ref()
+        self.device.as_deref()
     }
 
     /// The tensor's bytes, in place in the producer's pool (no copy was made). Empty for a
@@ -103,7 +104,7 @@ impl Request {
     /// Releases the slot now (the producer gets it back) and returns what answers the request.
     pub fn release(mut self) -> Responder {
         let r = self.responder.take().expect("responder present until drop");
-        r.session.give_back(&r.shared, &self.desc);
+        r.session.give_back(&r.session.shared, &self.desc);
         r
     }
 
@@ -160,7 +161,8 @@ impl Request {
         } else {
             Some(self.desc.slot())
         };
-        r.session.answer(&r.shared, r.request_id, answer, slot)
+        r.session
+            .answer(&r.session.shared, r.request_id, answer, slot)
     }
 }
 
@@ -168,7 +170,7 @@ impl Drop for Request {
     fn drop(&mut self) {
         // (Answered through `Server::respond_all`: its bytes were given back then.)
         if let Some(r) = self.responder.take().filter(|r| !r.answered) {
-            r.session.give_back(&r.shared, &self.desc);
+            r.session.give_back(&r.session.shared, &self.desc);
         }
     }
 }
@@ -176,7 +178,6 @@ impl Drop for Request {
 /// Answers one request, after its slot was released. Dropping it unanswered sends a failure.
 pub struct Responder {
     pub(crate) session: Arc<Session>,
-    pub(crate) shared: Arc<Shared>,
     pub(crate) request_id: u64,
     pub(crate) answered: bool,
 }
@@ -210,7 +211,7 @@ impl Responder {
     fn settle(&mut self, answer: Answer<'_>) -> Result<()> {
         self.answered = true;
         self.session
-            .answer(&self.shared, self.request_id, answer, None)
+            .answer(&self.session.shared, self.request_id, answer, None)
     }
 
     /// Sends `payload` as the result. Fails with [`crate::Error::SessionGone`] if the producer left.
@@ -232,7 +233,7 @@ impl Responder {
     ) -> Result<()> {
         let message = message.into();
         let answered = self.settle(Answer::Failed(code, message.clone()));
-        self.session.close_with(&self.shared, code, message);
+        self.session.close_with(&self.session.shared, code, message);
         answered
     }
 }

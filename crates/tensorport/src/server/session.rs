@@ -84,6 +84,11 @@ pub(crate) struct Session {
     pub(crate) alive: AtomicBool,
     /// The shared-memory queues (protocol 2), if the session has them.
     pub(crate) ring: Option<ServerRing>,
+    /// The server's state, for the requests that answer through this session (so a request
+    /// holds one reference, not two). The server's session table holds the session in turn:
+    /// that cycle ends when the session leaves the table (`close_session`, or the server's
+    /// drop), after which only requests and threads still in flight keep either alive.
+    pub(crate) shared: Arc<Shared>,
 }
 
 impl Session {

@@ -283,6 +283,11 @@ fn admission_refuses_duplicates_over_limit_and_while_draining() {
     assert_eq!(code(p.submit(&f, 4, never)), ErrorCode::TooManyInFlight);
     drop(_b);
     assert_eq!(code(p.submit(&f, 4, never)), ErrorCode::SlotNotLeased);
+    // A refused request is not left in flight: its id may come again.
+    assert_eq!(p.session.status().in_flight, 1);
+    let _c = p.submit(&f, 4, g[2]).unwrap();
+    assert_eq!(code(p.submit(&f, 3, g[3])), ErrorCode::TooManyInFlight);
+    drop(_c);
     let outside = SlotRef {
         slot: 99,
         generation: 0,
