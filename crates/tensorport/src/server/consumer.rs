@@ -172,6 +172,14 @@ impl Consumer {
         // and lock stay in cache, and no session waits more than (sessions − 1) × BURST.
         const BURST: usize = 16;
         let n = c.sessions.len();
+        // A turn starts: the next session's queue head starts arriving while this one's burst
+        // is taken (its producer's core wrote those lines).
+        if c.burst == 0 && n > 1 {
+            let p = &c.sessions[(c.next + 1) % n];
+            if let Some(ring) = &p.session.ring {
+                p.sq.prefetch_head(&ring.mem);
+            }
+        }
         for k in 0..n {
             let i = (c.next + k) % n;
             if k > 0 {
