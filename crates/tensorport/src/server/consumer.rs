@@ -172,14 +172,6 @@ impl Consumer {
         // and lock stay in cache, and no session waits more than (sessions − 1) × BURST.
         const BURST: usize = 16;
         let n = c.sessions.len();
-        // A turn starts: the next session's queue head starts arriving while this one's burst
-        // is taken (its producer's core wrote those lines).
-        if c.burst == 0 && n > 1 {
-            let p = &c.sessions[(c.next + 1) % n];
-            if let Some(ring) = &p.session.ring {
-                p.sq.prefetch_head(&ring.mem);
-            }
-        }
         for k in 0..n {
             let i = (c.next + k) % n;
             if k > 0 {
@@ -188,6 +180,15 @@ impl Consumer {
             let p = &mut c.sessions[i];
             let got = take_from_ring(sh, &p.session, &mut p.sq, out, max.min(BURST - c.burst));
             if got > 0 {
+                // A busy turn starts: the next session's queue head starts arriving while this
+                // one's burst is taken and answered (its producer's core wrote those lines). Not
+                // while idle: a consumer looking at empty queues fetches nothing ahead.
+                if c.burst == 0 && n > 1 {
+                    let q = &c.sessions[(i + 1) % n];
+                    if let Some(ring) = &q.session.ring {
+                        q.sq.prefetch_head(&ring.mem);
+                    }
+                }
                 c.burst += got;
                 if c.burst >= BURST {
                     c.burst = 0;
