@@ -34,7 +34,7 @@ pub(crate) struct Request {
 
 impl Request {
     pub(crate) fn new(r: tensorport::Request) -> Request {
-        let d = r.desc().clone();
+        let d = r.desc();
         let (address, nbytes, device) = match r.device() {
             Some(dt) => (dt.ptr() as usize, dt.len() as usize, true),
             None => (r.bytes().as_ptr() as usize, r.bytes().len(), false),

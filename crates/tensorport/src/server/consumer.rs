@@ -288,7 +288,7 @@ fn take_from_ring(
             Ok(None) => break,
             Err(err) => {
                 drop(st.take());
-                session.close_with(shared, ErrorCode::Malformed, err.to_string());
+                session.close_with(ErrorCode::Malformed, err.to_string());
                 break;
             }
         };
@@ -311,7 +311,7 @@ fn take_from_ring(
         if let Some((code, message)) = refused {
             // Refusing posts on the socket and counts the error under the lock: not held.
             drop(st.take());
-            session.refuse(shared, code, Some(e.request_id), message);
+            session.refuse(code, Some(e.request_id), message);
         }
     }
     drop(st);

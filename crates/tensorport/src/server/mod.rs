@@ -265,14 +265,13 @@ impl Server {
                             .is_some_and(|s| Arc::ptr_eq(s, &session))
                 })
                 .count();
-            keep(session.answer_all(
-                &self.shared,
-                answers[i..i + run].iter_mut().map(|(r, payload)| {
+            keep(
+                session.answer_all(answers[i..i + run].iter_mut().map(|(r, payload)| {
                     let (id, slot) = r.hand_over();
                     let payload: &R = payload;
                     (id, session::Answer::Ok(payload.as_ref()), slot)
-                }),
-            ));
+                })),
+            );
             i += run;
         }
         answers.clear();

@@ -25,19 +25,19 @@ pub(crate) fn serve_producer(
                 Ok(Some(p)) => tensorport_wire::decode_client_naming(p),
                 Ok(None) => break,
                 Err(e) => {
-                    fatal(shared, session, e);
+                    fatal(session, e);
                     return false;
                 }
             };
             let msg = match msg {
                 Ok(m) => m,
                 Err((e, _)) if e.is_fatal() => {
-                    fatal(shared, session, e);
+                    fatal(session, e);
                     return false;
                 }
                 // A Submit refused for its sizes (rank over 8, say) names its request.
                 Err((e, request_id)) => {
-                    session.refuse(shared, e.code(), request_id, e.to_string());
+                    session.refuse(e.code(), request_id, e.to_string());
                     continue;
                 }
             };
@@ -51,15 +51,13 @@ pub(crate) fn serve_producer(
                             let _ = shard.tx.send(req);
                             shard.wake_consumer();
                         }
-                        Err((code, message)) => {
-                            session.refuse(shared, code, Some(request_id), message)
-                        }
+                        Err((code, message)) => session.refuse(code, Some(request_id), message),
                     }
                 }
                 ClientMsg::Return(s) => {
                     let r = lock(&session.state).slots.give_back(s.slot, s.generation);
                     if let Err(e) = r {
-                        session.refuse(shared, ErrorCode::SlotNotLeased, None, e.to_string());
+                        session.refuse(ErrorCode::SlotNotLeased, None, e.to_string());
                     }
                 }
                 ClientMsg::Status => {
@@ -73,7 +71,6 @@ pub(crate) fn serve_producer(
                         "refused Drain from a producer session"
                     );
                     session.refuse(
-                        shared,
                         ErrorCode::PermissionDenied,
                         None,
                         "Drain is for control sessions (`tensorport ctl drain`), not producers"
@@ -94,11 +91,10 @@ pub(crate) fn serve_producer(
                     if let Err((code, message)) =
                         register_device(shared, session, buffer, len, &handle, fd)
                     {
-                        session.refuse(shared, code, None, message);
+                        session.refuse(code, None, message);
                     }
                 }
                 ClientMsg::Hello(_) => session.refuse(
-                    shared,
                     ErrorCode::HandshakeRequired,
                     None,
                     "Hello sent twice".into(),
@@ -111,7 +107,6 @@ pub(crate) fn serve_producer(
             let n = reader.drop_fds();
             truncated = false;
             session.refuse(
-                shared,
                 ErrorCode::FdsNotExpected,
                 None,
                 format!(
@@ -143,8 +138,8 @@ pub(crate) fn serve_producer(
     }
 }
 
-fn fatal(shared: &Shared, session: &Session, e: WireError) {
-    session.close_with(shared, e.code(), e.to_string());
+fn fatal(session: &Session, e: WireError) {
+    session.close_with(e.code(), e.to_string());
 }
 
 pub(crate) fn close_session(shared: &Shared, session: &Arc<Session>, clean: bool) {

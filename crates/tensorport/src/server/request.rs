@@ -104,7 +104,7 @@ impl Request {
     /// Releases the slot now (the producer gets it back) and returns what answers the request.
     pub fn release(mut self) -> Responder {
         let r = self.responder.take().expect("responder present until drop");
-        r.session.give_back(&r.session.shared, &self.desc);
+        r.session.give_back(&self.desc);
         r
     }
 
@@ -161,8 +161,7 @@ impl Request {
         } else {
             Some(self.desc.slot())
         };
-        r.session
-            .answer(&r.session.shared, r.request_id, answer, slot)
+        r.session.answer(r.request_id, answer, slot)
     }
 }
 
@@ -170,7 +169,7 @@ impl Drop for Request {
     fn drop(&mut self) {
         // (Answered through `Server::respond_all`: its bytes were given back then.)
         if let Some(r) = self.responder.take().filter(|r| !r.answered) {
-            r.session.give_back(&r.session.shared, &self.desc);
+            r.session.give_back(&self.desc);
         }
     }
 }
@@ -210,8 +209,7 @@ impl Responder {
     /// Sends the answer, once; the slot was released before.
     fn settle(&mut self, answer: Answer<'_>) -> Result<()> {
         self.answered = true;
-        self.session
-            .answer(&self.session.shared, self.request_id, answer, None)
+        self.session.answer(self.request_id, answer, None)
     }
 
     /// Sends `payload` as the result. Fails with [`crate::Error::SessionGone`] if the producer left.
@@ -233,7 +231,7 @@ impl Responder {
     ) -> Result<()> {
         let message = message.into();
         let answered = self.settle(Answer::Failed(code, message.clone()));
-        self.session.close_with(&self.session.shared, code, message);
+        self.session.close_with(code, message);
         answered
     }
 }

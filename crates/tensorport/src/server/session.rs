@@ -84,10 +84,11 @@ pub(crate) struct Session {
     pub(crate) alive: AtomicBool,
     /// The shared-memory queues (protocol 2), if the session has them.
     pub(crate) ring: Option<ServerRing>,
-    /// The server's state, for the requests that answer through this session (so a request
-    /// holds one reference, not two). The server's session table holds the session in turn:
-    /// that cycle ends when the session leaves the table (`close_session`, or the server's
-    /// drop), after which only requests and threads still in flight keep either alive.
+    /// The server's state (counters, draining, pacing), which this session's methods use, so
+    /// a request answering through the session holds one reference, not two. The server's
+    /// session table holds the session in turn: that cycle ends when the session leaves the
+    /// table (`close_session`, or the server's drop), after which only requests and threads
+    /// still in flight keep either alive.
     pub(crate) shared: Arc<Shared>,
 }
 
@@ -148,14 +149,8 @@ impl Session {
     }
 
     /// Refuses something the producer sent, with an error it may act on (not fatal).
-    pub(crate) fn refuse(
-        &self,
-        shared: &Shared,
-        code: ErrorCode,
-        request_id: Option<u64>,
-        message: String,
-    ) {
-        shared
+    pub(crate) fn refuse(&self, code: ErrorCode, request_id: Option<u64>, message: String) {
+        self.shared
             .counters
             .protocol_errors
             .fetch_add(1, Ordering::Relaxed);
@@ -170,8 +165,8 @@ impl Session {
     }
 
     /// Tells the producer why the session ends, then ends it.
-    pub(crate) fn close_with(&self, shared: &Shared, code: ErrorCode, message: String) {
-        shared
+    pub(crate) fn close_with(&self, code: ErrorCode, message: String) {
+        self.shared
             .counters
             .protocol_errors
             .fetch_add(1, Ordering::Relaxed);
@@ -192,12 +187,11 @@ impl Session {
     /// answered with a failure and returned as [`Error::ResultTooLarge`].
     pub(crate) fn answer(
         &self,
-        shared: &Shared,
         request_id: u64,
         answer: Answer<'_>,
         slot: Option<SlotRef>,
     ) -> Result<()> {
-        self.answer_all(shared, std::iter::once((request_id, answer, slot)))
+        self.answer_all(std::iter::once((request_id, answer, slot)))
     }
 
     /// Answers several of this session's requests, each as [`Session::answer`] does, under one
@@ -206,7 +200,6 @@ impl Session {
     /// returns: the first error, if any.
     pub(crate) fn answer_all<'a>(
         &self,
-        shared: &Shared,
         answers: impl IntoIterator<Item = (u64, Answer<'a>, Option<SlotRef>)>,
     ) -> Result<()> {
         let mut first_err = None;
@@ -223,7 +216,7 @@ impl Session {
                 ),
                 a => (a, None),
             };
-            let grant = slot.and_then(|s| self.regrant(&mut st, shared, s));
+            let grant = slot.and_then(|s| self.regrant(&mut st, s));
             let owed = st.settle(request_id);
             completed += owed as u64;
             if !self.is_alive() {
@@ -301,7 +294,7 @@ impl Session {
             self.published(Ok(true));
         }
         if completed > 0 {
-            shared
+            self.shared
                 .counters
                 .completed
                 .fetch_add(completed, Ordering::Relaxed);
@@ -311,11 +304,11 @@ impl Session {
 
     /// Gives a request's bytes back without answering it: a host slot (granted again at once
     /// unless the server drains) or a device buffer.
-    pub(crate) fn give_back(&self, shared: &Shared, desc: &TensorDesc) {
+    pub(crate) fn give_back(&self, desc: &TensorDesc) {
         if desc.is_device() {
             self.release_device(desc.slot());
         } else {
-            let g = self.regrant(&mut lock(&self.state), shared, desc.slot());
+            let g = self.regrant(&mut lock(&self.state), desc.slot());
             if let Some(g) = g {
                 self.grant(g);
             }
@@ -405,14 +398,14 @@ impl Session {
 
     /// Takes a submitted slot back; the grant to send, unless the session is gone or the server
     /// drains.
-    fn regrant(&self, st: &mut SessionState, shared: &Shared, slot: SlotRef) -> Option<SlotRef> {
+    fn regrant(&self, st: &mut SessionState, slot: SlotRef) -> Option<SlotRef> {
         if let Err(e) = st.slots.release(slot.slot, slot.generation) {
             tracing::error!(session = self.id, "internal: releasing {slot:?}: {e}");
             return None;
         }
-        if self.is_alive() && !shared.is_draining() {
+        if self.is_alive() && !self.shared.is_draining() {
             // Fair pacing: held back while this session is ahead (the pacer grants it later).
-            if let Some(p) = &shared.pacer {
+            if let Some(p) = &self.shared.pacer {
                 if !st.share.may_grant(p.floor(), &p.pace) {
                     st.share.held.push(slot.slot);
                     p.held_one();

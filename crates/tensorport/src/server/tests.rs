@@ -244,9 +244,7 @@ fn every_request_is_answered_exactly_once() {
     // A second answer for a settled request sends nothing and counts nothing.
     let shared = &f.server.shared;
     let before = shared.counters.completed.load(Ordering::SeqCst);
-    p.session
-        .answer(shared, 2, Answer::Ok(b"again"), None)
-        .unwrap();
+    p.session.answer(2, Answer::Ok(b"again"), None).unwrap();
     assert_eq!(shared.counters.completed.load(Ordering::SeqCst), before);
     // A result over the frame limit is answered with a failure and reported to the caller.
     let big = vec![0u8; MAX_FRAME_LEN as usize];
