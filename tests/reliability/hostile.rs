@@ -411,3 +411,181 @@ pub(crate) fn refused_submit_named() {
     }
     stop.store(true, Ordering::SeqCst);
 }
+
+/// A real `tensorport serve --sink` whose descriptor table holds `nofile` entries.
+fn sink_server(sock: &std::path::Path, nofile: u32) -> ChildGuard {
+    let child = std::process::Command::new("sh")
+        .arg("-c")
+        .arg(format!(
+            "ulimit -n {nofile} && exec \"$0\" serve --sink --log warn --socket \"$1\""
+        ))
+        .arg(env!("CARGO_BIN_EXE_tensorport"))
+        .arg(sock)
+        .stdin(std::process::Stdio::null())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let guard = ChildGuard(Some(child));
+    assert!(
+        eventually(PATIENCE, || sock.exists()),
+        "tensorport serve did not bind {}",
+        sock.display()
+    );
+    guard
+}
+
+fn fds_of(pid: i32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// Descriptors sent with frames that never finish: one session sending a partial frame with 253
+/// descriptors per `sendmsg` is closed at once, and so is each of several doing it together
+/// against a server with a 400-entry descriptor table — where the kernel cuts their batches
+/// short (`EMFILE`, `MSG_CTRUNC`) — with every descriptor that arrived closed: the server's
+/// table comes back to where it was, and new producers are served.
+pub(crate) fn fds_in_unfinished_frames() {
+    let (_dir, sock) = socket_dir();
+    let server = sink_server(&sock, 400);
+    let pid = server.pid();
+    assert_still_served(&sock, 1);
+    std::thread::sleep(Duration::from_millis(100));
+    let fds0 = fds_of(pid);
+    // A frame announcing 1,000 bytes, of which 10 come.
+    let mut partial = 1000u32.to_le_bytes().to_vec();
+    partial.extend([0u8; 10]);
+    for round in 0..3 {
+        let mut attackers: Vec<Raw> = (0..4)
+            .map(|_| {
+                let mut r = Raw::connect(&sock);
+                r.hello(2);
+                r
+            })
+            .collect();
+        // Each sends until the server closes it (a send then fails) or 20 times.
+        for r in &mut attackers {
+            for _ in 0..20 {
+                if !r.send_bytes_with_fds(&partial, 253) {
+                    break;
+                }
+            }
+        }
+        for r in &mut attackers {
+            let (code, text) = r.next_error_text();
+            assert_eq!(code, ErrorCode::FdsNotExpected, "round {round}: {text}");
+            assert!(text.contains("unfinished frame"), "{text}");
+            assert!(r.recv().is_none(), "the session stayed open");
+        }
+        drop(attackers);
+        assert!(
+            eventually(PATIENCE, || fds_of(pid) <= fds0),
+            "round {round}: the server holds {} descriptors, {fds0} before",
+            fds_of(pid)
+        );
+        assert_still_served(&sock, round + 2);
+    }
+    println!(
+        "  3 rounds of 4 sessions × 253 descriptors a send: server fds {fds0} -> {}",
+        fds_of(pid)
+    );
+}
+
+/// A producer keeping its submission queue full of invalid entries: refused ones count against
+/// its turn (another producer is served meanwhile), only a few refusals are logged, and after
+/// `max_refusals` the session ends with `TooManyRefusals`.
+pub(crate) fn refusal_flood() {
+    use tensorport_shm::ring::{SqEntry, SqWriter};
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.max_refusals = 300;
+    let (server, ok, _torn, stop) = checking_server(cfg);
+    let before = logs().matches("refused:").count();
+    let mut r = Raw::connect(&sock);
+    r.hello_with(1, 2, 4);
+    let (_w, mut fds) = welcome_with_fds(&r);
+    let to_server = fds.remove(2);
+    let ring = tensorport_shm::RingMem::open(fds.remove(1)).unwrap();
+    let mut sq = SqWriter::default();
+    drop(r.s.set_read_timeout(Some(Duration::from_secs(60))));
+    // A good producer working beside it the whole time.
+    let done = Arc::new(AtomicBool::new(false));
+    let good = {
+        let (sock, done) = (sock.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut p = Producer::connect(&sock, ProducerConfig::new("good")).unwrap();
+            let mut n = 0u64;
+            while !done.load(Ordering::SeqCst) || n < 20 {
+                let mut l = p.lease(PATIENCE).unwrap();
+                fill(n, &mut l.bytes_mut()[..64]);
+                l.submit(&TensorSpec::new(DType::U8, &[64])).unwrap();
+                assert!(p.recv_result(PATIENCE).unwrap().result.is_ok());
+                n += 1;
+            }
+            n
+        })
+    };
+    // Invalid entries (a slot that does not exist), the queue kept full, until the session ends.
+    let reader = {
+        let s = r.s.try_clone().unwrap();
+        std::thread::spawn(move || {
+            let mut r = Raw { s };
+            let mut codes = Vec::new();
+            while let Some(m) = r.recv() {
+                if let ServerMsg::Error { code, fatal, .. } = m {
+                    codes.push((ErrorCode::from_u16(code), fatal));
+                }
+            }
+            codes
+        })
+    };
+    assert!(eventually(PATIENCE, || server.status().sessions.len() == 2));
+    let (mut id, mut refusals) = (0u64, 0);
+    let t = Instant::now();
+    while server.status().sessions.len() == 2 {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the flooding session was not ended after {id} invalid entries"
+        );
+        loop {
+            let mut e = SqEntry {
+                request_id: id,
+                slot: 99,
+                generation: 0,
+                dtype: DType::U8 as u8,
+                rank: 1,
+                len: 64,
+                ..SqEntry::default()
+            };
+            e.shape[0] = 64;
+            match sq.push(&ring, &e) {
+                Ok(true) => id += 1,
+                _ => break,
+            }
+        }
+        let _ = nix::unistd::write(&to_server, &1u64.to_ne_bytes());
+        std::thread::sleep(Duration::from_millis(1));
+    }
+    let codes = reader.join().unwrap();
+    for (code, fatal) in &codes {
+        if *code == ErrorCode::SlotNotLeased || *code == ErrorCode::OutOfBounds {
+            assert!(!fatal);
+            refusals += 1;
+        }
+    }
+    assert_eq!(
+        codes.last().copied(),
+        Some((ErrorCode::TooManyRefusals, true)),
+        "the flooding session must end with TooManyRefusals"
+    );
+    assert_eq!(refusals, 300, "refusals answered before the end");
+    done.store(true, Ordering::SeqCst);
+    let served = good.join().expect("the good producer was disturbed");
+    assert!(ok.load(Ordering::SeqCst) >= served);
+    let logged = logs().matches("refused:").count() - before;
+    assert!(
+        logged <= 8 + 9,
+        "{logged} refusal lines logged for 300 refusals: the log must be rate-limited"
+    );
+    println!("  {id} invalid entries pushed, 300 refused, {logged} logged, then TooManyRefusals; the other producer got {served} results meanwhile");
+    stop.store(true, Ordering::SeqCst);
+}

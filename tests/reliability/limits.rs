@@ -242,3 +242,125 @@ pub(crate) fn idle_eviction() {
     busy.join().expect("the busy producer was disturbed");
     stop.store(true, Ordering::SeqCst);
 }
+
+/// Idle sessions holding the whole memory budget: a newcomer asking for a pool gets it once one
+/// of them has been idle for `idle_eviction` (the longest idle one is closed, and told why).
+pub(crate) fn idle_memory_eviction() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.memory_budget = 64 << 20;
+    cfg.max_session_bytes = 24 << 20;
+    cfg.idle_eviction = Duration::from_millis(300);
+    let (server, _ok, _torn, stop) = checking_server(cfg);
+    // Three pools of 20 MiB: the budget is spent.
+    let mut idle: Vec<Raw> = (0..3)
+        .map(|_| {
+            let mut r = Raw::connect(&sock);
+            r.send(&hello_asking(5, 4 << 20));
+            match r.recv() {
+                Some(ServerMsg::Welcome(_)) => r,
+                other => panic!("expected Welcome, got {other:?}"),
+            }
+        })
+        .collect();
+    // Before they are idle long enough, a fourth is refused.
+    let mut r = Raw::connect(&sock);
+    r.send(&hello_asking(5, 4 << 20));
+    assert_eq!(r.next_error(), ErrorCode::MemoryBudget);
+    std::thread::sleep(Duration::from_millis(400));
+    // Now one of them gives its pool up for the newcomer.
+    let mut r = Raw::connect(&sock);
+    r.send(&hello_asking(5, 4 << 20));
+    match r.recv() {
+        Some(ServerMsg::Welcome(_)) => {}
+        other => panic!("the newcomer was refused though idle sessions held the budget: {other:?}"),
+    }
+    let (used, limit) = server.pool_memory();
+    assert!(used <= limit, "{used} > {limit}");
+    // Exactly one idle session was closed, with a reason.
+    assert!(eventually(PATIENCE, || server.status().sessions.len() == 3));
+    let closed: Vec<(usize, String)> = idle
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(i, r)| {
+            let (said, eof) = read_for_a_while(r);
+            eof.then_some((i, said))
+        })
+        .collect();
+    assert_eq!(
+        closed.len(),
+        1,
+        "one idle session should make room: {closed:?}"
+    );
+    let said = closed[0].1.clone();
+    assert!(
+        said.contains("idle for") && said.contains("memory"),
+        "{said}"
+    );
+    stop.store(true, Ordering::SeqCst);
+}
+
+/// Silent connections opened as fast as the test can, hundreds held at once, while producers
+/// connect: every producer gets in (the silent ones only ever push out each other).
+pub(crate) fn silent_flood() {
+    let (_dir, sock) = socket_dir();
+    let mut cfg = ServerConfig::new(&sock);
+    cfg.max_sessions = 8;
+    cfg.handshake_timeout = Duration::from_secs(30);
+    let (server, _ok, _torn, stop) = checking_server(cfg);
+    let done = Arc::new(AtomicBool::new(false));
+    let flood = {
+        let (sock, done) = (sock.clone(), done.clone());
+        std::thread::spawn(move || {
+            let mut held = std::collections::VecDeque::new();
+            let mut opened = 0u64;
+            while !done.load(Ordering::SeqCst) && opened < 200_000 {
+                if let Ok(c) = UnixStream::connect(&sock) {
+                    held.push_back(c);
+                    opened += 1;
+                }
+                if held.len() > 300 {
+                    held.pop_front();
+                }
+            }
+            opened
+        })
+    };
+    std::thread::sleep(Duration::from_millis(200));
+    for i in 0..20 {
+        let p = Producer::connect(&sock, ProducerConfig::new("through-the-flood"));
+        assert!(
+            p.is_ok(),
+            "producer {i} was locked out by silent connections: {:?}",
+            p.err()
+        );
+    }
+    done.store(true, Ordering::SeqCst);
+    let opened = flood.join().unwrap();
+    println!(
+        "  {opened} silent connections opened while 20 producers connected; {} refused or closed",
+        server.status().totals.connections_refused
+    );
+    stop.store(true, Ordering::SeqCst);
+}
+
+/// The error texts `r` receives within 300 ms, and whether the server closed it.
+fn read_for_a_while(r: &mut Raw) -> (String, bool) {
+    use std::io::Read;
+    r.s.set_read_timeout(Some(Duration::from_millis(300)))
+        .unwrap();
+    let mut said = String::new();
+    loop {
+        let mut h = [0u8; 4];
+        match r.s.read_exact(&mut h) {
+            Ok(()) => {}
+            Err(e) if e.kind() == std::io::ErrorKind::UnexpectedEof => return (said, true),
+            Err(_) => return (said, false),
+        }
+        let mut p = vec![0u8; u32::from_le_bytes(h) as usize];
+        r.s.read_exact(&mut p).unwrap();
+        if let ServerMsg::Error { message, .. } = tensorport::wire::decode_server(&p).unwrap() {
+            said.push_str(&message);
+        }
+    }
+}

@@ -37,6 +37,16 @@ fn main() {
             ("truncated_and_lying_frames", lying_frames),
             ("device_registrations_on_a_cpu_server", device_on_cpu),
             ("many_descriptors_per_message_all_closed", many_fds),
+            (
+                "descriptors_in_unfinished_frames_end_the_session_and_are_closed",
+                fds_in_unfinished_frames,
+            ),
+            ("a_queue_full_of_refused_entries_is_bounded", refusal_flood),
+            (
+                "idle_sessions_give_back_memory_for_newcomers",
+                idle_memory_eviction,
+            ),
+            ("silent_connections_cannot_lock_producers_out", silent_flood),
             ("drain_is_the_operators_not_a_producers", drain_authority),
             ("memory_budget_holds_against_a_hello_flood", memory_budget),
             (

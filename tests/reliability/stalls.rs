@@ -73,6 +73,8 @@ pub(crate) fn head_of_line() {
     let mut cfg = ServerConfig::new(&sock);
     let write_timeout = Duration::from_secs(60);
     cfg.write_timeout = write_timeout;
+    // The peers under test are ended for not reading, not for their refusals' count.
+    cfg.max_refusals = u64::MAX;
     let server = Arc::new(Server::bind(cfg).unwrap());
     let stop = Arc::new(AtomicBool::new(false));
     let (s, st) = (server.clone(), stop.clone());

@@ -361,6 +361,24 @@ impl Raw {
         }
     }
 
+    /// Sends `bytes` in one `sendmsg` with `n` descriptors (of /dev/null) attached; returns
+    /// whether the kernel took it (false once the server closed the connection).
+    pub fn send_bytes_with_fds(&mut self, bytes: &[u8], n: usize) -> bool {
+        use std::os::fd::AsRawFd;
+        let files: Vec<std::fs::File> = (0..n)
+            .map(|_| std::fs::File::open("/dev/null").unwrap())
+            .collect();
+        let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
+        nix::sys::socket::sendmsg::<()>(
+            self.s.as_raw_fd(),
+            &[std::io::IoSlice::new(bytes)],
+            &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
+            nix::sys::socket::MsgFlags::MSG_NOSIGNAL,
+            None,
+        )
+        .is_ok()
+    }
+
     /// Sends `msg` as one frame with `n` descriptors (of /dev/null) attached to it.
     pub fn send_with_fds(&mut self, msg: &tensorport::wire::ClientMsg, n: usize) {
         use std::os::fd::AsRawFd;

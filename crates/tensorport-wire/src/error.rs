@@ -57,6 +57,10 @@ pub enum ErrorCode: u16 {
     /// A device tensor's "ready" fence was not signalled within the server's fence timeout: its
     /// request failed and the session ends (its stalled wait would hold up other producers).
     FenceTimeout = 24,
+    /// The session sent more refused messages than the server takes from one producer; the
+    /// session ends (a producer refused that often is broken or hostile, and each refusal costs
+    /// the server work other producers wait for).
+    TooManyRefusals = 25,
     /// A code this version does not know (kept as received).
     Unknown = 0xFFFF,
 }

@@ -23,10 +23,9 @@ use crate::{Error, Result};
 
 /// Room for descriptors in one read: Linux's `SCM_MAX_FD`, the most one `sendmsg` can attach.
 ///
-/// Not fewer: when the control buffer is too small the message comes back with `MSG_CTRUNC`, and
-/// then the descriptors that did fit are installed in our table but cannot be read out of the
-/// truncated buffer (nix refuses to iterate it), so each such message leaked them — a peer
-/// sending five descriptors at a time could exhaust the server's table (`EMFILE`).
+/// Not fewer: when the control buffer is too small the message comes back with `MSG_CTRUNC`
+/// (as it also does when the table is full, `EMFILE`), and the descriptors that were installed
+/// must then be read out of the truncated buffer by hand ([`truncated_fds`]).
 pub(crate) const MAX_FDS_PER_READ: usize = 253;
 
 /// Sends frames. Cheap to put behind a mutex: one buffer, reused.
@@ -155,15 +154,19 @@ impl FrameReader {
     /// One `recvmsg` into the frame buffer. Blocks if nothing is there.
     pub(crate) fn fill(&mut self) -> Result<ReadInfo> {
         loop {
+            // A stale header must never be read back as this read's (see `truncated_fds`).
+            self.cmsg[..CMSG_HEADER].fill(0);
             let spare = self.buf.spare();
             let mut iov = [IoSliceMut::new(spare)];
-            let (bytes, received, truncated) = match recvmsg::<()>(
+            let mut unreadable = false;
+            let (bytes, mut received, truncated) = match recvmsg::<()>(
                 self.stream.as_raw_fd(),
                 &mut iov,
                 Some(&mut self.cmsg),
                 MsgFlags::MSG_CMSG_CLOEXEC,
             ) {
                 Ok(msg) => {
+                    let truncated = msg.flags.contains(MsgFlags::MSG_CTRUNC);
                     let mut received = Vec::new();
                     match msg.cmsgs() {
                         Ok(cmsgs) => {
@@ -173,20 +176,21 @@ impl FrameReader {
                                 }
                             }
                         }
-                        // Only a control message over SCM_MAX_FD descriptors, which the kernel
-                        // does not send: reported as truncated below.
-                        Err(e) => tracing::warn!("unreadable control message: {e}"),
+                        // nix will not walk a truncated control buffer, yet the kernel installed
+                        // the descriptors that fit (or all it could before `EMFILE`) and wrote
+                        // a well-formed header saying how many: they are read out by hand, to
+                        // be owned and closed like any others.
+                        Err(_) => unreadable = true,
                     }
-                    (
-                        msg.bytes,
-                        received,
-                        msg.flags.contains(MsgFlags::MSG_CTRUNC),
-                    )
+                    (msg.bytes, received, truncated)
                 }
                 Err(nix::Error::EINTR) => continue,
                 Err(nix::Error::ECONNRESET) => (0, Vec::new(), false),
                 Err(e) => return Err(Error::sys("recvmsg")(e)),
             };
+            if unreadable {
+                received = truncated_fds(&self.cmsg);
+            }
             let nfds = received.len();
             self.fds.extend(received.into_iter().map(adopt_fd));
             self.buf.commit(bytes);
@@ -228,6 +232,35 @@ impl FrameReader {
     pub(crate) fn stream(&self) -> &UnixStream {
         &self.stream
     }
+}
+
+/// Bytes of a `cmsghdr` (`size_t` length, `int` level, `int` type) before its data, aligned as
+/// `CMSG_LEN(0)` aligns it.
+const CMSG_HEADER: usize = {
+    let word = std::mem::size_of::<usize>();
+    (word + 8).div_ceil(word) * word
+};
+
+/// The descriptors in the first `SCM_RIGHTS` header of a control buffer that came back with
+/// `MSG_CTRUNC`. The kernel writes a complete header for the descriptors it did install (all that
+/// fit, or all before `EMFILE`); the buffer's header was zeroed before the read, so a buffer the
+/// kernel left alone yields none.
+fn truncated_fds(cmsg: &[u8]) -> Vec<RawFd> {
+    let word = std::mem::size_of::<usize>();
+    if cmsg.len() < CMSG_HEADER {
+        return Vec::new();
+    }
+    let len = usize::from_ne_bytes(cmsg[..word].try_into().unwrap_or_default());
+    let level = i32::from_ne_bytes(cmsg[word..word + 4].try_into().unwrap_or_default());
+    let kind = i32::from_ne_bytes(cmsg[word + 4..word + 8].try_into().unwrap_or_default());
+    if level != nix::libc::SOL_SOCKET || kind != nix::libc::SCM_RIGHTS || len < CMSG_HEADER {
+        return Vec::new();
+    }
+    let data = &cmsg[CMSG_HEADER..len.min(cmsg.len())];
+    data.chunks_exact(4)
+        .map(|c| RawFd::from_ne_bytes([c[0], c[1], c[2], c[3]]))
+        .filter(|&fd| fd >= 0)
+        .collect()
 }
 
 /// Takes ownership of a descriptor the kernel just installed for us.

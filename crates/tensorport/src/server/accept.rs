@@ -17,7 +17,7 @@ use crate::conn::{peer_credentials, FrameReader, FrameWriter};
 use crate::server::admission::open_session;
 use crate::server::control::serve_control;
 use crate::server::reader::{close_session, serve_producer};
-use crate::server::shared::Shared;
+use crate::server::shared::{Handshakes, Shared};
 
 pub(crate) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
@@ -37,8 +37,12 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
         };
         let _ = stream.set_nonblocking(false);
         let _ = stream.set_write_timeout(Some(shared.config.write_timeout));
-        // Connections in handshake count too, so a flood of idle connections is bounded.
-        let limit = shared.config.max_sessions.saturating_add(16);
+        // Connections in handshake count too, so a flood of idle connections is bounded; they
+        // have places of their own (`Handshakes`), so they cannot take the producers'.
+        let limit = shared
+            .config
+            .max_sessions
+            .saturating_add(2 * Handshakes::PLACES as u32);
         if shared.connections.load(Ordering::SeqCst) >= limit {
             shared
                 .counters
@@ -57,8 +61,9 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
         let spawned = std::thread::Builder::new()
             .name("tensorport-session".into())
             .spawn(move || {
-                serve_connection(&sh, stream);
-                sh.connections.fetch_sub(1, Ordering::SeqCst);
+                if serve_connection(&sh, stream) == Counted::Yes {
+                    sh.connections.fetch_sub(1, Ordering::SeqCst);
+                }
             });
         if let Err(e) = spawned {
             shared.connections.fetch_sub(1, Ordering::SeqCst);
@@ -145,12 +150,20 @@ pub(crate) fn msg_name(m: &ClientMsg) -> &'static str {
     }
 }
 
-fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) {
+/// Whether a connection still counts among the server's connections when its thread ends.
+#[derive(Debug, PartialEq, Eq)]
+enum Counted {
+    Yes,
+    /// Closed in its handshake to make room, and uncounted then.
+    No,
+}
+
+fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) -> Counted {
     let creds = match peer_credentials(&stream) {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!("no peer credentials: {e}");
-            return;
+            return Counted::Yes;
         }
     };
     let me = nix::unistd::geteuid().as_raw();
@@ -169,15 +182,29 @@ fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) {
             ErrorCode::PermissionDenied,
             format!("uid {} may not use this server", creds.uid()),
         );
-        return;
+        return Counted::Yes;
     }
-    let Ok(wstream) = stream.try_clone() else {
-        return;
+    let (Ok(wstream), Ok(entry)) = (stream.try_clone(), stream.try_clone()) else {
+        return Counted::Yes;
     };
+    let (ticket, evicted) = shared.handshakes.enter(entry);
+    if evicted {
+        // The closed one's place is free from now on, not once its thread has noticed.
+        shared.connections.fetch_sub(1, Ordering::SeqCst);
+        shared
+            .counters
+            .connections_refused
+            .fetch_add(1, Ordering::Relaxed);
+        tracing::debug!("closed the oldest silent connection in its handshake to make room");
+    }
     let mut reader = FrameReader::new(stream, MAX_FRAME_LEN);
-    let hello = match read_hello(&mut reader, shared.config.handshake_timeout) {
+    let said = read_hello(&mut reader, shared.config.handshake_timeout);
+    if !shared.handshakes.leave(ticket) {
+        return Counted::No;
+    }
+    let hello = match said {
         Handshake::Hello(h) => h,
-        Handshake::Gone => return,
+        Handshake::Gone => return Counted::Yes,
         Handshake::Refused(code, message) => {
             shared
                 .counters
@@ -185,7 +212,7 @@ fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) {
                 .fetch_add(1, Ordering::Relaxed);
             tracing::warn!(pid = creds.pid(), ?code, "handshake refused: {message}");
             refuse(reader.stream(), code, message);
-            return;
+            return Counted::Yes;
         }
     };
     let version = match negotiate(&hello) {
@@ -197,7 +224,7 @@ fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) {
                 .fetch_add(1, Ordering::Relaxed);
             tracing::warn!(pid = creds.pid(), "handshake refused: {e}");
             refuse(reader.stream(), e.code(), e.to_string());
-            return;
+            return Counted::Yes;
         }
     };
     match hello.role {
@@ -215,11 +242,12 @@ fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) {
                         .fetch_add(1, Ordering::Relaxed);
                     tracing::warn!(pid = creds.pid(), ?code, "session refused: {message}");
                     refuse(reader.stream(), code, message);
-                    return;
+                    return Counted::Yes;
                 }
             };
             let clean = serve_producer(shared, &session, &mut reader);
             close_session(shared, &session, clean);
         }
     }
+    Counted::Yes
 }

@@ -23,6 +23,7 @@ use crate::conn::FrameWriter;
 pub(crate) const MAX_DEVICE_BUFFER_LEN: u64 = 1 << 40;
 use crate::device::DeviceTensor;
 use crate::fast::{IdSet, ServerRing};
+use crate::server::budget::Charge;
 use crate::server::outbox::Outbox;
 use crate::server::request::{Request, Responder};
 use crate::server::session::{DeviceEntry, Session, SessionState};
@@ -41,7 +42,7 @@ impl Drop for Reservation<'_> {
 
 /// Closes the producer session that has been idle longest, if one has been idle (nothing in
 /// flight, no submit or answer) for `idle_eviction`; returns whether it did.
-pub(crate) fn evict_idle(shared: &Shared) -> bool {
+pub(crate) fn evict_idle(shared: &Shared, short_of: &str) -> bool {
     let after = shared.config.idle_eviction;
     if after.is_zero() {
         return false;
@@ -62,19 +63,58 @@ pub(crate) fn evict_idle(shared: &Shared) -> bool {
         session = s.id,
         producer = %s.name,
         idle_s = idle.as_secs_f64(),
-        "closing an idle session to make room for a new producer"
+        "closing an idle session to make room for a new producer: {short_of}"
     );
     let _ = s.post(&ServerMsg::Error {
         code: ErrorCode::TooManySessions.as_u16(),
         request_id: None,
         fatal: true,
         message: format!(
-            "closed: idle for {:.0} s while every producer place was taken and another producer asked for one",
+            "closed: idle for {:.0} s while {short_of} and another producer asked for it",
             idle.as_secs_f64()
         ),
     });
     s.kill();
     true
+}
+
+/// Charges `want` bytes to the pools' budget; when it is spent, idle sessions give their pools
+/// up (the longest idle first, as for places) until the charge fits or none is idle.
+fn charge_making_room(
+    shared: &Shared,
+    want: u64,
+) -> std::result::Result<Charge, (ErrorCode, String)> {
+    let spent = |used: u64| {
+        (
+            ErrorCode::MemoryBudget,
+            format!(
+                "the server's memory for pools is spent ({used} of {} bytes reserved; this pool needs {want}); try again later, or start the server with a larger --memory-budget",
+                shared.budget.limit()
+            ),
+        )
+    };
+    let mut used = match shared.budget.charge(want) {
+        Ok(c) => return Ok(c),
+        Err(used) => used,
+    };
+    if want > shared.budget.limit() {
+        return Err(spent(used));
+    }
+    // Each round closes one idle session; its pool is given back once its reader has let go.
+    for _ in 0..shared.config.max_sessions {
+        if !evict_idle(shared, "the memory for pools was spent") {
+            break;
+        }
+        let deadline = Instant::now() + Duration::from_secs(2);
+        while Instant::now() < deadline {
+            match shared.budget.charge(want) {
+                Ok(c) => return Ok(c),
+                Err(u) => used = u,
+            }
+            std::thread::sleep(Duration::from_millis(2));
+        }
+    }
+    Err(spent(used))
 }
 
 /// Creates the pool, registers the session, sends `Welcome` (with the fd) and the first grant.
@@ -101,7 +141,7 @@ pub(crate) fn open_session(
             .is_ok()
     };
     let mut placed = take();
-    if !placed && evict_idle(shared) {
+    if !placed && evict_idle(shared, "every producer place was taken") {
         let deadline = Instant::now() + Duration::from_secs(2);
         while !placed && Instant::now() < deadline {
             std::thread::sleep(Duration::from_millis(2));
@@ -135,15 +175,7 @@ pub(crate) fn open_session(
             ),
         ));
     }
-    let charge = shared.budget.charge(want).map_err(|used| {
-        (
-            ErrorCode::MemoryBudget,
-            format!(
-                "the server's memory for pools is spent ({used} of {} bytes reserved; this pool needs {want}); try again later, or start the server with a larger --memory-budget",
-                shared.budget.limit()
-            ),
-        )
-    })?;
+    let charge = charge_making_room(shared, want)?;
     let id = shared.next_session.fetch_add(1, Ordering::SeqCst);
     let mut pool = HostPool::create("tensorport-pool", slots, slot_size)
         .map_err(|e| (ErrorCode::Internal, e.to_string()))?;

@@ -43,6 +43,10 @@ pub struct ServerConfig {
     /// nothing in flight and no submit or answer for this long is closed to make room (the
     /// longest idle first). `Duration::ZERO`: never.
     pub idle_eviction: Duration,
+    /// Refused messages (invalid descriptors, stale slots, forged queue entries …) one session
+    /// may send; the next one ends the session with `TooManyRefusals`. Only the first few
+    /// refusals of a session, then every power of two, are logged.
+    pub max_refusals: u64,
     /// Uids allowed to connect besides the server's own.
     pub allowed_uids: Vec<u32>,
     /// Pins each pool (the CUDA build registers it with `cuMemHostRegister`).
@@ -84,7 +88,8 @@ impl std::fmt::Debug for ServerConfig {
 impl ServerConfig {
     /// Defaults: 8 slots of 1 MiB per producer (at most 256 slots of 256 MiB), 64 producers,
     /// pools within a quarter of physical memory together (a quarter of that each), 2 s to say
-    /// hello, 5 s for a producer to read what it is sent (at most 4 MiB waiting), own uid only, no pinning.
+    /// hello, 5 s for a producer to read what it is sent (at most 4 MiB waiting), 1,024 refused
+    /// messages per session, own uid only, no pinning.
     pub fn new(socket: impl Into<PathBuf>) -> ServerConfig {
         ServerConfig {
             socket: socket.into(),
@@ -100,6 +105,7 @@ impl ServerConfig {
             write_timeout: Duration::from_secs(5),
             max_queued_output: 4 << 20,
             idle_eviction: Duration::from_secs(30),
+            max_refusals: 1024,
             allowed_uids: Vec::new(),
             pin: None,
             device: None,

@@ -281,8 +281,10 @@ fn take_from_ring(
         return 0;
     }
     let mut st: Option<MutexGuard<'_, SessionState>> = None;
-    let (mut taken, mut bytes) = (0usize, 0u64);
-    while taken < max {
+    // Refused entries count against the burst as taken ones do: a queue kept full of invalid
+    // entries gets its turn and then waits for the others', like any other.
+    let (mut taken, mut refusals, mut bytes) = (0usize, 0usize, 0u64);
+    while taken + refusals < max && session.is_alive() {
         let e: SqEntry = match sq.pop(&ring.mem) {
             Ok(Some(e)) => e,
             Ok(None) => break,
@@ -312,6 +314,7 @@ fn take_from_ring(
             // Refusing posts on the socket and counts the error under the lock: not held.
             drop(st.take());
             session.refuse(code, Some(e.request_id), message);
+            refusals += 1;
         }
     }
     drop(st);

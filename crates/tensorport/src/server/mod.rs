@@ -122,6 +122,7 @@ impl Server {
             sessions: Mutex::new(HashMap::new()),
             connections: AtomicU32::new(0),
             producers: AtomicU32::new(0),
+            handshakes: Default::default(),
             counters: AtomicCounters::default(),
             draining: AtomicBool::new(false),
             stopping: AtomicBool::new(false),

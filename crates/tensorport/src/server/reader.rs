@@ -12,6 +12,9 @@ use crate::server::admission::{admit, register_device};
 use crate::server::session::Session;
 use crate::server::shared::{lock, Shared};
 
+/// The most descriptors one client message carries (`RegisterDevice` with a VMM handle).
+const MAX_FDS_PER_MESSAGE: usize = 1;
+
 /// Reads a producer's messages until it leaves. Returns whether it left cleanly (`Goodbye`).
 pub(crate) fn serve_producer(
     shared: &Arc<Shared>,
@@ -103,6 +106,20 @@ pub(crate) fn serve_producer(
         }
         // Descriptors no message claimed are closed and refused — unless the frame they came
         // with is still arriving (they travel with its first bytes).
+        // A frame still arriving carries at most one descriptor: more, held for a message that
+        // may never come, would let one peer fill the server's descriptor table, so the session
+        // ends and they are closed with it.
+        if reader.pending() > 0 && reader.fds_waiting() > MAX_FDS_PER_MESSAGE {
+            let n = reader.drop_fds();
+            session.close_with(
+                ErrorCode::FdsNotExpected,
+                format!(
+                    "{n} file descriptor(s) sent with an unfinished frame, which carries at most \
+                     {MAX_FDS_PER_MESSAGE}; closed them and the session"
+                ),
+            );
+            return false;
+        }
         if reader.pending() == 0 && (reader.fds_waiting() > 0 || truncated) {
             let n = reader.drop_fds();
             truncated = false;

@@ -22,6 +22,9 @@ use crate::server::pace::Share;
 use crate::server::shared::{lock, Shared};
 use crate::{Error, Result};
 
+/// Refusals of one session that are all logged; past them, only every power of two.
+const LOGGED_REFUSALS: u64 = 8;
+
 /// The largest result a request may have: it must fit one frame with its envelope.
 pub(crate) const MAX_RESULT_LEN: usize = MAX_FRAME_LEN as usize - 64;
 
@@ -154,8 +157,26 @@ impl Session {
             .counters
             .protocol_errors
             .fetch_add(1, Ordering::Relaxed);
-        lock(&self.state).errors += 1;
-        tracing::warn!(session = self.id, producer = %self.name, ?code, request_id, "refused: {message}");
+        let errors = {
+            let mut st = lock(&self.state);
+            st.errors += 1;
+            st.errors
+        };
+        let limit = self.shared.config.max_refusals;
+        if errors > limit {
+            if errors > limit + 1 {
+                return; // closed already
+            }
+            self.close_with(
+                ErrorCode::TooManyRefusals,
+                format!("{errors} messages refused in this session (the server takes {limit}); the last: {message}"),
+            );
+            return;
+        }
+        // A peer refused in a loop must not flood the log: the first few, then powers of two.
+        if errors <= LOGGED_REFUSALS || errors.is_power_of_two() {
+            tracing::warn!(session = self.id, producer = %self.name, ?code, request_id, refusals = errors, "refused: {message}");
+        }
         let _ = self.post(&ServerMsg::Error {
             code: code.as_u16(),
             request_id,

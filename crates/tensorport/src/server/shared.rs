@@ -1,7 +1,8 @@
 //! What every server thread sees: the configuration, the session table, the counters, the
 //! memory budget and the consumer's doorbells.
 
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
+use std::os::unix::net::UnixStream;
 use std::sync::atomic::{fence, AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
@@ -62,6 +63,8 @@ pub(crate) struct Shared {
     pub(crate) connections: AtomicU32,
     /// Producer places taken (reserved before a pool is built).
     pub(crate) producers: AtomicU32,
+    /// Connections that have not yet said `Hello`, oldest first.
+    pub(crate) handshakes: Handshakes,
     pub(crate) counters: AtomicCounters,
     pub(crate) draining: AtomicBool,
     pub(crate) stopping: AtomicBool,
@@ -140,4 +143,56 @@ impl Shared {
             }
         }
     }
+}
+
+/// The connections still in their handshake: a few places of their own, so connections that
+/// never say `Hello` cannot take every place. When those are full, the oldest connection that
+/// has sent nothing gives its place to the newest: a producer sends `Hello` as it connects, so
+/// its bytes are there before it is accepted, and a flood of silent connections only ever
+/// pushes out its own.
+#[derive(Default)]
+pub(crate) struct Handshakes {
+    open: Mutex<VecDeque<(u64, UnixStream)>>,
+    next: AtomicU64,
+}
+
+impl Handshakes {
+    /// Places for connections in their handshake.
+    pub(crate) const PLACES: usize = 16;
+
+    /// Enters `stream` (a clone of the connection's socket); returns its ticket and whether an
+    /// older handshake was closed to make room.
+    pub(crate) fn enter(&self, stream: UnixStream) -> (u64, bool) {
+        let ticket = self.next.fetch_add(1, Ordering::Relaxed);
+        let mut open = lock(&self.open);
+        let mut evicted = false;
+        if open.len() >= Self::PLACES {
+            if let Some(i) = open.iter().position(|(_, s)| is_silent(s)) {
+                if let Some((_, oldest)) = open.remove(i) {
+                    // Its thread reads EOF and ends; the client reads EOF too.
+                    let _ = oldest.shutdown(std::net::Shutdown::Both);
+                    evicted = true;
+                }
+            }
+        }
+        open.push_back((ticket, stream));
+        (ticket, evicted)
+    }
+
+    /// The handshake with `ticket` is over, whichever way; false if it had been closed to make
+    /// room (and its connection already uncounted by whoever closed it).
+    pub(crate) fn leave(&self, ticket: u64) -> bool {
+        let mut open = lock(&self.open);
+        let before = open.len();
+        open.retain(|(t, _)| *t != ticket);
+        open.len() < before
+    }
+}
+
+/// Whether nothing (no byte, no EOF) waits to be read on `stream`.
+fn is_silent(stream: &UnixStream) -> bool {
+    use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    use std::os::fd::AsFd;
+    let mut pfd = [PollFd::new(stream.as_fd(), PollFlags::POLLIN)];
+    matches!(poll(&mut pfd, PollTimeout::ZERO), Ok(0))
 }

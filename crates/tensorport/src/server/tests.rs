@@ -334,7 +334,7 @@ fn a_full_server_evicts_the_longest_idle_session_only() {
     let _held = busy.submit(&f, 1, g[0]).unwrap();
     std::thread::sleep(Duration::from_millis(5));
     // Both places are taken; the busy one has a request in flight, so the idle one goes.
-    assert!(evict_idle(&f.server.shared));
+    assert!(evict_idle(&f.server.shared, "test"));
     assert!(!old.session.is_alive());
     assert!(busy.session.is_alive());
     old.grants();
@@ -347,7 +347,7 @@ fn a_full_server_evicts_the_longest_idle_session_only() {
     }
     // Nothing else is idle.
     reader::close_session(&f.server.shared, &old.session, false);
-    assert!(!evict_idle(&f.server.shared));
+    assert!(!evict_idle(&f.server.shared, "test"));
 }
 
 #[test]
