@@ -6,6 +6,7 @@
 
 mod balance;
 mod children;
+mod rundir;
 mod supervisor;
 mod view;
 
@@ -177,12 +178,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
                 .map(PathBuf::from)
                 .filter(|p| p.is_dir())
                 .unwrap_or_else(std::env::temp_dir);
-            // 0700, as docs/operations.md says the socket's directory must be (tempfile would
-            // leave it to the umask: 0755).
-            tmp = tempfile::Builder::new()
-                .prefix("tensorport-farm-")
-                .permissions(std::os::unix::fs::PermissionsExt::from_mode(0o700))
-                .tempdir_in(base)?;
+            tmp = rundir::create(&base)?;
             tmp.path().join("tensorport.sock")
         }
     };

@@ -287,3 +287,77 @@ fn two_ctrl_c_stop_at_once_and_leave_nothing_behind() {
         );
     }
 }
+
+/// A farm killed with SIGKILL cannot remove its socket directory; the next farm of the same user
+/// removes it (and leaves none of its own once it is done).
+#[test]
+fn the_next_farm_removes_a_killed_farms_socket_directory() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tmp();
+    let run = dir.path().join("run");
+    std::fs::create_dir(&run).unwrap();
+    std::fs::set_permissions(&run, std::fs::Permissions::from_mode(0o700)).unwrap();
+    let farm_dirs = || -> Vec<String> {
+        std::fs::read_dir(&run)
+            .unwrap()
+            .flatten()
+            .map(|e| e.file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with("tensorport-farm-"))
+            .collect()
+    };
+    let out = dir.path().join("killed.jsonl");
+    let mut first = farm_cmd(&out, 5000, 1)
+        .env("XDG_RUNTIME_DIR", &run)
+        .spawn()
+        .unwrap();
+    let pid = first.id() as i32;
+    let t = Instant::now();
+    while count_lines(&out) < 1 {
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "the first farm wrote no result in 5 minutes"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    }
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    first.wait().unwrap();
+    assert_eq!(farm_dirs().len(), 1, "the killed farm's directory");
+    // Its children follow it (they are told by a parent-death signal).
+    let t = Instant::now();
+    while !orphans_of(&run).is_empty() {
+        assert!(
+            t.elapsed() < Duration::from_secs(60),
+            "the killed farm's children outlived it by a minute"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let o = farm_cmd(&dir.path().join("next.jsonl"), 20, 1)
+        .env("XDG_RUNTIME_DIR", &run)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        farm_dirs(),
+        Vec::<String>::new(),
+        "a socket directory was left behind"
+    );
+}
+
+/// Processes whose command line names `dir` (the killed farm's server and producers).
+fn orphans_of(dir: &Path) -> Vec<i32> {
+    let needle = dir.to_string_lossy().into_owned();
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_string_lossy().parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .map(|c| String::from_utf8_lossy(&c).contains(&needle))
+                .unwrap_or(false)
+        })
+        .collect()
+}
