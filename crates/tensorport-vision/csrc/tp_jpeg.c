@@ -23,6 +23,10 @@
  * crafted file with thousands of tiny scans costs minutes. Real encoders write at most ~10. */
 #define TP_MAX_SCANS 256
 
+/* The most memory libjpeg's large arrays may take per decoder: room for the coefficients of a
+ * progressive 4:4:4 file of the largest image the Rust side lets through (64 megapixels). */
+#define TP_MAX_MEMORY (768L << 20)
+
 enum { TP_OK = 0, TP_ERROR = 1, TP_UNSUPPORTED = 2, TP_TOO_LARGE = 3, TP_STATE = 4, TP_BUFFER = 5 };
 
 struct tp_jpeg_err {
@@ -74,6 +78,9 @@ tp_jpeg *tp_jpeg_new(void) {
     return NULL;
   }
   jpeg_create_decompress(&t->dec);
+  /* Large virtual arrays (a progressive file's coefficients) past this fail with an error
+   * instead of being allocated: a small file cannot make one decoder take gigabytes. */
+  t->dec.mem->max_memory_to_use = TP_MAX_MEMORY;
   t->progress.progress_monitor = tp_progress;
   t->dec.progress = &t->progress;
   return t;

@@ -16,6 +16,25 @@ use crate::{Error, Result};
 /// The largest side a file may declare: a decompression bomb is refused before it allocates.
 pub const MAX_SIDE: usize = 16_384;
 
+/// The most pixels an image may have unless a caller allows more
+/// ([`crate::Preprocessor::set_max_pixels`]): 64 megapixels, above the largest phone photos'
+/// usual 50. An image over it is refused before anything is allocated for it.
+pub const DEFAULT_MAX_PIXELS: u64 = 64_000_000;
+
+/// A decoded image buffer over this many bytes is given back after its image, not kept for the
+/// next (an outsized file must not leave its memory behind).
+const KEEP_BYTES: usize = 3 * 4096 * 3072;
+
+/// The problem of an image over `max` pixels, for its error line.
+pub(crate) fn too_many_pixels(w: u64, h: u64, max: u64) -> String {
+    format!(
+        "{w}x{h} is {:.1} megapixels, over the limit of {:.1} (a decompression-bomb guard; \
+         raise the pixel limit to take it)",
+        (w * h) as f64 / 1e6,
+        max as f64 / 1e6
+    )
+}
+
 /// An 8-bit interleaved RGB image in a buffer that is kept and reused: a whole image, or a
 /// window of one (a decoder may leave out what a crop throws away).
 #[derive(Default)]
@@ -48,6 +67,13 @@ impl RgbBuf {
         &mut self.data[..n]
     }
 
+    /// Gives the memory back if an outsized image left it larger than a typical one needs.
+    pub fn trim(&mut self) {
+        if self.data.capacity() > KEEP_BYTES {
+            self.data = Vec::new();
+        }
+    }
+
     /// Whether the buffer holds the whole image.
     pub fn is_whole(&self) -> bool {
         (self.width, self.height) == (self.full_width, self.full_height)
@@ -59,15 +85,30 @@ impl RgbBuf {
     }
 }
 
-/// Reads the whole file at `path` into `buf` (cleared first; its capacity is reused).
+/// The largest input file read: no image within the pixel limit needs more.
+pub const MAX_FILE_BYTES: u64 = 256 << 20;
+
+/// Reads the whole file at `path` into `buf` (cleared first; its capacity is reused), refusing
+/// one over [`MAX_FILE_BYTES`].
 pub fn read_file(path: &Path, buf: &mut Vec<u8>) -> Result<()> {
     buf.clear();
-    std::fs::File::open(path)
-        .and_then(|mut f| f.read_to_end(buf))
-        .map_err(|e| Error::Image {
-            path: path.display().to_string(),
-            problem: e.to_string(),
-        })?;
+    let err = |problem: String| Error::Image {
+        path: path.display().to_string(),
+        problem,
+    };
+    let mut f = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+    (&mut f)
+        .take(MAX_FILE_BYTES + 1)
+        .read_to_end(buf)
+        .map_err(|e| err(e.to_string()))?;
+    if buf.len() as u64 > MAX_FILE_BYTES {
+        buf.clear();
+        buf.shrink_to(16 << 20);
+        return Err(err(format!(
+            "over {} MiB: not an image this reads",
+            MAX_FILE_BYTES >> 20
+        )));
+    }
     Ok(())
 }
 
@@ -76,23 +117,48 @@ pub(crate) fn is_jpeg(bytes: &[u8]) -> bool {
     bytes.starts_with(&[0xFF, 0xD8, 0xFF])
 }
 
-/// Decodes the encoded image in `bytes` (JPEG or PNG, told by its first bytes) into `out`.
-/// `name` is used in errors.
+/// Decodes the encoded image in `bytes` (JPEG or PNG, told by its first bytes) into `out`,
+/// refusing an image over [`DEFAULT_MAX_PIXELS`]. `name` is used in errors.
 pub fn decode_into(bytes: &[u8], name: &Path, out: &mut RgbBuf) -> Result<()> {
-    if is_jpeg(bytes) && decode_jpeg(bytes, out).is_ok() {
-        return Ok(());
-    }
-    // PNG, or a JPEG zune-jpeg would not take (an unusual colour space): the general path.
+    decode_into_within(bytes, name, out, DEFAULT_MAX_PIXELS)
+}
+
+/// [`decode_into`], refusing an image over `max_pixels` before allocating for it.
+pub fn decode_into_within(
+    bytes: &[u8],
+    name: &Path,
+    out: &mut RgbBuf,
+    max_pixels: u64,
+) -> Result<()> {
     let err = |problem: String| Error::Image {
         path: name.display().to_string(),
         problem,
     };
+    if is_jpeg(bytes) {
+        match decode_jpeg(bytes, out, max_pixels) {
+            Ok(()) => return Ok(()),
+            Err(Some(problem)) => return Err(err(problem)),
+            Err(None) => {}
+        }
+    }
+    // PNG, or a JPEG zune-jpeg would not take (an unusual colour space): the general path.
+    let img = image::ImageReader::new(std::io::Cursor::new(bytes))
+        .with_guessed_format()
+        .map_err(|e| err(e.to_string()))?;
+    let (w, h) = img
+        .into_dimensions()
+        .map_err(|e| err(format!("cannot decode: {e}")))?;
+    if u64::from(w) * u64::from(h) > max_pixels {
+        return Err(err(too_many_pixels(w.into(), h.into(), max_pixels)));
+    }
     let img = image::ImageReader::new(std::io::Cursor::new(bytes))
         .with_guessed_format()
         .map_err(|e| err(e.to_string()))?;
     let mut limits = image::Limits::default();
     limits.max_image_width = Some(MAX_SIDE as u32);
     limits.max_image_height = Some(MAX_SIDE as u32);
+    // 16-bit RGBA is the widest a pixel decodes to.
+    limits.max_alloc = Some(max_pixels.saturating_mul(8).max(64 << 20));
     let mut img = img;
     img.limits(limits);
     let rgb = img
@@ -104,25 +170,34 @@ pub fn decode_into(bytes: &[u8], name: &Path, out: &mut RgbBuf) -> Result<()> {
     Ok(())
 }
 
-fn decode_jpeg(bytes: &[u8], out: &mut RgbBuf) -> std::result::Result<(), ()> {
+/// zune-jpeg into `out`: `Err(Some(why))` for an image refused outright (over `max_pixels`),
+/// `Err(None)` for one the general path may still take.
+fn decode_jpeg(
+    bytes: &[u8],
+    out: &mut RgbBuf,
+    max_pixels: u64,
+) -> std::result::Result<(), Option<String>> {
     let options = DecoderOptions::default()
         .jpeg_set_out_colorspace(ColorSpace::RGB)
         .set_max_width(MAX_SIDE)
         .set_max_height(MAX_SIDE);
     let mut d = JpegDecoder::new_with_options(ZCursor::new(bytes), options);
-    d.decode_headers().map_err(|_| ())?;
-    if d.output_colorspace() != Some(ColorSpace::RGB) {
-        return Err(());
+    d.decode_headers().map_err(|_| None)?;
+    let (w, h) = d.dimensions().ok_or(None)?;
+    if (w as u64) * (h as u64) > max_pixels {
+        return Err(Some(too_many_pixels(w as u64, h as u64, max_pixels)));
     }
-    let (w, h) = d.dimensions().ok_or(())?;
+    if d.output_colorspace() != Some(ColorSpace::RGB) {
+        return Err(None);
+    }
     if w == 0 || h == 0 || w > MAX_SIDE || h > MAX_SIDE {
-        return Err(());
+        return Err(None);
     }
     let buf = out.reshape(w as u32, h as u32);
     if Some(buf.len()) != d.output_buffer_size() {
-        return Err(());
+        return Err(None);
     }
-    d.decode_into(buf).map_err(|_| ())
+    d.decode_into(buf).map_err(|_| None)
 }
 
 /// Pixels the resampler may read beyond a window's edge, over the filter's own reach: room for
@@ -155,9 +230,17 @@ pub(crate) fn decode_jpeg_window(
     bytes: &[u8],
     transform: crate::transform::Transform,
     out: &mut RgbBuf,
+    max_pixels: u64,
 ) -> std::result::Result<(), crate::libjpeg::JpegError> {
     let header = dec.header(bytes, MAX_SIDE as u32)?;
     let (w, h) = (header.width, header.height);
+    if u64::from(w) * u64::from(h) > max_pixels {
+        return Err(crate::libjpeg::JpegError::TooLarge(too_many_pixels(
+            w.into(),
+            h.into(),
+            max_pixels,
+        )));
+    }
     let (left, right, top, bottom) = needed(&transform.window(w, h), w, h);
     let rows = bottom - top;
     // Room for whole rows: the decoder may widen the columns to its block boundaries.

@@ -24,7 +24,9 @@ use std::str::FromStr;
 use image::RgbImage;
 use thiserror::Error;
 
-pub use decode::{read_file, RgbBuf, MAX_SIDE};
+pub use decode::{
+    decode_into_within, read_file, RgbBuf, DEFAULT_MAX_PIXELS, MAX_FILE_BYTES, MAX_SIDE,
+};
 pub use normalise::{split_planes, Normaliser, IMAGENET_MEAN, IMAGENET_STD};
 pub use preprocess::{Planes, Preprocessor, Stages};
 pub use transform::Transform;

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use fast_image_resize::images::{Image, ImageRef};
 use fast_image_resize::{FilterType, PixelType, ResizeAlg, ResizeOptions, Resizer};
 
-use crate::decode::{decode_into, read_file, RgbBuf};
+use crate::decode::{read_file, RgbBuf};
 use crate::normalise::Normaliser;
 use crate::transform::Transform;
 use crate::{fill_synthetic, Error, JpegDecoder, Result, Source};
@@ -73,6 +73,7 @@ pub struct Preprocessor {
     resizer: Resizer,
     last: Stages,
     jpeg: JpegDecoder,
+    max_pixels: u64,
     #[cfg(tp_libjpeg)]
     libjpeg: Option<crate::libjpeg::LibJpeg>,
 }
@@ -90,9 +91,21 @@ impl Preprocessor {
             resizer: Resizer::new(),
             last: Stages::default(),
             jpeg: JpegDecoder::default(),
+            max_pixels: crate::decode::DEFAULT_MAX_PIXELS,
             #[cfg(tp_libjpeg)]
             libjpeg: None,
         }
+    }
+
+    /// Refuses images over `max` pixels (default [`crate::DEFAULT_MAX_PIXELS`]) before
+    /// decoding them: a small file can declare an image that would take gigabytes.
+    pub fn set_max_pixels(&mut self, max: u64) {
+        self.max_pixels = max.max(1);
+    }
+
+    /// The most pixels an image may have.
+    pub fn max_pixels(&self) -> u64 {
+        self.max_pixels
     }
 
     /// Chooses the JPEG decoder; an error if libjpeg-turbo is asked for and was not built in.
@@ -128,13 +141,22 @@ impl Preprocessor {
                     bytes,
                     self.transform,
                     &mut self.decoded,
+                    self.max_pixels,
                 );
-                if r.is_ok() {
-                    return Ok(());
+                match r {
+                    Ok(()) => return Ok(()),
+                    // Too large for one decoder is too large for any: no other decoder tries.
+                    Err(crate::libjpeg::JpegError::TooLarge(problem)) => {
+                        return Err(Error::Image {
+                            path: name.display().to_string(),
+                            problem,
+                        })
+                    }
+                    Err(_) => {}
                 }
             }
         }
-        decode_into(bytes, name, &mut self.decoded)
+        crate::decode::decode_into_within(bytes, name, &mut self.decoded, self.max_pixels)
     }
 
     /// The transform it applies.
@@ -170,6 +192,9 @@ impl Preprocessor {
                 let file = std::mem::take(&mut self.file);
                 let r = self.decode(&file, p);
                 self.file = file;
+                if r.is_err() {
+                    self.decoded.trim();
+                }
                 r?;
             }
             Source::Synthetic(n) => {
@@ -275,6 +300,7 @@ impl Preprocessor {
         let t4 = Instant::now();
         self.last.resize = t3 - t2;
         self.last.normalise = t4 - t3;
+        self.decoded.trim();
         Ok(())
     }
 }
@@ -464,6 +490,43 @@ mod tests {
         assert!(e.to_string().contains("big.jpg"), "{e}");
         p.prepare_encoded(&jpeg, Path::new("ok.jpg"), &mut out)
             .unwrap();
+    }
+
+    /// A small file declaring an image over the pixel limit (100 megapixels, under the side
+    /// limit) is refused with an error that names the file and says why, by every decoder and
+    /// before anything is allocated for it; the preprocessor goes on working, and a caller can
+    /// raise the limit.
+    #[test]
+    fn decompression_bombs_are_refused_by_every_decoder() {
+        let jpeg = crate::tests::jpeg_of(synthetic(2, 320, 240));
+        let mut bomb = jpeg.clone();
+        let sof = bomb.windows(2).position(|b| b == [0xFF, 0xC0]).unwrap();
+        bomb[sof + 5..sof + 9].copy_from_slice(&[0x27, 0x10, 0x27, 0x10]); // 10000 x 10000
+        let mut decoders = vec![JpegDecoder::ZuneJpeg];
+        if JpegDecoder::LIBJPEG_TURBO_BUILT_IN {
+            decoders.push(JpegDecoder::LibjpegTurbo);
+        }
+        for d in decoders {
+            let mut p = Preprocessor::new(Transform::standard(64));
+            p.set_jpeg_decoder(d).unwrap();
+            let mut out = vec![0f32; p.out_len()];
+            let e = p
+                .prepare_encoded(&bomb, Path::new("bomb.jpg"), &mut out)
+                .unwrap_err()
+                .to_string();
+            assert!(
+                e.contains("bomb.jpg") && e.contains("10000x10000") && e.contains("megapixels"),
+                "{d:?}: {e}"
+            );
+            assert!(p.decoded.data.capacity() < 3 * 10_000 * 10_000, "{d:?}");
+            p.prepare_encoded(&jpeg, Path::new("ok.jpg"), &mut out)
+                .unwrap();
+            // A limit below the good file's 76,800 pixels refuses it too.
+            p.set_max_pixels(50_000);
+            assert!(p
+                .prepare_encoded(&jpeg, Path::new("ok.jpg"), &mut out)
+                .is_err());
+        }
     }
 
     #[test]
