@@ -30,6 +30,12 @@ pub enum TokenError {
     /// Others may read the file.
     #[error("token file {0} may be read by other users; make it private (chmod 600 {0})")]
     Readable(String),
+    /// Not a regular file (a link, FIFO, device or directory).
+    #[error("token file {0} is not a regular file (links, FIFOs and devices are refused)")]
+    NotAFile(String),
+    /// Another user owns the file.
+    #[error("token file {0} belongs to uid {1}, not to this user")]
+    NotOwned(String, u32),
     /// Too short to be a secret, or not one line of text.
     #[error("token file {0} must hold one line of at least {MIN_TOKEN} characters (`tensorport-bridge token FILE` writes one)")]
     Weak(String),
@@ -60,14 +66,26 @@ impl Token {
             path: shown.clone(),
             source,
         };
-        let meta = std::fs::metadata(path).map_err(io)?;
+        // The checks are made on the file opened, not on the path (which could be swapped
+        // between a check and the open); a FIFO or device is refused without blocking on it.
+        let f = std::fs::OpenOptions::new()
+            .read(true)
+            .custom_flags(nix::libc::O_NOFOLLOW | nix::libc::O_NONBLOCK | nix::libc::O_CLOEXEC)
+            .open(path)
+            .map_err(io)?;
+        let meta = f.metadata().map_err(io)?;
+        if !meta.file_type().is_file() {
+            return Err(TokenError::NotAFile(shown));
+        }
+        let me = nix::unistd::geteuid().as_raw();
+        if meta.uid() != me {
+            return Err(TokenError::NotOwned(shown, meta.uid()));
+        }
         if meta.mode() & 0o077 != 0 {
             return Err(TokenError::Readable(shown));
         }
         let mut text = String::new();
-        std::fs::File::open(path)
-            .and_then(|f| f.take(4096).read_to_string(&mut text))
-            .map_err(io)?;
+        f.take(4096).read_to_string(&mut text).map_err(io)?;
         Token::new(&text).ok_or(TokenError::Weak(shown))
     }
 
@@ -148,5 +166,31 @@ mod tests {
         std::fs::write(&w, "abc\n").unwrap();
         std::fs::set_permissions(&w, std::fs::Permissions::from_mode(0o600)).unwrap();
         assert!(matches!(Token::read(&w), Err(TokenError::Weak(_))));
+    }
+
+    /// The checks hold for the file that is read: a link to a private token is refused (it
+    /// could be swapped after a check), and a FIFO is refused at once, never waited on.
+    #[test]
+    fn links_and_fifos_are_refused_without_blocking() {
+        let dir = tempfile::tempdir().unwrap();
+        let real = dir.path().join("token");
+        Token::generate(&real).unwrap();
+        let link = dir.path().join("link");
+        std::os::unix::fs::symlink(&real, &link).unwrap();
+        assert!(Token::read(&link).is_err(), "a symbolic link was followed");
+        let fifo = dir.path().join("fifo");
+        let made = std::process::Command::new("mkfifo")
+            .arg(&fifo)
+            .status()
+            .unwrap();
+        assert!(made.success());
+        std::fs::set_permissions(&fifo, std::fs::Permissions::from_mode(0o600)).unwrap();
+        let t = std::time::Instant::now();
+        assert!(matches!(Token::read(&fifo), Err(TokenError::NotAFile(_))));
+        assert!(t.elapsed() < std::time::Duration::from_secs(5));
+        assert!(matches!(
+            Token::read(dir.path()),
+            Err(TokenError::NotAFile(_)) | Err(TokenError::Io { .. })
+        ));
     }
 }

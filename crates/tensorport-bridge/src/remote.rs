@@ -33,6 +33,9 @@ pub struct RemoteConfig {
     pub name: String,
     /// How long to wait for the connection.
     pub connect_timeout: Duration,
+    /// Send the token over plain `http://` to a host other than this one (it can then be read
+    /// by anyone on the path): only on a network where that is acceptable.
+    pub allow_plaintext: bool,
 }
 
 /// What went wrong between a remote producer and its gateway.
@@ -58,6 +61,9 @@ pub enum RemoteError {
     /// The gateway's answers did not have the bridge's format.
     #[error("the gateway's answer: {0}")]
     Format(#[from] SchemaError),
+    /// The settings would send the token where it can be read: refused before connecting.
+    #[error("{0}")]
+    Insecure(String),
 }
 
 impl RemoteError {
@@ -102,8 +108,56 @@ impl From<tonic::Status> for RemoteError {
     }
 }
 
+/// Checks that `cfg` does not send the token in clear where others may read it: TLS settings
+/// with an `http://` address (they would be ignored) are refused, and so is `http://` to a host
+/// other than this one unless `allow_plaintext` says so. Nothing is sent.
+pub fn check_transport(cfg: &RemoteConfig) -> Result<(), RemoteError> {
+    let uri = cfg
+        .gateway
+        .parse::<tonic::codegen::http::Uri>()
+        .map_err(|e| RemoteError::Address(cfg.gateway.clone(), e.to_string()))?;
+    match uri.scheme_str() {
+        Some("https") => Ok(()),
+        Some("http") => {
+            let tls_given = cfg
+                .tls
+                .as_ref()
+                .is_some_and(|t| t.ca.is_some() || t.domain.is_some() || t.identity.is_some());
+            if tls_given {
+                return Err(RemoteError::Insecure(format!(
+                    "TLS settings were given for {}, an http:// address, where they would be ignored and the token sent in clear: use https://",
+                    cfg.gateway
+                )));
+            }
+            let host = uri.host().unwrap_or_default();
+            if !is_loopback(host) && !cfg.allow_plaintext {
+                return Err(RemoteError::Insecure(format!(
+                    "{} is plain http:// to another host: the token would travel in clear and anyone on the path could read it. Use https:// (with the gateway's --tls-cert/--tls-key), or allow plaintext explicitly on a network you trust",
+                    cfg.gateway
+                )));
+            }
+            Ok(())
+        }
+        other => Err(RemoteError::Address(
+            cfg.gateway.clone(),
+            format!("the scheme must be http or https, not {other:?}"),
+        )),
+    }
+}
+
+/// Whether `host` (a URI's host: a name, an IPv4 address or a bracketed IPv6 one) is this host's
+/// loopback.
+fn is_loopback(host: &str) -> bool {
+    let bare = host.trim_start_matches('[').trim_end_matches(']');
+    bare.eq_ignore_ascii_case("localhost")
+        || bare
+            .parse::<std::net::IpAddr>()
+            .is_ok_and(|ip| ip.is_loopback())
+}
+
 /// A connected client whose calls carry the token.
 pub async fn connect(cfg: &RemoteConfig) -> Result<FlightClient, RemoteError> {
+    check_transport(cfg)?;
     let bad = |e: &dyn std::fmt::Display| RemoteError::Address(cfg.gateway.clone(), e.to_string());
     let mut ep = Endpoint::from_shared(cfg.gateway.clone())
         .map_err(|e| bad(&e))?
@@ -201,5 +255,56 @@ impl Exchange {
                 .map_err(RemoteError::from)
                 .and_then(|b| Ok(read_results(&b)?)),
         )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg(gateway: &str, tls: Option<ClientTls>, allow_plaintext: bool) -> RemoteConfig {
+        RemoteConfig {
+            gateway: gateway.into(),
+            token: Token::new("0123456789abcdef0123").unwrap(),
+            tls,
+            name: "t".into(),
+            connect_timeout: Duration::from_secs(1),
+            allow_plaintext,
+        }
+    }
+
+    #[test]
+    fn the_token_is_never_sent_in_clear_off_this_host_unless_allowed() {
+        let ca = ClientTls {
+            ca: Some("ca.pem".into()),
+            ..ClientTls::default()
+        };
+        for ok in [
+            "http://127.0.0.1:1",
+            "http://localhost:1",
+            "http://[::1]:1",
+            "https://example.invalid:1",
+        ] {
+            assert!(check_transport(&cfg(ok, None, false)).is_ok(), "{ok}");
+        }
+        assert!(
+            check_transport(&cfg("https://example.invalid:1", Some(ca.clone()), false)).is_ok()
+        );
+        let e = check_transport(&cfg("http://example.invalid:1", None, false)).unwrap_err();
+        assert!(
+            matches!(e, RemoteError::Insecure(_)) && e.to_string().contains("https://"),
+            "{e}"
+        );
+        assert!(!e.retryable());
+        assert!(check_transport(&cfg("http://example.invalid:1", None, true)).is_ok());
+        // TLS settings with http:// are refused, even to loopback and with plaintext allowed.
+        for url in ["http://127.0.0.1:1", "http://example.invalid:1"] {
+            let e = check_transport(&cfg(url, Some(ca.clone()), true)).unwrap_err();
+            assert!(e.to_string().contains("TLS settings"), "{e}");
+        }
+        assert!(matches!(
+            check_transport(&cfg("ftp://127.0.0.1:1", None, false)),
+            Err(RemoteError::Address(..))
+        ));
     }
 }

@@ -45,6 +45,10 @@ pub struct Args {
     /// This producer's private key (PEM).
     #[arg(long, requires = "tls_cert", value_name = "PEM")]
     pub tls_key: Option<PathBuf>,
+    /// Send the token over plain http:// to another host. Without it, an http:// gateway must
+    /// be this host (the token would travel in clear); use https:// across a network.
+    #[arg(long)]
+    pub allow_plaintext: bool,
     /// Folder of PNG/JPEG images to classify.
     #[arg(long, conflicts_with = "synthetic")]
     pub input: Option<PathBuf>,
@@ -247,7 +251,10 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         tls: Some(tls),
         name: a.name.clone(),
         connect_timeout: Duration::from_secs(a.connect_timeout.max(1)),
+        allow_plaintext: a.allow_plaintext,
     };
+    // Refused before anything is prepared or sent.
+    tensorport_bridge::remote::check_transport(&cfg).map_err(|e| CliError::usage(e.to_string()))?;
     let out: Box<dyn Write> = if a.output.as_os_str() == "-" {
         Box::new(std::io::stdout().lock())
     } else {
