@@ -421,3 +421,72 @@ def test_loader_restarts_a_killed_producer_every_file_once(tmp_path):
             killed = True
     assert killed
     assert sorted(seen) == list(range(60)), sorted(seen)
+
+
+def test_a_server_killed_under_a_waiting_recv_and_a_property_read_never_deadlocks(sock):
+    """A request in flight to a stopped server; one thread waits for its result in `recv`,
+    another reads `in_flight` and `slot_size`: the interpreter stays free (the main thread still
+    runs), and when the server is SIGKILLed `recv` raises and both threads end. The scenario
+    runs in a child process under a watchdog, so a deadlock fails the test instead of hanging
+    it."""
+    import select
+    srv = subprocess.Popen([BIN, "--log", "warn", "serve", "--sink", "--socket", str(sock)],
+                           stdout=subprocess.PIPE, text=True)
+    script = f"""
+import sys, threading, time
+import numpy as np
+import tensorport
+p = tensorport.Producer({str(sock)!r}, name="gil")
+print("connected", flush=True)
+sys.stdin.readline()  # the server is stopped now
+p.send(np.zeros(16, dtype=np.float32))
+errors, done = [], threading.Event()
+def waiter():
+    try:
+        p.recv(timeout=60)
+    except Exception as e:
+        errors.append(type(e).__name__)
+    done.set()
+def reader():
+    while not done.is_set():
+        try:
+            p.in_flight; p.slot_size
+        except Exception as e:  # the session is gone: a clear error, then stop
+            errors.append("reader " + type(e).__name__)
+            return
+threads = [threading.Thread(target=waiter), threading.Thread(target=reader)]
+for t in threads:
+    t.start()
+time.sleep(0.5)
+print("ready", flush=True)  # needs the GIL while both threads are in the extension
+for t in threads:
+    t.join()
+print("done", errors, flush=True)
+"""
+    child = None
+    try:
+        assert srv.stdout.readline().startswith("ready")
+        child = subprocess.Popen([sys.executable, "-c", script], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+
+        def line(what):
+            r, _, _ = select.select([child.stdout], [], [], PATIENCE)
+            if not r:
+                pytest.fail(f"no '{what}' from the child in {PATIENCE} s: its interpreter is stuck")
+            return child.stdout.readline()
+
+        assert line("connected").startswith("connected")
+        srv.send_signal(signal.SIGSTOP)
+        child.stdin.write("go\n")
+        child.stdin.flush()
+        assert line("ready").startswith("ready")
+        srv.kill()
+        out = line("done")
+        assert out.startswith("done") and "'TensorportError'" in out, out
+        assert child.wait(timeout=PATIENCE) == 0
+    finally:
+        if child is not None and child.poll() is None:
+            child.kill()
+            child.wait()
+        srv.kill()
+        srv.wait()

@@ -27,16 +27,42 @@ pub(crate) fn cuda_err(e: tensorport_cuda::Error) -> PyErr {
     }
 }
 
+/// Why a call on the producer failed, before it becomes a Python exception.
+enum Failure {
+    Closed,
+    Transport(tensorport::Error),
+    Cuda(tensorport_cuda::Error),
+}
+
+impl Failure {
+    /// The Python exception (this takes the GIL: never call it with a lock held).
+    fn raise(self) -> PyErr {
+        match self {
+            Failure::Closed => coded("the producer is closed".into(), None),
+            Failure::Transport(e) => py_err(e),
+            Failure::Cuda(e) => cuda_err(e),
+        }
+    }
+}
+
 impl Producer {
-    fn with<R>(
+    /// Runs `f` on the producer under its lock, with the GIL released while the lock is waited
+    /// for and held; an error becomes a Python exception only once the lock is let go and the
+    /// GIL taken back. (Holding the lock while waiting for the GIL — to build an exception —
+    /// deadlocked against a thread holding the GIL and waiting for the lock.)
+    fn with<R: Send>(
         &self,
-        f: impl FnOnce(&mut tensorport::Producer) -> tensorport::Result<R>,
+        py: Python<'_>,
+        f: impl FnOnce(&mut tensorport::Producer) -> tensorport::Result<R> + Send,
     ) -> PyResult<R> {
-        let mut g = lock(&self.inner);
-        let p = g
-            .as_mut()
-            .ok_or_else(|| coded("the producer is closed".into(), None))?;
-        f(p).map_err(py_err)
+        py.allow_threads(|| {
+            let mut g = lock(&self.inner);
+            match g.as_mut() {
+                None => Err(Failure::Closed),
+                Some(p) => f(p).map_err(Failure::Transport),
+            }
+        })
+        .map_err(Failure::raise)
     }
 }
 
@@ -78,7 +104,7 @@ impl Producer {
     #[pyo3(signature = (timeout = 10.0))]
     fn loan(&self, py: Python<'_>, timeout: f64) -> PyResult<Loan> {
         let t = secs(timeout)?;
-        let mut loan = py.allow_threads(|| self.with(|p| p.loan(t)))?;
+        let mut loan = self.with(py, |p| p.loan(t))?;
         let len = loan.len();
         let address = loan.bytes_mut().as_mut_ptr() as usize;
         Ok(Loan {
@@ -96,6 +122,7 @@ impl Producer {
     #[pyo3(signature = (loan, dtype, shape, strides = None, offset = 0))]
     fn submit(
         &self,
+        py: Python<'_>,
         loan: &Loan,
         dtype: &str,
         shape: Vec<u64>,
@@ -109,7 +136,7 @@ impl Producer {
         let l = lock(&loan.inner)
             .take()
             .ok_or_else(|| coded("this loan was already submitted".into(), None))?;
-        self.with(|p| p.submit_loan(l, &spec))
+        self.with(py, |p| p.submit_loan(l, &spec))
     }
 
     /// (Internal: `Producer.submit_tensor`.) Hands over the CUDA tensor whose first element is
@@ -135,27 +162,28 @@ impl Producer {
         if let Some(s) = strides {
             spec = spec.with_strides(&s);
         }
+        // Errors leave the closure as `Failure`s and become exceptions after the locks are let
+        // go (building one takes the GIL).
         py.allow_threads(|| {
             let mut cuda = lock(&self.cuda);
             let CudaState { devices, in_flight } = &mut *cuda;
             let ext = match devices.entry(device) {
                 std::collections::hash_map::Entry::Occupied(e) => e.into_mut(),
                 std::collections::hash_map::Entry::Vacant(v) => {
-                    let gpu = tensorport_cuda::Gpu::open(device).map_err(cuda_err)?;
+                    let gpu = tensorport_cuda::Gpu::open(device).map_err(Failure::Cuda)?;
                     v.insert(tensorport_cuda::ExternalDevice::new(gpu))
                 }
             };
             let mut g = lock(&self.inner);
-            let p = g
-                .as_mut()
-                .ok_or_else(|| coded("the producer is closed".into(), None))?;
+            let p = g.as_mut().ok_or(Failure::Closed)?;
             // SAFETY: the package passes torch's current stream of the tensor's device (or 0)
             // and holds the tensor until its result has come back (`Producer._held`).
             let id = unsafe { ext.submit(p, ptr, &spec, stream as *mut std::ffi::c_void, t) }
-                .map_err(cuda_err)?;
+                .map_err(Failure::Cuda)?;
             in_flight.insert(id, (device, stream));
             Ok(id)
         })
+        .map_err(Failure::raise)
     }
 
     /// The next result, waiting up to `timeout` seconds: `(request_id, bytes)`, or the server's
@@ -166,7 +194,7 @@ impl Producer {
         let stashed = lock(&self.stashed).take();
         let c = match stashed {
             Some(c) => c,
-            None => py.allow_threads(|| self.with(|p| p.recv_result(t)))?,
+            None => self.with(py, |p| p.recv_result(t))?,
         };
         // A CUDA tensor's memory is the caller's again once the server's reads are done: the
         // stream it was submitted from waits for them.
@@ -199,6 +227,7 @@ impl Producer {
     #[pyo3(signature = (address, nbytes, dtype, shape, timeout = 10.0))]
     fn _send(
         &self,
+        py: Python<'_>,
         address: usize,
         nbytes: usize,
         dtype: &str,
@@ -218,10 +247,7 @@ impl Producer {
                 None,
             ));
         }
-        // SAFETY: the package passes the data address and size of a C-contiguous numpy array it
-        // holds until this call returns; the GIL is held, so no Python code writes it meanwhile.
-        let src = unsafe { std::slice::from_raw_parts(address as *const u8, nbytes) };
-        let slot_size = self.with(|p| Ok(p.slot_size()))?;
+        let slot_size = self.with(py, |p| Ok(p.slot_size()))?;
         if nbytes as u64 > slot_size {
             return Err(coded(
                 format!(
@@ -230,8 +256,14 @@ impl Producer {
                 Some(ErrorCode::OutOfBounds),
             ));
         }
-        self.with(|p| {
+        // The wait for a free slot (up to `timeout`) happens without the GIL, so the server's
+        // answers and other Python threads go on meanwhile.
+        self.with(py, |p| {
             let mut lease = p.lease(t)?;
+            // SAFETY: the package passes the data address and size of a C-contiguous numpy
+            // array it holds (alive, not resized) until this call returns; `send` is
+            // documented to read it during the call, as any copy would.
+            let src = unsafe { std::slice::from_raw_parts(address as *const u8, nbytes) };
             lease.bytes_mut()[..nbytes].copy_from_slice(src);
             lease.submit(&spec)
         })
@@ -259,13 +291,13 @@ impl Producer {
         }
         while out.len() < max.max(1) {
             let next = if out.is_empty() && !t.is_zero() {
-                match py.allow_threads(|| self.with(|p| p.recv_result(t))) {
+                match self.with(py, |p| p.recv_result(t)) {
                     Ok(c) => Some(c),
                     Err(e) if e.is_instance_of::<pyo3::exceptions::PyTimeoutError>(py) => None,
                     Err(e) => return Err(e),
                 }
             } else {
-                self.with(|p| p.try_recv_result())?
+                self.with(py, |p| p.try_recv_result())?
             };
             let Some(c) = next else { break };
             if self.has_cuda_in_flight(c.request_id) {
@@ -290,18 +322,18 @@ impl Producer {
     }
 
     /// Requests submitted whose result has not been received.
-    fn in_flight(&self) -> PyResult<usize> {
-        self.with(|p| Ok(p.in_flight()))
+    fn in_flight(&self, py: Python<'_>) -> PyResult<usize> {
+        self.with(py, |p| Ok(p.in_flight()))
     }
 
     /// Bytes in each slot.
-    fn slot_size(&self) -> PyResult<u64> {
-        self.with(|p| Ok(p.slot_size()))
+    fn slot_size(&self, py: Python<'_>) -> PyResult<u64> {
+        self.with(py, |p| Ok(p.slot_size()))
     }
 
     /// Whether the session hands tensors over on the shared-memory queues.
-    fn uses_rings(&self) -> PyResult<bool> {
-        self.with(|p| Ok(p.uses_rings()))
+    fn uses_rings(&self, py: Python<'_>) -> PyResult<bool> {
+        self.with(py, |p| Ok(p.uses_rings()))
     }
 
     /// Ends the session cleanly (idempotent).
