@@ -176,14 +176,12 @@ impl Run {
             self.emit(r.id, &p.input, outcome, latency)?;
         }
         self.out.flush()?;
-        // Forget batches all of whose requests are answered.
-        while self
-            .unanswered
-            .front()
-            .is_some_and(|b| !ids(b).iter().any(|i| self.pending.contains_key(i)))
-        {
-            self.unanswered.pop_front();
-        }
+        // Forget every batch all of whose requests are answered, wherever it stands: one
+        // request that never gets an answer keeps its own batch, not every batch after it (so
+        // no more batches are kept than requests are pending).
+        let pending = &self.pending;
+        self.unanswered
+            .retain(|b| ids(b).iter().any(|i| pending.contains_key(i)));
         Ok(())
     }
 
@@ -431,5 +429,70 @@ async fn stream_all(
                 },
             }
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::sync::Arc;
+
+    fn batch(ids: &[u64]) -> RecordBatch {
+        let schema = Arc::new(arrow_schema::Schema::new(vec![arrow_schema::Field::new(
+            "id",
+            arrow_schema::DataType::UInt64,
+            false,
+        )]));
+        let col = Arc::new(arrow_array::UInt64Array::from(ids.to_vec()));
+        RecordBatch::try_new(schema, vec![col]).unwrap()
+    }
+
+    /// A request that is never answered keeps only its own batch: the batches after it are
+    /// dropped as soon as they are answered, so the resend buffer stays within the window.
+    #[test]
+    fn the_resend_buffer_keeps_only_batches_with_unanswered_requests() {
+        let mut run = Run {
+            out: Box::new(Vec::new()),
+            name: "t".into(),
+            pending: HashMap::new(),
+            unanswered: VecDeque::new(),
+            lines: 0,
+            errors: 0,
+            bytes: 0,
+        };
+        let mut next = 0u64;
+        for round in 0..1000u64 {
+            let ids: Vec<u64> = (next..next + 4).collect();
+            next += 4;
+            for &i in &ids {
+                run.pending.insert(
+                    i,
+                    Pending {
+                        input: format!("in-{i}"),
+                        sent: Instant::now(),
+                    },
+                );
+            }
+            run.unanswered.push_back(batch(&ids));
+            // Every request is answered except request 1, forever.
+            let rows = ids
+                .iter()
+                .filter(|&&i| i != 1)
+                .map(|&i| ResultRow {
+                    id: i,
+                    outcome: Ok(vec![0; 4]),
+                })
+                .collect();
+            run.answer(rows).unwrap();
+            assert!(
+                run.unanswered.len() <= 2,
+                "round {round}: {} batches kept",
+                run.unanswered.len()
+            );
+        }
+        assert_eq!(run.unanswered.len(), 1);
+        let again = run.resend();
+        assert_eq!(again.len(), 1);
+        assert_eq!(ids(&again[0]), &[1]);
     }
 }
