@@ -872,3 +872,123 @@ fn a_remote_producer_that_stops_reading_is_dropped_and_harms_no_one() {
     stop.store(true, Ordering::Relaxed);
     handler.join().unwrap();
 }
+
+/// The gateway's peak memory (VmHWM) in KiB.
+fn peak_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmHWM:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// Arrow dictionaries, which a general Arrow reader absorbs and keeps for the stream's life:
+/// a schema of 40 dictionary fields followed by a 4 MiB dictionary for each and no record batch
+/// is ended at its schema, and so is a tensor schema followed by dictionary batches; the
+/// gateway's peak memory stays far below the 160 MiB a stream offers; a remote producer is
+/// served afterwards.
+#[test]
+fn dictionary_batches_end_the_stream_and_cost_no_memory() {
+    use arrow_array::{ArrayRef, DictionaryArray, StringArray, UInt32Array};
+    use arrow_flight::encode::{DictionaryHandling, FlightDataEncoderBuilder};
+    use arrow_flight::{FlightClient, FlightData};
+    use arrow_schema::{DataType, Field, Schema};
+    use futures::TryStreamExt;
+    use tensorport_bridge::schema::TensorLayout;
+
+    let f = Fixture::new();
+    let pid = f.gateway.as_ref().unwrap().id();
+    let token = tensorport_bridge::auth::Token::read(&f.token()).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let encode = |b: arrow_array::RecordBatch, dict| -> Vec<FlightData> {
+        rt.block_on(
+            FlightDataEncoderBuilder::new()
+                .with_schema(b.schema())
+                .with_dictionary_handling(dict)
+                .build(futures::stream::iter([Ok(b)]))
+                .try_collect(),
+        )
+        .unwrap()
+    };
+    let is = |m: &FlightData, h: arrow_ipc::MessageHeader| {
+        arrow_ipc::root_as_message(&m.data_header).is_ok_and(|x| x.header_type() == h)
+    };
+    // 40 dictionary fields, a 4 MiB dictionary each.
+    let fields: Vec<Field> = (0..40)
+        .map(|k| {
+            Field::new(
+                format!("d{k}"),
+                DataType::Dictionary(Box::new(DataType::UInt32), Box::new(DataType::Utf8)),
+                false,
+            )
+        })
+        .collect();
+    let columns: Vec<ArrayRef> = (0..40)
+        .map(|k| {
+            let values = StringArray::from(vec![format!("{k}").repeat(4 << 20)]);
+            Arc::new(
+                DictionaryArray::try_new(UInt32Array::from(vec![0u32]), Arc::new(values)).unwrap(),
+            ) as ArrayRef
+        })
+        .collect();
+    let db = arrow_array::RecordBatch::try_new(Arc::new(Schema::new(fields)), columns).unwrap();
+    let dict_stream: Vec<FlightData> = encode(db, DictionaryHandling::Resend)
+        .into_iter()
+        .filter(|m| !is(m, arrow_ipc::MessageHeader::RecordBatch))
+        .collect();
+    assert_eq!(dict_stream.len(), 41, "a schema and 40 dictionaries");
+    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
+    let good = layout
+        .batch(&[0], arrow_buffer::Buffer::from_vec(expected(0)))
+        .unwrap();
+    let mut tensor_then_dicts = vec![encode(good, DictionaryHandling::Hydrate).remove(0)];
+    tensor_then_dicts.extend(dict_stream[1..].iter().cloned());
+    let send = |msgs: Vec<FlightData>| {
+        rt.block_on(async {
+            let channel = tonic::transport::Endpoint::from_shared(f.url.clone())
+                .unwrap()
+                .connect()
+                .await
+                .unwrap();
+            let mut c = FlightClient::new(channel);
+            c.add_header("authorization", &token.bearer()).unwrap();
+            match c
+                .do_exchange(futures::stream::iter(msgs.into_iter().map(Ok)))
+                .await
+            {
+                Err(e) => e.to_string(),
+                Ok(s) => match s.try_collect::<Vec<_>>().await {
+                    Err(e) => e.to_string(),
+                    Ok(v) => format!("answered {} batches", v.len()),
+                },
+            }
+        })
+    };
+    let before = peak_kib(pid);
+    for round in 0..5 {
+        let e = send(dict_stream.clone());
+        assert!(
+            e.contains("the stream does not decode"),
+            "round {round}: {e}"
+        );
+        let e = send(tensor_then_dicts.clone());
+        assert!(e.contains("dictionary"), "round {round}: {e}");
+    }
+    let after = peak_kib(pid);
+    println!(
+        "10 streams offering 40 dictionaries of 4 MiB each: gateway peak {} -> {} MiB",
+        before >> 10,
+        after >> 10
+    );
+    assert!(
+        after < before + (100 << 10),
+        "the gateway's peak grew from {before} to {after} KiB"
+    );
+    run_ok(&mut f.producer("after-dictionaries", 16, &[]));
+    assert_each_input_once(&f.lines("after-dictionaries"), 16);
+}

@@ -12,6 +12,7 @@
 //! Backpressure is the pool: while every slot is in flight the session thread does not take the
 //! next batch, the reader stops reading, and HTTP/2 flow control stops the remote producer.
 
+mod ipc;
 mod session;
 
 use std::net::SocketAddr;
@@ -20,7 +21,6 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Duration;
 
-use arrow_flight::decode::FlightRecordBatchStream;
 use arrow_flight::encode::FlightDataEncoderBuilder;
 use arrow_flight::error::FlightError;
 use arrow_flight::flight_service_server::{FlightService, FlightServiceServer};
@@ -255,13 +255,8 @@ impl FlightService for Gateway {
                 }
             };
             let name = name_of(first.flight_descriptor.as_ref());
-            // Messages without an IPC header carry only a descriptor or app metadata (Arrow
-            // C++ and pyarrow open DoExchange with a descriptor-only message): not data.
-            let data = futures::stream::iter([Ok(first)])
-                .chain(input)
-                .try_filter(|m| std::future::ready(!m.data_header.is_empty()))
-                .map_err(FlightError::from);
-            let decoded = FlightRecordBatchStream::new_from_flight_data(data);
+            let data = futures::stream::iter([Ok(first)]).chain(input);
+            let reader = ipc::IpcReader::new(cfg.max_tensor_bytes);
             let handle = tokio::runtime::Handle::current();
             let who = format!("{name} from {peer}");
             let worker = session::Session::new(cfg, who, in_rx, out_tx, handle, counters);
@@ -272,7 +267,7 @@ impl FlightService for Gateway {
                     drop(permit);
                 })
                 .expect("spawn a session thread");
-            forward(decoded, in_tx).await;
+            forward(data, reader, in_tx).await;
         });
         let results = futures::stream::unfold(out_rx, |mut rx| async move {
             rx.recv()
@@ -360,16 +355,23 @@ impl FlightService for Gateway {
     }
 }
 
-/// Reads a stream's batches into the session thread's channel until it ends (the channel closes:
-/// a clean end) or breaks (the session is told, and drops what is in flight).
-async fn forward(mut decoded: FlightRecordBatchStream, to: mpsc::Sender<Input>) {
+/// Reads a stream's messages, each looked at before it is decoded ([`ipc::IpcReader`]), and
+/// hands its batches to the session thread's channel until the stream ends (the channel closes:
+/// a clean end) or breaks or sends what a tensor stream does not (the session is told, and
+/// drops what is in flight).
+async fn forward(
+    mut data: impl futures::Stream<Item = Result<FlightData, Status>> + Unpin,
+    mut reader: ipc::IpcReader,
+    to: mpsc::Sender<Input>,
+) {
     loop {
-        let next = decoded.next().await;
-        let item = match next {
-            Some(Ok(batch)) => Input::Batch(batch),
-            Some(Err(FlightError::Tonic(s))) => Input::Broken(s.message().to_string()),
-            // The bytes arrived but are not Arrow IPC as the stream's schema says.
-            Some(Err(e)) => Input::Invalid(e.to_string()),
+        let item = match data.next().await {
+            Some(Ok(m)) => match reader.read(&m) {
+                Ok(Some(batch)) => Input::Batch(batch),
+                Ok(None) => continue,
+                Err(why) => Input::Invalid(why),
+            },
+            Some(Err(s)) => Input::Broken(s.message().to_string()),
             None => return,
         };
         let broken = !matches!(item, Input::Batch(_));
