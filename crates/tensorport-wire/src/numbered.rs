@@ -47,6 +47,6 @@ mod tests {
         assert_eq!(DType::from_u8(200), None);
         assert_eq!(ErrorCode::from_u16(999), ErrorCode::Unknown);
         assert_eq!(DType::ALL.len(), 8);
-        assert_eq!(ErrorCode::ALL.len(), 25);
+        assert_eq!(ErrorCode::ALL.len(), 26);
     }
 }

@@ -21,6 +21,7 @@ use crate::server::shared::{Handshakes, Shared};
 
 pub(crate) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
+    let mut last_warn: Option<Instant> = None;
     while !shared.stopping.load(Ordering::SeqCst) {
         let mut pfd = [PollFd::new(listener.as_fd(), PollFlags::POLLIN)];
         if let Ok(0) | Err(_) = poll(&mut pfd, PollTimeout::from(100u16)) {
@@ -43,12 +44,30 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
             .config
             .max_sessions
             .saturating_add(2 * Handshakes::PLACES as u32);
-        if shared.connections.load(Ordering::SeqCst) >= limit {
+        // Handshake places first, then connection places: a silent or departed handshake makes
+        // room before a newcomer is refused.
+        let make_room = |sh: &Shared| {
+            let made = sh.handshakes.evict_one(&sh.connections);
+            if made {
+                sh.counters
+                    .connections_refused
+                    .fetch_add(1, Ordering::Relaxed);
+            }
+            made
+        };
+        if shared.handshakes.full() {
+            make_room(&shared);
+        }
+        if shared.connections.load(Ordering::SeqCst) >= limit && !make_room(&shared) {
             shared
                 .counters
                 .connections_refused
                 .fetch_add(1, Ordering::Relaxed);
-            tracing::warn!("refusing connection: {limit} connections open");
+            // Once a second at most: a flood must not flood the log too.
+            if last_warn.is_none_or(|t: Instant| t.elapsed() >= Duration::from_secs(1)) {
+                tracing::warn!("refusing connections: {limit} connections open");
+                last_warn = Some(Instant::now());
+            }
             refuse(
                 &stream,
                 ErrorCode::TooManySessions,
@@ -56,17 +75,25 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
             );
             continue;
         }
+        // In the handshake places from the moment it is counted, so that it can be made room
+        // for even before its thread runs.
+        let Ok(entry) = stream.try_clone() else {
+            continue;
+        };
         shared.connections.fetch_add(1, Ordering::SeqCst);
+        let ticket = shared.handshakes.enter(entry);
         let sh = shared.clone();
         let spawned = std::thread::Builder::new()
             .name("tensorport-session".into())
             .spawn(move || {
-                if serve_connection(&sh, stream) == Counted::Yes {
+                if serve_connection(&sh, stream, ticket) == Counted::Yes {
                     sh.connections.fetch_sub(1, Ordering::SeqCst);
                 }
             });
         if let Err(e) = spawned {
-            shared.connections.fetch_sub(1, Ordering::SeqCst);
+            if shared.handshakes.leave(ticket) {
+                shared.connections.fetch_sub(1, Ordering::SeqCst);
+            }
             tracing::error!("cannot spawn session thread: {e}");
         }
     }
@@ -158,12 +185,21 @@ enum Counted {
     No,
 }
 
-fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) -> Counted {
+/// Serves one connection whose handshake place is `ticket`.
+fn serve_connection(shared: &Arc<Shared>, stream: UnixStream, ticket: u64) -> Counted {
+    // Ends the handshake: still counted, unless it was closed to make room meanwhile.
+    let left = |sh: &Shared| {
+        if sh.handshakes.leave(ticket) {
+            Counted::Yes
+        } else {
+            Counted::No
+        }
+    };
     let creds = match peer_credentials(&stream) {
         Ok(c) => c,
         Err(e) => {
             tracing::warn!("no peer credentials: {e}");
-            return Counted::Yes;
+            return left(shared);
         }
     };
     let me = nix::unistd::geteuid().as_raw();
@@ -182,24 +218,14 @@ fn serve_connection(shared: &Arc<Shared>, stream: UnixStream) -> Counted {
             ErrorCode::PermissionDenied,
             format!("uid {} may not use this server", creds.uid()),
         );
-        return Counted::Yes;
+        return left(shared);
     }
-    let (Ok(wstream), Ok(entry)) = (stream.try_clone(), stream.try_clone()) else {
-        return Counted::Yes;
+    let Ok(wstream) = stream.try_clone() else {
+        return left(shared);
     };
-    let (ticket, evicted) = shared.handshakes.enter(entry);
-    if evicted {
-        // The closed one's place is free from now on, not once its thread has noticed.
-        shared.connections.fetch_sub(1, Ordering::SeqCst);
-        shared
-            .counters
-            .connections_refused
-            .fetch_add(1, Ordering::Relaxed);
-        tracing::debug!("closed the oldest silent connection in its handshake to make room");
-    }
     let mut reader = FrameReader::new(stream, MAX_FRAME_LEN);
     let said = read_hello(&mut reader, shared.config.handshake_timeout);
-    if !shared.handshakes.leave(ticket) {
+    if left(shared) == Counted::No {
         return Counted::No;
     }
     let hello = match said {

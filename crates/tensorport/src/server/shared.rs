@@ -146,10 +146,10 @@ impl Shared {
 }
 
 /// The connections still in their handshake: a few places of their own, so connections that
-/// never say `Hello` cannot take every place. When those are full, the oldest connection that
-/// has sent nothing gives its place to the newest: a producer sends `Hello` as it connects, so
-/// its bytes are there before it is accepted, and a flood of silent connections only ever
-/// pushes out its own.
+/// never say `Hello` cannot take every place. When those are full (or every connection place
+/// is), the oldest connection that has sent nothing — or has already gone — gives its place to
+/// the newest: a producer sends `Hello` as it connects, so its bytes are there before it is
+/// accepted, and a flood of silent connections only ever pushes out its own.
 #[derive(Default)]
 pub(crate) struct Handshakes {
     open: Mutex<VecDeque<(u64, UnixStream)>>,
@@ -160,27 +160,36 @@ impl Handshakes {
     /// Places for connections in their handshake.
     pub(crate) const PLACES: usize = 16;
 
-    /// Enters `stream` (a clone of the connection's socket); returns its ticket and whether an
-    /// older handshake was closed to make room.
-    pub(crate) fn enter(&self, stream: UnixStream) -> (u64, bool) {
+    /// Whether every handshake place is taken.
+    pub(crate) fn full(&self) -> bool {
+        lock(&self.open).len() >= Self::PLACES
+    }
+
+    /// Enters `stream` (a clone of the connection's socket); returns its ticket.
+    pub(crate) fn enter(&self, stream: UnixStream) -> u64 {
         let ticket = self.next.fetch_add(1, Ordering::Relaxed);
+        lock(&self.open).push_back((ticket, stream));
+        ticket
+    }
+
+    /// Closes the oldest handshake that has sent nothing or whose peer has gone, and takes it
+    /// off `connections` at once (its thread will find its ticket gone and not count it off
+    /// again); returns whether there was one.
+    pub(crate) fn evict_one(&self, connections: &AtomicU32) -> bool {
         let mut open = lock(&self.open);
-        let mut evicted = false;
-        if open.len() >= Self::PLACES {
-            if let Some(i) = open.iter().position(|(_, s)| is_silent(s)) {
-                if let Some((_, oldest)) = open.remove(i) {
-                    // Its thread reads EOF and ends; the client reads EOF too.
-                    let _ = oldest.shutdown(std::net::Shutdown::Both);
-                    evicted = true;
-                }
-            }
+        let Some(i) = open.iter().position(|(_, s)| sent_nothing_or_gone(s)) else {
+            return false;
+        };
+        if let Some((_, s)) = open.remove(i) {
+            // Its thread reads EOF and ends; the client reads EOF too.
+            let _ = s.shutdown(std::net::Shutdown::Both);
+            connections.fetch_sub(1, Ordering::SeqCst);
         }
-        open.push_back((ticket, stream));
-        (ticket, evicted)
+        true
     }
 
     /// The handshake with `ticket` is over, whichever way; false if it had been closed to make
-    /// room (and its connection already uncounted by whoever closed it).
+    /// room (and its connection already counted off).
     pub(crate) fn leave(&self, ticket: u64) -> bool {
         let mut open = lock(&self.open);
         let before = open.len();
@@ -189,10 +198,26 @@ impl Handshakes {
     }
 }
 
-/// Whether nothing (no byte, no EOF) waits to be read on `stream`.
-fn is_silent(stream: &UnixStream) -> bool {
+/// Whether `stream` has no byte waiting: nothing was sent, or the peer has closed it.
+fn sent_nothing_or_gone(stream: &UnixStream) -> bool {
     use nix::poll::{poll, PollFd, PollFlags, PollTimeout};
-    use std::os::fd::AsFd;
+    use nix::sys::socket::{recv, MsgFlags};
+    use std::os::fd::{AsFd, AsRawFd};
     let mut pfd = [PollFd::new(stream.as_fd(), PollFlags::POLLIN)];
-    matches!(poll(&mut pfd, PollTimeout::ZERO), Ok(0))
+    match poll(&mut pfd, PollTimeout::ZERO) {
+        Ok(0) => true,
+        // Readable: bytes (a Hello under way: keep it) or the end (gone: make room).
+        Ok(_) => {
+            let mut b = [0u8; 1];
+            matches!(
+                recv(
+                    stream.as_raw_fd(),
+                    &mut b,
+                    MsgFlags::MSG_PEEK | MsgFlags::MSG_DONTWAIT
+                ),
+                Ok(0) | Err(_)
+            )
+        }
+        Err(_) => false,
+    }
 }
