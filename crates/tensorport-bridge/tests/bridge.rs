@@ -992,3 +992,59 @@ fn dictionary_batches_end_the_stream_and_cost_no_memory() {
     run_ok(&mut f.producer("after-dictionaries", 16, &[]));
     assert_each_input_once(&f.lines("after-dictionaries"), 16);
 }
+
+fn fds_of(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd")).map_or(0, |d| d.count())
+}
+
+/// 500 TCP connections that never speak: the gateway keeps at most its connection caps open,
+/// closes the ones it took once they have gone `--auth-timeout` without a call carrying the
+/// token, and its descriptors come back; a remote producer is then served.
+#[test]
+fn silent_connections_are_capped_and_closed_at_their_deadline() {
+    let f = Fixture::with_gateway_args(&[
+        "--auth-timeout".into(),
+        "1".into(),
+        "--max-connections".into(),
+        "40".into(),
+        "--max-connections-per-host".into(),
+        "20".into(),
+    ]);
+    let pid = f.gateway.as_ref().unwrap().id();
+    let addr = f.url.trim_start_matches("http://").to_string();
+    std::thread::sleep(Duration::from_millis(200));
+    let fds0 = fds_of(pid);
+    let silent: Vec<std::net::TcpStream> = (0..500)
+        .filter_map(|_| std::net::TcpStream::connect(&addr).ok())
+        .collect();
+    let most = fds_of(pid);
+    assert!(
+        most <= fds0 + 20 + 8,
+        "{most} descriptors open in the gateway with 500 silent connections ({fds0} before)"
+    );
+    // Every one is closed by the gateway: at once over the cap, at the deadline otherwise.
+    for mut c in silent.into_iter().step_by(25) {
+        c.set_read_timeout(Some(Duration::from_secs(30))).unwrap();
+        // The server's HTTP/2 preface may come first; then the end.
+        let mut rest = Vec::new();
+        let t = Instant::now();
+        let r = std::io::Read::read_to_end(&mut c, &mut rest);
+        assert!(
+            r.is_ok() || t.elapsed() < Duration::from_secs(25),
+            "a silent connection was held: {r:?} after {:?}",
+            t.elapsed()
+        );
+    }
+    wait_until(
+        "the gateway's descriptors to come back",
+        Duration::from_secs(30),
+        || fds_of(pid) <= fds0 + 2,
+    );
+    run_ok(&mut f.producer("after-silence", 16, &[]));
+    assert_each_input_once(&f.lines("after-silence"), 16);
+    assert!(
+        f.gateway_log().contains("refused a connection"),
+        "{}",
+        f.gateway_log()
+    );
+}

@@ -61,6 +61,16 @@ pub struct Args {
     /// unanswered) before its stream is ended and its session closed.
     #[arg(long, default_value_t = 60)]
     pub peer_timeout: u64,
+    /// TCP connections open at once; more are closed as they arrive.
+    #[arg(long, default_value_t = 256)]
+    pub max_connections: usize,
+    /// TCP connections open at once from one address.
+    #[arg(long, default_value_t = 64)]
+    pub max_connections_per_host: usize,
+    /// Seconds a new connection has to make a call with the token (the TLS handshake
+    /// included); one that has not by then is closed.
+    #[arg(long, default_value_t = 10)]
+    pub auth_timeout: u64,
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
@@ -94,6 +104,11 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         // A record batch holds at least one tensor, plus Arrow's framing.
         max_message_bytes: (max_tensor_bytes as usize).saturating_add(1 << 20),
         peer_timeout: Duration::from_secs(a.peer_timeout.max(1)),
+        connections: tensorport_bridge::gateway::ConnLimits {
+            total: a.max_connections.max(1),
+            per_peer: a.max_connections_per_host.max(1),
+            auth_deadline: Duration::from_secs(a.auth_timeout.max(1)),
+        },
     };
     let io_threads = a.io_threads.unwrap_or_else(|| {
         std::thread::available_parallelism()

@@ -12,6 +12,7 @@
 //! Backpressure is the pool: while every slot is in flight the session thread does not take the
 //! next batch, the reader stops reading, and HTTP/2 flow control stops the remote producer.
 
+mod conn;
 mod ipc;
 mod session;
 
@@ -37,6 +38,7 @@ use crate::auth::{Token, HEADER};
 use crate::schema::results_schema;
 use crate::tls::ServerTls;
 
+pub use conn::ConnLimits;
 pub use session::Input;
 
 /// HTTP/2 flow-control window per stream, in bytes.
@@ -66,6 +68,9 @@ pub struct GatewayConfig {
     /// How long a remote producer may leave its results unread, or the local server leave a
     /// request unanswered, before its stream is ended.
     pub peer_timeout: Duration,
+    /// Connections at once (in all, per peer address) and the time each has to make a call
+    /// with the token.
+    pub connections: ConnLimits,
 }
 
 /// What the gateway has done, for its logs and summary.
@@ -102,6 +107,7 @@ pub struct Gateway {
     cfg: Arc<GatewayConfig>,
     permits: Arc<Semaphore>,
     counters: Arc<Counters>,
+    admissions: Arc<conn::Admissions>,
 }
 
 impl Gateway {
@@ -111,12 +117,18 @@ impl Gateway {
             permits: Arc::new(Semaphore::new(cfg.max_remotes.max(1))),
             cfg: Arc::new(cfg),
             counters: Arc::default(),
+            admissions: Arc::default(),
         }
     }
 
     /// Its counters.
     pub fn counters(&self) -> Arc<Counters> {
         self.counters.clone()
+    }
+
+    /// TCP connections open now.
+    pub fn connections(&self) -> usize {
+        self.admissions.open()
     }
 
     /// Serves on `listener` until `shutdown` completes.
@@ -141,11 +153,10 @@ impl Gateway {
             builder = builder.tls_config(tls.config()?)?;
         }
         let max = self.cfg.max_message_bytes;
+        let incoming = conn::incoming(listener, self.cfg.connections, self.admissions.clone());
         let svc = FlightServiceServer::new(self)
             .max_decoding_message_size(max)
             .max_encoding_message_size(max);
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(listener).with_nodelay(Some(true));
         builder
             .add_service(svc)
             .serve_with_incoming_shutdown(incoming, shutdown)
@@ -157,6 +168,8 @@ impl Gateway {
     fn authorize<T>(&self, req: &Request<T>) -> Result<(), Status> {
         let header = req.metadata().get(HEADER).map(|v| v.as_bytes());
         if self.cfg.token.admits(header) {
+            // The connection has shown the token: no deadline for it from now on.
+            self.admissions.admit(req.remote_addr());
             return Ok(());
         }
         self.counters.refused.fetch_add(1, Ordering::Relaxed);
