@@ -1048,3 +1048,143 @@ fn silent_connections_are_capped_and_closed_at_their_deadline() {
         f.gateway_log()
     );
 }
+
+/// The gateway's resident memory in KiB.
+fn rss_kib(pid: u32) -> u64 {
+    std::fs::read_to_string(format!("/proc/{pid}/status"))
+        .unwrap_or_default()
+        .lines()
+        .find(|l| l.starts_with("VmRSS:"))
+        .and_then(|l| l.split_whitespace().nth(1))
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(0)
+}
+
+/// A stream (raw HTTP/2, as tonic's client cannot leave a message half sent) that sends its
+/// schema and then 30 MiB of a message announced as 60 MiB, and nothing more, on a gateway with
+/// one place: it holds the place and the memory only until `--peer-timeout`, then both are
+/// given back together, and a remote producer is served.
+#[test]
+fn a_stream_left_half_sent_gives_back_its_place_and_its_memory() {
+    use arrow_flight::encode::FlightDataEncoderBuilder;
+    use futures::TryStreamExt;
+    use tensorport_bridge::schema::TensorLayout;
+
+    let f = Fixture::with_gateway_args(&[
+        "--max-remotes".into(),
+        "1".into(),
+        "--peer-timeout".into(),
+        "3".into(),
+    ]);
+    let pid = f.gateway.as_ref().unwrap().id();
+    let token = tensorport_bridge::auth::Token::read(&f.token()).unwrap();
+    let addr = f.url.trim_start_matches("http://").to_string();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(1)
+        .enable_all()
+        .build()
+        .unwrap();
+    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
+    let good = layout
+        .batch(&[0], arrow_buffer::Buffer::from_vec(expected(0)))
+        .unwrap();
+    let schema_msg = rt
+        .block_on(
+            FlightDataEncoderBuilder::new()
+                .with_schema(good.schema())
+                .build(futures::stream::iter([Ok(good)]))
+                .try_collect::<Vec<_>>(),
+        )
+        .unwrap()
+        .remove(0);
+    std::thread::sleep(Duration::from_millis(200));
+    let before = rss_kib(pid);
+    let (held, ended) = rt.block_on(async {
+        let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
+        let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+        tokio::spawn(conn);
+        let mut client = client.ready().await.unwrap();
+        let req = http::Request::builder()
+            .method("POST")
+            .uri(format!(
+                "http://{addr}/arrow.flight.protocol.FlightService/DoExchange"
+            ))
+            .header("content-type", "application/grpc")
+            .header("te", "trailers")
+            .header("authorization", token.bearer())
+            .body(())
+            .unwrap();
+        let (resp, mut send) = client.send_request(req, false).unwrap();
+        let body = prost::Message::encode_to_vec(&schema_msg);
+        let mut frame = vec![0u8];
+        frame.extend((body.len() as u32).to_be_bytes());
+        frame.extend(body);
+        send.send_data(frame.into(), false).unwrap();
+        let mut head = vec![0u8];
+        head.extend((60u32 << 20).to_be_bytes());
+        send.send_data(head.into(), false).unwrap();
+        for _ in 0..30 {
+            send.send_data(bytes::Bytes::from(vec![7u8; 1 << 20]), false)
+                .unwrap();
+        }
+        // While it is held: the gateway has read most of it.
+        let t = Instant::now();
+        let mut held = 0;
+        while t.elapsed() < Duration::from_secs(20) {
+            held = held.max(rss_kib(pid));
+            if held > before + (20 << 10) {
+                break;
+            }
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+        // The gateway ends the stream at its peer timeout: the response's end (its trailers)
+        // comes while this side still holds the stream open.
+        let ended = tokio::time::timeout(Duration::from_secs(60), async {
+            let mut body = resp.await.unwrap().into_body();
+            while let Some(chunk) = body.data().await {
+                if chunk.is_err() {
+                    return None;
+                }
+            }
+            body.trailers().await.ok().flatten()
+        })
+        .await;
+        drop(send);
+        (held, ended)
+    });
+    let trailers = ended.expect("the gateway held the half-sent stream for a minute");
+    let status = trailers
+        .as_ref()
+        .and_then(|t| t.get("grpc-message"))
+        .map(|v| String::from_utf8_lossy(v.as_bytes()).into_owned())
+        .unwrap_or_default();
+    assert!(
+        status.contains("gives%20its%20place%20back") || status.contains("gives its place back"),
+        "the stream ended otherwise: {trailers:?}"
+    );
+    assert!(
+        held > before + (20 << 10),
+        "the gateway did not take the message in ({before} -> {held} KiB): the test proves nothing"
+    );
+    let t = Instant::now();
+    // At least half of the 30 MiB comes back (the allocator may keep some for reuse).
+    while rss_kib(pid) + (15 << 10) > held {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "the half-sent message's memory was not given back: {} -> {held} -> {} KiB\n{}",
+            before,
+            rss_kib(pid),
+            f.gateway_log()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    println!(
+        "gateway RSS {} MiB, {} MiB while the stream held 30 MiB, {} MiB after",
+        before >> 10,
+        held >> 10,
+        rss_kib(pid) >> 10
+    );
+    // The one place is free again.
+    run_ok(&mut f.producer("after-half-sent", 16, &[]));
+    assert_each_input_once(&f.lines("after-half-sent"), 16);
+}

@@ -239,6 +239,10 @@ impl FlightService for Gateway {
                 self.cfg.max_remotes
             ))
         })?;
+        // The place is held by the reader and the session thread together: it is given back
+        // when both have let go, so that what either still holds (a message half received, a
+        // batch) is counted against a place.
+        let permit = Arc::new(permit);
         self.counters.streams.fetch_add(1, Ordering::Relaxed);
         let mut input = req.into_inner();
         // Batches wait here for the session thread: one at a time, so that a full pool stops
@@ -273,14 +277,16 @@ impl FlightService for Gateway {
             let handle = tokio::runtime::Handle::current();
             let who = format!("{name} from {peer}");
             let worker = session::Session::new(cfg, who, in_rx, out_tx, handle, counters);
+            let held = permit.clone();
             std::thread::Builder::new()
                 .name("tp-bridge-session".into())
                 .spawn(move || {
                     worker.run();
-                    drop(permit);
+                    drop(held);
                 })
                 .expect("spawn a session thread");
             forward(data, reader, in_tx).await;
+            drop(permit);
         });
         let results = futures::stream::unfold(out_rx, |mut rx| async move {
             rx.recv()
@@ -378,7 +384,14 @@ async fn forward(
     to: mpsc::Sender<Input>,
 ) {
     loop {
-        let item = match data.next().await {
+        // The session may end first (a refused batch, an idle stream): the stream is then
+        // dropped at once, with whatever part of a message it holds.
+        let next = tokio::select! {
+            biased;
+            _ = to.closed() => return,
+            next = data.next() => next,
+        };
+        let item = match next {
             Some(Ok(m)) => match reader.read(&m) {
                 Ok(Some(batch)) => Input::Batch(batch),
                 Ok(None) => continue,

@@ -111,7 +111,22 @@ impl Session {
         let mut submitted = 0u64;
         loop {
             let next = if self.pending.is_empty() {
-                self.rt.block_on(self.input.recv())
+                // A stream with nothing in flight that sends nothing for the peer timeout gives
+                // its place back (its producer reconnects when it has work again).
+                let wait = self.cfg.peer_timeout;
+                let input = &mut self.input;
+                match self
+                    .rt
+                    .block_on(async { tokio::time::timeout(wait, input.recv()).await })
+                {
+                    Ok(next) => next,
+                    Err(_) => {
+                        return Err(End::Tell(Status::deadline_exceeded(format!(
+                            "nothing sent for {} s with nothing in flight: the stream gives its place back",
+                            wait.as_secs()
+                        ))))
+                    }
+                }
             } else {
                 match self.input.try_recv() {
                     Ok(i) => Some(i),
