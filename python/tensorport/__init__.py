@@ -105,13 +105,20 @@ def _view(owner, address: int, nbytes: int, dtype, shape, writable: bool, stride
 class Loan:
     """A slot of the producer's pool, ours to write until submitted.
 
-    Use it as a context manager: leaving the block without `submit` gives the slot back.
+    Use it as a context manager: leaving the block without `submit` gives the slot back. The
+    views it hands out (`array()`, `buffer()`) are revoked when the loan is submitted or given
+    back: a `buffer()` is released (using it raises `ValueError`, as a released memoryview
+    does) and an `array()` becomes read-only, so a view kept too long cannot write into the next
+    tensor of the slot. (Views you derive from them yourself — a slice of the array, a numpy array
+    over the buffer — are not revoked: do not keep those past the loan.) A loan dropped without
+    `with` or `submit` gives its slot back too, whatever views of it exist.
     """
 
     def __init__(self, producer: "Producer", native):
         self._producer = producer
         self._native = native
         self._spec: Optional[Tuple[str, Tuple[int, ...]]] = None
+        self._handed: list = []
 
     @property
     def nbytes(self) -> int:
@@ -121,30 +128,54 @@ class Loan:
     def submitted(self) -> bool:
         return self._native.submitted
 
+    def _check_open(self) -> None:
+        if self._native.submitted:
+            raise TensorportError("this loan was already submitted or given back")
+
     def array(self, dtype, shape: Sequence[int]):
         """The slot as a writable numpy array of `dtype` and `shape` (row-major), in place.
 
         `submit()` then hands exactly that tensor over.
         """
-        if self._native.submitted:
-            raise TensorportError("this loan was already submitted")
+        self._check_open()
+        np = _np()
         shape = tuple(int(d) for d in shape)
-        # A slot's view of a given dtype and shape is made once per producer and reused (the
-        # pool stays mapped as long as the producer holds the view).
-        key = (self._native.slot, dtype, shape)
-        a = self._producer._views.get(key)
-        if a is None:
-            a = _view(self._native, self._native.address, self._native.len, dtype, shape, True)
-            if len(self._producer._views) < 4096:
-                self._producer._views[key] = a
+        dt = np.dtype(dtype)
+        count = 1
+        for d in shape:
+            count *= d
+        if count * dt.itemsize > self._native.len:
+            raise ValueError(
+                f"a {dt.name} array of shape {shape} needs {count * dt.itemsize} bytes; the slot has {self._native.len}"
+            )
+        # The slot's bytes as one uint8 array, made once per slot and producer (it holds the
+        # pool's mapping, never a loan); each call returns a new array over it.
+        base = self._producer._slot_bytes(self._native)
+        a = base[: count * dt.itemsize].view(dt).reshape(shape)
+        self._handed.append(a)
         self._spec = (_tp_dtype(dtype), shape)
         return a
 
     def buffer(self) -> memoryview:
-        """The slot's bytes as a writable memoryview (no numpy needed)."""
+        """The slot's bytes as a writable memoryview (no numpy needed), released when the loan
+        is submitted or given back."""
+        self._check_open()
         buf = (ctypes.c_char * self._native.len).from_address(self._native.address)
-        buf._owner = self._native
-        return memoryview(buf).cast("B")
+        buf._owner = self._native.mapping
+        mv = memoryview(buf).cast("B")
+        self._handed.append(mv)
+        return mv
+
+    def _revoke(self) -> None:
+        for v in self._handed:
+            if isinstance(v, memoryview):
+                try:
+                    v.release()
+                except BufferError:
+                    pass  # something was made over it: not ours to revoke
+            else:
+                v.flags.writeable = False
+        self._handed.clear()
 
     def submit(self, dtype=None, shape: Optional[Sequence[int]] = None, strides=None, offset: int = 0) -> int:
         """Hands the slot to the server; returns the request id.
@@ -155,17 +186,33 @@ class Loan:
             if self._spec is None:
                 raise ValueError("say what the slot holds: submit(dtype, shape), or call array() first")
             dtype, shape = self._spec
-        return self._producer._native.submit(
-            self._native, _tp_dtype(dtype), [int(d) for d in shape],
-            None if strides is None else [int(s) for s in strides], int(offset),
-        )
+        try:
+            return self._producer._native.submit(
+                self._native, _tp_dtype(dtype), [int(d) for d in shape],
+                None if strides is None else [int(s) for s in strides], int(offset),
+            )
+        finally:
+            if self._native.submitted:
+                self._revoke()
+
+    def release(self) -> None:
+        """Gives the slot back unsubmitted (what leaving a `with` block does)."""
+        if not isinstance(self._native, _Spent):
+            self._native.release()
+        self._revoke()
 
     def __enter__(self) -> "Loan":
         return self
 
     def __exit__(self, *exc) -> None:
-        # Unsubmitted: dropping the native loan returns the slot.
+        self.release()
         self._native = _Spent(self._native)
+
+    def __del__(self) -> None:
+        native = getattr(self, "_native", None)
+        if native is not None and not isinstance(native, _Spent):
+            native.release()
+            self._revoke()
 
 
 class _Spent:
@@ -175,6 +222,7 @@ class _Spent:
         self.submitted = True
         self.len = native.len
         self.address = native.address
+        self.mapping = native.mapping
 
 
 class Producer:
@@ -188,9 +236,20 @@ class Producer:
                  rings: bool = True, connect_timeout: float = 10.0):
         socket = default_socket() if socket is None else socket
         self._native = _native.Producer(str(socket), name, slots, slot_size, rings, connect_timeout)
-        self._views = {}
+        # Each slot's bytes as a uint8 array over the pool's mapping (see Loan.array).
+        self._slots = {}
         # CUDA tensors handed over and not answered yet: kept alive until their results.
         self._held = {}
+
+    def _slot_bytes(self, native):
+        a = self._slots.get(native.slot)
+        if a is None:
+            np = _np()
+            buf = (ctypes.c_char * native.len).from_address(native.address)
+            buf._owner = native.mapping
+            a = np.frombuffer(buf, dtype=np.uint8)
+            self._slots[native.slot] = a
+        return a
 
     def loan(self, timeout: float = 10.0) -> Loan:
         """A free slot to write, waiting up to `timeout` seconds (several may be out at once)."""
@@ -273,7 +332,7 @@ class Producer:
         return self._native.uses_rings()
 
     def close(self) -> None:
-        self._views.clear()
+        self._slots.clear()
         self._native.close()
 
     def __enter__(self) -> "Producer":

@@ -490,3 +490,49 @@ print("done", errors, flush=True)
             child.wait()
         srv.kill()
         srv.wait()
+
+
+def test_views_are_revoked_with_their_loan_and_never_hold_a_slot(sock):
+    """A view kept past its loan cannot write into the next tensor of the slot: a `buffer()`
+    raises once its loan is submitted or given back, an `array()` turns read-only. And views
+    never keep a slot leased: with 4 slots, loans given back (by `with` or by being dropped)
+    while their views live make room for the next loans."""
+    srv, stop = answering_server(sock, lambda r: r.array().reshape(-1)[:1].tobytes(), slots=4, slot_size=4096)
+    try:
+        with Producer(sock, name="views") as p:
+            # Submitted: the buffer is released, the array read-only.
+            slot = p.loan()
+            buf = slot.buffer()
+            arr = slot.array(np.uint8, (16,))
+            arr[:] = 3
+            slot.submit()
+            with pytest.raises(ValueError):
+                buf[0] = 9
+            with pytest.raises(ValueError):
+                arr[0] = 9
+            assert p.recv(timeout=PATIENCE)[1] == b"\x03"
+            # The next loans of the same slots carry what they were given, not stale writes.
+            for k in range(8):
+                with p.loan() as s2:
+                    s2.array(np.uint8, (16,))[:] = k
+                    s2.submit()
+                assert p.recv(timeout=PATIENCE)[1] == bytes([k])
+            # Unsubmitted loans whose views are kept: their slots come back all the same.
+            kept = []
+            for _ in range(8):
+                with p.loan(timeout=5) as s3:
+                    kept.append(s3.array(np.float32, (4,)))
+                    kept.append(s3.buffer())
+            for _ in range(8):
+                s4 = p.loan(timeout=5)
+                kept.append(s4.array(np.uint8, (4,)))
+                del s4  # dropped without `with` or submit
+            assert all(not v.flags.writeable for v in kept if isinstance(v, np.ndarray))
+            with pytest.raises(ValueError):
+                kept[1][0] = 1
+            with pytest.raises(TensorportError, match="already submitted or given back"):
+                with p.loan() as s5:
+                    pass
+                s5.array(np.uint8, (4,))
+    finally:
+        stop.set()

@@ -40,6 +40,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(default_socket, m)?)?;
     m.add_class::<Producer>()?;
     m.add_class::<Loan>()?;
+    m.add_class::<producer::Mapping>()?;
     m.add_class::<Server>()?;
     m.add_class::<Request>()?;
     m.add("TensorportError", m.py().get_type::<TensorportError>())?;

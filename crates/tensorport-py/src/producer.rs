@@ -107,8 +107,14 @@ impl Producer {
         let mut loan = self.with(py, |p| p.loan(t))?;
         let len = loan.len();
         let address = loan.bytes_mut().as_mut_ptr() as usize;
+        let mapping = Py::new(
+            py,
+            Mapping {
+                _pool: loan.mapping(),
+            },
+        )?;
         Ok(Loan {
-            pool: loan.mapping(),
+            pool: mapping,
             slot: loan.slot().slot,
             address,
             len,
@@ -351,9 +357,9 @@ impl Producer {
 #[pyclass(module = "tensorport._native")]
 pub(crate) struct Loan {
     inner: Mutex<Option<tensorport::Loan>>,
-    /// Keeps the pool mapped while any view of the slot lives.
-    #[allow(dead_code)]
-    pool: Arc<HostPool>,
+    /// The pool's mapping, which views of the slot hold (not the loan: a view never keeps a
+    /// slot leased).
+    pool: Py<Mapping>,
     #[pyo3(get)]
     slot: u32,
     #[pyo3(get)]
@@ -364,9 +370,28 @@ pub(crate) struct Loan {
 
 #[pymethods]
 impl Loan {
-    /// Whether it was submitted (a view of it may still exist; writing it now tears the tensor).
+    /// Whether it was submitted or given back (a view of it may still exist; the package
+    /// revokes the ones it handed out).
     #[getter]
     fn submitted(&self) -> bool {
         lock(&self.inner).is_none()
     }
+
+    /// The pool's mapping, for views to hold: it stays mapped while they live.
+    #[getter]
+    fn mapping(&self, py: Python<'_>) -> Py<Mapping> {
+        self.pool.clone_ref(py)
+    }
+
+    /// Gives the slot back unsubmitted (idempotent; a submitted loan is left as it is).
+    fn release(&self) {
+        drop(lock(&self.inner).take());
+    }
+}
+
+/// A producer's pool mapping, held by the views of its slots so that none ever points at
+/// unmapped memory.
+#[pyclass(module = "tensorport._native", frozen)]
+pub(crate) struct Mapping {
+    _pool: Arc<HostPool>,
 }

@@ -11,6 +11,10 @@ pub(crate) struct Request {
     /// Keeps the pool mapped while any view lives.
     #[allow(dead_code)]
     pool: Option<Arc<HostPool>>,
+    /// Keeps a device tensor's buffer open in this process while any view of it lives (the
+    /// package's torch tensor holds this request), after the answer and the producer's end.
+    #[allow(dead_code)]
+    device_buffer: Option<Arc<dyn tensorport::ImportedDevice>>,
     #[pyo3(get)]
     request_id: u64,
     #[pyo3(get)]
@@ -41,6 +45,7 @@ impl Request {
         };
         Request {
             pool: r.mapping(),
+            device_buffer: r.device().map(|dt| dt.shared_buffer()),
             request_id: r.request_id(),
             producer: r.producer().to_string(),
             dtype: d.dtype().name(),

@@ -143,6 +143,11 @@ impl DeviceTensor {
     pub fn buffer(&self) -> &dyn ImportedDevice {
         &*self.buffer
     }
+    /// The producer's buffer, shared: it stays open in the server (its mapping valid) while
+    /// the returned handle lives, even after the request is answered and the producer gone.
+    pub fn shared_buffer(&self) -> Arc<dyn ImportedDevice> {
+        self.buffer.clone()
+    }
     /// The value the buffer's "ready" semaphore must reach before the tensor may be read
     /// (timeline buffers); `None` for event-fenced buffers.
     pub fn timeline(&self) -> Option<u64> {
