@@ -160,11 +160,13 @@ def check_device_views(d):
                 kept.append((r.request_id, t))
         assert p.wait(timeout=60) == 0
         # Views kept past their answers and the producer's end: what they point into is
-        # still mapped (reading them is not an illegal address; their bytes may have been
-        # reused by the producer after the answer, so only that they read is checked).
+        # still mapped, so reading them is no illegal address (which would raise here and
+        # break this process's CUDA context); their bytes may have been reused by the
+        # producer after the answer, so their values are not compared.
         for rid, t in kept[-4:]:
-            assert t.float().sum().isfinite().item() or True
+            t.float().sum().item()
         torch.cuda.synchronize()
+        assert torch.ones(1, device="cuda").item() == 1.0
         server.drain()
         return got, devices
 
