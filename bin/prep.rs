@@ -222,7 +222,9 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<(Duration, Dump
                     crate::produce_gpu::jpeg_job(&transform, bytes, *size, (&out, k * image_bytes))
                 })
                 .collect();
-            jpeg.run(&jobs, &stream).map_err(cuda)?;
+            // SAFETY: `sized` and `out` outlive the loop, and the stream is synchronised
+            // right after, before either changes.
+            unsafe { jpeg.run(&jobs, &stream) }.map_err(cuda)?;
             stream.synchronize().map_err(cuda)?;
             if pass == 0 && a.dump.is_some() {
                 let mut host = vec![0u8; chunk.len() * image_bytes];

@@ -202,7 +202,10 @@ pub fn run(
                         )
                     })
                     .collect();
-                match jpeg.run(&jobs, p.stream()) {
+                // SAFETY: the bytes are held (`held`) until the next batch's `run` or
+                // `wait_idle` below has waited for this one, and the buffers are the
+                // producer's, allocated for its life.
+                match unsafe { jpeg.run(&jobs, p.stream()) } {
                     Ok(()) => gpu_ok = true,
                     Err(e) => tracing::warn!(
                         images = jobs.len(),

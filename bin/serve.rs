@@ -115,7 +115,9 @@ fn run_cuda(a: Args, ordinal: u32) -> CliResult<ExitCode> {
     let fence_timeout = Duration::from_millis(a.fence_timeout_ms.max(1));
     let hooks = Hooks {
         pin: Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone()))),
-        device: Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu.clone()))),
+        device: Some(Arc::new(
+            tensorport_cuda::CudaImporter::new(gpu.clone()).with_fence_timeout(fence_timeout),
+        )),
     };
     // GPU producers' tensors of a batch are fenced and copied together; the copy kernel is
     // compiled once and launched from every worker (launches are thread-safe).

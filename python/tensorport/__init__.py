@@ -102,6 +102,11 @@ def _view(owner, address: int, nbytes: int, dtype, shape, writable: bool, stride
     return a
 
 
+# GPU memory a stream that never drained may still write (see Server._recv_into_device):
+# held for the process's life.
+_QUARANTINED: list = []
+
+
 class Loan:
     """A slot of the producer's pool, ours to write until submitted.
 
@@ -640,9 +645,15 @@ class Loader:
                 dev = torch.device("cuda", self.gpu)
                 images = torch.empty(shape, dtype=torch.float32, device=dev)
                 address, nbytes = images.data_ptr(), images.numel() * 4
-                got = server._native._recv_into_device(
-                    address, nbytes, nbytes // want, torch.cuda.current_stream(dev).cuda_stream,
-                    want, 0.2, self.max_wait)
+                try:
+                    got = server._native._recv_into_device(
+                        address, nbytes, nbytes // want, torch.cuda.current_stream(dev).cuda_stream,
+                        want, 0.2, self.max_wait)
+                except TensorportError as e:
+                    if "quarantined" in str(e):
+                        # Copies may still write it: never freed, never reused.
+                        _QUARANTINED.append(images)
+                    raise
             elif self.pin_memory:
                 import torch
 

@@ -254,12 +254,18 @@ pub(crate) fn lying_device(socket: &str) {
     println!("  64 MiB claimed for a 1 MiB IPC allocation: {code:?}: {why}");
     assert_eq!(code, ErrorCode::OutOfBounds);
     assert!(why.contains("register its true length"), "{why}");
-    // One byte too many for what the driver says the allocation holds: the semaphores would
+    // Eight bytes too many for what the driver says the allocation holds: the semaphores would
     // not fit. Its true length is accepted.
     let (_, held) = gpu.driver().mem_address_range(mem.ptr()).unwrap();
-    let (code, _) = register(&mut r, 0, held as u64 - 15, ipc(), None).unwrap_err();
+    let (code, _) = register(&mut r, 0, held as u64 - 8, ipc(), None).unwrap_err();
     assert_eq!(code, ErrorCode::OutOfBounds);
     register(&mut r, 0, held as u64 - 16, ipc(), None).unwrap();
+    // A timeline buffer whose length is not a multiple of 8: its semaphores would be
+    // misaligned, failing every batch it is in. Refused at registration.
+    let (code, why) = register(&mut r, 3, 1001, ipc(), None).unwrap_err();
+    println!("  a timeline buffer of 1001 bytes: {code:?}: {why}");
+    assert_eq!(code, ErrorCode::Malformed);
+    assert!(why.contains("multiple of 8"), "{why}");
     // Past any GPU (and near overflowing the arithmetic): refused before the driver is asked.
     let (code, _) = register(&mut r, 1, u64::MAX - 8, ipc(), None).unwrap_err();
     assert_eq!(code, ErrorCode::OutOfBounds);
@@ -299,7 +305,11 @@ pub(crate) fn lying_registrations() {
     let mut k = spawn_child("lying-device", &[socket_env(&sock)]);
     let out = k.wait_ok(PATIENCE);
     print!("{}", String::from_utf8_lossy(&out.stdout));
-    assert!(String::from_utf8_lossy(&out.stdout).contains("ok"));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("ok"),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     // Only the two honest registrations were ever open, and they close with the session.
     assert!(eventually(PATIENCE, || live_imports() == 0));
     srv.stop.store(true, Ordering::SeqCst);

@@ -94,6 +94,10 @@ fn main() {
                 fence_never_signalled,
             ),
             (
+                "device_event_signalled_after_the_timeout_stalls_nothing",
+                event_fence_signalled_late,
+            ),
+            (
                 "device_killed_producer_with_an_unsignalled_tensor_stalls_no_other",
                 killed_with_unsignalled_tensor,
             ),

@@ -197,3 +197,59 @@ pub(crate) fn killed_with_unsignalled_tensor() {
         "  an image held up behind the silent producer's tensor was answered after its SIGKILL, and 8 more (worst relative difference {worst:.2e})"
     );
 }
+
+/// An event-fenced GPU producer whose "ready" event fires only after the server's fence
+/// timeout (its stream waits on a flag this test sets later): the server never makes its stream
+/// wait on that event (it polls it first), fails that request (FenceTimeout) and ends that
+/// session after the timeout; an honest producer's images are answered meanwhile and after,
+/// and the late signal harms nothing.
+pub(crate) fn event_fence_signalled_late() {
+    use tensorport::wire::ErrorCode;
+    let (_dir, sock) = socket_dir();
+    let _server = start_cuda_serve(&sock, &["--fence-timeout-ms", "1000"]);
+    let gpu = Gpu::open(0).unwrap();
+    let mut late =
+        GpuProducer::connect_with(&sock, "late-event", &gpu, 2, image_bytes(), Fence::Event)
+            .unwrap();
+    let mut honest = image_producer(&sock, "honest", &gpu);
+    let flag = tensorport_cuda::DeviceBuffer::new(&gpu, 8).unwrap();
+    let side = tensorport_cuda::Stream::new(&gpu).unwrap();
+    let d = gpu.driver();
+    // SAFETY: both streams and the 8-byte flag are live allocations of this context.
+    unsafe {
+        d.stream_write_value64(side.raw().cast(), flag.ptr(), 0)
+            .unwrap();
+    }
+    side.synchronize().unwrap();
+    let b = late.acquire(Duration::from_secs(20)).unwrap();
+    // SAFETY: as above; the producer's stream waits until the flag reaches 1.
+    unsafe {
+        d.stream_wait_value64(late.stream().raw().cast(), flag.ptr(), 1)
+            .unwrap();
+    }
+    let t0 = std::time::Instant::now();
+    let id = late.submit(b, &image_spec()).unwrap();
+    let worst = images_answered_right(&mut honest, 8);
+    let c = late.producer().recv_result(PATIENCE).unwrap();
+    let waited = t0.elapsed();
+    assert_eq!(c.request_id, id);
+    let e = c
+        .result
+        .expect_err("a tensor signalled after the timeout is not answered with scores");
+    assert_eq!(e.code, ErrorCode::FenceTimeout, "{e}");
+    assert!(waited >= Duration::from_secs(1), "failed after {waited:?}");
+    // Now the event fires, long after: nothing of the server's waits for it any more.
+    // SAFETY: as above.
+    unsafe {
+        d.stream_write_value64(side.raw().cast(), flag.ptr(), 1)
+            .unwrap();
+    }
+    side.synchronize().unwrap();
+    late.stream().synchronize().unwrap();
+    let after = images_answered_right(&mut honest, 8);
+    println!(
+        "  an event signalled after the 1 s fence timeout: its request failed after {:.2} s ({e}); the honest producer's 16 images answered right (worst {:.2e})",
+        waited.as_secs_f64(),
+        worst.max(after)
+    );
+}

@@ -441,6 +441,22 @@ impl Driver {
         Ok((base, size))
     }
 
+    /// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_BUFFER_ID)`: a number unique to the
+    /// allocation that contains `p` for the process's life (a new allocation at the same
+    /// address gets another).
+    pub fn buffer_id(&self, p: sys::CUdeviceptr) -> Result<u64> {
+        let mut id: u64 = 0;
+        // SAFETY: the attribute is a 64-bit integer, written into `id`; the driver checks `p`.
+        check("cuPointerGetAttribute", unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut id as *mut u64).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_BUFFER_ID,
+                p,
+            )
+        })?;
+        Ok(id)
+    }
+
     /// `cuIpcCloseMemHandle`.
     ///
     /// # Safety

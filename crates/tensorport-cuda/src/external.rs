@@ -24,6 +24,8 @@ use crate::{Error, Result};
 /// One registered allocation: its base, its number, and its two events.
 struct Registered {
     buffer: u32,
+    /// The allocation's buffer id: another allocation later made at the same base has another.
+    id: u64,
     ready: sys::CUevent,
     released: sys::CUevent,
 }
@@ -36,6 +38,8 @@ unsafe impl Send for Registered {}
 pub struct ExternalDevice {
     gpu: Arc<Gpu>,
     by_base: HashMap<u64, Registered>,
+    /// The number the next registration gets (never reused in a session).
+    next_buffer: u32,
     /// Request id → the buffer it holds.
     in_flight: HashMap<u64, u32>,
 }
@@ -55,6 +59,7 @@ impl ExternalDevice {
         ExternalDevice {
             gpu,
             by_base: HashMap::new(),
+            next_buffer: 0,
             in_flight: HashMap::new(),
         }
     }
@@ -80,8 +85,29 @@ impl ExternalDevice {
         self.gpu.bind()?;
         let d = self.gpu.driver();
         let (base, size) = d.mem_address_range(ptr)?;
+        let id = d.buffer_id(base)?;
+        // The allocation registered at this base was freed and another made there: its
+        // registration would show the server the old memory. It is forgotten here (the
+        // server keeps the old buffer's number until the session ends), once it is not in
+        // flight.
+        if self.by_base.get(&base).is_some_and(|r| r.id != id) {
+            let old = self.by_base[&base].buffer;
+            if self.in_flight.values().any(|&b| b == old) {
+                return Err(Error::BadAnswer(
+                    "a tensor's allocation was freed while its hand-off was in flight",
+                ));
+            }
+            if let Some(r) = self.by_base.remove(&base) {
+                // SAFETY: created or opened in an earlier `submit`, not in flight, used no more.
+                unsafe {
+                    let _ = d.event_destroy(r.ready);
+                    let _ = d.event_destroy(r.released);
+                }
+            }
+        }
         if !self.by_base.contains_key(&base) {
-            let buffer = self.by_base.len() as u32;
+            let buffer = self.next_buffer;
+            self.next_buffer += 1;
             let memory = d.ipc_get_mem_handle(base)?.to_vec();
             let ready = d.event_create_interprocess()?;
             // SAFETY: `ready` was just created as an interprocess event.
@@ -116,6 +142,7 @@ impl ExternalDevice {
                 base,
                 Registered {
                     buffer,
+                    id,
                     ready,
                     released,
                 },

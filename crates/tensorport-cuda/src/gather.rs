@@ -5,6 +5,7 @@
 //! host time on an H200 host; see docs/benchmarks.md).
 
 use std::any::Any;
+use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tensorport::DeviceTensor;
@@ -138,7 +139,13 @@ impl Gatherer {
                 // Abandoned: nobody would signal it.
                 Some(_) => {}
                 // SAFETY: the caller's contract for `stream`.
-                None => unsafe { t.wait_ready(raw) }.map_err(fence_err)?,
+                None => match unsafe { t.wait_ready(raw) } {
+                    Ok(()) => {}
+                    // An event that did not fire in time: nothing waits for it; the tensor is
+                    // reported late by `synchronize`, and the rest of the batch goes on.
+                    Err(_) if event_late(t, &self.gpu) => {}
+                    Err(e) => return Err(fence_err(e)),
+                },
             }
         }
         for chunk in ops.chunks(MAX_MEM_OPS) {
@@ -270,6 +277,25 @@ fn fence_err(e: String) -> Error {
 
 /// A tensor whose fence is a timeline semaphore of a buffer our importer opened in `gpu`'s
 /// context, with the value to wait for; `None` for the others (fenced one by one).
+/// Whether `t` is an event-fenced tensor of `gpu`'s importer that was not signalled ready in
+/// time (nothing was made to wait for it).
+pub(crate) fn event_late(t: &DeviceTensor, gpu: &Arc<Gpu>) -> bool {
+    let any: &dyn Any = t.buffer();
+    any.downcast_ref::<Imported>().is_some_and(|imp| {
+        imp.fence == Fence::Event && Arc::ptr_eq(&imp.gpu, gpu) && imp.late.load(Ordering::SeqCst)
+    })
+}
+
+/// Takes the late mark of `t` (see [`event_late`]): whether it was set.
+pub(crate) fn take_event_late(t: &DeviceTensor, gpu: &Arc<Gpu>) -> bool {
+    let any: &dyn Any = t.buffer();
+    any.downcast_ref::<Imported>().is_some_and(|imp| {
+        imp.fence == Fence::Event
+            && Arc::ptr_eq(&imp.gpu, gpu)
+            && imp.late.swap(false, Ordering::SeqCst)
+    })
+}
+
 pub(crate) fn timeline<'a>(t: &'a DeviceTensor, gpu: &Arc<Gpu>) -> Option<(&'a Imported, u64)> {
     let any: &dyn Any = t.buffer();
     let imp = any.downcast_ref::<Imported>()?;

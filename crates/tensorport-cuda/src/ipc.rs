@@ -47,12 +47,25 @@ pub enum Fence {
 #[derive(Debug, Clone)]
 pub struct CudaImporter {
     gpu: Arc<Gpu>,
+    fence_timeout: std::time::Duration,
 }
 
 impl CudaImporter {
-    /// Imports into `gpu`'s primary context.
+    /// Imports into `gpu`'s primary context; an event-fenced tensor not signalled ready within
+    /// [`crate::DEFAULT_FENCE_TIMEOUT`] is not waited for.
     pub fn new(gpu: Arc<Gpu>) -> CudaImporter {
-        CudaImporter { gpu }
+        CudaImporter {
+            gpu,
+            fence_timeout: crate::DEFAULT_FENCE_TIMEOUT,
+        }
+    }
+
+    /// How long an event-fenced tensor's "ready" event is polled from the host before a
+    /// stream is made to wait on it (the wait is enqueued only once it has fired, so a producer
+    /// that never signals cannot stall a stream); past it the tensor is late.
+    pub fn with_fence_timeout(mut self, timeout: std::time::Duration) -> CudaImporter {
+        self.fence_timeout = timeout;
+        self
     }
 }
 
@@ -76,9 +89,39 @@ pub(crate) struct Imported {
     /// The last tick of each stream clock after which a `Gatherer` read the buffer: closing
     /// waits until each clock has passed it (as it waits on `release` for the per-tensor path).
     read_by: std::sync::Mutex<Vec<(Arc<crate::clock::Clock>, u64)>>,
+    /// Event mode: how long "ready" is polled before the tensor is late.
+    fence_timeout: std::time::Duration,
+    /// Event mode: the tensor in flight was not signalled ready in time, and no stream was made
+    /// to wait for it (taken by `Gatherer::synchronize`, which reports it late).
+    pub(crate) late: AtomicBool,
 }
 
 impl Imported {
+    /// Event mode: polls "ready" until it has fired (true) or the fence timeout passes, or the
+    /// producer's session has ended (false).
+    fn await_event(&self) -> std::result::Result<bool, String> {
+        let d = self.gpu.driver();
+        let start = std::time::Instant::now();
+        loop {
+            if self.abandoned.load(Ordering::SeqCst) {
+                return Ok(false);
+            }
+            // SAFETY: `ready` was opened in `import` and lives with `self`.
+            if unsafe { d.event_query(self.ready) }.map_err(|e| e.to_string())? {
+                return Ok(true);
+            }
+            let waited = start.elapsed();
+            if waited >= self.fence_timeout {
+                return Ok(false);
+            }
+            if waited < std::time::Duration::from_micros(200) {
+                std::thread::yield_now();
+            } else {
+                std::thread::sleep(std::time::Duration::from_micros(50));
+            }
+        }
+    }
+
     /// The "ready" semaphore (timeline mode): right after the registered bytes.
     pub(crate) fn ready_addr(&self) -> sys::CUdeviceptr {
         self.ptr + self.len
@@ -135,6 +178,13 @@ impl DeviceImporter for CudaImporter {
             RawDeviceHandle::LegacyIpc { .. } => 0,
             _ => SEMAPHORE_BYTES,
         };
+        // A timeline's semaphores follow the data, and the driver writes them 8 bytes at a
+        // time: misaligned, every wait on them would fail (and with it every batch it is in).
+        if extra > 0 && !len.is_multiple_of(8) {
+            return Err(ImportError::BadHandle(format!(
+                "a timeline-fenced buffer's length must be a multiple of 8 bytes (its semaphores follow it, 8-byte aligned); {len} is not"
+            )));
+        }
         let registered = len
             .checked_add(extra)
             .ok_or(ImportError::LongerThanAllocation {
@@ -193,6 +243,8 @@ impl DeviceImporter for CudaImporter {
             awaited: AtomicU64::new(0),
             abandoned: AtomicBool::new(false),
             read_by: std::sync::Mutex::new(Vec::new()),
+            fence_timeout: self.fence_timeout,
+            late: AtomicBool::new(false),
         };
         LIVE_IMPORTS.fetch_add(1, Ordering::SeqCst);
         // From here `made` cleans up whatever was opened if a later step fails.
@@ -242,6 +294,19 @@ impl ImportedDevice for Imported {
     ) -> std::result::Result<(), String> {
         self.gpu.bind().map_err(|e| e.to_string())?;
         let d = self.gpu.driver();
+        if self.fence == Fence::Event && value.is_none() {
+            // Polled from the host first: a stream made to wait on an event that never fires
+            // would stall every batch behind it for good (events cannot be let through as a
+            // timeline can).
+            self.late.store(false, Ordering::SeqCst);
+            if !self.await_event()? {
+                self.late.store(true, Ordering::SeqCst);
+                return Err(format!(
+                    "the producer's tensor was not signalled ready within {:?}",
+                    self.fence_timeout
+                ));
+            }
+        }
         // SAFETY: the caller passes a live stream of this context; `ready` lives with `self`;
         // the "ready" semaphore is the 8 bytes right after the `len` bytes the producer
         // registered, inside its allocation (descriptors were checked against `len` only).

@@ -264,6 +264,10 @@ impl GpuJpeg {
 
     /// The largest side [`GpuJpeg::probe`] accepts (the CPU decoder's limit too).
     pub const MAX_SIDE: u32 = 16_384;
+    /// The most pixels [`GpuJpeg::probe`] accepts (the CPU decoders' default limit too).
+    pub const MAX_PIXELS: u64 = 64_000_000;
+    /// Scratch memory kept between batches: more, left by an outsized batch, is given back.
+    const SCRATCH_KEEP: usize = 256 << 20;
 
     /// The backend decoding.
     pub fn backend(&self) -> JpegBackend {
@@ -290,6 +294,10 @@ impl GpuJpeg {
             if w > Self::MAX_SIDE || h > Self::MAX_SIDE {
                 return None;
             }
+            // Nor more pixels than the CPU decoders take (a small file can declare gigabytes).
+            if u64::from(w) * u64::from(h) > Self::MAX_PIXELS {
+                return None;
+            }
             if matches!(self.backend, JpegBackend::Hardware { .. })
                 && !self.lib.batched_supported(self.handle, self.parsed, data)
             {
@@ -301,8 +309,16 @@ impl GpuJpeg {
 
     /// Decodes `jobs` as one batch and writes each one's normalised `[3, out, out]` tensor into
     /// its buffer, all enqueued on `stream` (the caller fences and hands the buffers over after
-    /// this returns). An error fails the whole batch: prepare its images another way.
-    pub fn run(&mut self, jobs: &[JpegJob<'_>], stream: &Stream) -> Result<()> {
+    /// this returns). An error fails the whole batch: prepare its images another way. Each
+    /// job's size is checked against its bytes (a wrong one would make nvJPEG write past its
+    /// image's scratch), and the batch's wait point is recorded whatever happens once anything
+    /// was enqueued.
+    ///
+    /// # Safety
+    /// The GPU reads each job's bytes and writes its output buffer after this returns: both
+    /// must stay allocated and unchanged until the next `run` or [`GpuJpeg::wait_idle`]
+    /// returns (which wait for this batch).
+    pub unsafe fn run(&mut self, jobs: &[JpegJob<'_>], stream: &Stream) -> Result<()> {
         if jobs.is_empty() {
             return Ok(());
         }
@@ -311,10 +327,19 @@ impl GpuJpeg {
         if let Some(e) = self.last.take() {
             e.wait()?;
         }
+        let out = jobs[0].window.out;
+        if jobs.iter().any(|j| j.window.out != out) {
+            return Err(Error::BadAnswer("jobs of one batch with different sizes"));
+        }
         // Planar RGB for every image, each image 256-byte aligned.
         let mut offsets = Vec::with_capacity(jobs.len());
         let mut total = 0usize;
         for j in jobs {
+            if self.probe(j.data) != Some(j.size) {
+                return Err(Error::BadAnswer(
+                    "a job's size is not its JPEG's (or the JPEG is not one this decodes)",
+                ));
+            }
             let (w, h) = (j.size.0 as usize, j.size.1 as usize);
             let need = (j.window.out as usize).pow(2) * 3 * if self.as_u8 { 1 } else { 4 };
             if j.dst
@@ -329,10 +354,32 @@ impl GpuJpeg {
             offsets.push(total);
             total += (3 * w * h).next_multiple_of(256);
         }
-        let scratch = grow(&self.gpu, &mut self.scratch, total)?;
+        // An outsized batch's scratch is given back rather than kept for small ones.
+        if self
+            .scratch
+            .as_ref()
+            .is_some_and(|b| b.len() > Self::SCRATCH_KEEP && b.len() > 4 * total)
+        {
+            self.scratch = None;
+        }
+        grow(&self.gpu, &mut self.scratch, total)?;
+        let bytes = std::mem::size_of::<RawJob>() * jobs.len();
+        grow(&self.gpu, &mut self.jobs_dev, bytes)?;
+        if self.jobs_host.as_ref().is_none_or(|b| b.len() < bytes) {
+            self.jobs_host = Some(PinnedBuffer::new(&self.gpu, bytes.max(4096) * 2)?);
+        }
+        // From here work is enqueued: whatever happens, the next batch waits for it.
+        let r = self.enqueue(jobs, &offsets, stream);
+        self.last = Some(stream.record()?);
+        r
+    }
+
+    /// The part of [`GpuJpeg::run`] that enqueues work (the buffers are sized).
+    fn enqueue(&mut self, jobs: &[JpegJob<'_>], offsets: &[usize], stream: &Stream) -> Result<()> {
+        let scratch = self.scratch.as_ref().expect("sized by run");
         let mut images: Vec<nvjpeg::Image> = jobs
             .iter()
-            .zip(&offsets)
+            .zip(offsets)
             .map(|(j, &off)| {
                 let (w, h) = (j.size.0 as usize, j.size.1 as usize);
                 let mut im = nvjpeg::Image::default();
@@ -362,7 +409,7 @@ impl GpuJpeg {
         }
         let raw: Vec<RawJob> = jobs
             .iter()
-            .zip(&offsets)
+            .zip(offsets)
             .map(|(j, &off)| {
                 let (w, h) = (j.size.0 as usize, j.size.1 as usize);
                 let out = f64::from(j.window.out);
@@ -381,10 +428,7 @@ impl GpuJpeg {
             })
             .collect();
         let bytes = std::mem::size_of_val(raw.as_slice());
-        let host = match &mut self.jobs_host {
-            Some(b) if b.len() >= bytes => b,
-            slot => slot.insert(PinnedBuffer::new(&self.gpu, bytes.max(4096) * 2)?),
-        };
+        let host = self.jobs_host.as_mut().expect("sized by run");
         let table = &mut host.as_mut_slice()[..bytes];
         for (chunk, r) in table
             .chunks_exact_mut(std::mem::size_of::<RawJob>())
@@ -392,11 +436,8 @@ impl GpuJpeg {
         {
             chunk.copy_from_slice(job_bytes(r));
         }
-        let dev = grow(&self.gpu, &mut self.jobs_dev, bytes)?;
+        let dev = self.jobs_dev.as_ref().expect("sized by run");
         let out = jobs[0].window.out;
-        if jobs.iter().any(|j| j.window.out != out) {
-            return Err(Error::BadAnswer("jobs of one batch with different sizes"));
-        }
         // SAFETY: the table is pinned and unchanged until `self.last` is waited on; `dev` holds
         // `bytes`; the kernel's parameters match its signature (a pointer, two ints, six floats);
         // every pointer in the table is inside the scratch buffer or an output buffer checked
@@ -427,7 +468,6 @@ impl GpuJpeg {
                 &mut params,
             )?;
         }
-        self.last = Some(stream.record()?);
         Ok(())
     }
 }

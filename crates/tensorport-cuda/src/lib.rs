@@ -53,7 +53,7 @@ pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegWindow};
 pub use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};
 pub use probe::{bench_h2d, probe, Capabilities, DeviceInfo, H2dBench};
-pub use stall::DEFAULT_FENCE_TIMEOUT;
+pub use stall::{quarantine, DEFAULT_FENCE_TIMEOUT};
 pub use stream::{Event, Stream};
 
 use thiserror::Error;

@@ -12,8 +12,10 @@
 //!   still pending on one is let through at once, and later ones are not enqueued.
 //!
 //! A tensor let through holds whatever its buffer held: its request is never answered with a
-//! result. Event-fenced buffers (legacy IPC events) cannot be signalled from another process;
-//! a stream stalled on one stays stalled ([`crate::Error::Stalled`]).
+//! result. Event-fenced buffers (legacy IPC events) cannot be signalled from another process,
+//! so a stream is never made to wait on one that has not fired: its "ready" event is polled
+//! from the host first (for the importer's fence timeout), and a tensor whose event has not
+//! fired by then is not waited for and is reported late like a timeline let through.
 
 use std::time::{Duration, Instant};
 
@@ -50,12 +52,20 @@ impl Gatherer {
         timeout: Duration,
     ) -> Result<Vec<usize>> {
         self.check_stream(stream)?;
+        // Event-fenced tensors not signalled in time were never waited for: late already.
+        let skipped: Vec<usize> = (0..tensors.len())
+            .filter(|&i| crate::gather::take_event_late(tensors[i], &self.gpu))
+            .collect();
         let start = Instant::now();
         let mut deadline = start + timeout;
         let mut let_through: Option<Vec<usize>> = None;
         loop {
             if stream.is_idle()? {
-                return Ok(let_through.unwrap_or_default());
+                let mut late = let_through.unwrap_or_default();
+                late.extend(skipped);
+                late.sort_unstable();
+                late.dedup();
+                return Ok(late);
             }
             let now = Instant::now();
             if now >= deadline {
@@ -143,4 +153,17 @@ fn signal_ready(side: &Stream, imp: &Imported, value: u64) -> Result<()> {
             .driver()
             .stream_write_value64(side.raw().cast(), imp.ready_addr(), value)
     }
+}
+
+/// Keeps `held` until the process ends. What a stream that never drained may still read or
+/// write — a batch's destination memory, the requests whose buffers it copies — must never be
+/// freed, reused or released: it is held here instead (and the error that led here says so).
+pub fn quarantine(held: impl Send + 'static) {
+    static HELD: std::sync::Mutex<Vec<Box<dyn Send>>> = std::sync::Mutex::new(Vec::new());
+    tracing::error!(
+        "a GPU stream did not drain: its batch's memory is held until the process ends"
+    );
+    HELD.lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .push(Box::new(held));
 }

@@ -9,6 +9,11 @@ use tensorport_cuda::{Gatherer, GpuNormaliser, Stream};
 
 use crate::{check_shape, Error, Stacked, Tensor4};
 
+thread_local! {
+    /// Batch inputs a stream that never drained may still write (see `gather_on_device`).
+    static QUARANTINE: std::cell::RefCell<Vec<Tensor4<Cuda>>> = const { std::cell::RefCell::new(Vec::new()) };
+}
+
 /// Builds the `[B, C, H, W]` model input on `dev` from `reqs`, copying on `stream` (which must
 /// belong to the same device and primary context), and waits for the copies, so the requests'
 /// slots and buffers may be released as soon as this returns. `u8` images are copied into
@@ -166,7 +171,13 @@ pub fn gather_on_device(
             }
         }
         Err(e) => {
-            let msg = e.to_string();
+            let mut msg = e.to_string();
+            if !stream.is_idle().unwrap_or(false) {
+                // Copies may still write `input`: it is never freed or reused (held by this
+                // thread, as dfdx's CUDA tensors cannot leave it).
+                QUARANTINE.with(|q| q.borrow_mut().push(input));
+                msg.push_str("; the copy stream did not drain: the batch's input is quarantined");
+            }
             rejected.extend(used.drain(..).map(|i| (i, Error::Device(msg.clone()))));
             Stacked {
                 input: None,

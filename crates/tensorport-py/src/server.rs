@@ -14,6 +14,8 @@ pub(crate) struct Server {
         tensorport_cuda::Stream,
         tensorport_cuda::Gatherer,
     )>,
+    /// The copy stream did not drain once: a batch is quarantined and no more are taken.
+    stalled: std::sync::atomic::AtomicBool,
 }
 
 #[pymethods]
@@ -49,6 +51,7 @@ impl Server {
         Ok(Server {
             inner: Arc::new(tensorport::Server::bind(cfg).map_err(py_err)?),
             cuda,
+            stalled: Default::default(),
         })
     }
 
@@ -80,6 +83,13 @@ impl Server {
                 "this server was made without cuda_device: it cannot write into GPU memory",
             ));
         };
+        let stalled = &self.stalled;
+        if stalled.load(std::sync::atomic::Ordering::SeqCst) {
+            return Err(coded(
+                "this server's copy stream did not drain (a batch is quarantined): make a new Server".into(),
+                None,
+            ));
+        }
         let rows = batch_rows(address as usize, capacity, row, max)?;
         let server = self.inner.clone();
         py.allow_threads(move || {
@@ -151,6 +161,17 @@ impl Server {
             let late = match (failed, synced) {
                 (None, Ok(late)) => late,
                 (Some(e), _) | (None, Err(e)) => {
+                    if !ours.is_idle().unwrap_or(false) {
+                        // Copies may still run: the requests (their slots and buffers) are
+                        // never released, and the package keeps the destination; this server's
+                        // stream takes no more batches.
+                        stalled.store(true, std::sync::atomic::Ordering::SeqCst);
+                        tensorport_cuda::quarantine(kept);
+                        return Err(coded(
+                            format!("{e}; the copy stream did not drain, so this batch and its destination memory are quarantined (held, never reused) and this server takes no more GPU batches: make a new Server"),
+                            None,
+                        ));
+                    }
                     // Dropped unanswered: each producer gets a failure for its request.
                     drop(kept);
                     return Err(e);
