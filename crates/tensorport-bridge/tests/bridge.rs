@@ -1100,33 +1100,7 @@ fn a_stream_left_half_sent_gives_back_its_place_and_its_memory() {
     std::thread::sleep(Duration::from_millis(200));
     let before = rss_kib(pid);
     let (held, ended) = rt.block_on(async {
-        let tcp = tokio::net::TcpStream::connect(&addr).await.unwrap();
-        let (client, conn) = h2::client::handshake(tcp).await.unwrap();
-        tokio::spawn(conn);
-        let mut client = client.ready().await.unwrap();
-        let req = http::Request::builder()
-            .method("POST")
-            .uri(format!(
-                "http://{addr}/arrow.flight.protocol.FlightService/DoExchange"
-            ))
-            .header("content-type", "application/grpc")
-            .header("te", "trailers")
-            .header("authorization", token.bearer())
-            .body(())
-            .unwrap();
-        let (resp, mut send) = client.send_request(req, false).unwrap();
-        let body = prost::Message::encode_to_vec(&schema_msg);
-        let mut frame = vec![0u8];
-        frame.extend((body.len() as u32).to_be_bytes());
-        frame.extend(body);
-        send.send_data(frame.into(), false).unwrap();
-        let mut head = vec![0u8];
-        head.extend((60u32 << 20).to_be_bytes());
-        send.send_data(head.into(), false).unwrap();
-        for _ in 0..30 {
-            send.send_data(bytes::Bytes::from(vec![7u8; 1 << 20]), false)
-                .unwrap();
-        }
+        let (resp, send) = half_sent(&addr, &token.bearer(), &schema_msg, 60 << 20, 30 << 20).await;
         // While it is held: the gateway has read most of it.
         let t = Instant::now();
         let mut held = 0;
@@ -1187,4 +1161,127 @@ fn a_stream_left_half_sent_gives_back_its_place_and_its_memory() {
     // The one place is free again.
     run_ok(&mut f.producer("after-half-sent", 16, &[]));
     assert_each_input_once(&f.lines("after-half-sent"), 16);
+}
+
+/// Opens a raw HTTP/2 DoExchange stream to `addr`, sends `first` (a whole message) and then
+/// `sent` bytes of a message announced as `declared` bytes, and leaves it there: the stream and
+/// its connection stay open as long as the returned handles live.
+async fn half_sent(
+    addr: &str,
+    bearer: &str,
+    first: &arrow_flight::FlightData,
+    declared: u32,
+    sent: usize,
+) -> (h2::client::ResponseFuture, h2::SendStream<bytes::Bytes>) {
+    let tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let (client, conn) = h2::client::handshake(tcp).await.unwrap();
+    tokio::spawn(conn);
+    let mut client = client.ready().await.unwrap();
+    let req = http::Request::builder()
+        .method("POST")
+        .uri(format!(
+            "http://{addr}/arrow.flight.protocol.FlightService/DoExchange"
+        ))
+        .header("content-type", "application/grpc")
+        .header("te", "trailers")
+        .header("authorization", bearer)
+        .body(())
+        .unwrap();
+    let (resp, mut send) = client.send_request(req, false).unwrap();
+    let body = prost::Message::encode_to_vec(first);
+    let mut frame = vec![0u8];
+    frame.extend((body.len() as u32).to_be_bytes());
+    frame.extend(body);
+    frame.push(0);
+    frame.extend(declared.to_be_bytes());
+    send.send_data(frame.into(), false).unwrap();
+    let mut left = sent;
+    while left > 0 {
+        let n = left.min(1 << 20);
+        send.send_data(bytes::Bytes::from(vec![7u8; n]), false)
+            .unwrap();
+        left -= n;
+    }
+    (resp, send)
+}
+
+/// Every limit at once: a gateway with 4 places and 4 MiB tensors, and 12 streams, each with its
+/// schema and then all but a little of the largest message the gateway takes, held there. Four
+/// hold places (and what they sent), eight are refused; the gateway's peak memory stays within
+/// the bound docs/scale-out.md states for these settings (4 × (two messages of 5 MiB and the
+/// 8 MiB window) = 72 MiB over its own), and a remote producer is served once they are gone.
+#[test]
+fn the_gateways_memory_stays_within_its_stated_bound_with_every_limit_pushed() {
+    use arrow_flight::encode::FlightDataEncoderBuilder;
+    use futures::TryStreamExt;
+    use tensorport_bridge::schema::TensorLayout;
+
+    let f = Fixture::with_gateway_args(&[
+        "--max-remotes".into(),
+        "4".into(),
+        "--max-tensor-mib".into(),
+        "4".into(),
+        "--peer-timeout".into(),
+        "30".into(),
+    ]);
+    let pid = f.gateway.as_ref().unwrap().id();
+    let token = tensorport_bridge::auth::Token::read(&f.token()).unwrap();
+    let addr = f.url.trim_start_matches("http://").to_string();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
+    let good = layout
+        .batch(&[0], arrow_buffer::Buffer::from_vec(expected(0)))
+        .unwrap();
+    let schema_msg = rt
+        .block_on(
+            FlightDataEncoderBuilder::new()
+                .with_schema(good.schema())
+                .build(futures::stream::iter([Ok(good)]))
+                .try_collect::<Vec<_>>(),
+        )
+        .unwrap()
+        .remove(0);
+    std::thread::sleep(Duration::from_millis(200));
+    let before = peak_kib(pid);
+    // The largest message taken: the tensor limit and 1 MiB.
+    let declared = (5u32 << 20) - 64;
+    let streams = rt.block_on(async {
+        let mut v = Vec::new();
+        for _ in 0..12 {
+            v.push(
+                half_sent(
+                    &addr,
+                    &token.bearer(),
+                    &schema_msg,
+                    declared,
+                    (5 << 20) - 4096,
+                )
+                .await,
+            );
+        }
+        // Time for the gateway to take in what it will.
+        tokio::time::sleep(Duration::from_secs(3)).await;
+        v
+    });
+    let peak = peak_kib(pid);
+    let bound = (4 * (2 * 5 + 8)) << 10;
+    println!(
+        "12 streams holding 5 MiB messages on 4 places: gateway peak {} -> {} MiB (stated bound {} MiB over its own)",
+        before >> 10,
+        peak >> 10,
+        bound >> 10
+    );
+    assert!(
+        peak <= before + bound,
+        "the gateway's peak grew by {} KiB, over the stated bound of {bound} KiB",
+        peak - before
+    );
+    drop(streams);
+    drop(rt);
+    run_ok(&mut f.producer("after-limits", 16, &[]));
+    assert_each_input_once(&f.lines("after-limits"), 16);
 }
