@@ -393,12 +393,19 @@ impl JpegDecoderArg {
     pub fn preprocessor(
         self,
         transform: tensorport_vision::Transform,
+        max_pixels: u64,
     ) -> CliResult<tensorport_vision::Preprocessor> {
         let mut p = tensorport_vision::Preprocessor::new(transform);
+        p.set_max_pixels(max_pixels);
         p.set_jpeg_decoder(self.decoder())
             .map_err(|e| CliError::usage(format!("--jpeg-decoder: {e}")))?;
         Ok(p)
     }
+}
+
+/// Pixels from `--max-megapixels`.
+pub fn pixels_of(megapixels: f64) -> u64 {
+    (megapixels.max(0.0) * 1e6) as u64
 }
 
 /// Index of the largest score.

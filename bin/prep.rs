@@ -32,6 +32,10 @@ pub struct Args {
     /// The CPU's JPEG decoder (the default: libjpeg-turbo where it was built in).
     #[arg(long, value_enum, default_value_t)]
     pub jpeg_decoder: crate::common::JpegDecoderArg,
+    /// Images over this many megapixels are refused (an error line naming the file) before
+    /// anything is allocated for them: a small file can declare an image of gigabytes.
+    #[arg(long, default_value_t = 64.0, value_name = "MP")]
+    pub max_megapixels: f64,
     /// Passes over the files for the timing (the best pass counts).
     #[arg(long, default_value_t = 3)]
     pub repeat: u32,
@@ -85,9 +89,10 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         );
         return dump(&a, dumped);
     }
-    let mut prep = a
-        .jpeg_decoder
-        .preprocessor(a.transform.for_size(a.image_size))?;
+    let mut prep = a.jpeg_decoder.preprocessor(
+        a.transform.for_size(a.image_size),
+        crate::common::pixels_of(a.max_megapixels),
+    )?;
     let n = prep.out_len();
     let mut out = vec![0f32; n];
     let mut dumped: Vec<(String, Vec<u8>)> = Vec::new();

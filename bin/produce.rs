@@ -54,6 +54,10 @@ pub struct Args {
     /// The CPU's JPEG decoder (the default: libjpeg-turbo where it was built in).
     #[arg(long, value_enum, default_value_t)]
     pub jpeg_decoder: crate::common::JpegDecoderArg,
+    /// Images over this many megapixels are refused (an error line naming the file) before
+    /// anything is allocated for them: a small file can declare an image of gigabytes.
+    #[arg(long, default_value_t = 64.0, value_name = "MP")]
+    pub max_megapixels: f64,
     /// What to hand over per image: normalised f32 planes, or u8 planes (4× fewer bytes; the
     /// server normalises them to the same floats).
     #[arg(long, value_enum, default_value_t)]
@@ -137,9 +141,10 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         )));
     }
     let spec = TensorSpec::new(a.pixels.dtype(), &[3, size as u64, size as u64]);
-    let mut prep = a
-        .jpeg_decoder
-        .preprocessor(a.transform.for_size(size as u32))?;
+    let mut prep = a.jpeg_decoder.preprocessor(
+        a.transform.for_size(size as u32),
+        crate::common::pixels_of(a.max_megapixels),
+    )?;
     let ready: Option<Vec<u8>> = if a.ready {
         // Bytes, as f32 or u8 (a Vec<f32>'s buffer keeps the f32 view aligned).
         let mut px = vec![0f32; 3 * size * size];

@@ -267,6 +267,7 @@ impl Farm {
         c.arg("--transform").arg(a.transform.name());
         c.arg("--jpeg-decoder")
             .arg(crate::common::arg_name(&a.jpeg_decoder));
+        c.arg("--max-megapixels").arg(a.max_megapixels.to_string());
         c.arg("--pixels").arg(crate::common::arg_name(&a.pixels));
         if a.profile {
             c.arg("--profile");

@@ -109,6 +109,10 @@ pub struct Args {
     /// The CPU's JPEG decoder (the default: libjpeg-turbo where it was built in).
     #[arg(long, value_enum, default_value_t)]
     pub jpeg_decoder: crate::common::JpegDecoderArg,
+    /// Images over this many megapixels are refused (an error line naming the file) before
+    /// anything is allocated for them: a small file can declare an image of gigabytes.
+    #[arg(long, default_value_t = 64.0, value_name = "MP")]
+    pub max_megapixels: f64,
     /// What producers hand over per image: normalised f32, or u8 planes (4× fewer bytes) that
     /// the server normalises to the same floats (on the GPU in the CUDA build).
     #[arg(long, value_enum, default_value_t)]

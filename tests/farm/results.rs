@@ -196,3 +196,62 @@ fn farm_on_jpeg_and_png_files_profiles_every_stage() {
         );
     }
 }
+
+/// A folder with a decompression bomb among real images (a 1 KB-class JPEG declaring
+/// 10000×10000): the farm gives every input one line, the bomb's an error naming the file and
+/// the limit, the others scores; `--max-megapixels` moves the limit (below the real images'
+/// size, they are refused too).
+#[test]
+fn a_decompression_bomb_gets_an_error_line_that_says_why() {
+    let dir = tmp();
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "6"]);
+    assert!(ok, "{err}");
+    let jpeg = std::fs::read_dir(&images)
+        .unwrap()
+        .flatten()
+        .map(|e| e.path())
+        .find(|p| p.extension().is_some_and(|x| x == "jpg"))
+        .expect("a sample JPEG");
+    let mut bomb = std::fs::read(&jpeg).unwrap();
+    let sof = bomb.windows(2).position(|b| b == [0xFF, 0xC0]).unwrap();
+    bomb[sof + 5..sof + 9].copy_from_slice(&[0x27, 0x10, 0x27, 0x10]);
+    std::fs::write(images.join("bomb.jpg"), &bomb).unwrap();
+    let farm = |out: &Path, extra: &[&str]| {
+        let o = Command::new(EXE)
+            .args(["farm", "--input", images.to_str().unwrap(), "--model", "none"])
+            .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
+            .args(extra)
+            .args(["--progress", "never", "--output"])
+            .arg(out)
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+        std::fs::read_to_string(out)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .collect::<Vec<_>>()
+    };
+    let lines = farm(&dir.path().join("a.jsonl"), &[]);
+    assert_eq!(lines.len(), 7);
+    for l in &lines {
+        let input = l["input"].as_str().unwrap();
+        if input.ends_with("bomb.jpg") {
+            let e = l["error"].as_str().expect("the bomb's line is an error");
+            assert!(
+                e.contains("bomb.jpg") && e.contains("10000x10000") && e.contains("megapixels"),
+                "{e}"
+            );
+        } else {
+            assert!(l.get("error").is_none(), "{l}");
+        }
+    }
+    // A limit below the samples' own size refuses every one of them, each with its line.
+    let lines = farm(&dir.path().join("b.jsonl"), &["--max-megapixels", "0.001"]);
+    assert_eq!(lines.len(), 7);
+    assert!(lines.iter().all(|l| l["error"]
+        .as_str()
+        .is_some_and(|e| e.contains("megapixels"))));
+}
