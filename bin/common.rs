@@ -394,12 +394,29 @@ impl JpegDecoderArg {
         self,
         transform: tensorport_vision::Transform,
         max_pixels: u64,
+        dct_scaling: bool,
     ) -> CliResult<tensorport_vision::Preprocessor> {
         let mut p = tensorport_vision::Preprocessor::new(transform);
         p.set_max_pixels(max_pixels);
+        p.set_dct_scaling(dct_scaling);
         p.set_jpeg_decoder(self.decoder())
             .map_err(|e| CliError::usage(format!("--jpeg-decoder: {e}")))?;
         Ok(p)
+    }
+}
+
+/// An option that is on or off.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Switch {
+    /// On.
+    On,
+    /// Off.
+    Off,
+}
+
+impl Switch {
+    pub fn on(self) -> bool {
+        self == Switch::On
     }
 }
 

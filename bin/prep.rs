@@ -36,6 +36,12 @@ pub struct Args {
     /// anything is allocated for them: a small file can declare an image of gigabytes.
     #[arg(long, default_value_t = 64.0, value_name = "MP")]
     pub max_megapixels: f64,
+    /// Decode large JPEGs at 1/2, 1/4 or 1/8 of their size with libjpeg-turbo's DCT scaling
+    /// whenever that still leaves a source pixel for each output pixel (as PIL's `draft`
+    /// does): far less work on big photos, within docs/operations.md's bound of torchvision's
+    /// full decode. `off` decodes every image whole.
+    #[arg(long, value_enum, default_value_t = crate::common::Switch::On)]
+    pub dct_scaling: crate::common::Switch,
     /// Passes over the files for the timing (the best pass counts).
     #[arg(long, default_value_t = 3)]
     pub repeat: u32,
@@ -92,6 +98,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     let mut prep = a.jpeg_decoder.preprocessor(
         a.transform.for_size(a.image_size),
         crate::common::pixels_of(a.max_megapixels),
+        a.dct_scaling.on(),
     )?;
     let n = prep.out_len();
     let mut out = vec![0f32; n];

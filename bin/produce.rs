@@ -58,6 +58,12 @@ pub struct Args {
     /// anything is allocated for them: a small file can declare an image of gigabytes.
     #[arg(long, default_value_t = 64.0, value_name = "MP")]
     pub max_megapixels: f64,
+    /// Decode large JPEGs at 1/2, 1/4 or 1/8 of their size with libjpeg-turbo's DCT scaling
+    /// whenever that still leaves a source pixel for each output pixel (as PIL's `draft`
+    /// does): far less work on big photos, within docs/operations.md's bound of torchvision's
+    /// full decode. `off` decodes every image whole.
+    #[arg(long, value_enum, default_value_t = crate::common::Switch::On)]
+    pub dct_scaling: crate::common::Switch,
     /// What to hand over per image: normalised f32 planes, or u8 planes (4× fewer bytes; the
     /// server normalises them to the same floats).
     #[arg(long, value_enum, default_value_t)]
@@ -144,6 +150,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     let mut prep = a.jpeg_decoder.preprocessor(
         a.transform.for_size(size as u32),
         crate::common::pixels_of(a.max_megapixels),
+        a.dct_scaling.on(),
     )?;
     let ready: Option<Vec<u8>> = if a.ready {
         // Bytes, as f32 or u8 (a Vec<f32>'s buffer keeps the f32 view aligned).

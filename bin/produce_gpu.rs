@@ -86,6 +86,7 @@ pub fn run(
     let transform = a.transform.for_size(size as u32);
     let mut prep = Preprocessor::new(transform);
     prep.set_max_pixels(crate::common::pixels_of(a.max_megapixels));
+    prep.set_dct_scaling(a.dct_scaling.on());
     let mut staging = PinnedBuffer::new(&gpu, image_bytes).map_err(cuda)?;
     let mut cpu_px = vec![0f32; 3 * size * size];
     let spec = TensorSpec::new(a.pixels.dtype(), &[3, size as u64, size as u64]);

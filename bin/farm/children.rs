@@ -268,6 +268,8 @@ impl Farm {
         c.arg("--jpeg-decoder")
             .arg(crate::common::arg_name(&a.jpeg_decoder));
         c.arg("--max-megapixels").arg(a.max_megapixels.to_string());
+        c.arg("--dct-scaling")
+            .arg(crate::common::arg_name(&a.dct_scaling));
         c.arg("--pixels").arg(crate::common::arg_name(&a.pixels));
         if a.profile {
             c.arg("--profile");

@@ -113,6 +113,12 @@ pub struct Args {
     /// anything is allocated for them: a small file can declare an image of gigabytes.
     #[arg(long, default_value_t = 64.0, value_name = "MP")]
     pub max_megapixels: f64,
+    /// Decode large JPEGs at 1/2, 1/4 or 1/8 of their size with libjpeg-turbo's DCT scaling
+    /// whenever that still leaves a source pixel for each output pixel (as PIL's `draft`
+    /// does): far less work on big photos, within docs/operations.md's bound of torchvision's
+    /// full decode. `off` decodes every image whole.
+    #[arg(long, value_enum, default_value_t = crate::common::Switch::On)]
+    pub dct_scaling: crate::common::Switch,
     /// What producers hand over per image: normalised f32, or u8 planes (4× fewer bytes) that
     /// the server normalises to the same floats (on the GPU in the CUDA build).
     #[arg(long, value_enum, default_value_t)]

@@ -219,7 +219,13 @@ fn a_decompression_bomb_gets_an_error_line_that_says_why() {
     std::fs::write(images.join("bomb.jpg"), &bomb).unwrap();
     let farm = |out: &Path, extra: &[&str]| {
         let o = Command::new(EXE)
-            .args(["farm", "--input", images.to_str().unwrap(), "--model", "none"])
+            .args([
+                "farm",
+                "--input",
+                images.to_str().unwrap(),
+                "--model",
+                "none",
+            ])
             .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
             .args(extra)
             .args(["--progress", "never", "--output"])

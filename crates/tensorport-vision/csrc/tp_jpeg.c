@@ -139,6 +139,31 @@ int tp_jpeg_header(tp_jpeg *t, const unsigned char *data, size_t len, uint32_t m
   return TP_OK;
 }
 
+/* After tp_jpeg_header: decode at 1/denom of the size (denom 1, 2, 4 or 8: libjpeg's DCT
+ * scaling, which leaves out the high frequencies instead of decoding them and resampling), and
+ * gives the scaled size, which tp_jpeg_window's coordinates are then in. */
+int tp_jpeg_scale(tp_jpeg *t, uint32_t denom, uint32_t *width, uint32_t *height) {
+  if (!t->header_read) {
+    snprintf(t->message, TP_MSG, "no header read");
+    return TP_STATE;
+  }
+  if (!(denom == 1 || denom == 2 || denom == 4 || denom == 8)) {
+    snprintf(t->message, TP_MSG, "scale 1/%u (1, 2, 4 or 8 are taken)", denom);
+    return TP_STATE;
+  }
+  if (setjmp(t->err.jump)) {
+    t->header_read = 0;
+    jpeg_abort_decompress(&t->dec);
+    return TP_ERROR;
+  }
+  t->dec.scale_num = 1;
+  t->dec.scale_denom = denom;
+  jpeg_calc_output_dimensions(&t->dec);
+  *width = t->dec.output_width;
+  *height = t->dec.output_height;
+  return TP_OK;
+}
+
 /* Decodes the window after tp_jpeg_header (see the top of the file) as interleaved RGB into
  * `out` (`cap` bytes), `*out_cols` pixels a row; `*out_left` is the first column decoded.
  * top + rows and left + cols must lie inside the image. */
@@ -149,15 +174,17 @@ int tp_jpeg_window(tp_jpeg *t, uint32_t left, uint32_t cols, uint32_t top, uint3
     return TP_STATE;
   }
   t->header_read = 0;
-  if (cols == 0 || rows == 0 || cols > t->dec.image_width || rows > t->dec.image_height ||
-      left > t->dec.image_width - cols || top > t->dec.image_height - rows) {
-    snprintf(t->message, TP_MSG, "window outside the image");
-    jpeg_abort_decompress(&t->dec);
-    return TP_STATE;
-  }
   if (setjmp(t->err.jump)) {
     jpeg_abort_decompress(&t->dec);
     return TP_ERROR;
+  }
+  /* The output size: the image's, or its scaled one (tp_jpeg_scale). */
+  jpeg_calc_output_dimensions(&t->dec);
+  JDIMENSION ow = t->dec.output_width, oh = t->dec.output_height;
+  if (cols == 0 || rows == 0 || cols > ow || rows > oh || left > ow - cols || top > oh - rows) {
+    snprintf(t->message, TP_MSG, "window outside the image");
+    jpeg_abort_decompress(&t->dec);
+    return TP_STATE;
   }
   jpeg_start_decompress(&t->dec);
   JDIMENSION x = left, w = cols;

@@ -231,8 +231,9 @@ pub(crate) fn decode_jpeg_window(
     transform: crate::transform::Transform,
     out: &mut RgbBuf,
     max_pixels: u64,
+    dct_scaling: bool,
 ) -> std::result::Result<(), crate::libjpeg::JpegError> {
-    let header = dec.header(bytes, MAX_SIDE as u32)?;
+    let mut header = dec.header(bytes, MAX_SIDE as u32)?;
     let (w, h) = (header.width, header.height);
     if u64::from(w) * u64::from(h) > max_pixels {
         return Err(crate::libjpeg::JpegError::TooLarge(too_many_pixels(
@@ -241,6 +242,14 @@ pub(crate) fn decode_jpeg_window(
             max_pixels,
         )));
     }
+    if dct_scaling {
+        let denom = dct_denominator(&transform, w, h);
+        if denom > 1 {
+            header.scale(denom)?;
+        }
+    }
+    // From here the image is the (maybe scaled) one the decoder gives.
+    let (w, h) = (header.width, header.height);
     let (left, right, top, bottom) = needed(&transform.window(w, h), w, h);
     let rows = bottom - top;
     // Room for whole rows: the decoder may widen the columns to its block boundaries.
@@ -249,6 +258,21 @@ pub(crate) fn decode_jpeg_window(
     (out.width, out.height, out.left, out.top) = (d.cols, rows, d.left, top);
     (out.full_width, out.full_height) = (w, h);
     Ok(())
+}
+
+/// The largest of 8, 4 and 2 by which a `w`×`h` image can be scaled down while decoding and
+/// still give `transform` at least one source pixel for each output pixel, across and down (as
+/// PIL's `draft` chooses); 1 if none can.
+pub(crate) fn dct_denominator(transform: &crate::transform::Transform, w: u32, h: u32) -> u32 {
+    for d in [8u32, 4, 2] {
+        let (sw, sh) = (w.div_ceil(d), h.div_ceil(d));
+        let win = transform.window(sw, sh);
+        let out = f64::from(win.out);
+        if win.width >= out && win.height >= out {
+            return d;
+        }
+    }
+    1
 }
 
 /// Entropy-decodes a JPEG file with libjpeg-turbo down to the last row `transform` needs, but

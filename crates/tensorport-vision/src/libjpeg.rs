@@ -47,6 +47,12 @@ mod sys {
             out_cols: *mut u32,
         ) -> c_int;
         pub fn tp_jpeg_abort(t: *mut TpJpeg);
+        pub fn tp_jpeg_scale(
+            t: *mut TpJpeg,
+            denom: u32,
+            width: *mut u32,
+            height: *mut u32,
+        ) -> c_int;
     }
 }
 
@@ -157,6 +163,20 @@ pub(crate) struct Decoded {
 }
 
 impl Header<'_> {
+    /// Decodes at 1/`denom` of the size (1, 2, 4 or 8: libjpeg's DCT scaling): the header's
+    /// size becomes the scaled one, which [`Header::window`]'s coordinates are then in.
+    pub(crate) fn scale(&mut self, denom: u32) -> Result<(), JpegError> {
+        let (mut w, mut h) = (0u32, 0u32);
+        // SAFETY: the decoder holds a header read from bytes still borrowed; the out-pointers
+        // are to locals.
+        let rc = unsafe { sys::tp_jpeg_scale(self.dec.raw.as_ptr(), denom, &mut w, &mut h) };
+        if rc != 0 {
+            return Err(self.dec.error(rc));
+        }
+        (self.width, self.height) = (w, h);
+        Ok(())
+    }
+
     /// Decodes rows `top..top + rows` and at least columns `left..left + cols` as interleaved RGB
     /// into `out`, which must hold `3 * width * rows` bytes (the widest the column range can
     /// grow to).
