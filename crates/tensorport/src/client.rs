@@ -42,8 +42,37 @@ pub(crate) fn next_msg(
     }
 }
 
-/// Connects to `socket`, sends `Hello`, and waits (at most `timeout`) for `Welcome`.
+/// Connects to `socket`, sends `Hello`, and waits (at most `timeout`) for `Welcome`. A server
+/// that closed the handshake before the Hello arrived (under a flood of connections it makes
+/// room by closing the oldest silent ones) is tried again until `timeout`.
 pub(crate) fn connect(
+    socket: &Path,
+    role: Role,
+    name: &str,
+    want_slots: u32,
+    want_slot_size: u64,
+    max_version: u16,
+    timeout: Duration,
+) -> Result<Connected> {
+    let deadline = Instant::now() + timeout;
+    let mut pause = Duration::from_millis(1);
+    loop {
+        let left = deadline.saturating_duration_since(Instant::now());
+        match connect_once(socket, role, name, want_slots, want_slot_size, max_version, left) {
+            Err(Error::Refused {
+                code: ErrorCode::HandshakeTimeout,
+                ..
+            }) if Instant::now() + pause < deadline => {
+                std::thread::sleep(pause);
+                pause = (pause * 2).min(Duration::from_millis(50));
+            }
+            r => return r,
+        }
+    }
+}
+
+/// One try of [`connect`].
+fn connect_once(
     socket: &Path,
     role: Role,
     name: &str,

@@ -46,14 +46,22 @@ pub(crate) fn accept_loop(shared: Arc<Shared>, listener: UnixListener) {
             .saturating_add(2 * Handshakes::PLACES as u32);
         // Handshake places first, then connection places: a silent or departed handshake makes
         // room before a newcomer is refused.
-        let make_room = |sh: &Shared| {
-            let made = sh.handshakes.evict_one(&sh.connections);
-            if made {
+        let make_room = |sh: &Shared| match sh.handshakes.evict_one(&sh.connections) {
+            Some(old) => {
                 sh.counters
                     .connections_refused
                     .fetch_add(1, Ordering::Relaxed);
+                // A client whose Hello was merely late is told to try again (it does); its
+                // thread reads the end and leaves.
+                refuse(
+                    &old,
+                    ErrorCode::HandshakeTimeout,
+                    "closed before its Hello arrived, to make room for newer connections; try again"
+                        .into(),
+                );
+                true
             }
-            made
+            None => false,
         };
         if shared.handshakes.full() {
             make_room(&shared);

@@ -172,20 +172,15 @@ impl Handshakes {
         ticket
     }
 
-    /// Closes the oldest handshake that has sent nothing or whose peer has gone, and takes it
+    /// Takes out the oldest handshake that has sent nothing or whose peer has gone, and takes it
     /// off `connections` at once (its thread will find its ticket gone and not count it off
-    /// again); returns whether there was one.
-    pub(crate) fn evict_one(&self, connections: &AtomicU32) -> bool {
+    /// again); returns its socket, for the caller to tell it why and close it.
+    pub(crate) fn evict_one(&self, connections: &AtomicU32) -> Option<UnixStream> {
         let mut open = lock(&self.open);
-        let Some(i) = open.iter().position(|(_, s)| sent_nothing_or_gone(s)) else {
-            return false;
-        };
-        if let Some((_, s)) = open.remove(i) {
-            // Its thread reads EOF and ends; the client reads EOF too.
-            let _ = s.shutdown(std::net::Shutdown::Both);
-            connections.fetch_sub(1, Ordering::SeqCst);
-        }
-        true
+        let i = open.iter().position(|(_, s)| sent_nothing_or_gone(s))?;
+        let (_, s) = open.remove(i)?;
+        connections.fetch_sub(1, Ordering::SeqCst);
+        Some(s)
     }
 
     /// The handshake with `ticket` is over, whichever way; false if it had been closed to make
