@@ -60,9 +60,9 @@ pub struct Args {
     pub max_megapixels: f64,
     /// Decode large JPEGs at 1/2, 1/4 or 1/8 of their size with libjpeg-turbo's DCT scaling
     /// whenever that still leaves a source pixel for each output pixel (as PIL's `draft`
-    /// does): far less work on big photos, within docs/operations.md's bound of torchvision's
-    /// full decode. `off` decodes every image whole.
-    #[arg(long, value_enum, default_value_t = crate::common::Switch::On)]
+    /// does): less work on big photos, but the tensors differ from torchvision's full decode
+    /// by more than the default's bound (docs/operations.md), so it is off unless asked for.
+    #[arg(long, value_enum, default_value_t = crate::common::Switch::Off)]
     pub dct_scaling: crate::common::Switch,
     /// What to hand over per image: normalised f32 planes, or u8 planes (4× fewer bytes; the
     /// server normalises them to the same floats).

@@ -1194,12 +1194,14 @@ async fn half_sent(
     frame.extend(body);
     frame.push(0);
     frame.extend(declared.to_be_bytes());
-    send.send_data(frame.into(), false).unwrap();
+    // A stream the gateway refuses (no place) is reset: what is left is not sent.
+    let mut ok = send.send_data(frame.into(), false).is_ok();
     let mut left = sent;
-    while left > 0 {
+    while ok && left > 0 {
         let n = left.min(1 << 20);
-        send.send_data(bytes::Bytes::from(vec![7u8; n]), false)
-            .unwrap();
+        ok = send
+            .send_data(bytes::Bytes::from(vec![7u8; n]), false)
+            .is_ok();
         left -= n;
     }
     (resp, send)

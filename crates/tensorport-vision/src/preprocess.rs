@@ -280,7 +280,8 @@ impl Preprocessor {
         let (fw, fh) = (self.decoded.full_width, self.decoded.full_height);
         let (w, h) = (self.decoded.width, self.decoded.height);
         let (x0, y0) = (f64::from(self.decoded.left), f64::from(self.decoded.top));
-        let win = self.transform.window(fw, fh);
+        let (sw, sh) = self.decoded.source;
+        let win = self.transform.window(sw, sh).scaled(self.decoded.scale);
         let s = win.out;
         let plane = s as usize * s as usize;
         let whole = win.left == 0.0

@@ -35,6 +35,20 @@ pub struct Window {
     pub out: u32,
 }
 
+impl Window {
+    /// The same window on an image decoded at 1/`d` of the size.
+    pub fn scaled(self, d: u32) -> Window {
+        let f = f64::from(d.max(1));
+        Window {
+            left: self.left / f,
+            top: self.top / f,
+            width: self.width / f,
+            height: self.height / f,
+            out: self.out,
+        }
+    }
+}
+
 impl Transform {
     /// The standard transform for a model input of `size`: resize to `size / 0.875` (256 for
     /// 224, ImageNet's usual ratio), then crop `size`.

@@ -58,7 +58,15 @@ pub(crate) fn connect(
     let mut pause = Duration::from_millis(1);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        match connect_once(socket, role, name, want_slots, want_slot_size, max_version, left) {
+        match connect_once(
+            socket,
+            role,
+            name,
+            want_slots,
+            want_slot_size,
+            max_version,
+            left,
+        ) {
             Err(Error::Refused {
                 code: ErrorCode::HandshakeTimeout,
                 ..
