@@ -478,17 +478,26 @@ class Server:
         self._native.drain()
 
 
-def _find_binary(binary=None) -> str:
+def find_binary(binary=None) -> str:
+    """The `tensorport` executable the package starts (the `Loader`'s producers, the tests'
+    servers): `binary` if given, else `$TENSORPORT_BIN`, else one shipped beside the package
+    (`tensorport/bin/tensorport`), else `tensorport` on `PATH`. Raises `TensorportError`
+    saying where it looked."""
     import os
     import shutil
 
-    for candidate in (binary, os.environ.get("TENSORPORT_BIN"), shutil.which("tensorport")):
+    beside = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "tensorport")
+    for candidate in (binary, os.environ.get("TENSORPORT_BIN"), beside, shutil.which("tensorport")):
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     raise TensorportError(
-        "cannot find the tensorport binary: pass binary=..., set TENSORPORT_BIN, or put "
-        "`tensorport` on PATH (cargo build --release puts it in target/release/)"
+        "cannot find the tensorport binary: pass binary=..., set TENSORPORT_BIN, put it in "
+        f"{os.path.dirname(beside)}, or put `tensorport` on PATH (cargo build --release puts "
+        "it in target/release/)"
     )
+
+
+_find_binary = find_binary
 
 
 class Loader:

@@ -1,4 +1,4 @@
-"""The Python package against real processes: the `tensorport` binary (TENSORPORT_BIN) as the
+"""The Python package against real processes: the `tensorport` binary (`tensorport.find_binary()`) as the
 server or the producers, and Python processes killed with SIGKILL."""
 
 import json
@@ -16,7 +16,8 @@ import pytest
 import tensorport
 from tensorport import Producer, Server, TensorportError
 
-BIN = os.environ["TENSORPORT_BIN"]
+# Found the way users' code finds it (TENSORPORT_BIN only overrides).
+BIN = tensorport.find_binary()
 PATIENCE = 60.0
 
 
