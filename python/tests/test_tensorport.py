@@ -438,6 +438,9 @@ import sys, threading, time
 import numpy as np
 import tensorport
 p = tensorport.Producer({str(sock)!r}, name="gil")
+# One round trip while the server runs: the producer then holds its slots.
+p.send(np.zeros(16, dtype=np.float32))
+p.recv(timeout=30)
 print("connected", flush=True)
 sys.stdin.readline()  # the server is stopped now
 p.send(np.zeros(16, dtype=np.float32))
