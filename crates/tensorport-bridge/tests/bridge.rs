@@ -509,6 +509,26 @@ fn plaintext_on_an_address_other_hosts_reach_is_refused() {
         err.contains("--tls-cert") && err.contains("--allow-plaintext"),
         "{err}"
     );
+    // The producer's side: its token is never sent in clear to another host, and TLS flags
+    // with an http:// gateway are refused rather than ignored — before anything is sent (the
+    // names below are never resolved).
+    let refuse = |args: &[&str]| {
+        let out = Command::new(BIN)
+            .args(["produce", "--synthetic", "1", "--token-file"])
+            .arg(&token)
+            .args(args)
+            .output()
+            .unwrap();
+        assert_eq!(out.status.code(), Some(2), "{args:?}");
+        String::from_utf8_lossy(&out.stderr).into_owned()
+    };
+    let err = refuse(&["--gateway", "http://gateway.invalid:7450"]);
+    assert!(
+        err.contains("in clear") && err.contains("https://"),
+        "{err}"
+    );
+    let err = refuse(&["--gateway", "http://127.0.0.1:7450", "--tls-ca", "ca.pem"]);
+    assert!(err.contains("TLS settings"), "{err}");
 }
 
 /// A CA, a gateway certificate for `localhost` and a producer certificate signed by it, and a
