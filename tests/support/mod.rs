@@ -381,20 +381,8 @@ impl Raw {
 
     /// Sends `msg` as one frame with `n` descriptors (of /dev/null) attached to it.
     pub fn send_with_fds(&mut self, msg: &tensorport::wire::ClientMsg, n: usize) {
-        use std::os::fd::AsRawFd;
         let frame = tensorport::wire::encode_frame(msg).unwrap();
-        let files: Vec<std::fs::File> = (0..n)
-            .map(|_| std::fs::File::open("/dev/null").unwrap())
-            .collect();
-        let fds: Vec<i32> = files.iter().map(|f| f.as_raw_fd()).collect();
-        nix::sys::socket::sendmsg::<()>(
-            self.s.as_raw_fd(),
-            &[std::io::IoSlice::new(&frame)],
-            &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
-            nix::sys::socket::MsgFlags::empty(),
-            None,
-        )
-        .unwrap();
+        assert!(self.send_bytes_with_fds(&frame, n), "sendmsg failed");
     }
 }
 

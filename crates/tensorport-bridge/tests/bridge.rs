@@ -1086,10 +1086,6 @@ fn rss_kib(pid: u32) -> u64 {
 /// given back together, and a remote producer is served.
 #[test]
 fn a_stream_left_half_sent_gives_back_its_place_and_its_memory() {
-    use arrow_flight::encode::FlightDataEncoderBuilder;
-    use futures::TryStreamExt;
-    use tensorport_bridge::schema::TensorLayout;
-
     let f = Fixture::with_gateway_args(&[
         "--max-remotes".into(),
         "1".into(),
@@ -1104,19 +1100,7 @@ fn a_stream_left_half_sent_gives_back_its_place_and_its_memory() {
         .enable_all()
         .build()
         .unwrap();
-    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
-    let good = layout
-        .batch(&[0], arrow_buffer::Buffer::from_vec(expected(0)))
-        .unwrap();
-    let schema_msg = rt
-        .block_on(
-            FlightDataEncoderBuilder::new()
-                .with_schema(good.schema())
-                .build(futures::stream::iter([Ok(good)]))
-                .try_collect::<Vec<_>>(),
-        )
-        .unwrap()
-        .remove(0);
+    let schema_msg = tensor_schema_message(&rt);
     std::thread::sleep(Duration::from_millis(200));
     let before = rss_kib(pid);
     let (held, ended) = rt.block_on(async {
@@ -1234,10 +1218,6 @@ async fn half_sent(
 /// 8 MiB window) = 72 MiB over its own), and a remote producer is served once they are gone.
 #[test]
 fn the_gateways_memory_stays_within_its_stated_bound_with_every_limit_pushed() {
-    use arrow_flight::encode::FlightDataEncoderBuilder;
-    use futures::TryStreamExt;
-    use tensorport_bridge::schema::TensorLayout;
-
     let f = Fixture::with_gateway_args(&[
         "--max-remotes".into(),
         "4".into(),
@@ -1254,19 +1234,7 @@ fn the_gateways_memory_stays_within_its_stated_bound_with_every_limit_pushed() {
         .enable_all()
         .build()
         .unwrap();
-    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
-    let good = layout
-        .batch(&[0], arrow_buffer::Buffer::from_vec(expected(0)))
-        .unwrap();
-    let schema_msg = rt
-        .block_on(
-            FlightDataEncoderBuilder::new()
-                .with_schema(good.schema())
-                .build(futures::stream::iter([Ok(good)]))
-                .try_collect::<Vec<_>>(),
-        )
-        .unwrap()
-        .remove(0);
+    let schema_msg = tensor_schema_message(&rt);
     std::thread::sleep(Duration::from_millis(200));
     let before = peak_kib(pid);
     // The largest message taken: the tensor limit and 1 MiB.
@@ -1306,4 +1274,23 @@ fn the_gateways_memory_stays_within_its_stated_bound_with_every_limit_pushed() {
     drop(rt);
     run_ok(&mut f.producer("after-limits", 16, &[]));
     assert_each_input_once(&f.lines("after-limits"), 16);
+}
+
+/// The schema message of a stream of this test's tensors, as a Flight client sends it first.
+fn tensor_schema_message(rt: &tokio::runtime::Runtime) -> arrow_flight::FlightData {
+    use arrow_flight::encode::FlightDataEncoderBuilder;
+    use futures::TryStreamExt;
+    use tensorport_bridge::schema::TensorLayout;
+    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
+    let good = layout
+        .batch(&[0], arrow_buffer::Buffer::from_vec(expected(0)))
+        .unwrap();
+    rt.block_on(
+        FlightDataEncoderBuilder::new()
+            .with_schema(good.schema())
+            .build(futures::stream::iter([Ok(good)]))
+            .try_collect::<Vec<_>>(),
+    )
+    .unwrap()
+    .remove(0)
 }
