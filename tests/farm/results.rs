@@ -261,3 +261,78 @@ fn a_decompression_bomb_gets_an_error_line_that_says_why() {
         .as_str()
         .is_some_and(|e| e.contains("megapixels"))));
 }
+
+/// Files that are not plain JPEGs among real images — a truncated JPEG, a JPEG header followed
+/// by junk, an empty file, text named `.jpg`, a PNG named `.jpg`, a JPEG named `.png` — each get
+/// exactly one line: scores where a decoder can make an image of it (a truncated scan is filled
+/// in, as libjpeg does), otherwise an error that names the file and says why.
+#[test]
+fn odd_files_get_one_line_each_and_errors_name_the_file() {
+    let dir = tmp();
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "4"]);
+    assert!(ok, "{err}");
+    let file = |ext: &str| {
+        std::fs::read_dir(&images)
+            .unwrap()
+            .flatten()
+            .map(|e| e.path())
+            .find(|p| p.extension().is_some_and(|x| x == ext))
+            .unwrap()
+    };
+    let jpeg = std::fs::read(file("jpg")).unwrap();
+    let png = std::fs::read(file("png")).unwrap();
+    std::fs::write(images.join("truncated.jpg"), &jpeg[..jpeg.len() / 2]).unwrap();
+    let mut junk = jpeg[..20].to_vec();
+    junk.extend((0..4000u32).map(|i| (i.wrapping_mul(2654435761) >> 13) as u8));
+    std::fs::write(images.join("junk.jpg"), &junk).unwrap();
+    std::fs::write(images.join("empty.jpg"), b"").unwrap();
+    std::fs::write(images.join("text.jpg"), b"not an image at all\n").unwrap();
+    std::fs::write(images.join("png-named.jpg"), &png).unwrap();
+    std::fs::write(images.join("jpeg-named.png"), &jpeg).unwrap();
+    let out = dir.path().join("odd.jsonl");
+    let o = Command::new(EXE)
+        .args([
+            "farm",
+            "--input",
+            images.to_str().unwrap(),
+            "--model",
+            "none",
+        ])
+        .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
+        .args(["--progress", "never", "--output"])
+        .arg(&out)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 10, "one line per input");
+    let mut seen = std::collections::HashSet::new();
+    for l in &lines {
+        let input = l["input"].as_str().unwrap().to_string();
+        assert!(seen.insert(input.clone()), "{input} twice");
+        let name = std::path::Path::new(&input)
+            .file_name()
+            .unwrap()
+            .to_string_lossy()
+            .into_owned();
+        let must_fail = matches!(name.as_str(), "junk.jpg" | "empty.jpg" | "text.jpg");
+        let decodable = matches!(name.as_str(), "png-named.jpg" | "jpeg-named.png")
+            || name.starts_with("sample-");
+        match l.get("error").and_then(|e| e.as_str()) {
+            Some(e) => {
+                assert!(!decodable, "{name} failed: {e}");
+                assert!(e.contains(&name), "the error must name the file: {e}");
+                if name == "empty.jpg" {
+                    assert!(e.contains("empty"), "{e}");
+                }
+            }
+            None => assert!(!must_fail, "{name} was given scores"),
+        }
+    }
+}

@@ -138,8 +138,11 @@ pub fn decode_into_within(
 ) -> Result<()> {
     let err = |problem: String| Error::Image {
         path: name.display().to_string(),
-        problem,
+        problem: problem.trim_end().to_string(),
     };
+    if bytes.is_empty() {
+        return Err(err("the file is empty".into()));
+    }
     if is_jpeg(bytes) {
         match decode_jpeg(bytes, out, max_pixels) {
             Ok(()) => return Ok(()),
