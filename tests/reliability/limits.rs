@@ -250,7 +250,8 @@ pub(crate) fn idle_memory_eviction() {
     let mut cfg = ServerConfig::new(&sock);
     cfg.memory_budget = 64 << 20;
     cfg.max_session_bytes = 24 << 20;
-    cfg.idle_eviction = Duration::from_millis(300);
+    // Long enough that the fourth Hello below comes before it, however loaded the machine.
+    cfg.idle_eviction = Duration::from_secs(2);
     let (server, _ok, _torn, stop) = checking_server(cfg);
     // Three pools of 20 MiB: the budget is spent.
     let mut idle: Vec<Raw> = (0..3)
@@ -267,7 +268,7 @@ pub(crate) fn idle_memory_eviction() {
     let mut r = Raw::connect(&sock);
     r.send(&hello_asking(5, 4 << 20));
     assert_eq!(r.next_error(), ErrorCode::MemoryBudget);
-    std::thread::sleep(Duration::from_millis(400));
+    std::thread::sleep(Duration::from_millis(2100));
     // Now one of them gives its pool up for the newcomer.
     let mut r = Raw::connect(&sock);
     r.send(&hello_asking(5, 4 << 20));
