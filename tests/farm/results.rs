@@ -217,29 +217,7 @@ fn a_decompression_bomb_gets_an_error_line_that_says_why() {
     let sof = bomb.windows(2).position(|b| b == [0xFF, 0xC0]).unwrap();
     bomb[sof + 5..sof + 9].copy_from_slice(&[0x27, 0x10, 0x27, 0x10]);
     std::fs::write(images.join("bomb.jpg"), &bomb).unwrap();
-    let farm = |out: &Path, extra: &[&str]| {
-        let o = Command::new(EXE)
-            .args([
-                "farm",
-                "--input",
-                images.to_str().unwrap(),
-                "--model",
-                "none",
-            ])
-            .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
-            .args(extra)
-            .args(["--progress", "never", "--output"])
-            .arg(out)
-            .stdin(Stdio::null())
-            .output()
-            .unwrap();
-        assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-        std::fs::read_to_string(out)
-            .unwrap()
-            .lines()
-            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
-            .collect::<Vec<_>>()
-    };
+    let farm = |out: &Path, extra: &[&str]| farm_lines(&images, out, extra);
     let lines = farm(&dir.path().join("a.jsonl"), &[]);
     assert_eq!(lines.len(), 7);
     for l in &lines {
@@ -290,27 +268,7 @@ fn odd_files_get_one_line_each_and_errors_name_the_file() {
     std::fs::write(images.join("text.jpg"), b"not an image at all\n").unwrap();
     std::fs::write(images.join("png-named.jpg"), &png).unwrap();
     std::fs::write(images.join("jpeg-named.png"), &jpeg).unwrap();
-    let out = dir.path().join("odd.jsonl");
-    let o = Command::new(EXE)
-        .args([
-            "farm",
-            "--input",
-            images.to_str().unwrap(),
-            "--model",
-            "none",
-        ])
-        .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
-        .args(["--progress", "never", "--output"])
-        .arg(&out)
-        .stdin(Stdio::null())
-        .output()
-        .unwrap();
-    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
-    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out)
-        .unwrap()
-        .lines()
-        .map(|l| serde_json::from_str(l).unwrap())
-        .collect();
+    let lines = farm_lines(&images, &dir.path().join("odd.jsonl"), &[]);
     assert_eq!(lines.len(), 10, "one line per input");
     let mut seen = std::collections::HashSet::new();
     for l in &lines {
@@ -335,4 +293,30 @@ fn odd_files_get_one_line_each_and_errors_name_the_file() {
             None => assert!(!must_fail, "{name} was given scores"),
         }
     }
+}
+
+/// The result lines of a farm (`--model none`, two producers, `extra` options) over the files
+/// in `images`, written to `out`; the farm must succeed.
+fn farm_lines(images: &Path, out: &Path, extra: &[&str]) -> Vec<serde_json::Value> {
+    let o = Command::new(EXE)
+        .args([
+            "farm",
+            "--input",
+            images.to_str().unwrap(),
+            "--model",
+            "none",
+        ])
+        .args(["--image-size", &SIZE.to_string(), "--producers", "2"])
+        .args(extra)
+        .args(["--progress", "never", "--output"])
+        .arg(out)
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    std::fs::read_to_string(out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect()
 }

@@ -158,7 +158,7 @@ pub(crate) fn device_on_cpu() {
 /// backwards.
 pub(crate) fn hostile_ring() {
     use tensorport_shm::ring::{
-        CqHeader, CqReader, SqEntry, SqWriter, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT,
+        CqHeader, CqReader, SqWriter, CQ_GRANT, CQ_INLINE_BYTES, CQ_RESULT,
     };
     let (_dir, sock) = socket_dir();
     let (server, _ok, _torn, stop) = checking_server(ServerConfig::new(&sock));
@@ -174,19 +174,7 @@ pub(crate) fn hostile_ring() {
     };
     let bell = || nix::unistd::write(&to_server, &1u64.to_ne_bytes()).unwrap();
     let (mut sq, mut cq) = (SqWriter::default(), CqReader::default());
-    let entry = |id: u64, slot: SlotRef| {
-        let mut e = SqEntry {
-            request_id: id,
-            slot: slot.slot,
-            generation: slot.generation,
-            dtype: DType::U8 as u8,
-            rank: 1,
-            len: 64,
-            ..SqEntry::default()
-        };
-        e.shape[0] = 64;
-        e
-    };
+    let entry = u8_entry;
     // A valid one: its result and the slot's grant come back in one completion.
     assert!(sq.push(&ring, &entry(1, grants[0])).unwrap());
     bell();
@@ -494,7 +482,7 @@ pub(crate) fn fds_in_unfinished_frames() {
 /// its turn (another producer is served meanwhile), only a few refusals are logged, and after
 /// `max_refusals` the session ends with `TooManyRefusals`.
 pub(crate) fn refusal_flood() {
-    use tensorport_shm::ring::{SqEntry, SqWriter};
+    use tensorport_shm::ring::SqWriter;
     let (_dir, sock) = socket_dir();
     let mut cfg = ServerConfig::new(&sock);
     cfg.max_refusals = 300;
@@ -547,16 +535,13 @@ pub(crate) fn refusal_flood() {
             "the flooding session was not ended after {id} invalid entries"
         );
         loop {
-            let mut e = SqEntry {
-                request_id: id,
-                slot: 99,
-                generation: 0,
-                dtype: DType::U8 as u8,
-                rank: 1,
-                len: 64,
-                ..SqEntry::default()
-            };
-            e.shape[0] = 64;
+            let e = u8_entry(
+                id,
+                SlotRef {
+                    slot: 99,
+                    generation: 0,
+                },
+            );
             match sq.push(&ring, &e) {
                 Ok(true) => id += 1,
                 _ => break,

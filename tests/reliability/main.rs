@@ -181,3 +181,18 @@ fn welcome_with_fds(r: &Raw) -> (tensorport::wire::Welcome, Vec<std::os::fd::Own
         other => panic!("expected Welcome, got {other:?}"),
     }
 }
+
+/// A submission-queue entry for a 64-byte u8 tensor in `slot`, as request `request_id`.
+fn u8_entry(request_id: u64, slot: SlotRef) -> tensorport_shm::ring::SqEntry {
+    let mut e = tensorport_shm::ring::SqEntry {
+        request_id,
+        slot: slot.slot,
+        generation: slot.generation,
+        dtype: DType::U8 as u8,
+        rank: 1,
+        len: 64,
+        ..Default::default()
+    };
+    e.shape[0] = 64;
+    e
+}

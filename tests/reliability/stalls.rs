@@ -68,7 +68,7 @@ pub(crate) fn stalled_reader() {
 /// would wait up to the write timeout (60 s here) on each, and every other producer with it.
 /// Another producer's results must keep flowing: its worst gap stays far below that timeout.
 pub(crate) fn head_of_line() {
-    use tensorport_shm::ring::{SqEntry, SqWriter};
+    use tensorport_shm::ring::SqWriter;
     let (_dir, sock) = socket_dir();
     let mut cfg = ServerConfig::new(&sock);
     let write_timeout = Duration::from_secs(60);
@@ -142,14 +142,13 @@ pub(crate) fn head_of_line() {
     let flood_thread = std::thread::spawn(move || {
         let _socket = flood;
         let mut sq = SqWriter::default();
-        let mut e = SqEntry {
-            slot: 999,
-            dtype: DType::U8 as u8,
-            rank: 1,
-            len: 64,
-            ..SqEntry::default()
-        };
-        e.shape[0] = 64;
+        let mut e = u8_entry(
+            0,
+            SlotRef {
+                slot: 999,
+                generation: 0,
+            },
+        );
         while !hs.load(Ordering::SeqCst) {
             e.request_id += 1;
             match sq.push(&ring, &e) {

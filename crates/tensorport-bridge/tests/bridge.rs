@@ -893,15 +893,20 @@ fn a_remote_producer_that_stops_reading_is_dropped_and_harms_no_one() {
     handler.join().unwrap();
 }
 
-/// The gateway's peak memory (VmHWM) in KiB.
-fn peak_kib(pid: u32) -> u64 {
+/// A memory figure of process `pid` in KiB: `VmHWM` (its peak) or `VmRSS` (resident now).
+fn status_kib(pid: u32, field: &str) -> u64 {
     std::fs::read_to_string(format!("/proc/{pid}/status"))
         .unwrap_or_default()
         .lines()
-        .find(|l| l.starts_with("VmHWM:"))
+        .find(|l| l.strip_prefix(field).is_some_and(|r| r.starts_with(':')))
         .and_then(|l| l.split_whitespace().nth(1))
         .and_then(|v| v.parse().ok())
         .unwrap_or(0)
+}
+
+/// The gateway's peak memory in KiB.
+fn peak_kib(pid: u32) -> u64 {
+    status_kib(pid, "VmHWM")
 }
 
 /// Arrow dictionaries, which a general Arrow reader absorbs and keeps for the stream's life:
@@ -1071,13 +1076,7 @@ fn silent_connections_are_capped_and_closed_at_their_deadline() {
 
 /// The gateway's resident memory in KiB.
 fn rss_kib(pid: u32) -> u64 {
-    std::fs::read_to_string(format!("/proc/{pid}/status"))
-        .unwrap_or_default()
-        .lines()
-        .find(|l| l.starts_with("VmRSS:"))
-        .and_then(|l| l.split_whitespace().nth(1))
-        .and_then(|v| v.parse().ok())
-        .unwrap_or(0)
+    status_kib(pid, "VmRSS")
 }
 
 /// A stream (raw HTTP/2, as tonic's client cannot leave a message half sent) that sends its

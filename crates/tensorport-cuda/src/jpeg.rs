@@ -283,28 +283,27 @@ impl GpuJpeg {
     /// in a batch on this backend, e.g. baseline for the hardware engines), `None` otherwise
     /// (prepare it on the CPU instead).
     pub fn probe(&mut self, data: &[u8]) -> Option<(u32, u32)> {
+        let size = self.header_size(data)?;
         // SAFETY: `handle` and `parsed` are live and used only through `&mut self`.
-        unsafe {
-            let (components, w, h) = self.lib.image_info(self.handle, data).ok()?;
-            if !(components == 1 || components == 3) || w == 0 || h == 0 {
-                return None;
-            }
-            // A header may claim any size: beyond the CPU decoder's limit, the CPU path (which
-            // refuses it, saying so) is the one to answer.
-            if w > Self::MAX_SIDE || h > Self::MAX_SIDE {
-                return None;
-            }
-            // Nor more pixels than the CPU decoders take (a small file can declare gigabytes).
-            if u64::from(w) * u64::from(h) > Self::MAX_PIXELS {
-                return None;
-            }
-            if matches!(self.backend, JpegBackend::Hardware { .. })
-                && !self.lib.batched_supported(self.handle, self.parsed, data)
-            {
-                return None;
-            }
-            Some((w, h))
-        }
+        let taken = !matches!(self.backend, JpegBackend::Hardware { .. })
+            || unsafe { self.lib.batched_supported(self.handle, self.parsed, data) };
+        taken.then_some(size)
+    }
+
+    /// The size the header of `data` declares, if it is one the decoder may be given: one or
+    /// three components, within the side and pixel limits (beyond them the CPU path, which
+    /// refuses such a file saying so, is the one to answer: a small file can declare
+    /// gigabytes). What `run` checks each job against: cheaper than [`GpuJpeg::probe`].
+    fn header_size(&mut self, data: &[u8]) -> Option<(u32, u32)> {
+        // SAFETY: `handle` is live and used only through `&mut self`.
+        let (components, w, h) = unsafe { self.lib.image_info(self.handle, data) }.ok()?;
+        let fits = (components == 1 || components == 3)
+            && w > 0
+            && h > 0
+            && w <= Self::MAX_SIDE
+            && h <= Self::MAX_SIDE
+            && u64::from(w) * u64::from(h) <= Self::MAX_PIXELS;
+        fits.then_some((w, h))
     }
 
     /// Decodes `jobs` as one batch and writes each one's normalised `[3, out, out]` tensor into
@@ -335,7 +334,7 @@ impl GpuJpeg {
         let mut offsets = Vec::with_capacity(jobs.len());
         let mut total = 0usize;
         for j in jobs {
-            if self.probe(j.data) != Some(j.size) {
+            if self.header_size(j.data) != Some(j.size) {
                 return Err(Error::BadAnswer(
                     "a job's size is not its JPEG's (or the JPEG is not one this decodes)",
                 ));

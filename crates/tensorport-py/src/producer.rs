@@ -48,8 +48,8 @@ impl Failure {
 impl Producer {
     /// Runs `f` on the producer under its lock, with the GIL released while the lock is waited
     /// for and held; an error becomes a Python exception only once the lock is let go and the
-    /// GIL taken back. (Holding the lock while waiting for the GIL — to build an exception —
-    /// deadlocked against a thread holding the GIL and waiting for the lock.)
+    /// GIL taken back: holding the lock while waiting for the GIL (to build an exception)
+    /// would deadlock against a thread holding the GIL and waiting for the lock.
     fn with<R: Send>(
         &self,
         py: Python<'_>,

@@ -54,19 +54,25 @@ pub(crate) fn connect(
     max_version: u16,
     timeout: Duration,
 ) -> Result<Connected> {
+    let mut name = name.to_owned();
+    name.truncate(tensorport_wire::MAX_NAME_LEN);
+    while !name.is_char_boundary(name.len()) {
+        name.pop();
+    }
+    let hello = ClientMsg::Hello(Hello {
+        magic: MAGIC,
+        min_version: MIN_PROTOCOL_VERSION,
+        max_version: max_version.clamp(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION),
+        role,
+        name,
+        want_slots,
+        want_slot_size,
+    });
     let deadline = Instant::now() + timeout;
     let mut pause = Duration::from_millis(1);
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
-        match connect_once(
-            socket,
-            role,
-            name,
-            want_slots,
-            want_slot_size,
-            max_version,
-            left,
-        ) {
+        match connect_once(socket, &hello, left) {
             Err(Error::Refused {
                 code: ErrorCode::HandshakeTimeout,
                 ..
@@ -79,16 +85,8 @@ pub(crate) fn connect(
     }
 }
 
-/// One try of [`connect`].
-fn connect_once(
-    socket: &Path,
-    role: Role,
-    name: &str,
-    want_slots: u32,
-    want_slot_size: u64,
-    max_version: u16,
-    timeout: Duration,
-) -> Result<Connected> {
+/// One try of [`connect`]: sends `hello`, waits at most `timeout` for `Welcome`.
+fn connect_once(socket: &Path, hello: &ClientMsg, timeout: Duration) -> Result<Connected> {
     let stream = path::connect(socket)?;
     // The server must be us (or root): a process of another user listening on the path gets
     // nothing, not even the Hello.
@@ -103,23 +101,7 @@ fn connect_once(
     let wstream = stream.try_clone().map_err(Error::io("clone socket"))?;
     let mut writer = FrameWriter::new(wstream);
     let mut reader = FrameReader::new(stream, MAX_FRAME_LEN);
-    let mut name = name.to_owned();
-    name.truncate(tensorport_wire::MAX_NAME_LEN);
-    while !name.is_char_boundary(name.len()) {
-        name.pop();
-    }
-    let sent = writer.send(
-        &ClientMsg::Hello(Hello {
-            magic: MAGIC,
-            min_version: MIN_PROTOCOL_VERSION,
-            max_version: max_version.clamp(MIN_PROTOCOL_VERSION, PROTOCOL_VERSION),
-            role,
-            name,
-            want_slots,
-            want_slot_size,
-        }),
-        &[],
-    );
+    let sent = writer.send(hello, &[]);
     let deadline = Instant::now() + timeout;
     // A server that refuses at once (uid, limits) may close before our Hello is written: its
     // error frame is still readable, and says more than EPIPE.
