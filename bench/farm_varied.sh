@@ -9,15 +9,7 @@ before=$(realpath "$1"); after=$(realpath "$2"); out=$(realpath -m "$3")
 producers=${4:-15}; rounds=${5:-2}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-if [[ ! -f "$out/varied/varied.tsv" ]]; then
-  for s in $(seq 1 8); do
-    python3 "$here/peers/make_jpegs.py" "$out/varied" --varied --count 150 --seed "$s" > /dev/null &
-  done
-  for s in $(seq 1 4); do
-    python3 "$here/peers/make_jpegs.py" "$out/uniform" --count 500 --seed "$s" > /dev/null &
-  done
-  wait
-fi
+"$here/make_sets.sh" "$out"
 for set in varied uniform; do
   echo "== $set ($(ls "$out/$set" | grep -c jpg) files), $producers CPU producers, --model none"
   for r in $(seq 1 "$rounds"); do

@@ -123,6 +123,33 @@ pub enum ModelKind {
     None,
 }
 
+/// The arithmetic of the model's convolutions on the GPU.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum PrecisionArg {
+    /// fp32, FMA only (no TF32): the CPU model's results to about 1e-5.
+    #[default]
+    F32,
+    /// fp32 data, TF32 tensor cores in the convolutions.
+    Tf32,
+    /// bfloat16 activations and weights, fp32 sums.
+    Bf16,
+    /// fp16 activations and weights, fp32 sums.
+    F16,
+}
+
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+impl PrecisionArg {
+    pub fn precision(self) -> tensorport_cuda::Precision {
+        use tensorport_cuda::Precision as P;
+        match self {
+            PrecisionArg::F32 => P::F32,
+            PrecisionArg::Tf32 => P::Tf32,
+            PrecisionArg::Bf16 => P::Bf16,
+            PrecisionArg::F16 => P::F16,
+        }
+    }
+}
+
 /// Where the model runs: `cpu`, `cuda` (GPU 0) or `cuda:N`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Device {
@@ -200,6 +227,11 @@ pub struct ModelArgs {
     /// How long a batch waits for more requests after its first, in milliseconds.
     #[arg(long, default_value_t = 5)]
     pub max_wait_ms: u64,
+    /// Arithmetic of the model's convolutions on the GPU (cuDNN): f32 (no TF32), tf32, bf16 or
+    /// f16; the 16-bit ones keep fp32 sums, biases and scores. The CPU model is always f32.
+    /// [default: f32; model-bench: every one]
+    #[arg(long, value_enum)]
+    pub precision: Option<PrecisionArg>,
 }
 
 /// What producers hand over per image.
@@ -250,6 +282,21 @@ impl ModelArgs {
         }
     }
 
+    /// Refuses options that contradict each other.
+    pub fn check(&self) -> CliResult<()> {
+        self.config().check()?;
+        if let Some(p) = self.precision.filter(|&p| p != PrecisionArg::F32) {
+            if !self.device.is_cuda() {
+                return Err(CliError::usage(format!(
+                    "--precision {}: reduced precision is for the GPU model; add --device cuda, \
+                     or leave --precision out",
+                    arg_name(&p)
+                )));
+            }
+        }
+        Ok(())
+    }
+
     /// The same options as command-line arguments, to pass to a child process.
     pub fn to_args(&self) -> Vec<String> {
         let mut v = vec![
@@ -270,6 +317,10 @@ impl ModelArgs {
             "--max-wait-ms".into(),
             self.max_wait_ms.to_string(),
         ];
+        if let Some(p) = &self.precision {
+            v.push("--precision".into());
+            v.push(arg_name(p));
+        }
         if let Some(w) = &self.weights {
             v.push("--weights".into());
             v.push(w.display().to_string());

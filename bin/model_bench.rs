@@ -4,78 +4,164 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use tensorport_dfdx::dfdx::prelude::*;
-use tensorport_dfdx::ImageClassifier;
+use tensorport_dfdx::{Classify, ImageClassifier, Tensor4};
 
 use crate::common::Device as On;
 use crate::common::{CliError, CliResult, ModelArgs};
 
-/// Run the bundled classifier on batches already on its device, as the server runs it (scores
-/// back on the host after each batch), and report images per second and time per batch: what
-/// the model alone allows, to compare with the farm's rate.
+/// Run the bundled classifier on batches already on its device, as the server runs it (the
+/// scores back on the host after each batch), and print a table of images per second and time
+/// per batch for each batch size and engine: what the model alone allows, to compare with the
+/// farm's rate and, line by line, with bench/peers/torch_model.py (the same architecture in
+/// PyTorch). On a GPU the engines are cuDNN at each --precision (every one unless given) and
+/// dfdx's own kernels (fp32).
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
-    /// Images per batch.
-    #[arg(long, default_value_t = 32)]
-    pub batch: usize,
-    /// How long to measure, in seconds (after three warm-up batches).
+    /// Images per batch; several, comma-separated, give one row each.
+    #[arg(long, value_delimiter = ',', default_value = "32,256")]
+    pub batch: Vec<usize>,
+    /// How long to measure each row, in seconds (after three warm-up batches).
     #[arg(long, default_value_t = 3.0)]
     pub seconds: f64,
+    /// On a GPU, also measure cuDNN's convolutions run apart from their bias, residual and
+    /// ReLU (a kernel of ours after each) rather than fused in one cuDNN call.
+    #[arg(long)]
+    pub unfused: bool,
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
-    a.model.config().check()?;
-    if a.batch == 0 {
-        return Err(CliError::usage("--batch must be positive"));
+    a.model.check()?;
+    if a.batch.is_empty() || a.batch.contains(&0) {
+        return Err(CliError::usage(
+            "--batch: give positive batch sizes, e.g. 32,256",
+        ));
     }
+    let cfg = a.model.config();
+    println!(
+        "model 3x{s}x{s}, width {}, {} classes, on {}; scores to the host after each batch",
+        cfg.width,
+        cfg.classes,
+        a.model.device,
+        s = cfg.image_size
+    );
+    println!("| batch | engine | precision | ms per batch | images/s |");
+    println!("| ---: | --- | --- | ---: | ---: |");
     match a.model.device {
-        On::Cpu => bench(&Cpu::seed_from_u64(a.model.seed), &a),
-        #[cfg(feature = "cuda")]
-        On::Cuda(n) => {
-            let dev = Cuda::try_build(n as usize, a.model.seed).map_err(|e| {
-                CliError::new(format!("cannot start dfdx on CUDA device {n}: {e:?}"))
-            })?;
-            bench(&dev, &a)
+        On::Cpu => {
+            let dev = Cpu::seed_from_u64(a.model.seed);
+            let mut m = dfdx_model(&dev, &a)?;
+            for &b in &a.batch {
+                row(&dev, &mut m, b, "dfdx", "f32", &a);
+            }
         }
+        #[cfg(feature = "cuda")]
+        On::Cuda(n) => cuda(n, &a)?,
         #[cfg(not(feature = "cuda"))]
-        On::Cuda(_) => Err(CliError::usage(
-            "--device cuda: this tensorport was built without CUDA; rebuild with `--features cuda` \
-             (see docs/operations.md), or use --device cpu",
-        )),
+        On::Cuda(_) => {
+            return Err(CliError::usage(
+                "--device cuda: this tensorport was built without CUDA; rebuild with `--features \
+                 cuda` (see docs/operations.md), or use --device cpu",
+            ))
+        }
     }
+    Ok(ExitCode::SUCCESS)
 }
 
-fn bench<D: Device<f32>>(dev: &D, a: &Args) -> CliResult<ExitCode>
-where
-    ImageClassifier<D>: Sized,
-{
+fn dfdx_model<D: Device<f32>>(dev: &D, a: &Args) -> CliResult<ImageClassifier<D>> {
     let cfg = a.model.config();
-    let model = match &a.model.weights {
+    Ok(match &a.model.weights {
         Some(p) => ImageClassifier::load(dev, cfg, p)?,
         None => ImageClassifier::from_seed(dev, cfg, a.model.seed)?,
+    })
+}
+
+#[cfg(feature = "cuda")]
+fn cuda(n: u32, a: &Args) -> CliResult<()> {
+    use crate::common::PrecisionArg;
+    use tensorport_dfdx::CudnnClassifier;
+    let dev = Cuda::try_build(n as usize, a.model.seed)
+        .map_err(|e| CliError::new(format!("cannot start dfdx on CUDA device {n}: {e:?}")))?;
+    let gpu = tensorport_cuda::Gpu::open(n as i32).map_err(|e| CliError::new(e.to_string()))?;
+    let cfg = a.model.config();
+    let precisions = match a.model.precision {
+        Some(p) => vec![p],
+        None => vec![
+            PrecisionArg::F32,
+            PrecisionArg::Tf32,
+            PrecisionArg::Bf16,
+            PrecisionArg::F16,
+        ],
     };
-    let s = cfg.image_size;
-    let x = dev.sample_normal_like(&(a.batch, 3usize, s, s));
+    let mut dfdx = dfdx_model(&dev, a)?;
+    for &b in &a.batch {
+        match tensorport_cuda::ConvNet::cudnn_version() {
+            Ok(_) => {
+                for layout in tensorport_cuda::Layout::ALL {
+                    for &p in &precisions {
+                        let p = p.precision();
+                        let how = (p, layout);
+                        let mut m = match &a.model.weights {
+                            Some(w) => CudnnClassifier::load(&dev, &gpu, cfg, w, how)?,
+                            None => CudnnClassifier::from_seed(&dev, &gpu, cfg, a.model.seed, how)?,
+                        };
+                        m.prepare(b)?;
+                        let engine = format!("cudnn {layout}");
+                        row(&dev, &mut m, b, &engine, p.name(), a);
+                        if a.unfused {
+                            m.set_fused(false);
+                            let engine = format!("cudnn {layout}, unfused");
+                            row(&dev, &mut m, b, &engine, p.name(), a);
+                        }
+                    }
+                }
+            }
+            Err(e) => eprintln!("no cuDNN rows: {e}"),
+        }
+        if a.model.precision.unwrap_or_default() == PrecisionArg::F32 {
+            row(&dev, &mut dfdx, b, "dfdx kernels", "f32", a);
+        }
+    }
+    Ok(())
+}
+
+/// Measures `model` on batches of `batch` random images and prints its row.
+fn row<D: Device<f32>>(
+    dev: &D,
+    model: &mut dyn Classify<D>,
+    batch: usize,
+    engine: &str,
+    precision: &str,
+    a: &Args,
+) {
+    let s = a.model.config().image_size;
+    let x: Tensor4<D> = dev.sample_normal_like(&(batch, 3usize, s, s));
+    let mut run = || match model.classify(x.clone()) {
+        Ok(scores) => scores.len() == batch,
+        Err(e) => {
+            eprintln!("{engine} {precision}, batch {batch}: {e}");
+            false
+        }
+    };
     for _ in 0..3 {
-        model.forward(x.clone());
+        if !run() {
+            return;
+        }
     }
     let limit = Duration::from_secs_f64(a.seconds.max(0.01));
     let t = Instant::now();
     let mut batches = 0u64;
     while t.elapsed() < limit {
-        let scores = model.forward(x.clone());
-        assert_eq!(scores.len(), a.batch);
+        if !run() {
+            return;
+        }
         batches += 1;
     }
     let secs = t.elapsed().as_secs_f64();
     println!(
-        "model 3x{s}x{s}, width {}, batch {} on {}: {:.1} ms per batch, {:.0} images/s ({batches} batches in {secs:.1} s)",
-        cfg.width,
-        a.batch,
-        a.model.device,
+        "| {batch} | {engine} | {precision} | {:.2} | {:.0} |",
         secs * 1e3 / batches as f64,
-        (batches * a.batch as u64) as f64 / secs
+        (batches * batch as u64) as f64 / secs
     );
-    Ok(ExitCode::SUCCESS)
 }

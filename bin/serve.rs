@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 
 use tensorport::{DeviceImporter, PinHook, Request, Server, ServerConfig};
 use tensorport_dfdx::dfdx::prelude::{Cpu, Device};
-use tensorport_dfdx::{scores_to_bytes, stack_images, ImageClassifier, Stacked};
+use tensorport_dfdx::{scores_to_bytes, stack_images, Classify, ImageClassifier, Stacked};
 
 use crate::common::{CliError, CliResult, ModelArgs, SocketArg};
 
@@ -83,12 +83,17 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     if a.model.max_batch == 0 {
         return Err(CliError::usage("--max-batch must be at least 1"));
     }
+    a.model.check()?;
     if let crate::common::Device::Cuda(n) = a.model.device {
         return run_cuda(a, n);
     }
-    serve_on(a, Hooks::default(), &|| {
-        Ok((Cpu::default(), Box::new(stack_images) as Box<StackFn<Cpu>>))
-    })
+    let model = a.model.clone();
+    serve_on(
+        a,
+        Hooks::default(),
+        &|| Ok((Cpu::default(), Box::new(stack_images) as Box<StackFn<Cpu>>)),
+        &move |dev: &Cpu| load_dfdx(dev, &model),
+    )
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -122,31 +127,43 @@ fn run_cuda(a: Args, ordinal: u32) -> CliResult<ExitCode> {
     // GPU producers' tensors of a batch are fenced and copied together; the copy kernel is
     // compiled once and launched from every worker (launches are thread-safe).
     let gatherer = Arc::new(tensorport_cuda::Gatherer::new(&gpu));
+    let model = a.model.clone();
+    let max_batch = a.model.max_batch;
+    let model_gpu = gpu.clone();
+    let load = move |dev: &Cuda| -> CliResult<Model<Cuda>> {
+        load_cuda(dev, &model_gpu, &model, max_batch)
+    };
     // Each worker thread builds its own dfdx device and copy stream (neither may be shared).
-    serve_on(a, hooks, &move || {
-        let dev = Cuda::try_build(ordinal as usize, seed).map_err(|e| {
-            CliError::new(format!("cannot start dfdx on CUDA device {ordinal}: {e:?}"))
-        })?;
-        let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda)?;
-        // u8 images are normalised on the GPU with the producers' table.
-        let norm = tensorport_cuda::GpuNormaliser::new(&gpu, tensorport_dfdx::normaliser().table())
-            .map_err(cuda)?;
-        let norm = std::sync::Mutex::new(norm);
-        let gatherer = gatherer.clone();
-        let stack: Box<StackFn<Cuda>> = Box::new(move |dev: &Cuda, reqs: &[Request], shape| {
-            let mut norm = norm.lock().unwrap_or_else(|p| p.into_inner());
-            tensorport_dfdx::gather_on_device(
-                dev,
-                &stream,
-                &mut norm,
-                &gatherer,
-                reqs,
-                shape,
-                fence_timeout,
-            )
-        });
-        Ok((dev, stack))
-    })
+    serve_on(
+        a,
+        hooks,
+        &move || {
+            let dev = Cuda::try_build(ordinal as usize, seed).map_err(|e| {
+                CliError::new(format!("cannot start dfdx on CUDA device {ordinal}: {e:?}"))
+            })?;
+            let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda)?;
+            // u8 images are normalised on the GPU with the producers' table.
+            let norm =
+                tensorport_cuda::GpuNormaliser::new(&gpu, tensorport_dfdx::normaliser().table())
+                    .map_err(cuda)?;
+            let norm = std::sync::Mutex::new(norm);
+            let gatherer = gatherer.clone();
+            let stack: Box<StackFn<Cuda>> = Box::new(move |dev: &Cuda, reqs: &[Request], shape| {
+                let mut norm = norm.lock().unwrap_or_else(|p| p.into_inner());
+                tensorport_dfdx::gather_on_device(
+                    dev,
+                    &stream,
+                    &mut norm,
+                    &gatherer,
+                    reqs,
+                    shape,
+                    fence_timeout,
+                )
+            });
+            Ok((dev, stack))
+        },
+        &load,
+    )
 }
 
 /// Builds a batch's model input from its requests (on the CPU: one copy; on the GPU: DMA).
@@ -162,18 +179,40 @@ struct Hooks {
 /// Makes one worker's device and batch stacker (called on the worker's own thread).
 type WorkerFn<D> = dyn Fn() -> CliResult<(D, Box<StackFn<D>>)> + Sync;
 
-fn serve_on<D: Device<f32>>(a: Args, hooks: Hooks, make: &WorkerFn<D>) -> CliResult<ExitCode> {
+/// A worker's model.
+type Model<D> = Box<dyn Classify<D>>;
+
+/// Loads one worker's model on its device (on the worker's own thread).
+type LoadFn<D> = dyn Fn(&D) -> CliResult<Model<D>> + Sync;
+
+/// The bundled model on dfdx's own kernels (the CPU model; on the GPU where cuDNN is missing).
+fn load_dfdx<D: Device<f32>>(dev: &D, model: &ModelArgs) -> CliResult<Model<D>>
+where
+    ImageClassifier<D>: 'static,
+{
+    let cfg = model.config();
+    Ok(Box::new(match &model.weights {
+        Some(p) => ImageClassifier::load(dev, cfg, p)?,
+        None => ImageClassifier::from_seed(dev, cfg, model.seed)?,
+    }))
+}
+
+fn serve_on<D: Device<f32>>(
+    a: Args,
+    hooks: Hooks,
+    make: &WorkerFn<D>,
+    load_model: &LoadFn<D>,
+) -> CliResult<ExitCode> {
     let cfg = a.model.config();
     let workers = a.workers.max(1);
     // The first worker's device is made here, so a model that cannot load fails before the
     // socket listens (exit 2 in the farm's terms), not in a thread.
     let first = make()?;
-    let load = |dev: &D| -> CliResult<Option<ImageClassifier<D>>> {
-        Ok(match (a.model.model, &a.model.weights) {
+    let load = |dev: &D| -> CliResult<Option<Model<D>>> {
+        Ok(match a.model.model {
             _ if a.sink => None,
-            (crate::common::ModelKind::None, _) => None,
-            (_, Some(p)) => Some(ImageClassifier::load(dev, cfg, p)?),
-            (_, None) => Some(ImageClassifier::from_seed(dev, cfg, a.model.seed)?),
+            crate::common::ModelKind::None => None,
+            crate::common::ModelKind::Classifier => Some(load_model(dev)?),
         })
     };
     let first_model = load(&first.0)?;
@@ -214,12 +253,12 @@ fn serve_on<D: Device<f32>>(a: Args, hooks: Hooks, make: &WorkerFn<D>) -> CliRes
     let max_wait = Duration::from_millis(if a.sink { 0 } else { a.model.max_wait_ms });
     let started = Instant::now();
     let images = std::sync::atomic::AtomicU64::new(0);
-    let work = |dev: D, stack: Box<StackFn<D>>, model: Option<ImageClassifier<D>>| {
+    let work = |dev: D, stack: Box<StackFn<D>>, mut model: Option<Model<D>>| {
         worker_loop(
             &server,
             &dev,
             &*stack,
-            model.as_ref(),
+            model.as_mut(),
             &a,
             shape,
             max_wait,
@@ -263,14 +302,66 @@ fn serve_on<D: Device<f32>>(a: Args, hooks: Hooks, make: &WorkerFn<D>) -> CliRes
     Ok(ExitCode::SUCCESS)
 }
 
+/// A batch whose scores the model is still computing: who to answer, row by row.
+struct InFlight {
+    responders: Vec<Option<tensorport::Responder>>,
+    used: Vec<usize>,
+    size: usize,
+    taken: Instant,
+    model_started: Instant,
+}
+
+/// Answers `batch`'s requests from `scores` (row `k` for request `used[k]`), or each with the
+/// model's error, and records the batch.
+fn answer(
+    batch: InFlight,
+    scores: tensorport_dfdx::Result<Vec<Vec<f32>>>,
+    images: &std::sync::atomic::AtomicU64,
+    metrics: &Option<crate::metrics::Metrics>,
+) {
+    let InFlight {
+        mut responders,
+        used,
+        size,
+        taken,
+        model_started,
+    } = batch;
+    let model_time = model_started.elapsed();
+    match scores {
+        Ok(scores) => {
+            for (row, i) in scores.iter().zip(used) {
+                if let Some(r) = responders[i].take() {
+                    let _ = r.respond(&scores_to_bytes(row));
+                }
+                images.fetch_add(1, Ordering::Relaxed);
+            }
+        }
+        // The device failed: this batch's requests get the error; a device that stays broken
+        // fails every batch the same way.
+        Err(e) => {
+            tracing::error!("the model failed on a batch of {size}: {e}");
+            for i in used {
+                if let Some(r) = responders[i].take() {
+                    let _ = r.fail(e.to_string());
+                }
+            }
+        }
+    }
+    if let Some(m) = metrics {
+        m.record_batch(size, model_time, taken.elapsed());
+    }
+}
+
 /// One model worker: takes batches (from its share of the producers when there are several
-/// workers), runs the model, answers, until the server has drained.
+/// workers), runs the model, answers, until the server has drained. Where the model runs on a
+/// device of its own (cuDNN), the next batch is taken and gathered while the device runs the
+/// last one, whose answers go out once the next is on its way.
 #[allow(clippy::too_many_arguments)]
 fn worker_loop<D: Device<f32>>(
     server: &Server,
     dev: &D,
     stack: &StackFn<D>,
-    model: Option<&ImageClassifier<D>>,
+    mut model: Option<&mut Model<D>>,
     a: &Args,
     shape: [usize; 3],
     max_wait: Duration,
@@ -279,18 +370,34 @@ fn worker_loop<D: Device<f32>>(
     images: &std::sync::atomic::AtomicU64,
 ) -> CliResult<()> {
     let mut draining = false;
+    let mut in_flight: Option<InFlight> = None;
+    let finish = |m: &mut Option<&mut Model<D>>, batch: Option<InFlight>| {
+        if let (Some(batch), Some(m)) = (batch, m.as_deref_mut()) {
+            let scores = m.collect();
+            answer(batch, scores, images, metrics);
+        }
+    };
     loop {
         if stop.load(Ordering::SeqCst) && !draining {
             draining = true;
             server.drain();
         }
-        let batch = match server.recv_batch(a.model.max_batch, Duration::from_millis(100), max_wait)
-        {
+        // With a batch on the device, take only what is already queued: its answers wait for
+        // this call.
+        let (first, more) = match in_flight {
+            Some(_) => (Duration::ZERO, Duration::ZERO),
+            None => (Duration::from_millis(100), max_wait),
+        };
+        let batch = match server.recv_batch(a.model.max_batch, first, more) {
             Ok(b) => b,
             Err(tensorport::Error::Stopped) => break,
-            Err(e) => return Err(e.into()),
+            Err(e) => {
+                finish(&mut model, in_flight.take());
+                return Err(e.into());
+            }
         };
         if batch.is_empty() {
+            finish(&mut model, in_flight.take());
             continue;
         }
         let taken = Instant::now();
@@ -322,34 +429,65 @@ fn worker_loop<D: Device<f32>>(
                 };
             }
         }
-        let mut model_time = Duration::ZERO;
-        if let Some(x) = stacked.input {
-            match &model {
-                Some(m) => {
-                    let t = Instant::now();
-                    let scores = m.forward(x);
-                    model_time = t.elapsed();
-                    for (row, i) in scores.iter().zip(stacked.used) {
-                        if let Some(r) = responders[i].take() {
-                            let _ = r.respond(&scores_to_bytes(row));
-                        }
-                        images.fetch_add(1, Ordering::Relaxed);
-                    }
+        // This batch is on the device: the last one's scores are wanted now.
+        finish(&mut model, in_flight.take());
+        let Some(x) = stacked.input else {
+            if let Some(m) = &metrics {
+                m.record_batch(size, Duration::ZERO, taken.elapsed());
+            }
+            continue;
+        };
+        let batch = InFlight {
+            responders,
+            used: stacked.used,
+            size,
+            taken,
+            model_started: Instant::now(),
+        };
+        match model.as_deref_mut() {
+            Some(m) => match m.submit(x) {
+                Ok(tensorport_dfdx::Submitted::InFlight) => in_flight = Some(batch),
+                Ok(tensorport_dfdx::Submitted::Ready(scores)) => {
+                    answer(batch, Ok(scores), images, metrics)
                 }
-                // No model: the batch is on the device; that was the job.
-                None => {
-                    for i in stacked.used {
-                        if let Some(r) = responders[i].take() {
-                            let _ = r.respond(&[]);
-                        }
-                        images.fetch_add(1, Ordering::Relaxed);
-                    }
-                }
+                Err(e) => answer(batch, Err(e), images, metrics),
+            },
+            // No model: the batch is on the device; that was the job.
+            None => {
+                let rows = batch.used.len();
+                answer(batch, Ok(vec![Vec::new(); rows]), images, metrics);
             }
         }
-        if let Some(m) = &metrics {
-            m.record_batch(size, model_time, taken.elapsed());
-        }
     }
+    finish(&mut model, in_flight.take());
     Ok(())
+}
+
+/// The GPU model: cuDNN's convolutions at `--precision`, their algorithms measured for
+/// `--max-batch` before the socket listens; dfdx's own kernels (fp32, several times slower)
+/// where cuDNN cannot be loaded, with a warning that says how to get it.
+#[cfg(feature = "cuda")]
+fn load_cuda(
+    dev: &tensorport_dfdx::dfdx::prelude::Cuda,
+    gpu: &Arc<tensorport_cuda::Gpu>,
+    model: &ModelArgs,
+    max_batch: usize,
+) -> CliResult<Model<tensorport_dfdx::dfdx::prelude::Cuda>> {
+    use tensorport_dfdx::CudnnClassifier;
+    let precision = model.precision.unwrap_or_default().precision();
+    if let Err(e) = tensorport_cuda::ConvNet::cudnn_version() {
+        if precision != tensorport_cuda::Precision::F32 {
+            return Err(CliError::usage(format!("--precision {precision}: {e}")));
+        }
+        tracing::warn!("{e}; the model runs on dfdx's own CUDA kernels, several times slower");
+        return load_dfdx(dev, model);
+    }
+    let cfg = model.config();
+    let layout = tensorport_cuda::Layout::preferred(precision);
+    let mut m = match &model.weights {
+        Some(p) => CudnnClassifier::load(dev, gpu, cfg, p, (precision, layout))?,
+        None => CudnnClassifier::from_seed(dev, gpu, cfg, model.seed, (precision, layout))?,
+    };
+    m.prepare(max_batch)?;
+    Ok(Box::new(m))
 }

@@ -144,7 +144,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
              or --devices 0,1,...)",
         ));
     }
-    args.model.config().check()?;
+    args.model.check()?;
     if (args.model.device.is_cuda() || !args.devices.is_empty()) && !cfg!(feature = "cuda") {
         return Err(CliError::usage(
             "--device cuda: this tensorport was built without CUDA; rebuild with `--features cuda` \

@@ -6,14 +6,23 @@ use super::*;
 /// model's scores, within 1e-3 (relative) — different kernels sum in different orders — and
 /// the same classes.
 pub(crate) fn farm_on_cuda() {
-    for pixels in ["f32", "u8"] {
-        farm_on_cuda_with(pixels);
+    // (precision, bound on the relative difference from the CPU model).
+    for (precision, bound) in [
+        ("f32", 1e-3f32),
+        ("tf32", 2e-2),
+        ("f16", 2e-2),
+        ("bf16", 1e-1),
+    ] {
+        for pixels in ["f32", "u8"] {
+            farm_on_cuda_with(pixels, precision, bound);
+        }
     }
 }
 
-/// The farm on the CUDA model, producers handing over `pixels` (u8 planes are normalised on the
-/// GPU), against the CPU model in-process.
-pub(crate) fn farm_on_cuda_with(pixels: &str) {
+/// The farm on the CUDA model at `precision`, producers handing over `pixels` (u8 planes are
+/// normalised on the GPU), against the CPU model in-process: every score within `bound`
+/// (relative), and at fp32 every class the CPU model's.
+pub(crate) fn farm_on_cuda_with(pixels: &str, precision: &str, bound: f32) {
     use tensorport_dfdx::dfdx::prelude::Cpu;
     use tensorport_dfdx::{ImageClassifier, ModelConfig};
     let exe = tensorport_exe();
@@ -32,6 +41,8 @@ pub(crate) fn farm_on_cuda_with(pixels: &str) {
             "never",
             "--pixels",
             pixels,
+            "--precision",
+            precision,
         ])
         .arg("--output")
         .arg(&out)
@@ -43,14 +54,16 @@ pub(crate) fn farm_on_cuda_with(pixels: &str) {
         "farm --device cuda failed:\n{stdout}\n{}",
         String::from_utf8_lossy(&o.stderr)
     );
-    println!(
-        "{}",
-        stdout
-            .lines()
-            .map(|l| format!("  {l}"))
-            .collect::<Vec<_>>()
-            .join("\n")
-    );
+    if precision == "f32" {
+        println!(
+            "{}",
+            stdout
+                .lines()
+                .map(|l| format!("  {l}"))
+                .collect::<Vec<_>>()
+                .join("\n")
+        );
+    }
     let cfg = ModelConfig {
         image_size: size,
         classes: 10,
@@ -83,13 +96,15 @@ pub(crate) fn farm_on_cuda_with(pixels: &str) {
         same_class += (argmax(&got) == argmax(want)) as usize;
         lines += 1;
     }
-    println!("  --pixels {pixels}: {lines} results; max relative difference from the CPU model {worst:.2e}; same class {same_class}/{lines}");
+    println!("  --precision {precision} --pixels {pixels}: {lines} results; max relative difference from the CPU model {worst:.2e}; same class {same_class}/{lines}");
     assert_eq!(lines, n);
     assert!(
-        worst <= 1e-3,
-        "GPU scores differ from the CPU model by {worst}"
+        worst <= bound,
+        "--precision {precision}: GPU scores differ from the CPU model by {worst} (bound {bound})"
     );
-    assert_eq!(same_class, n);
+    if precision == "f32" {
+        assert_eq!(same_class, n);
+    }
 }
 
 /// `prep --nvjpeg --dump` against `prep --dump` (the CPU producers' tensors) on the same JPEGs:

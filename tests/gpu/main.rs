@@ -7,6 +7,15 @@ mod support;
 mod checking;
 mod device;
 mod farm;
+#[cfg(feature = "cuda")]
+mod model;
+/// The in-process model tests need the CUDA build of tensorport-dfdx.
+#[cfg(not(feature = "cuda"))]
+mod model {
+    pub(crate) fn cudnn_model_matches_the_cpu_model() {
+        println!("  skipped: needs the CUDA build (bin/build-gpu.sh)");
+    }
+}
 mod pinned;
 mod serve;
 
@@ -17,6 +26,7 @@ use std::time::Duration;
 use checking::*;
 use device::*;
 use farm::*;
+use model::*;
 use pinned::*;
 use serve::*;
 use support::*;
@@ -28,82 +38,85 @@ use tensorport_cuda::{
 };
 
 fn main() {
+    let tests: &[(&str, fn())] = &[
+        ("probe_sees_the_device", probe),
+        (
+            "pinned_pools_four_producers_intact_through_the_gpu",
+            pinned_four_producers,
+        ),
+        (
+            "killed_producer_leaves_no_registration_or_mapping",
+            killed_producer,
+        ),
+        ("farm_on_cuda_matches_the_cpu_model", farm_on_cuda),
+        (
+            "cudnn_model_matches_the_cpu_model_at_every_precision",
+            cudnn_model_matches_the_cpu_model,
+        ),
+        ("nvjpeg_tensors_match_the_cpu_preprocessing", nvjpeg_tensors),
+        (
+            "farm_with_gpu_decoding_producers_every_input_once",
+            farm_gpu_producers,
+        ),
+        ("device_tensors_into_the_cuda_model", device_into_model),
+        (
+            "device_ipc_four_gpu_producers_intact_and_fenced",
+            device_four_producers,
+        ),
+        (
+            "device_ipc_timeline_fenced_four_gpu_producers_intact",
+            device_four_producers_timeline,
+        ),
+        (
+            "device_vmm_fd_four_gpu_producers_intact",
+            device_four_producers_vmm,
+        ),
+        (
+            "device_gathered_batches_of_mixed_fences_intact",
+            device_gathered_mixed_fences,
+        ),
+        (
+            "device_cross_gpu_producers_intact_and_fenced",
+            device_cross_gpu,
+        ),
+        (
+            "farm_over_two_gpus_survives_a_sigkilled_server_every_input_once",
+            farm_two_gpus_server_killed,
+        ),
+        (
+            "device_ipc_killed_producer_frees_gpu_memory",
+            device_killed_producer,
+        ),
+        (
+            "device_vmm_killed_producer_frees_gpu_memory",
+            device_vmm_killed_producer,
+        ),
+        (
+            "device_registrations_that_lie_about_their_length_are_refused",
+            lying_registrations,
+        ),
+        (
+            "device_fence_never_signalled_fails_that_request_and_ends_only_that_session",
+            fence_never_signalled,
+        ),
+        (
+            "device_event_signalled_after_the_timeout_stalls_nothing",
+            event_fence_signalled_late,
+        ),
+        (
+            "device_killed_producer_with_an_unsignalled_tensor_stalls_no_other",
+            killed_with_unsignalled_tensor,
+        ),
+    ];
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
-            println!("skipped: 18 GPU tests: {e}");
-            println!("\n0 passed, 0 failed, 18 skipped");
+            let n = tests.len();
+            println!("skipped: {n} GPU tests: {e}");
+            println!("\n0 passed, 0 failed, {n} skipped");
             return;
         }
     }
-    support::main(
-        &[
-            ("probe_sees_the_device", probe),
-            (
-                "pinned_pools_four_producers_intact_through_the_gpu",
-                pinned_four_producers,
-            ),
-            (
-                "killed_producer_leaves_no_registration_or_mapping",
-                killed_producer,
-            ),
-            ("farm_on_cuda_matches_the_cpu_model", farm_on_cuda),
-            ("nvjpeg_tensors_match_the_cpu_preprocessing", nvjpeg_tensors),
-            (
-                "farm_with_gpu_decoding_producers_every_input_once",
-                farm_gpu_producers,
-            ),
-            ("device_tensors_into_the_cuda_model", device_into_model),
-            (
-                "device_ipc_four_gpu_producers_intact_and_fenced",
-                device_four_producers,
-            ),
-            (
-                "device_ipc_timeline_fenced_four_gpu_producers_intact",
-                device_four_producers_timeline,
-            ),
-            (
-                "device_vmm_fd_four_gpu_producers_intact",
-                device_four_producers_vmm,
-            ),
-            (
-                "device_gathered_batches_of_mixed_fences_intact",
-                device_gathered_mixed_fences,
-            ),
-            (
-                "device_cross_gpu_producers_intact_and_fenced",
-                device_cross_gpu,
-            ),
-            (
-                "farm_over_two_gpus_survives_a_sigkilled_server_every_input_once",
-                farm_two_gpus_server_killed,
-            ),
-            (
-                "device_ipc_killed_producer_frees_gpu_memory",
-                device_killed_producer,
-            ),
-            (
-                "device_vmm_killed_producer_frees_gpu_memory",
-                device_vmm_killed_producer,
-            ),
-            (
-                "device_registrations_that_lie_about_their_length_are_refused",
-                lying_registrations,
-            ),
-            (
-                "device_fence_never_signalled_fails_that_request_and_ends_only_that_session",
-                fence_never_signalled,
-            ),
-            (
-                "device_event_signalled_after_the_timeout_stalls_nothing",
-                event_fence_signalled_late,
-            ),
-            (
-                "device_killed_producer_with_an_unsignalled_tensor_stalls_no_other",
-                killed_with_unsignalled_tensor,
-            ),
-        ],
-        child,
-    );
+    support::main(tests, child);
 }
 
 fn child(role: &str, socket: &str) {

@@ -8,6 +8,8 @@
 //!   behind its `nightly` feature, so the convolutions here are built from stable ops: patch
 //!   convolutions as reshape → permute → matmul, 3×3 convolutions as nine shifted matmuls.
 //!   Weights come from a safetensors file (PyTorch layouts) or a fixed seed.
+//! - `CudnnClassifier` (CUDA build): the same network and weights with cuDNN convolutions, in
+//!   fp32, TF32, bf16 or fp16 — the GPU server's model. Both are [`Classify`].
 //!
 //! Determinism: dfdx's CPU conv runs image by image and the head runs row by row, so an image's
 //! scores are bitwise the same whatever batch it was in.
@@ -72,7 +74,49 @@ pub type Tensor4<D> = Tensor<(usize, usize, usize, usize), f32, D>;
 #[cfg(feature = "cuda")]
 mod cuda;
 #[cfg(feature = "cuda")]
+mod cudnn_model;
+#[cfg(feature = "cuda")]
 pub use cuda::gather_on_device;
+#[cfg(feature = "cuda")]
+pub use cudnn_model::CudnnClassifier;
+#[cfg(feature = "cuda")]
+pub use tensorport_cuda::{Layout, Precision};
+
+/// A model the server runs on each batch: class scores for images `[B, C, H, W]` on `D`, one
+/// row per image.
+pub trait Classify<D: Device<f32>> {
+    /// Scores for the batch `x`.
+    fn classify(&mut self, x: Tensor4<D>) -> Result<Vec<Vec<f32>>>;
+
+    /// Starts on the batch `x` and, where the model runs on a device of its own, returns
+    /// before its scores are ready ([`Submitted::InFlight`]: [`Classify::collect`] waits for
+    /// them), so the caller can prepare the next batch meanwhile. A model that cannot overlap
+    /// answers at once ([`Submitted::Ready`], the default). A batch still in flight is
+    /// collected (and its scores dropped) first.
+    fn submit(&mut self, x: Tensor4<D>) -> Result<Submitted> {
+        self.classify(x).map(Submitted::Ready)
+    }
+
+    /// The scores of the batch in flight (none when there is none).
+    fn collect(&mut self) -> Result<Vec<Vec<f32>>> {
+        Ok(Vec::new())
+    }
+}
+
+/// What [`Classify::submit`] did with a batch.
+#[derive(Debug)]
+pub enum Submitted {
+    /// Its scores, one row per image.
+    Ready(Vec<Vec<f32>>),
+    /// It runs; [`Classify::collect`] waits for its scores.
+    InFlight,
+}
+
+impl<D: Device<f32>> Classify<D> for ImageClassifier<D> {
+    fn classify(&mut self, x: Tensor4<D>) -> Result<Vec<Vec<f32>>> {
+        Ok(self.forward(x))
+    }
+}
 
 /// Checks that `req` describes a contiguous tensor of exactly `shape` (wherever it is): `f32`,
 /// normalised, or `u8`, the 8-bit planes before normalising (the server normalises them with

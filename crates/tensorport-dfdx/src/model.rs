@@ -126,7 +126,7 @@ pub struct ImageClassifier<D: Device<f32>> {
 
 /// Names and shapes of every parameter, in PyTorch's layouts (conv `[out, in, kh, kw]`, linear
 /// `[out, in]`), which are also the safetensors names and shapes.
-fn param_shapes(c: &ModelConfig) -> Vec<(&'static str, Vec<usize>)> {
+pub(crate) fn param_shapes(c: &ModelConfig) -> Vec<(&'static str, Vec<usize>)> {
     let (w, w2) = (c.width, c.width * 2);
     vec![
         ("stem.weight", vec![w, 3, 4, 4]),
@@ -148,7 +148,7 @@ fn param_shapes(c: &ModelConfig) -> Vec<(&'static str, Vec<usize>)> {
 
 /// A deterministic He-style initialisation from `seed` (splitmix64 + Box-Muller), independent of
 /// dfdx's RNG so the same seed gives the same weights in any build.
-fn seeded_params(c: &ModelConfig, seed: u64) -> HashMap<&'static str, Vec<f32>> {
+pub(crate) fn seeded_params(c: &ModelConfig, seed: u64) -> HashMap<&'static str, Vec<f32>> {
     let mut state = seed;
     let mut next = move || {
         state = state.wrapping_add(0x9E3779B97F4A7C15);
@@ -177,6 +177,66 @@ fn seeded_params(c: &ModelConfig, seed: u64) -> HashMap<&'static str, Vec<f32>> 
         out.insert(name, v);
     }
     out
+}
+
+/// The parameters in a safetensors file, checked against `config` (see [`ImageClassifier::load`]).
+pub(crate) fn load_params(
+    config: ModelConfig,
+    path: &Path,
+) -> Result<HashMap<&'static str, Vec<f32>>> {
+    config.check()?;
+    let werr = |problem: String| Error::Weights {
+        path: path.display().to_string(),
+        problem,
+    };
+    let bytes = std::fs::read(path).map_err(|e| {
+        werr(format!(
+            "{e}; pass an existing file to --weights, or leave it out to use --seed"
+        ))
+    })?;
+    let st = SafeTensors::deserialize(&bytes)
+        .map_err(|e| werr(format!("not a safetensors file: {e}")))?;
+    let mut params = HashMap::new();
+    for (name, shape) in param_shapes(&config) {
+        let t = st
+            .tensor(name)
+            .map_err(|_| werr(format!("has no tensor {name:?}")))?;
+        if t.dtype() != StDtype::F32 {
+            return Err(werr(format!("{name} is {:?}, expected F32", t.dtype())));
+        }
+        if t.shape() != shape.as_slice() {
+            return Err(werr(format!(
+                "{name} has shape {:?}, the model (--classes {}, width {}) needs {:?}",
+                t.shape(),
+                config.classes,
+                config.width,
+                shape
+            )));
+        }
+        let v: Vec<f32> = t
+            .data()
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect();
+        params.insert(name, v);
+    }
+    Ok(params)
+}
+
+/// The linear head on pooled features (`c` per image, one image after the other), on the host:
+/// each score summed in the same order for every image, so a row's result does not depend on
+/// the batch.
+pub(crate) fn head(feats: &[f32], c: usize, head_w: &[f32], head_b: &[f32]) -> Vec<Vec<f32>> {
+    feats
+        .chunks_exact(c)
+        .map(|f| {
+            head_b
+                .iter()
+                .zip(head_w.chunks_exact(c))
+                .map(|(&bias, w)| bias + f.iter().zip(w).map(|(a, b)| a * b).sum::<f32>())
+                .collect()
+        })
+        .collect()
 }
 
 /// `[out, in, kh, kw]` → for each `(ky, kx)`, `[in, out]`.
@@ -222,43 +282,7 @@ impl<D: Device<f32>> ImageClassifier<D> {
     /// PyTorch would: `stem.weight [w,3,4,4]`, …, `head.weight [classes, 2w]`; see
     /// `docs/model.md`).
     pub fn load(dev: &D, config: ModelConfig, path: &Path) -> Result<Self> {
-        config.check()?;
-        let werr = |problem: String| Error::Weights {
-            path: path.display().to_string(),
-            problem,
-        };
-        let bytes = std::fs::read(path).map_err(|e| {
-            werr(format!(
-                "{e}; pass an existing file to --weights, or leave it out to use --seed"
-            ))
-        })?;
-        let st = SafeTensors::deserialize(&bytes)
-            .map_err(|e| werr(format!("not a safetensors file: {e}")))?;
-        let mut params = HashMap::new();
-        for (name, shape) in param_shapes(&config) {
-            let t = st
-                .tensor(name)
-                .map_err(|_| werr(format!("has no tensor {name:?}")))?;
-            if t.dtype() != StDtype::F32 {
-                return Err(werr(format!("{name} is {:?}, expected F32", t.dtype())));
-            }
-            if t.shape() != shape.as_slice() {
-                return Err(werr(format!(
-                    "{name} has shape {:?}, the model (--classes {}, width {}) needs {:?}",
-                    t.shape(),
-                    config.classes,
-                    config.width,
-                    shape
-                )));
-            }
-            let v: Vec<f32> = t
-                .data()
-                .chunks_exact(4)
-                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-                .collect();
-            params.insert(name, v);
-        }
-        Ok(Self::from_params(dev, config, params))
+        Ok(Self::from_params(dev, config, load_params(config, path)?))
     }
 
     /// Writes `seed`'s weights as a safetensors file (a starting point, or a fixture).
@@ -343,19 +367,7 @@ impl<D: Device<f32>> ImageClassifier<D> {
         let pooled: Mat<D> = x
             .reshape_like(&(b, h * w, c))
             .mean::<(usize, usize), Axis<1>>();
-        let feats = pooled.as_vec();
-        // The head runs on the host, each score summed in the same order for every image, so a
-        // row's result does not depend on the batch.
-        feats
-            .chunks_exact(c)
-            .map(|f| {
-                self.head_b
-                    .iter()
-                    .zip(self.head_w.chunks_exact(c))
-                    .map(|(&bias, w)| bias + f.iter().zip(w).map(|(a, b)| a * b).sum::<f32>())
-                    .collect()
-            })
-            .collect()
+        head(&pooled.as_vec(), c, &self.head_w, &self.head_b)
     }
 
     /// Scores for a batch given as one flat NCHW buffer `[B·3·S·S]` (for in-process runs).

@@ -1,0 +1,861 @@
+//! A small convolutional network run with cuDNN: a chain of convolutions, each followed by its
+//! bias, an optional residual (an earlier activation added) and a ReLU, then the last
+//! activation averaged over its height and width. The convolutions are cuDNN's (the algorithm
+//! measured fastest for each layer and batch size); the bias, residual and ReLU are one small
+//! kernel per layer, and so is the average.
+//!
+//! Precision: `F32` keeps every multiply in fp32 (no TF32), as PyTorch does with TF32 off;
+//! `Tf32` lets the convolutions use TF32 tensor cores; `F16` and `Bf16` keep the activations
+//! and weights in 16 bits, accumulating in fp32. Biases, residual sums, the average and the
+//! scores are always fp32.
+
+use std::collections::HashMap;
+use std::sync::Arc;
+
+use crate::cudnn::{
+    self, Algo, ConvDesc, DataType, FilterDesc, Format, Handle, MathType, Relu, TensorDesc,
+};
+use crate::kernel::Kernel;
+use crate::{DeviceBuffer, Error, Gpu, PinnedBuffer, Result, Stream};
+
+/// Arithmetic of a [`ConvNet`]'s convolutions.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Default)]
+#[non_exhaustive]
+pub enum Precision {
+    /// fp32 everywhere, FMA only (no TF32 tensor cores).
+    #[default]
+    F32,
+    /// fp32 data; the convolutions may use TF32 tensor cores (10-bit mantissa products).
+    Tf32,
+    /// bfloat16 activations and weights, fp32 accumulation.
+    Bf16,
+    /// IEEE half activations and weights, fp32 accumulation.
+    F16,
+}
+
+impl Precision {
+    /// Every precision, in the order of the tables.
+    pub const ALL: [Precision; 4] = [
+        Precision::F32,
+        Precision::Tf32,
+        Precision::Bf16,
+        Precision::F16,
+    ];
+
+    /// The name used on command lines and in tables.
+    pub fn name(self) -> &'static str {
+        match self {
+            Precision::F32 => "f32",
+            Precision::Tf32 => "tf32",
+            Precision::Bf16 => "bf16",
+            Precision::F16 => "f16",
+        }
+    }
+
+    /// The precision named `s` (as [`Precision::name`] writes it).
+    pub fn from_name(s: &str) -> Option<Precision> {
+        Precision::ALL.into_iter().find(|p| p.name() == s)
+    }
+
+    fn data_type(self) -> DataType {
+        match self {
+            Precision::F32 | Precision::Tf32 => DataType::CUDNN_DATA_FLOAT,
+            Precision::Bf16 => DataType::CUDNN_DATA_BFLOAT16,
+            Precision::F16 => DataType::CUDNN_DATA_HALF,
+        }
+    }
+
+    fn math(self) -> MathType {
+        match self {
+            Precision::F32 => MathType::CUDNN_FMA_MATH,
+            Precision::Tf32 => MathType::CUDNN_DEFAULT_MATH,
+            Precision::Bf16 | Precision::F16 => MathType::CUDNN_TENSOR_OP_MATH,
+        }
+    }
+
+    /// Bytes per activation or weight.
+    fn bytes(self) -> usize {
+        match self {
+            Precision::F32 | Precision::Tf32 => 4,
+            Precision::Bf16 | Precision::F16 => 2,
+        }
+    }
+
+    /// The element type's loads and stores, for the kernels.
+    fn kernel_prelude(self) -> &'static str {
+        match self {
+            Precision::F32 | Precision::Tf32 => {
+                "typedef float T;\n\
+                 __device__ __forceinline__ float ld(const T* p, unsigned long long i) { return p[i]; }\n\
+                 __device__ __forceinline__ void st(T* p, unsigned long long i, float v) { p[i] = v; }\n"
+            }
+            Precision::F16 => {
+                "typedef unsigned short T;\n\
+                 __device__ __forceinline__ float ld(const T* p, unsigned long long i) {\n\
+                   float f; asm(\"cvt.f32.f16 %0, %1;\" : \"=f\"(f) : \"h\"(p[i])); return f; }\n\
+                 __device__ __forceinline__ void st(T* p, unsigned long long i, float v) {\n\
+                   unsigned short h; asm(\"cvt.rn.f16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(v)); p[i] = h; }\n"
+            }
+            Precision::Bf16 => {
+                "typedef unsigned short T;\n\
+                 __device__ __forceinline__ float ld(const T* p, unsigned long long i) {\n\
+                   return __uint_as_float(((unsigned int)p[i]) << 16); }\n\
+                 __device__ __forceinline__ void st(T* p, unsigned long long i, float v) {\n\
+                   unsigned short h; asm(\"cvt.rn.bf16.f32 %0, %1;\" : \"=h\"(h) : \"f\"(v)); p[i] = h; }\n"
+            }
+        }
+    }
+}
+
+impl std::fmt::Display for Precision {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// How a [`ConvNet`] lays out its activations and weights in memory. The input is always NCHW
+/// fp32 (as producers write it); an NHWC network converts it first.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[non_exhaustive]
+pub enum Layout {
+    /// Channel planes (`[N, C, H, W]`), PyTorch's default.
+    Nchw,
+    /// Channels last (`[N, H, W, C]`), what tensor cores read without a transposition.
+    Nhwc,
+}
+
+impl Layout {
+    /// Both layouts.
+    pub const ALL: [Layout; 2] = [Layout::Nchw, Layout::Nhwc];
+
+    /// The faster layout for `precision` (measured on an H200 with the bundled classifier:
+    /// docs/benchmarks.md): NCHW for fp32 and TF32, NHWC for the 16-bit ones.
+    pub fn preferred(precision: Precision) -> Layout {
+        match precision {
+            Precision::F32 | Precision::Tf32 => Layout::Nchw,
+            Precision::Bf16 | Precision::F16 => Layout::Nhwc,
+        }
+    }
+
+    /// `NCHW` or `NHWC`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layout::Nchw => "NCHW",
+            Layout::Nhwc => "NHWC",
+        }
+    }
+
+    fn format(self) -> Format {
+        match self {
+            Layout::Nchw => Format::CUDNN_TENSOR_NCHW,
+            Layout::Nhwc => Format::CUDNN_TENSOR_NHWC,
+        }
+    }
+}
+
+impl std::fmt::Display for Layout {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.name())
+    }
+}
+
+/// The kernels, for one element type `T`.
+const KERNELS: &str = r#"
+typedef unsigned long long u64;
+// y (n elements) from NCHW floats x: the same order, or channels last (`nhwc`), for `channels`
+// planes of `plane` values each per image.
+extern "C" __global__ void tp_net_convert(const float* x, T* y, u64 n, u64 channels, u64 plane,
+                                          int nhwc) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    u64 src = i;
+    if (nhwc) {
+        u64 c = i % channels, t = i / channels;
+        src = ((t / plane) * channels + c) * plane + t % plane;
+    }
+    st(y, i, x[src]);
+}
+// y = relu(y + bias[channel] + z), z optional (0).
+extern "C" __global__ void tp_net_epilogue(T* y, const float* bias, const T* z, u64 plane,
+                                           u64 channels, u64 n, int nhwc) {
+    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= n) return;
+    float v = ld(y, i) + bias[nhwc ? i % channels : (i / plane) % channels];
+    if (z) v += ld(z, i);
+    st(y, i, v > 0.0f ? v : 0.0f);
+}
+// One block of 256 threads per (image, channel): the mean of its `plane` values.
+extern "C" __global__ void tp_net_mean(const T* x, float* out, u64 plane, u64 channels,
+                                       int nhwc) {
+    __shared__ float part[256];
+    u64 b = blockIdx.x / channels, c = blockIdx.x % channels;
+    float s = 0.0f;
+    for (u64 j = threadIdx.x; j < plane; j += blockDim.x)
+        s += ld(x, nhwc ? (b * plane + j) * channels + c : blockIdx.x * plane + j);
+    part[threadIdx.x] = s;
+    __syncthreads();
+    for (unsigned k = blockDim.x / 2; k > 0; k >>= 1) {
+        if (threadIdx.x < k) part[threadIdx.x] += part[threadIdx.x + k];
+        __syncthreads();
+    }
+    if (threadIdx.x == 0) out[blockIdx.x] = part[0] / (float)plane;
+}
+"#;
+
+/// One convolution of a [`ConvNet`], with its weights in PyTorch's layouts.
+#[derive(Debug, Clone)]
+pub struct ConvLayer {
+    /// Input channels.
+    pub in_channels: usize,
+    /// Output channels.
+    pub out_channels: usize,
+    /// Kernel side (square kernels).
+    pub kernel: usize,
+    /// Stride, both ways.
+    pub stride: usize,
+    /// Zero padding on every side.
+    pub padding: usize,
+    /// `[out_channels, in_channels, kernel, kernel]`.
+    pub weight: Vec<f32>,
+    /// `[out_channels]`.
+    pub bias: Vec<f32>,
+    /// An earlier activation added before the ReLU: `0` is the network's input, `i` the
+    /// output of layer `i - 1`. It must have this layer's output shape.
+    pub residual: Option<usize>,
+}
+
+/// A layer on the device.
+struct Layer {
+    spec: ConvLayer,
+    /// Output `[C, H, W]`.
+    out: [usize; 3],
+    weight: DeviceBuffer,
+    /// fp32, for the epilogue kernel.
+    bias: DeviceBuffer,
+    /// In the element type, for cuDNN's fused call (`None`: `bias` is that).
+    bias_t: Option<DeviceBuffer>,
+    /// `[1, C, 1, 1]` in the element type.
+    bias_desc: TensorDesc,
+    filter: FilterDesc,
+    conv: ConvDesc,
+    /// Whether cuDNN's fused convolution + bias + residual + ReLU runs this layer (else the
+    /// convolution, then the epilogue kernel). Cleared the first time cuDNN refuses it.
+    fused: bool,
+}
+
+/// Descriptors and algorithms for one batch size.
+struct Plan {
+    /// `descs[i]` is activation `i`'s (`0`: the input).
+    descs: Vec<TensorDesc>,
+    algos: Vec<(Algo, usize)>,
+}
+
+/// A convolutional network on one GPU, run with cuDNN on its own stream (see the module docs).
+/// Not `Sync`: one thread runs it at a time.
+pub struct ConvNet {
+    gpu: Arc<Gpu>,
+    // Dropped before the stream (fields drop in order).
+    handle: Handle,
+    stream: Stream,
+    precision: Precision,
+    layout: Layout,
+    input: [usize; 3],
+    layers: Vec<Layer>,
+    convert: Kernel,
+    epilogue: Kernel,
+    mean: Kernel,
+    relu: Relu,
+    plans: HashMap<usize, Plan>,
+    /// The fastest algorithms measured per power-of-two batch size, per layer.
+    found: HashMap<usize, Vec<Algo>>,
+    /// `acts[0]` is the input in the network's type and layout (unused for NCHW fp32), `acts[i]` the
+    /// output of layer `i - 1`; each sized for `capacity` images.
+    acts: Vec<DeviceBuffer>,
+    capacity: usize,
+    workspace: Option<DeviceBuffer>,
+    pooled: Option<DeviceBuffer>,
+    /// Page-locked host memory the pooled rows are copied into (so the copy is asynchronous).
+    pooled_host: Option<PinnedBuffer>,
+    /// A launched batch not yet collected: its rows, and the layers cuDNN refused to fuse.
+    in_flight: Option<(usize, Vec<usize>)>,
+}
+
+impl std::fmt::Debug for ConvNet {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ConvNet")
+            .field("precision", &self.precision)
+            .field("layout", &self.layout)
+            .field("input", &self.input)
+            .field("layers", &self.layers.len())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Launch shape for `n` elements, 256 threads a block.
+fn blocks(n: usize) -> Result<(u32, u32, u32)> {
+    let b = u32::try_from(n.div_ceil(256))
+        .map_err(|_| Error::BadAnswer("a tensor too large for one launch"))?;
+    Ok((b.max(1), 1, 1))
+}
+
+impl ConvNet {
+    /// Uploads `layers` to `gpu` for inputs `[C, H, W]` = `input`, checking that each layer's
+    /// input is the previous one's output and each residual matches its layer's output.
+    /// Fails with [`Error::NoCudnn`] where cuDNN cannot be loaded, and with a cuDNN error
+    /// where the device does not support `precision` (bf16 needs compute capability 8.0).
+    pub fn new(
+        gpu: &Arc<Gpu>,
+        input: [usize; 3],
+        layers: Vec<ConvLayer>,
+        precision: Precision,
+        layout: Layout,
+    ) -> Result<ConvNet> {
+        cudnn::available()?;
+        let bad = |m: String| Error::Cudnn {
+            call: "ConvNet::new",
+            status: m,
+        };
+        if layers.is_empty() {
+            return Err(bad("a network needs at least one layer".into()));
+        }
+        // Shapes: activation i is [C, H, W].
+        let mut shapes = vec![input];
+        for (i, l) in layers.iter().enumerate() {
+            let [c, h, w] = shapes[i];
+            if l.in_channels != c {
+                return Err(bad(format!(
+                    "layer {i} takes {} channels, its input has {c}",
+                    l.in_channels
+                )));
+            }
+            if l.kernel == 0 || l.stride == 0 || h + 2 * l.padding < l.kernel {
+                return Err(bad(format!("layer {i}: kernel, stride or input too small")));
+            }
+            if l.weight.len() != l.out_channels * l.in_channels * l.kernel * l.kernel
+                || l.bias.len() != l.out_channels
+            {
+                return Err(bad(format!("layer {i}: weights or bias of the wrong size")));
+            }
+            let ho = (h + 2 * l.padding - l.kernel) / l.stride + 1;
+            let wo = (w + 2 * l.padding - l.kernel) / l.stride + 1;
+            let out = [l.out_channels, ho, wo];
+            if let Some(r) = l.residual {
+                if r > i || shapes[r] != out {
+                    return Err(bad(format!(
+                        "layer {i}: residual {r} is not an earlier activation of its output's shape"
+                    )));
+                }
+            }
+            shapes.push(out);
+        }
+        let stream = Stream::new(gpu)?;
+        let handle = Handle::new(gpu, &stream)?;
+        let src = format!("{}{KERNELS}", precision.kernel_prelude());
+        let file = format!("tensorport_net_{}.cu", precision.name());
+        let convert = Kernel::compile(gpu, &src, &file, c"tp_net_convert")?;
+        let epilogue = Kernel::compile(gpu, &src, &file, c"tp_net_epilogue")?;
+        let mean = Kernel::compile(gpu, &src, &file, c"tp_net_mean")?;
+        let dtype = precision.data_type();
+        let mut on_device = Vec::with_capacity(layers.len());
+        for (i, spec) in layers.into_iter().enumerate() {
+            let wbytes: Vec<u8> = spec.weight.iter().flat_map(|x| x.to_ne_bytes()).collect();
+            let bbytes: Vec<u8> = spec.bias.iter().flat_map(|x| x.to_ne_bytes()).collect();
+            let bias = DeviceBuffer::new(gpu, bbytes.len())?;
+            let weight = DeviceBuffer::new(gpu, spec.weight.len() * precision.bytes())?;
+            // Other types and layouts are converted on the device from an fp32 copy.
+            let f32s = if as_given(precision, layout) {
+                None
+            } else {
+                Some(DeviceBuffer::new(gpu, wbytes.len())?)
+            };
+            // SAFETY: each buffer holds exactly its bytes; the stream is synchronised below,
+            // before the host bytes and the fp32 copy go.
+            unsafe {
+                stream.copy_host_to_device_async(bias.ptr(), &bbytes)?;
+                match &f32s {
+                    None => stream.copy_host_to_device_async(weight.ptr(), &wbytes)?,
+                    Some(f) => {
+                        stream.copy_host_to_device_async(f.ptr(), &wbytes)?;
+                        launch_convert(
+                            &convert,
+                            &stream,
+                            (f.ptr(), weight.ptr()),
+                            spec.weight.len(),
+                            (spec.in_channels, spec.kernel * spec.kernel),
+                            layout,
+                        )?;
+                    }
+                }
+            }
+            let bias_t = if precision.bytes() == 4 {
+                None
+            } else {
+                let t = DeviceBuffer::new(gpu, spec.bias.len() * precision.bytes())?;
+                // SAFETY: `bias` holds the layer's channels in fp32, `t` as many elements; both
+                // live past the synchronisation below.
+                unsafe {
+                    launch_convert(
+                        &convert,
+                        &stream,
+                        (bias.ptr(), t.ptr()),
+                        spec.bias.len(),
+                        (1, 1),
+                        Layout::Nchw,
+                    )?
+                };
+                Some(t)
+            };
+            stream.synchronize()?;
+            drop(f32s);
+            let bias_desc = TensorDesc::new(dtype, layout.format(), [1, spec.out_channels, 1, 1])?;
+            let filter = FilterDesc::new(
+                dtype,
+                layout.format(),
+                [
+                    spec.out_channels,
+                    spec.in_channels,
+                    spec.kernel,
+                    spec.kernel,
+                ],
+            )?;
+            let conv = ConvDesc::new(
+                spec.padding,
+                spec.stride,
+                DataType::CUDNN_DATA_FLOAT,
+                precision.math(),
+            )?;
+            on_device.push(Layer {
+                out: shapes[i + 1],
+                spec,
+                weight,
+                bias,
+                bias_t,
+                bias_desc,
+                filter,
+                conv,
+                fused: true,
+            });
+        }
+        Ok(ConvNet {
+            gpu: gpu.clone(),
+            handle,
+            stream,
+            precision,
+            layout,
+            input,
+            layers: on_device,
+            convert,
+            epilogue,
+            mean,
+            relu: Relu::new()?,
+            plans: HashMap::new(),
+            found: HashMap::new(),
+            acts: Vec::new(),
+            capacity: 0,
+            workspace: None,
+            pooled: None,
+            pooled_host: None,
+            in_flight: None,
+        })
+    }
+
+    /// The network's precision.
+    pub fn precision(&self) -> Precision {
+        self.precision
+    }
+
+    /// The network's memory layout.
+    pub fn layout(&self) -> Layout {
+        self.layout
+    }
+
+    /// How many layers cuDNN runs fused (convolution, bias, residual and ReLU in one call); the
+    /// others run the convolution and then a kernel of ours.
+    pub fn fused_layers(&self) -> usize {
+        self.layers.iter().filter(|l| l.fused).count()
+    }
+
+    /// Whether to try cuDNN's fused call (the default) or always run the convolution and the
+    /// epilogue kernel apart (to compare the two).
+    pub fn set_fused(&mut self, fused: bool) {
+        for l in &mut self.layers {
+            l.fused = fused;
+        }
+    }
+
+    /// Channels of the last activation (the length of each image's pooled row).
+    pub fn out_channels(&self) -> usize {
+        self.layers.last().map_or(0, |l| l.out[0])
+    }
+
+    /// The loaded cuDNN's version, e.g. 91400 for 9.14.0.
+    pub fn cudnn_version() -> Result<usize> {
+        cudnn::available()?;
+        Ok(cudnn::version())
+    }
+
+    /// Measures the algorithms for batches of up to `batch` images now, rather than at the
+    /// first batch of each size.
+    pub fn prepare(&mut self, batch: usize) -> Result<()> {
+        // Growing replaces the buffers a batch in flight writes.
+        self.collect()?;
+        self.grow(batch)?;
+        self.plan(batch).map(|_| ())
+    }
+
+    /// Makes room for `batch` images.
+    fn grow(&mut self, batch: usize) -> Result<()> {
+        if batch <= self.capacity && !self.acts.is_empty() {
+            return Ok(());
+        }
+        // The stream may still read the old buffers.
+        self.stream.synchronize()?;
+        let n = batch.max(self.capacity).max(1);
+        let elem = self.precision.bytes();
+        let mut acts = Vec::with_capacity(self.layers.len() + 1);
+        let input: usize = self.input.iter().product();
+        acts.push(DeviceBuffer::new(
+            &self.gpu,
+            if as_given(self.precision, self.layout) {
+                1
+            } else {
+                n * input * elem
+            },
+        )?);
+        for l in &self.layers {
+            acts.push(DeviceBuffer::new(
+                &self.gpu,
+                n * l.out.iter().product::<usize>() * elem,
+            )?);
+        }
+        self.pooled = Some(DeviceBuffer::new(&self.gpu, n * self.out_channels() * 4)?);
+        self.pooled_host = Some(PinnedBuffer::new(&self.gpu, n * self.out_channels() * 4)?);
+        self.acts = acts;
+        self.capacity = n;
+        Ok(())
+    }
+
+    /// The plan for `batch` images, made (and its algorithms measured) the first time.
+    fn plan(&mut self, batch: usize) -> Result<&Plan> {
+        if !self.plans.contains_key(&batch) {
+            let dtype = self.precision.data_type();
+            let mut descs = vec![TensorDesc::new(
+                dtype,
+                self.layout.format(),
+                [batch, self.input[0], self.input[1], self.input[2]],
+            )?];
+            for l in &self.layers {
+                descs.push(TensorDesc::new(
+                    dtype,
+                    self.layout.format(),
+                    [batch, l.out[0], l.out[1], l.out[2]],
+                )?);
+            }
+            // Algorithms are measured once per power of two and reused for the sizes below it
+            // where cuDNN accepts them; a size that refuses one gets its own measurement.
+            let bucket = batch.next_power_of_two();
+            if !self.found.contains_key(&bucket) {
+                let found = self.measure(bucket)?;
+                self.found.insert(bucket, found);
+            }
+            let mut algos = Vec::with_capacity(self.layers.len());
+            for (i, l) in self.layers.iter().enumerate() {
+                let algo = self.found[&bucket][i];
+                let ws = match self.handle.workspace_size(
+                    &descs[i],
+                    &l.filter,
+                    &l.conv,
+                    &descs[i + 1],
+                    algo,
+                ) {
+                    Ok(ws) => (algo, ws),
+                    Err(_) => {
+                        let best = self.fastest(&descs[i], l, &descs[i + 1])?;
+                        let ws = self.handle.workspace_size(
+                            &descs[i],
+                            &l.filter,
+                            &l.conv,
+                            &descs[i + 1],
+                            best,
+                        )?;
+                        (best, ws)
+                    }
+                };
+                algos.push(ws);
+            }
+            let need = algos.iter().map(|a| a.1).max().unwrap_or(0);
+            if self.workspace.as_ref().is_none_or(|w| w.len() < need) {
+                self.stream.synchronize()?;
+                self.workspace = None;
+                self.workspace = Some(DeviceBuffer::new(&self.gpu, need.max(1))?);
+            }
+            self.plans.insert(batch, Plan { descs, algos });
+        }
+        Ok(&self.plans[&batch])
+    }
+
+    /// The fastest algorithm of each layer for `batch` images.
+    fn measure(&self, batch: usize) -> Result<Vec<Algo>> {
+        let dtype = self.precision.data_type();
+        let mut x = TensorDesc::new(
+            dtype,
+            self.layout.format(),
+            [batch, self.input[0], self.input[1], self.input[2]],
+        )?;
+        let mut out = Vec::with_capacity(self.layers.len());
+        for l in &self.layers {
+            let y = TensorDesc::new(
+                dtype,
+                self.layout.format(),
+                [batch, l.out[0], l.out[1], l.out[2]],
+            )?;
+            out.push(self.fastest(&x, l, &y)?);
+            x = y;
+        }
+        Ok(out)
+    }
+
+    /// The fastest algorithm cuDNN measures for `l` between `x` and `y`, keeping to the
+    /// precision's arithmetic.
+    fn fastest(&self, x: &TensorDesc, l: &Layer, y: &TensorDesc) -> Result<Algo> {
+        let found = self.handle.find_algorithms(x, &l.filter, &l.conv, y)?;
+        let math = self.precision.math();
+        found
+            .iter()
+            .find(|f| f.1 == math)
+            .or(found.first())
+            .map(|f| f.0)
+            .ok_or_else(|| Error::Cudnn {
+                call: "cudnnFindConvolutionForwardAlgorithm",
+                status: format!(
+                    "no algorithm for a {}x{} convolution in {}",
+                    l.spec.kernel, l.spec.kernel, self.precision
+                ),
+            })
+    }
+
+    /// Runs the network on `batch` images `[C, H, W]` of fp32 (NCHW) at device address `x`,
+    /// and returns the last activation averaged over its height and width: `batch` rows of
+    /// [`ConvNet::out_channels`] values, one after the other. Returns once the device is done
+    /// (with `x`, too). [`ConvNet::launch`] and [`ConvNet::collect`] in one.
+    ///
+    /// # Safety
+    /// `x` must be device memory of this GPU's context holding `batch × C × H × W` floats,
+    /// written by work that has completed (or been ordered before this call by a
+    /// synchronisation), and not written until this returns.
+    pub unsafe fn pooled(&mut self, x: u64, batch: usize) -> Result<Vec<f32>> {
+        // SAFETY: the caller's contract, which holds until `collect` has returned below.
+        unsafe { self.launch(x, batch)? };
+        self.collect()
+    }
+
+    /// Whether a batch was launched and not yet collected.
+    pub fn in_flight(&self) -> bool {
+        self.in_flight.is_some()
+    }
+
+    /// Enqueues the network on `batch` images at `x` (as [`ConvNet::pooled`]) and returns
+    /// without waiting: the host may prepare the next batch while the device runs this one.
+    /// [`ConvNet::collect`] waits and returns the pooled rows. A batch still in flight is
+    /// collected (and its rows dropped) first.
+    ///
+    /// # Safety
+    /// As [`ConvNet::pooled`], until [`ConvNet::collect`] has returned (or the network is
+    /// dropped, which waits for the device).
+    pub unsafe fn launch(&mut self, x: u64, batch: usize) -> Result<()> {
+        if self.in_flight.is_some() {
+            self.collect()?;
+        }
+        if batch == 0 {
+            self.in_flight = Some((0, Vec::new()));
+            return Ok(());
+        }
+        self.grow(batch)?;
+        self.plan(batch)?;
+        let plan = &self.plans[&batch];
+        let input: usize = self.input.iter().product();
+        let acts: Vec<u64> = self.acts.iter().map(|b| b.ptr()).collect();
+        // Activation 0: the caller's floats, or their copy in the network's type and layout.
+        let given = as_given(self.precision, self.layout);
+        let act = |i: usize| if i == 0 && given { x } else { acts[i] };
+        if !given {
+            // SAFETY: `x` holds batch × input floats (the caller's contract); acts[0] was
+            // sized for `capacity` ≥ batch inputs in the element type.
+            unsafe {
+                launch_convert(
+                    &self.convert,
+                    &self.stream,
+                    (x, acts[0]),
+                    batch * input,
+                    (self.input[0], self.input[1] * self.input[2]),
+                    self.layout,
+                )?
+            };
+        }
+        let mut nhwc = i32::from(self.layout == Layout::Nhwc);
+        let workspace = self
+            .workspace
+            .as_ref()
+            .map_or((0, 0), |w| (w.ptr(), w.len()));
+        let mut refused = Vec::new();
+        for (i, l) in self.layers.iter().enumerate() {
+            let (algo, ws) = plan.algos[i];
+            let x_i = (&plan.descs[i], act(i));
+            let y_i = (&plan.descs[i + 1], act(i + 1));
+            let work = (workspace.0, ws.min(workspace.1));
+            if l.fused {
+                let bias = l.bias_t.as_ref().unwrap_or(&l.bias).ptr();
+                // SAFETY: activation i holds batch inputs of layer i (written by the work
+                // before, on this stream); activation i + 1 was sized for them and is written
+                // only here; the residual is an earlier activation of its shape (checked in
+                // `new`); the weights and bias match their descriptors; the workspace was sized
+                // for this plan.
+                let done = unsafe {
+                    self.handle.forward_bias_relu(
+                        x_i,
+                        (&l.filter, l.weight.ptr()),
+                        (&l.conv, algo),
+                        work,
+                        (l.spec.residual.map(act), (&l.bias_desc, bias), &self.relu),
+                        y_i,
+                    )
+                };
+                match done {
+                    Ok(()) => continue,
+                    // cuDNN refused the combination (before enqueuing anything): this layer
+                    // runs apart from now on.
+                    Err(Error::Cudnn { .. }) => refused.push(i),
+                    Err(e) => return Err(e),
+                }
+            }
+            // SAFETY: as above.
+            unsafe {
+                self.handle
+                    .forward(x_i, (&l.filter, l.weight.ptr()), &l.conv, algo, work, y_i)?
+            };
+            let plane = l.out[1] * l.out[2];
+            let n = batch * l.out[0] * plane;
+            let (mut y, mut b, mut z) = (act(i + 1), l.bias.ptr(), l.spec.residual.map_or(0, act));
+            let (mut p, mut c, mut count) = (plane as u64, l.out[0] as u64, n as u64);
+            let mut params: [*mut std::ffi::c_void; 7] = [
+                (&mut y as *mut u64).cast(),
+                (&mut b as *mut u64).cast(),
+                (&mut z as *mut u64).cast(),
+                (&mut p as *mut u64).cast(),
+                (&mut c as *mut u64).cast(),
+                (&mut count as *mut u64).cast(),
+                (&mut nhwc as *mut i32).cast(),
+            ];
+            // SAFETY: the parameters match `tp_net_epilogue`'s; `y` and `z` hold `n` elements
+            // (checked shapes), `b` the layer's channels.
+            unsafe {
+                self.epilogue
+                    .launch(blocks(n)?, (256, 1, 1), &self.stream, &mut params)?
+            };
+        }
+        let last = self.layers.last().expect("at least one layer");
+        let rows = batch * last.out[0];
+        let pooled = self.pooled.as_ref().expect("made by grow");
+        let (mut src, mut dst, mut plane, mut channels) = (
+            act(self.layers.len()),
+            pooled.ptr(),
+            (last.out[1] * last.out[2]) as u64,
+            last.out[0] as u64,
+        );
+        let mut params: [*mut std::ffi::c_void; 5] = [
+            (&mut src as *mut u64).cast(),
+            (&mut dst as *mut u64).cast(),
+            (&mut plane as *mut u64).cast(),
+            (&mut channels as *mut u64).cast(),
+            (&mut nhwc as *mut i32).cast(),
+        ];
+        let grid = u32::try_from(rows).map_err(|_| Error::BadAnswer("a batch too large"))?;
+        // SAFETY: the parameters match `tp_net_mean`'s; the last activation holds `rows`
+        // planes and `pooled` `rows` floats.
+        unsafe {
+            self.mean
+                .launch((grid, 1, 1), (256, 1, 1), &self.stream, &mut params)?
+        };
+        self.gpu.bind()?;
+        let host = self.pooled_host.as_mut().expect("made by grow");
+        // SAFETY: `host` is page-locked memory of `capacity` rows ≥ `rows` floats, owned by
+        // this network and read only in `collect`, after the stream has run the copy (the
+        // network's drop waits for the stream too); `pooled` holds `rows` floats.
+        unsafe {
+            self.gpu.driver().memcpy_dtoh_async(
+                host.as_mut_slice().as_mut_ptr(),
+                pooled.ptr(),
+                rows * 4,
+                self.stream.raw().cast(),
+            )?
+        };
+        self.in_flight = Some((rows, refused));
+        Ok(())
+    }
+
+    /// Waits for the batch [`ConvNet::launch`] enqueued and returns its pooled rows (nothing if
+    /// none is in flight).
+    pub fn collect(&mut self) -> Result<Vec<f32>> {
+        let Some((rows, refused)) = self.in_flight.take() else {
+            return Ok(Vec::new());
+        };
+        self.stream.synchronize()?;
+        for i in refused {
+            tracing::debug!(
+                layer = i,
+                "cuDNN refused the fused convolution; running it apart"
+            );
+            self.layers[i].fused = false;
+        }
+        let Some(host) = self.pooled_host.as_mut() else {
+            return Ok(Vec::new());
+        };
+        Ok(host.as_mut_slice()[..rows * 4]
+            .chunks_exact(4)
+            .map(|b| f32::from_ne_bytes([b[0], b[1], b[2], b[3]]))
+            .collect())
+    }
+}
+
+/// Whether a network of `precision` and `layout` takes its input (NCHW fp32) as it is.
+fn as_given(precision: Precision, layout: Layout) -> bool {
+    precision.bytes() == 4 && layout == Layout::Nchw
+}
+
+/// Enqueues `n` NCHW floats at `src` (`(channels, plane)` per image) converted into the
+/// element type and `layout` at `dst`.
+///
+/// # Safety
+/// `src` and `dst` must hold `n` elements each, valid until `stream` has run the kernel.
+unsafe fn launch_convert(
+    convert: &Kernel,
+    stream: &Stream,
+    (src, dst): (u64, u64),
+    n: usize,
+    (channels, plane): (usize, usize),
+    layout: Layout,
+) -> Result<()> {
+    let (mut s, mut d, mut count) = (src, dst, n as u64);
+    let (mut c, mut p, mut nhwc) = (
+        channels as u64,
+        plane as u64,
+        i32::from(layout == Layout::Nhwc),
+    );
+    let mut params: [*mut std::ffi::c_void; 6] = [
+        (&mut s as *mut u64).cast(),
+        (&mut d as *mut u64).cast(),
+        (&mut count as *mut u64).cast(),
+        (&mut c as *mut u64).cast(),
+        (&mut p as *mut u64).cast(),
+        (&mut nhwc as *mut i32).cast(),
+    ];
+    // SAFETY: the parameters match `tp_net_convert`'s; the caller's contract covers the memory.
+    unsafe { convert.launch(blocks(n)?, (256, 1, 1), stream, &mut params) }
+}
+
+impl Drop for ConvNet {
+    fn drop(&mut self) {
+        // The buffers must not be freed under running work.
+        let _ = self.stream.synchronize();
+    }
+}
