@@ -253,19 +253,18 @@ fn serve_on<D: Device<f32>>(
     let max_wait = Duration::from_millis(if a.sink { 0 } else { a.model.max_wait_ms });
     let started = Instant::now();
     let images = std::sync::atomic::AtomicU64::new(0);
+    let shared = Workers {
+        server: &server,
+        max_batch: a.model.max_batch,
+        max_wait,
+        sink: a.sink,
+        shape,
+        stop: &stop,
+        metrics: &metrics,
+        images: &images,
+    };
     let work = |dev: D, stack: Box<StackFn<D>>, mut model: Option<Model<D>>| {
-        worker_loop(
-            &server,
-            &dev,
-            &*stack,
-            model.as_mut(),
-            &a,
-            shape,
-            max_wait,
-            &stop,
-            &metrics,
-            &images,
-        )
+        shared.run(&dev, &*stack, model.as_mut())
     };
     std::thread::scope(|s| -> CliResult<()> {
         let others: Vec<_> = (1..workers)
@@ -352,115 +351,136 @@ fn answer(
     }
 }
 
-/// One model worker: takes batches (from its share of the producers when there are several
-/// workers), runs the model, answers, until the server has drained. Where the model runs on a
-/// device of its own (cuDNN), the next batch is taken and gathered while the device runs the
-/// last one, whose answers go out once the next is on its way.
-#[allow(clippy::too_many_arguments)]
-fn worker_loop<D: Device<f32>>(
-    server: &Server,
-    dev: &D,
-    stack: &StackFn<D>,
-    mut model: Option<&mut Model<D>>,
-    a: &Args,
-    shape: [usize; 3],
+/// What the model workers share: the server, the batching policy and the counters.
+struct Workers<'a> {
+    server: &'a Server,
+    max_batch: usize,
+    /// How long a batch waits for more requests after its first.
     max_wait: Duration,
-    stop: &std::sync::atomic::AtomicBool,
-    metrics: &Option<crate::metrics::Metrics>,
-    images: &std::sync::atomic::AtomicU64,
-) -> CliResult<()> {
-    let mut draining = false;
-    let mut in_flight: Option<InFlight> = None;
-    let finish = |m: &mut Option<&mut Model<D>>, batch: Option<InFlight>| {
-        if let (Some(batch), Some(m)) = (batch, m.as_deref_mut()) {
-            let scores = m.collect();
-            answer(batch, scores, images, metrics);
-        }
-    };
-    loop {
-        if stop.load(Ordering::SeqCst) && !draining {
-            draining = true;
-            server.drain();
-        }
-        // With a batch on the device, take only what is already queued: its answers wait for
-        // this call.
-        let (first, more) = match in_flight {
-            Some(_) => (Duration::ZERO, Duration::ZERO),
-            None => (Duration::from_millis(100), max_wait),
-        };
-        let batch = match server.recv_batch(a.model.max_batch, first, more) {
-            Ok(b) => b,
-            Err(tensorport::Error::Stopped) => break,
-            Err(e) => {
-                finish(&mut model, in_flight.take());
-                return Err(e.into());
+    /// Answer at once, without a model.
+    sink: bool,
+    /// The model's input `[C, H, W]`.
+    shape: [usize; 3],
+    stop: &'a std::sync::atomic::AtomicBool,
+    metrics: &'a Option<crate::metrics::Metrics>,
+    /// Images answered, all workers together.
+    images: &'a std::sync::atomic::AtomicU64,
+}
+
+impl Workers<'_> {
+    /// One model worker: takes batches (from its share of the producers when there are several
+    /// workers), runs the model, answers, until the server has drained. Where the model runs on a
+    /// device of its own (cuDNN), the next batch is taken and gathered while the device runs the
+    /// last one, whose answers go out once the next is on its way.
+    fn run<D: Device<f32>>(
+        &self,
+        dev: &D,
+        stack: &StackFn<D>,
+        mut model: Option<&mut Model<D>>,
+    ) -> CliResult<()> {
+        let Workers {
+            server,
+            max_batch,
+            max_wait,
+            sink,
+            shape,
+            stop,
+            metrics,
+            images,
+        } = *self;
+        let mut draining = false;
+        let mut in_flight: Option<InFlight> = None;
+        let finish = |m: &mut Option<&mut Model<D>>, batch: Option<InFlight>| {
+            if let (Some(batch), Some(m)) = (batch, m.as_deref_mut()) {
+                let scores = m.collect();
+                answer(batch, scores, images, metrics);
             }
         };
-        if batch.is_empty() {
-            finish(&mut model, in_flight.take());
-            continue;
-        }
-        let taken = Instant::now();
-        let size = batch.len();
-        if a.sink {
-            let mut answers: Vec<_> = batch.into_iter().map(|r| (r, [0u8; 0])).collect();
-            let _ = server.respond_all(&mut answers);
-            images.fetch_add(size as u64, Ordering::Relaxed);
-            if let Some(m) = metrics {
-                m.record_batch(size, Duration::ZERO, taken.elapsed());
+        loop {
+            if stop.load(Ordering::SeqCst) && !draining {
+                draining = true;
+                server.drain();
             }
-            continue;
-        }
-        let stacked = stack(dev, &batch, shape);
-        // The batch owns a copy of the pixels now: give the slots back before the model runs.
-        let mut responders: Vec<Option<tensorport::Responder>> =
-            batch.into_iter().map(|r| Some(r.release())).collect();
-        // (Before the results: a late device tensor's row is in the input, but it gets this.)
-        for (i, e) in stacked.rejected {
-            tracing::warn!("{e}");
-            if let Some(r) = responders[i].take() {
-                let _ = match e {
-                    // The producer broke the hand-off: its session ends.
-                    tensorport_dfdx::Error::FenceTimeout { .. } => r.fail_and_end_session(
-                        tensorport::wire::ErrorCode::FenceTimeout,
-                        e.to_string(),
-                    ),
-                    e => r.fail(e.to_string()),
-                };
-            }
-        }
-        // This batch is on the device: the last one's scores are wanted now.
-        finish(&mut model, in_flight.take());
-        let Some(x) = stacked.input else {
-            if let Some(m) = &metrics {
-                m.record_batch(size, Duration::ZERO, taken.elapsed());
-            }
-            continue;
-        };
-        let batch = InFlight {
-            responders,
-            used: stacked.used,
-            size,
-            taken,
-            model_started: Instant::now(),
-        };
-        match model.as_deref_mut() {
-            Some(m) => match m.submit(x) {
-                Ok(tensorport_dfdx::Submitted::InFlight) => in_flight = Some(batch),
-                Ok(tensorport_dfdx::Submitted::Ready(scores)) => {
-                    answer(batch, Ok(scores), images, metrics)
+            // With a batch on the device, take only what is already queued: its answers wait for
+            // this call.
+            let (first, more) = match in_flight {
+                Some(_) => (Duration::ZERO, Duration::ZERO),
+                None => (Duration::from_millis(100), max_wait),
+            };
+            let batch = match server.recv_batch(max_batch, first, more) {
+                Ok(b) => b,
+                Err(tensorport::Error::Stopped) => break,
+                Err(e) => {
+                    finish(&mut model, in_flight.take());
+                    return Err(e.into());
                 }
-                Err(e) => answer(batch, Err(e), images, metrics),
-            },
-            // No model: the batch is on the device; that was the job.
-            None => {
-                let rows = batch.used.len();
-                answer(batch, Ok(vec![Vec::new(); rows]), images, metrics);
+            };
+            if batch.is_empty() {
+                finish(&mut model, in_flight.take());
+                continue;
+            }
+            let taken = Instant::now();
+            let size = batch.len();
+            if sink {
+                let mut answers: Vec<_> = batch.into_iter().map(|r| (r, [0u8; 0])).collect();
+                let _ = server.respond_all(&mut answers);
+                images.fetch_add(size as u64, Ordering::Relaxed);
+                if let Some(m) = metrics {
+                    m.record_batch(size, Duration::ZERO, taken.elapsed());
+                }
+                continue;
+            }
+            let stacked = stack(dev, &batch, shape);
+            // The batch owns a copy of the pixels now: give the slots back before the model runs.
+            let mut responders: Vec<Option<tensorport::Responder>> =
+                batch.into_iter().map(|r| Some(r.release())).collect();
+            // (Before the results: a late device tensor's row is in the input, but it gets this.)
+            for (i, e) in stacked.rejected {
+                tracing::warn!("{e}");
+                if let Some(r) = responders[i].take() {
+                    let _ = match e {
+                        // The producer broke the hand-off: its session ends.
+                        tensorport_dfdx::Error::FenceTimeout { .. } => r.fail_and_end_session(
+                            tensorport::wire::ErrorCode::FenceTimeout,
+                            e.to_string(),
+                        ),
+                        e => r.fail(e.to_string()),
+                    };
+                }
+            }
+            // This batch is on the device: the last one's scores are wanted now.
+            finish(&mut model, in_flight.take());
+            let Some(x) = stacked.input else {
+                if let Some(m) = &metrics {
+                    m.record_batch(size, Duration::ZERO, taken.elapsed());
+                }
+                continue;
+            };
+            let batch = InFlight {
+                responders,
+                used: stacked.used,
+                size,
+                taken,
+                model_started: Instant::now(),
+            };
+            match model.as_deref_mut() {
+                Some(m) => match m.submit(x) {
+                    Ok(tensorport_dfdx::Submitted::InFlight) => in_flight = Some(batch),
+                    Ok(tensorport_dfdx::Submitted::Ready(scores)) => {
+                        answer(batch, Ok(scores), images, metrics)
+                    }
+                    Err(e) => answer(batch, Err(e), images, metrics),
+                },
+                // No model: the batch is on the device; that was the job.
+                None => {
+                    let rows = batch.used.len();
+                    answer(batch, Ok(vec![Vec::new(); rows]), images, metrics);
+                }
             }
         }
+        finish(&mut model, in_flight.take());
+        Ok(())
     }
-    finish(&mut model, in_flight.take());
-    Ok(())
 }
 
 /// The GPU model: cuDNN's convolutions at `--precision`, their algorithms measured for
