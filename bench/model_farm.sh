@@ -10,7 +10,7 @@ bin=$(realpath "$1"); out=$(realpath -m "$2")
 cpu=${3:-15}; gpu=${4:-2}; precision=${5:-f16}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-"$here/make_sets.sh" "$out" 1800
+"$here/make_sets.sh" "$out" 1000
 for set in uniform varied; do
   n=$(find "$out/$set" -name '*.jpg' | wc -l)
   for producers in "--producers $cpu" "--producers 0 --gpu-producers $gpu"; do
