@@ -503,7 +503,7 @@ fn load_cuda(
         return load_dfdx(dev, model);
     }
     let cfg = model.config();
-    let layout = tensorport_cuda::Layout::preferred(precision);
+    let layout = tensorport_cuda::Layout::preferred(precision, max_batch);
     let mut m = match &model.weights {
         Some(p) => CudnnClassifier::load(dev, gpu, cfg, p, (precision, layout))?,
         None => CudnnClassifier::from_seed(dev, gpu, cfg, model.seed, (precision, layout))?,

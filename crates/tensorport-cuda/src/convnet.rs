@@ -128,12 +128,15 @@ impl Layout {
     /// Both layouts.
     pub const ALL: [Layout; 2] = [Layout::Nchw, Layout::Nhwc];
 
-    /// The faster layout for `precision` (measured on an H200 with the bundled classifier:
-    /// docs/benchmarks.md): NCHW for fp32 and TF32, NHWC for the 16-bit ones.
-    pub fn preferred(precision: Precision) -> Layout {
+    /// The faster layout for `precision` at batches of up to `batch` images (measured on an
+    /// H200 with the bundled classifier, docs/benchmarks.md): NCHW for fp32, NHWC for fp16,
+    /// and for TF32 and bf16 NCHW below 128 images, NHWC from there.
+    pub fn preferred(precision: Precision, batch: usize) -> Layout {
         match precision {
-            Precision::F32 | Precision::Tf32 => Layout::Nchw,
-            Precision::Bf16 | Precision::F16 => Layout::Nhwc,
+            Precision::F32 => Layout::Nchw,
+            Precision::F16 => Layout::Nhwc,
+            Precision::Tf32 | Precision::Bf16 if batch >= 128 => Layout::Nhwc,
+            Precision::Tf32 | Precision::Bf16 => Layout::Nchw,
         }
     }
 

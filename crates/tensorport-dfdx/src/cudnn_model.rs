@@ -64,7 +64,7 @@ impl std::fmt::Debug for CudnnClassifier {
 impl CudnnClassifier {
     /// The model with weights drawn from `seed` (the same as [`ImageClassifier::from_seed`]'s),
     /// on `gpu` (the device `dev` runs on), at a precision, in a memory layout
-    /// ([`Layout::preferred`] is the faster for each precision).
+    /// ([`Layout::preferred`] is the faster for each precision and batch size).
     pub fn from_seed(
         dev: &Cuda,
         gpu: &Arc<Gpu>,
