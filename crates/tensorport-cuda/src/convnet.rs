@@ -269,7 +269,7 @@ pub struct ConvNet {
     mean: Kernel,
     relu: Relu,
     plans: HashMap<usize, Plan>,
-    /// The fastest algorithms measured per power-of-two batch size, per layer.
+    /// The fastest algorithms, per layer, measured for a power-of-two batch size.
     found: HashMap<usize, Vec<Algo>>,
     /// `acts[0]` is the input in the network's type and layout (unused for NCHW fp32), `acts[i]` the
     /// output of layer `i - 1`; each sized for `capacity` images.
@@ -498,8 +498,8 @@ impl ConvNet {
         Ok(cudnn::version())
     }
 
-    /// Measures the algorithms for batches of up to `batch` images now, rather than at the
-    /// first batch of each size.
+    /// Measures the algorithms for batches of `batch` images now (they then serve every
+    /// batch size), rather than at the first batch.
     pub fn prepare(&mut self, batch: usize) -> Result<()> {
         // Growing replaces the buffers a batch in flight writes.
         self.collect()?;
@@ -555,13 +555,22 @@ impl ConvNet {
                     [batch, l.out[0], l.out[1], l.out[2]],
                 )?);
             }
-            // Algorithms are measured once per power of two and reused for the sizes below it
-            // where cuDNN accepts them; a size that refuses one gets its own measurement.
-            let bucket = batch.next_power_of_two();
-            if !self.found.contains_key(&bucket) {
-                let found = self.measure(bucket)?;
-                self.found.insert(bucket, found);
-            }
+            // Measuring takes cuDNN a tenth of a second or more — a stall in a serving loop — so
+            // it is done once, for the first power of two asked for (`prepare`: the largest
+            // batch), and its algorithms serve every other size where cuDNN accepts them; a
+            // size that refuses one gets that layer measured for it.
+            let bucket = match self.found.keys().filter(|&&b| b >= batch).min() {
+                Some(&b) => b,
+                None => match self.found.keys().max() {
+                    Some(&b) => b,
+                    None => {
+                        let b = batch.next_power_of_two();
+                        let found = self.measure(b)?;
+                        self.found.insert(b, found);
+                        b
+                    }
+                },
+            };
             let mut algos = Vec::with_capacity(self.layers.len());
             for (i, l) in self.layers.iter().enumerate() {
                 let algo = self.found[&bucket][i];

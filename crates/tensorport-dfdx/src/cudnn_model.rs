@@ -150,8 +150,8 @@ impl CudnnClassifier {
         self.net.fused_layers()
     }
 
-    /// Chooses cuDNN's algorithms for batches of up to `batch` images now (it measures them),
-    /// rather than when the first batch of each size comes.
+    /// Chooses cuDNN's algorithms for batches of `batch` images now (it measures them; every
+    /// batch size then uses them), rather than when the first batch comes.
     pub fn prepare(&mut self, batch: usize) -> Result<()> {
         self.net
             .prepare(batch)
