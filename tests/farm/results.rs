@@ -241,7 +241,8 @@ fn a_decompression_bomb_gets_an_error_line_that_says_why() {
 }
 
 /// Files that are not plain JPEGs among real images — a truncated JPEG, a JPEG header followed
-/// by junk, an empty file, text named `.jpg`, a PNG named `.jpg`, a JPEG named `.png` — each get
+/// by junk, an empty file, text named `.jpg`, a PNG named `.jpg`, a JPEG named `.png`, a JPEG
+/// whose frame header says 12-bit samples — each get
 /// exactly one line: scores where a decoder can make an image of it (a truncated scan is filled
 /// in, as libjpeg does), otherwise an error that names the file and says why.
 #[test]
@@ -268,8 +269,16 @@ fn odd_files_get_one_line_each_and_errors_name_the_file() {
     std::fs::write(images.join("text.jpg"), b"not an image at all\n").unwrap();
     std::fs::write(images.join("png-named.jpg"), &png).unwrap();
     std::fs::write(images.join("jpeg-named.png"), &jpeg).unwrap();
+    // The sample precision is the byte after a start-of-frame marker's length.
+    let sof = jpeg
+        .windows(2)
+        .position(|w| w[0] == 0xFF && matches!(w[1], 0xC0..=0xC2))
+        .expect("a start-of-frame marker");
+    let mut twelve = jpeg.clone();
+    twelve[sof + 4] = 12;
+    std::fs::write(images.join("twelve-bit.jpg"), &twelve).unwrap();
     let lines = farm_lines(&images, &dir.path().join("odd.jsonl"), &[]);
-    assert_eq!(lines.len(), 10, "one line per input");
+    assert_eq!(lines.len(), 11, "one line per input");
     let mut seen = std::collections::HashSet::new();
     for l in &lines {
         let input = l["input"].as_str().unwrap().to_string();
@@ -279,7 +288,10 @@ fn odd_files_get_one_line_each_and_errors_name_the_file() {
             .unwrap()
             .to_string_lossy()
             .into_owned();
-        let must_fail = matches!(name.as_str(), "junk.jpg" | "empty.jpg" | "text.jpg");
+        let must_fail = matches!(
+            name.as_str(),
+            "junk.jpg" | "empty.jpg" | "text.jpg" | "twelve-bit.jpg"
+        );
         let decodable = matches!(name.as_str(), "png-named.jpg" | "jpeg-named.png")
             || name.starts_with("sample-");
         match l.get("error").and_then(|e| e.as_str()) {
