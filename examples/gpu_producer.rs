@@ -8,7 +8,7 @@
 //! stream. For a check, each answer is compared with the same model run here on the CPU pipeline.
 //!
 //! ```sh
-//! bin/build-gpu.sh
+//! scripts/build-gpu.sh
 //! dist/gpu/tensorport serve --device cuda --image-size 256 --socket /tmp/tp-$USER/tp.sock &
 //! dist/gpu/gpu_producer /tmp/tp-$USER/tp.sock 32
 //! ```

@@ -13,7 +13,7 @@ mod model;
 #[cfg(not(feature = "cuda"))]
 mod model {
     pub(crate) fn cudnn_model_matches_the_cpu_model() {
-        println!("  skipped: needs the CUDA build (bin/build-gpu.sh)");
+        println!("  skipped: needs the CUDA build (scripts/build-gpu.sh)");
     }
 }
 mod pinned;
@@ -149,7 +149,7 @@ fn two_gpus() -> bool {
 }
 
 /// The CUDA `tensorport` binary these tests start: `TENSORPORT_BIN` if set, else a `tensorport`
-/// beside this test binary (bin/build-gpu.sh puts `gpu-tests` and `tensorport` together in
+/// beside this test binary (scripts/build-gpu.sh puts `gpu-tests` and `tensorport` together in
 /// dist/gpu), else the one cargo built with this test.
 fn tensorport_exe() -> String {
     if let Ok(p) = std::env::var("TENSORPORT_BIN") {

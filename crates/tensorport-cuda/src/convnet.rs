@@ -683,6 +683,21 @@ impl ConvNet {
             self.in_flight = Some((0, Vec::new()));
             return Ok(());
         }
+        // SAFETY: the caller's contract.
+        let launched = unsafe { self.enqueue(x, batch) };
+        if launched.is_err() {
+            // What was enqueued before the failure may still read `x`, which the caller may
+            // free as soon as this returns.
+            let _ = self.stream.synchronize();
+        }
+        launched
+    }
+
+    /// The work of [`ConvNet::launch`] for a batch of at least one image.
+    ///
+    /// # Safety
+    /// As [`ConvNet::launch`].
+    unsafe fn enqueue(&mut self, x: u64, batch: usize) -> Result<()> {
         self.grow(batch)?;
         self.plan(batch)?;
         let plan = &self.plans[&batch];

@@ -1,7 +1,7 @@
 //! Batches on the GPU without a CPU copy: each request's bytes go straight into its row of the
 //! model input — a DMA from its (registered, pinned) host slot, or a device-to-device copy from
 //! a GPU producer's buffer after waiting on its fence. Needs the build-time dfdx patch that
-//! exposes a tensor's device address (`bin/build-gpu.sh`).
+//! exposes a tensor's device address (`scripts/build-gpu.sh`).
 
 use dfdx::prelude::*;
 use tensorport::{DType, Request};

@@ -1,9 +1,9 @@
 #!/usr/bin/env bash
 # Installs a build-time CUDA 13.0 toolchain from PyPI wheels, for building the GPU binaries on a
-# machine with no GPU, no driver and no NVIDIA package repository (bin/build-gpu.sh runs it when
+# machine with no GPU, no driver and no NVIDIA package repository (scripts/build-gpu.sh runs it when
 # CUDA_ROOT is unset). Needs python3 with pip, gcc, and access to PyPI. Safe to re-run.
 #
-#   bin/cuda-toolchain.sh            # into $TENSORPORT_CUDA_PREFIX [~/.cache/tensorport-cuda13]
+#   scripts/cuda-toolchain.sh            # into $TENSORPORT_CUDA_PREFIX [~/.cache/tensorport-cuda13]
 #   source ~/.cache/tensorport-cuda13/env.sh
 #
 # What it makes, and why:
@@ -89,7 +89,7 @@ SMI
 chmod +x "$prefix/bin/nvidia-smi"
 
 cat > "$prefix/env.sh" <<ENV
-# Source before building tensorport with --features cuda (bin/build-gpu.sh does).
+# Source before building tensorport with --features cuda (scripts/build-gpu.sh does).
 export CUDA_ROOT="$root" CUDA_PATH="$root"
 export PATH="$root/bin:$prefix/bin:\$PATH"
 export CUDA_COMPUTE_CAP="\${CUDA_COMPUTE_CAP:-90}" FAKE_COMPUTE_CAP="\${FAKE_COMPUTE_CAP:-9.0}"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Source on the GPU machine before running the CUDA build of tensorport or its GPU tests:
 #
-#   source bin/gpu-env.sh        (or dist/gpu/gpu-env.sh, which bin/build-gpu.sh copies there)
+#   source scripts/gpu-env.sh        (or dist/gpu/gpu-env.sh, which scripts/build-gpu.sh copies there)
 #
 # libcuda comes with the driver; cuBLAS, NVRTC and cuRAND (which dfdx loads) come with a CUDA 13
 # toolkit or with PyTorch's nvidia wheels, and cuDNN 9 (the model's convolutions) with NVIDIA's

@@ -5,7 +5,7 @@
 # dfdx 0.13's CUDA build needs a CUDA toolkit at build time (nvcc for its kernels, cuBLAS and
 # NVRTC to link). Point CUDA_ROOT at yours (e.g. /usr/local/cuda, 13.0). Without CUDA_ROOT, the
 # CUDA 13.0 toolchain from PyPI wheels is used (this project's build machines have no GPU and no
-# NVIDIA repository; bin/cuda-toolchain.sh installs it).
+# NVIDIA repository; scripts/cuda-toolchain.sh installs it).
 #
 # On the GPU machine: `source dist/gpu/gpu-env.sh; dist/gpu/install-nvrtc-paths.sh;
 # dist/gpu/gpu-tests` (the tests start the `tensorport` beside them; TENSORPORT_BIN overrides).
@@ -17,19 +17,19 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 if [[ -z "${CUDA_ROOT:-}" ]]; then
   env_sh="${TENSORPORT_CUDA_PREFIX:-$HOME/.cache/tensorport-cuda13}/env.sh"
-  [[ -f "$env_sh" ]] || bash bin/cuda-toolchain.sh
+  [[ -f "$env_sh" ]] || bash scripts/cuda-toolchain.sh
   # shellcheck disable=SC1090
   source "$env_sh"
 fi
 export CARGO_TARGET_DIR="${CARGO_TARGET_DIR:-$PWD/target/gpu}"
-# dfdx 0.13 keeps a CUDA tensor's device pointer private; bin/dfdx-0.13.0-device-ptr.patch (ours,
+# dfdx 0.13 keeps a CUDA tensor's device pointer private; patches/dfdx-0.13.0-device-ptr.patch (ours,
 # a few lines) adds an accessor. It is applied to a copy of dfdx made here, never committed, and
 # cargo is pointed at that copy for this build only (Cargo.lock is put back afterwards).
 cargo fetch --quiet
 dfdx_src=$(ls -d "${CARGO_HOME:-$HOME/.cargo}"/registry/src/*/dfdx-0.13.0 | head -1)
 patched="$CARGO_TARGET_DIR/dfdx-0.13.0-tensorport"
 rm -rf "$patched" && mkdir -p "$CARGO_TARGET_DIR" && cp -r "$dfdx_src" "$patched"
-patch --quiet -p1 -d "$patched" < bin/dfdx-0.13.0-device-ptr.patch
+patch --quiet -p1 -d "$patched" < patches/dfdx-0.13.0-device-ptr.patch
 cp Cargo.lock "$CARGO_TARGET_DIR/Cargo.lock.orig"
 trap 'cp "$CARGO_TARGET_DIR/Cargo.lock.orig" Cargo.lock' EXIT
 with_patch=(--config "patch.crates-io.dfdx.path=\"$patched\"")
@@ -41,7 +41,7 @@ rm -rf "$out" && mkdir -p "$out/nvrtc"
 cp "$CARGO_TARGET_DIR/release/tensorport" "$out/tensorport"
 cp "$test_bin" "$out/gpu-tests"
 cp "$CARGO_TARGET_DIR/release/examples/gpu_producer" "$out/gpu_producer"
-cp bin/gpu-env.sh "$out/gpu-env.sh"
+cp scripts/gpu-env.sh "$out/gpu-env.sh"
 strip "$out/tensorport" "$out/gpu-tests" "$out/gpu_producer" 2>/dev/null || true
 dfdx_out=$(dirname "$(ls -td "$CARGO_TARGET_DIR"/release/build/dfdx-*/out/cuda_utils.cuh | head -1)")
 cp "$dfdx_out"/*.cuh "$out/nvrtc/"
