@@ -37,20 +37,57 @@ impl std::fmt::Display for CliError {
     }
 }
 
+/// The libraries' errors say what is wrong in their own terms; the command line adds which of
+/// its options or commands helps.
 impl From<tensorport::Error> for CliError {
     fn from(e: tensorport::Error) -> CliError {
-        CliError::new(e.to_string())
+        use tensorport::wire::ErrorCode;
+        use tensorport::Error as E;
+        let hint = match &e {
+            E::NoServer { .. } => {
+                " (`tensorport serve` starts one; --socket names the path)".to_string()
+            }
+            E::AddrInUse(p) => format!(
+                " (`tensorport ctl --socket {} drain` stops it; --socket picks another path)",
+                p.display()
+            ),
+            E::NotASocket(_) | E::UnsafeDir { .. } | E::UntrustedServer { .. } => {
+                " (--socket picks another path)".to_string()
+            }
+            E::Refused {
+                code: ErrorCode::MemoryBudget,
+                ..
+            } => " (`serve --memory-budget` sets the budget)".to_string(),
+            E::Refused {
+                code: ErrorCode::TooManySessions,
+                ..
+            } => " (`serve --max-sessions` sets how many)".to_string(),
+            _ => String::new(),
+        };
+        CliError::new(format!("{e}{hint}"))
     }
 }
 impl From<tensorport_dfdx::Error> for CliError {
     fn from(e: tensorport_dfdx::Error) -> CliError {
-        CliError::usage(e.to_string())
+        let hint = match &e {
+            tensorport_dfdx::Error::Weights { .. } => {
+                " (--weights FILE, or leave it out for --seed's weights)"
+            }
+            _ => "",
+        };
+        CliError::usage(format!("{e}{hint}"))
     }
 }
 impl From<tensorport_vision::Error> for CliError {
     fn from(e: tensorport_vision::Error) -> CliError {
         CliError::usage(e.to_string())
     }
+}
+
+/// The images in `--input DIR`, for commands that also take `--synthetic N`.
+pub fn list_inputs(dir: &std::path::Path) -> CliResult<Vec<std::path::PathBuf>> {
+    tensorport_vision::list_images(dir)
+        .map_err(|e| CliError::usage(format!("{e} (or --synthetic N for made-up images)")))
 }
 impl From<std::io::Error> for CliError {
     fn from(e: std::io::Error) -> CliError {

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant};
 
 use tensorport::{Producer, ProducerConfig, TensorSpec};
 use tensorport_dfdx::scores_from_bytes;
-use tensorport_vision::{list_images, Source};
+use tensorport_vision::Source;
 
 use crate::common::{
     argmax, CliError, CliResult, PixelsArg, ResultLine, SocketArg, StageTimes, TransformArg,
@@ -321,7 +321,7 @@ pub(crate) fn start_inputs(a: &Args) -> CliResult<(mpsc::Receiver<Item>, mpsc::S
     let items: Option<Box<dyn Iterator<Item = (u64, Source)> + Send>> =
         match (&a.input, a.synthetic, a.worklist) {
             (Some(dir), _, _) => Some(Box::new(
-                list_images(dir)?
+                crate::common::list_inputs(dir)?
                     .into_iter()
                     .enumerate()
                     .map(|(i, p)| (i as u64, Source::File(p))),

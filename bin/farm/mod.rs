@@ -18,7 +18,7 @@ use std::sync::mpsc::{self, Receiver, Sender};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use tensorport_vision::{list_images, Source};
+use tensorport_vision::Source;
 
 use crate::common::{CliError, CliResult, Device, ModelArgs, TransformArg};
 use children::{Ev, Farm};
@@ -152,7 +152,10 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         ));
     }
     let inputs: Vec<Source> = match (&args.input, args.synthetic) {
-        (Some(dir), _) => list_images(dir)?.into_iter().map(Source::File).collect(),
+        (Some(dir), _) => crate::common::list_inputs(dir)?
+            .into_iter()
+            .map(Source::File)
+            .collect(),
         (None, Some(n)) => (0..n).map(Source::Synthetic).collect(),
         (None, None) => {
             return Err(CliError::usage(

@@ -127,7 +127,7 @@ fn errors_are_one_line_and_say_what_to_do() {
     assert_one_line_error(&["ctl", "--socket", s, "status"], "tensorport serve");
     assert_one_line_error(
         &["produce", "--socket", s, "--synthetic", "3"],
-        "start one with `tensorport serve`",
+        "`tensorport serve` starts one",
     );
     assert_one_line_error(&["produce", "--socket", s], "--synthetic N");
     // A socket already in use by a live server.
@@ -149,7 +149,7 @@ fn errors_are_one_line_and_say_what_to_do() {
     ]);
     assert!(ok, "{err}");
     assert_eq!(out.lines().count(), 2);
-    assert!(out.contains("--image-size"), "{out}");
+    assert!(out.contains("image size"), "{out}");
     // ctl status and drain work, and drain makes the server exit. --socket goes before or
     // after the subcommand.
     let (ok, out, err) = run(&["ctl", "--socket", s, "status"]);

@@ -137,7 +137,7 @@ pub fn check_shape(req: &Request, shape: [usize; 3]) -> Result<DType> {
     let want: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
     if d.shape() != want.as_slice() {
         return Err(bad(format!(
-            "shape {:?} (the model takes {:?}; match the server's --image-size)",
+            "shape {:?} (the model takes {:?}; match the server's image size)",
             d.shape(),
             shape
         )));

@@ -191,7 +191,7 @@ pub(crate) fn load_params(
     };
     let bytes = std::fs::read(path).map_err(|e| {
         werr(format!(
-            "{e}; pass an existing file to --weights, or leave it out to use --seed"
+            "{e}; pass an existing weights file, or use seeded weights"
         ))
     })?;
     let st = SafeTensors::deserialize(&bytes)
@@ -206,7 +206,7 @@ pub(crate) fn load_params(
         }
         if t.shape() != shape.as_slice() {
             return Err(werr(format!(
-                "{name} has shape {:?}, the model (--classes {}, width {}) needs {:?}",
+                "{name} has shape {:?}, the model ({} classes, width {}) needs {:?}",
                 t.shape(),
                 config.classes,
                 config.width,
@@ -450,7 +450,7 @@ mod tests {
         let e = ImageClassifier::load(&dev, small(), &dir.join("missing"))
             .err()
             .unwrap();
-        assert!(e.to_string().contains("--weights"), "{e}");
+        assert!(e.to_string().contains("existing weights file"), "{e}");
         std::fs::remove_dir_all(&dir).ok();
     }
 

@@ -203,7 +203,7 @@ pub fn fill_synthetic(n: u64, width: u32, height: u32, out: &mut RgbBuf) {
 pub fn list_images(dir: &Path) -> Result<Vec<PathBuf>> {
     let rd = std::fs::read_dir(dir).map_err(|e| {
         Error::Input(format!(
-            "cannot read input folder {}: {e}; pass a folder of PNG/JPEG files, or use --synthetic N",
+            "cannot read input folder {}: {e}; pass a folder of PNG/JPEG files",
             dir.display()
         ))
     })?;
@@ -290,7 +290,7 @@ mod tests {
         assert!(list_images(&dir)
             .unwrap_err()
             .to_string()
-            .contains("--synthetic"));
+            .contains("pass a folder of PNG/JPEG files"));
     }
 
     /// `img` encoded as a JPEG file (the `image` crate's encoder), for tests.

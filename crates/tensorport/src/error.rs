@@ -11,7 +11,7 @@ use thiserror::Error;
 #[derive(Debug, Error)]
 pub enum Error {
     /// Nothing listens at the socket path.
-    #[error("no tensorport server at {path} ({source}); start one with `tensorport serve`, or point --socket / TENSORPORT_SOCKET at the right path")]
+    #[error("no tensorport server at {path} ({source}); start a server there, or connect to the path one listens on ($TENSORPORT_SOCKET sets the default)")]
     NoServer {
         /// The socket path tried.
         path: PathBuf,
@@ -20,10 +20,10 @@ pub enum Error {
         source: std::io::Error,
     },
     /// Another server listens at the path.
-    #[error("a tensorport server is already listening at {0}; stop it (`tensorport ctl --socket {0} drain`) or choose another --socket")]
+    #[error("a tensorport server is already listening at {0}; stop it (drain it), or listen on another path")]
     AddrInUse(PathBuf),
     /// The path exists and is not a socket.
-    #[error("{0} exists and is not a socket; remove it or choose another --socket")]
+    #[error("{0} exists and is not a socket; remove it, or use another path")]
     NotASocket(PathBuf),
     /// The socket's directory is not private to this user.
     #[error("socket directory {path} {problem}; use a directory only you can write (mode 0700)")]
@@ -43,7 +43,7 @@ pub enum Error {
         source: std::io::Error,
     },
     /// The process listening on the socket belongs to another user.
-    #[error("the server at {path} runs as uid {uid}, neither you nor root; refusing to talk to it (check --socket)")]
+    #[error("the server at {path} runs as uid {uid}, neither you nor root; refusing to talk to it (check the socket path)")]
     UntrustedServer {
         /// The socket path.
         path: PathBuf,

@@ -38,7 +38,7 @@ fn ensure_private_dir(dir: &Path) -> Result<()> {
             return Err(Error::UnsafeDir {
                 path: dir.to_owned(),
                 problem: format!(
-                    "is a symbolic link owned by uid {}, not by you (uid {me}); remove it, or choose another --socket",
+                    "is a symbolic link owned by uid {}, not by you (uid {me}); remove it, or choose another socket path",
                     link.uid()
                 ),
             });

@@ -88,7 +88,7 @@ fn charge_making_room(
         (
             ErrorCode::MemoryBudget,
             format!(
-                "the server's memory for pools is spent ({used} of {} bytes reserved; this pool needs {want}); try again later, or start the server with a larger --memory-budget",
+                "the server's memory for pools is spent ({used} of {} bytes reserved; this pool needs {want}); try again later, or start the server with a larger memory budget",
                 shared.budget.limit()
             ),
         )
@@ -151,7 +151,7 @@ pub(crate) fn open_session(
     if !placed {
         return Err((
             ErrorCode::TooManySessions,
-            format!("the server has its maximum of {max} producers; try again later or raise --max-sessions"),
+            format!("the server has its maximum of {max} producers; try again later, or start the server with room for more producers"),
         ));
     }
     let mut reservation = Reservation(&shared.producers, true);
