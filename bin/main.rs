@@ -24,7 +24,7 @@ use clap::{Parser, Subcommand};
 /// place; one process owns the model (and the GPU), many feed it. Start with `tensorport farm
 /// --synthetic 512`, which runs a server and producers together and prints a summary.
 #[derive(Parser, Debug)]
-#[command(name = "tensorport", version, about, long_about = None, propagate_version = true)]
+#[command(name = "tensorport", version, propagate_version = true)]
 struct Cli {
     /// Log level for messages on stderr: off, error, warn, info, debug, trace, or a filter such
     /// as `warn,tensorport=debug` [default: info].
@@ -34,28 +34,34 @@ struct Cli {
     command: Command,
 }
 
+/// The user's commands first, then the developer tools (measuring and checking).
 #[derive(Subcommand, Debug)]
 enum Command {
-    /// Run the inference server: serve a dfdx image classifier to producers over the socket.
+    /// Run a server and N supervised producers over a set of images; print progress and a summary.
+    Farm(farm::Args),
+    /// Run the inference server: serve the bundled image classifier (dfdx on the CPU, cuDNN on
+    /// the GPU) to producers over the socket.
     Serve(serve::Args),
     /// Run one producer: preprocess images into shared memory, submit them, write the scores.
     Produce(produce::Args),
-    /// Run a server and N supervised producers over a set of images; print progress and a summary.
-    Farm(farm::Args),
     /// Ask a running server for its status, or tell it to drain.
     Ctl(ctl::Args),
-    /// What this machine's CUDA can do, and host-to-device bandwidth from pinned pools.
-    Gpu(gpu::Args),
-    /// Long load with random producer kills, checking the server for leaks (not for CI).
-    Soak(soak::Args),
-    /// The producers' preprocessing alone on one thread: cost per step, and its tensors (--dump).
-    Prep(prep::Args),
-    /// The bundled model alone on its device: images per second and time per batch.
-    ModelBench(model_bench::Args),
-    /// Write a weights file for the model (safetensors), from a seed.
-    Weights(tools::WeightsArgs),
     /// Write sample PNG and JPEG images (a small input set to try things on).
     Images(tools::ImagesArgs),
+    /// Write a weights file for the model (safetensors), from a seed.
+    Weights(tools::WeightsArgs),
+    /// Developer tool: the bundled model alone on its device, a table of images/s per batch
+    /// size, engine and precision.
+    ModelBench(model_bench::Args),
+    /// Developer tool: the producers' preprocessing alone on one thread: cost per step, and its
+    /// tensors (--dump).
+    Prep(prep::Args),
+    /// Developer tool: what this machine's CUDA can do, and host-to-device bandwidth from pinned
+    /// pools.
+    Gpu(gpu::Args),
+    /// Developer tool: long load with random producer kills, checking the server for leaks (not
+    /// for CI).
+    Soak(soak::Args),
 }
 
 fn main() -> ExitCode {
