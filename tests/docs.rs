@@ -54,7 +54,7 @@ fn nothing_points_outside_the_repository() {
     assert!(
         hits.is_empty(),
         "expected no reference to {outside} (the project keeps its own peer scripts in \
-         bench/peers and GPU helpers in bin/), found:\n{}",
+         bench/peers and GPU helpers in scripts/), found:\n{}",
         hits.join("\n")
     );
 }

@@ -11,7 +11,7 @@ mod supervisor;
 mod view;
 
 use std::io::IsTerminal;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::atomic::Ordering;
 use std::sync::mpsc::{self, Receiver, Sender};
@@ -133,44 +133,8 @@ pub struct Args {
 }
 
 pub fn run(args: Args) -> CliResult<ExitCode> {
-    if args.producers + args.gpu_producers == 0 {
-        return Err(CliError::usage(
-            "--producers must be at least 1 (or give --gpu-producers)",
-        ));
-    }
-    if args.gpu_producers > 0 && !args.model.device.is_cuda() && args.devices.is_empty() {
-        return Err(CliError::usage(
-            "--gpu-producers hand over device memory: run the servers on a GPU (--device cuda \
-             or --devices 0,1,...)",
-        ));
-    }
-    args.model.check()?;
-    if (args.model.device.is_cuda() || !args.devices.is_empty()) && !cfg!(feature = "cuda") {
-        return Err(CliError::usage(
-            "--device cuda: this tensorport was built without CUDA; rebuild with `--features cuda` \
-             (see docs/operations.md), or use --device cpu",
-        ));
-    }
-    let inputs: Vec<Source> = match (&args.input, args.synthetic) {
-        (Some(dir), _) => crate::common::list_inputs(dir)?
-            .into_iter()
-            .map(Source::File)
-            .collect(),
-        (None, Some(n)) => (0..n).map(Source::Synthetic).collect(),
-        (None, None) => {
-            return Err(CliError::usage(
-                "say what to classify: --input DIR (PNG/JPEG files) or --synthetic N",
-            ))
-        }
-    };
-    if let Some(w) = &args.model.weights {
-        if !w.is_file() {
-            return Err(CliError::usage(format!(
-                "weights file {} does not exist; write one with `tensorport weights --out FILE`, or leave --weights out to use --seed",
-                w.display()
-            )));
-        }
-    }
+    check(&args)?;
+    let inputs = inputs(&args)?;
     let n = inputs.len() as u64;
     let mut out = crate::results::ResultsFile::create(&args.output)?;
     // A results write past the file size limit then fails (and the file is cut back to whole
@@ -182,7 +146,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         Progress::Auto => std::io::stderr().is_terminal(),
     };
     let console = Arc::new(Console::new(tty, n));
-    // A private directory for the socket, unless one was given.
+    // A private directory for the socket, unless one was given (removed when this returns).
     let tmp;
     let base_socket = match &args.socket {
         Some(s) => s.clone(),
@@ -195,24 +159,7 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
             tmp.path().join("tensorport.sock")
         }
     };
-    // One socket and one device per server: `--devices` lists GPUs; else `--servers` copies of
-    // `--device`. Server k > 0 listens beside the first (`tensorport-k.sock`).
-    let devices: Vec<Device> = if args.devices.is_empty() {
-        vec![args.model.device; args.servers.max(1)]
-    } else {
-        args.devices.iter().map(|&g| Device::Cuda(g)).collect()
-    };
-    let sockets: Vec<PathBuf> = (0..devices.len())
-        .map(|k| match k {
-            0 => base_socket.clone(),
-            k => {
-                let stem = base_socket
-                    .file_stem()
-                    .map_or("tensorport".into(), |s| s.to_string_lossy().into_owned());
-                base_socket.with_file_name(format!("{stem}-{k}.sock"))
-            }
-        })
-        .collect();
+    let (sockets, devices) = servers(&args, &base_socket);
     let (tx, rx): (Sender<Ev>, Receiver<Ev>) = mpsc::channel();
     let exe = std::env::current_exe()?;
     let farm = Farm {
@@ -227,69 +174,12 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         console: console.clone(),
         tx,
     };
-    // SIGINT/SIGTERM, counted: the first drains, the second quits at once — but through this
-    // function's own exit, so the children are ended and the socket directory removed (exiting
-    // from the signal handler left both behind).
-    let signals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
-    {
-        use signal_hook::consts::{SIGINT, SIGTERM};
-        let mut it = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
-            .map_err(|e| CliError::new(format!("cannot handle SIGINT/SIGTERM: {e}")))?;
-        let count = signals.clone();
-        std::thread::spawn(move || {
-            for _ in it.forever() {
-                count.fetch_add(1, Ordering::SeqCst);
-            }
-        });
-    }
+    let signals = count_signals()?;
     let stopped = || signals.load(Ordering::SeqCst) >= 1;
     let quit_now = || signals.load(Ordering::SeqCst) >= 2;
     let started = Instant::now();
     let mut sup = Supervisor::start(farm, inputs)?;
-    let mut last_draw = Instant::now() - Duration::from_secs(1);
-    let mut batches = (0u64, 0u64);
-    loop {
-        if quit_now() {
-            break;
-        }
-        if stopped() {
-            sup.stop();
-        }
-        sup.start_due()?;
-        sup.hand_out();
-        sup.handle_events(&rx, Duration::from_millis(50), &mut out);
-        sup.kill_stalled();
-        sup.rebalance();
-        if sup.is_over() {
-            break;
-        }
-        if last_draw.elapsed() >= Duration::from_millis(250) {
-            last_draw = Instant::now();
-            // Results reach the file at least four times a second.
-            if let Err(e) = out.flush() {
-                sup.failure = Some(e);
-                break;
-            }
-            if tty {
-                if sup.any_ready() {
-                    let mut sum = (0, 0);
-                    for socket in &sup.farm.sockets {
-                        if let Ok(mut c) =
-                            tensorport::Control::connect(socket, Duration::from_millis(200))
-                        {
-                            if let Ok(s) = c.status() {
-                                sum.0 += s.totals.batches;
-                                sum.1 += s.totals.batched;
-                            }
-                        }
-                    }
-                    batches = sum;
-                }
-                let (summary, rows) = view::progress(&sup, started, batches);
-                console.draw(sup.done_count, summary, &rows);
-            }
-        }
-    }
+    let mut batches = drive(&mut sup, &rx, &mut out, (&stopped, &quit_now), tty, started)?;
     if let Err(e) = out.flush() {
         sup.failure.get_or_insert(e);
     }
@@ -315,4 +205,151 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
         return Ok(ExitCode::from(if stopped() { 130 } else { 1 }));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Refuses options that cannot work together, before anything starts.
+fn check(args: &Args) -> CliResult<()> {
+    if args.producers + args.gpu_producers == 0 {
+        return Err(CliError::usage(
+            "--producers must be at least 1 (or give --gpu-producers)",
+        ));
+    }
+    if args.gpu_producers > 0 && !args.model.device.is_cuda() && args.devices.is_empty() {
+        return Err(CliError::usage(
+            "--gpu-producers hand over device memory: run the servers on a GPU (--device cuda \
+             or --devices 0,1,...)",
+        ));
+    }
+    args.model.check()?;
+    if (args.model.device.is_cuda() || !args.devices.is_empty()) && !cfg!(feature = "cuda") {
+        return Err(CliError::usage(
+            "--device cuda: this tensorport was built without CUDA; rebuild with `--features cuda` \
+             (see docs/operations.md), or use --device cpu",
+        ));
+    }
+    if let Some(w) = &args.model.weights {
+        if !w.is_file() {
+            return Err(CliError::usage(format!(
+                "weights file {} does not exist; write one with `tensorport weights --out FILE`, or leave --weights out to use --seed",
+                w.display()
+            )));
+        }
+    }
+    Ok(())
+}
+
+/// What to classify: the images in `--input`, or `--synthetic` made-up ones.
+fn inputs(args: &Args) -> CliResult<Vec<Source>> {
+    Ok(match (&args.input, args.synthetic) {
+        (Some(dir), _) => crate::common::list_inputs(dir)?
+            .into_iter()
+            .map(Source::File)
+            .collect(),
+        (None, Some(n)) => (0..n).map(Source::Synthetic).collect(),
+        (None, None) => {
+            return Err(CliError::usage(
+                "say what to classify: --input DIR (PNG/JPEG files) or --synthetic N",
+            ))
+        }
+    })
+}
+
+/// One socket and one device per server: `--devices` lists GPUs; else `--servers` copies of
+/// `--device`. Server k > 0 listens beside the first (`tensorport-k.sock`).
+fn servers(args: &Args, base_socket: &Path) -> (Vec<PathBuf>, Vec<Device>) {
+    let devices: Vec<Device> = if args.devices.is_empty() {
+        vec![args.model.device; args.servers.max(1)]
+    } else {
+        args.devices.iter().map(|&g| Device::Cuda(g)).collect()
+    };
+    let sockets = (0..devices.len())
+        .map(|k| match k {
+            0 => base_socket.to_owned(),
+            k => {
+                let stem = base_socket
+                    .file_stem()
+                    .map_or("tensorport".into(), |s| s.to_string_lossy().into_owned());
+                base_socket.with_file_name(format!("{stem}-{k}.sock"))
+            }
+        })
+        .collect();
+    (sockets, devices)
+}
+
+/// SIGINT/SIGTERM, counted: the first drains, the second quits at once — but through the
+/// farm's own exit, so the children are ended and the socket directory removed.
+fn count_signals() -> CliResult<Arc<std::sync::atomic::AtomicUsize>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let signals = Arc::new(std::sync::atomic::AtomicUsize::new(0));
+    let mut it = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+        .map_err(|e| CliError::new(format!("cannot handle SIGINT/SIGTERM: {e}")))?;
+    let count = signals.clone();
+    std::thread::spawn(move || {
+        for _ in it.forever() {
+            count.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    Ok(signals)
+}
+
+/// The supervisor's loop: start, hand out, collect, restart and rebalance until the work is
+/// over or a signal says stop; draws the progress on a terminal. Returns the servers' batch
+/// counts (batches, requests batched) as last seen, or the error of a process that could not
+/// be started.
+fn drive(
+    sup: &mut Supervisor,
+    rx: &Receiver<Ev>,
+    out: &mut crate::results::ResultsFile,
+    (stopped, quit_now): (&dyn Fn() -> bool, &dyn Fn() -> bool),
+    tty: bool,
+    started: Instant,
+) -> CliResult<(u64, u64)> {
+    let mut last_draw = Instant::now() - Duration::from_secs(1);
+    let mut batches = (0u64, 0u64);
+    loop {
+        if quit_now() {
+            break;
+        }
+        if stopped() {
+            sup.stop();
+        }
+        sup.start_due()?;
+        sup.hand_out();
+        sup.handle_events(rx, Duration::from_millis(50), out);
+        sup.kill_stalled();
+        sup.rebalance();
+        if sup.is_over() {
+            break;
+        }
+        if last_draw.elapsed() >= Duration::from_millis(250) {
+            last_draw = Instant::now();
+            // Results reach the file at least four times a second.
+            if let Err(e) = out.flush() {
+                sup.failure = Some(e);
+                break;
+            }
+            if tty {
+                if sup.any_ready() {
+                    batches = batch_counts(&sup.farm.sockets);
+                }
+                let (summary, rows) = view::progress(sup, started, batches);
+                sup.farm.console.draw(sup.done_count, summary, &rows);
+            }
+        }
+    }
+    Ok(batches)
+}
+
+/// The servers' batch counts together (batches, requests batched), from their status.
+fn batch_counts(sockets: &[PathBuf]) -> (u64, u64) {
+    let mut sum = (0, 0);
+    for socket in sockets {
+        if let Ok(mut c) = tensorport::Control::connect(socket, Duration::from_millis(200)) {
+            if let Ok(s) = c.status() {
+                sum.0 += s.totals.batches;
+                sum.1 += s.totals.batched;
+            }
+        }
+    }
+    sum
 }
