@@ -117,6 +117,9 @@ fn charge_making_room(
     Err(spent(used))
 }
 
+/// What admission answers with when it refuses: the code and the reason.
+type Refusal = (ErrorCode, String);
+
 /// Creates the pool, registers the session, sends `Welcome` (with the fd) and the first grant.
 pub(crate) fn open_session(
     shared: &Arc<Shared>,
@@ -124,14 +127,56 @@ pub(crate) fn open_session(
     pid: u32,
     version: u16,
     stream: UnixStream,
-) -> std::result::Result<Arc<Session>, (ErrorCode, String)> {
-    let cfg = &shared.config;
+) -> std::result::Result<Arc<Session>, Refusal> {
+    let mut reservation = reserve_place(shared)?;
+    let (slots, slot_size) = pool_shape(&shared.config, hello);
+    // Charge the budget before a byte is reserved: the pool's size as HostPool will make it.
+    let want = HostPool::size_for(slots, slot_size).map_or(u64::MAX, |(_, len)| len);
+    if want > shared.max_session_bytes {
+        return Err((
+            ErrorCode::MemoryBudget,
+            format!(
+                "a pool of {want} bytes ({slots} slots of {slot_size}) is over the {} bytes one producer may have; ask for fewer or smaller slots",
+                shared.max_session_bytes
+            ),
+        ));
+    }
+    let charge = charge_making_room(shared, want)?;
+    let (session, grant) = build_session(shared, hello, pid, version, &stream, charge)?;
+    // Registered before the producer hears of it, so that once its `connect` returns the
+    // session is in the table (status, places) — nothing can be submitted before the Welcome.
+    register(shared, &session)?;
+    if let Err(e) = send_welcome(stream, &session, &grant) {
+        unregister(shared, &session);
+        return Err(handshake_write(e));
+    }
+    // Counted, like every later socket message, so a producer on the queues that only polls
+    // (`Producer::poll`) reads the first grants too.
+    session.note_socket_write();
+    // From here the reservation is released by `close_session`.
+    reservation.1 = false;
+    shared
+        .counters
+        .sessions_opened
+        .fetch_add(1, Ordering::Relaxed);
+    tracing::info!(
+        session = session.id,
+        producer = %hello.name,
+        pid,
+        slots,
+        slot_size = session.bounds.slot_size,
+        "producer connected"
+    );
+    Ok(session)
+}
+
+/// Reserves a place among the producers before anything is built; when all are taken, an idle
+/// session may give its place up (it leaves through its reader thread, so this waits for it).
+fn reserve_place(shared: &Shared) -> std::result::Result<Reservation<'_>, Refusal> {
     if shared.is_draining() {
         return Err((ErrorCode::Draining, "the server is draining".into()));
     }
-    // Reserve a place among the producers before building anything; when all are taken, an
-    // idle session may give its place up (it leaves through its reader thread, so wait for it).
-    let max = cfg.max_sessions;
+    let max = shared.config.max_sessions;
     let take = || {
         shared
             .producers
@@ -154,7 +199,12 @@ pub(crate) fn open_session(
             format!("the server has its maximum of {max} producers; try again later, or start the server with room for more producers"),
         ));
     }
-    let mut reservation = Reservation(&shared.producers, true);
+    Ok(Reservation(&shared.producers, true))
+}
+
+/// The slots and slot size a producer gets: what it asked for within the server's limits, or
+/// the server's defaults.
+fn pool_shape(cfg: &super::ServerConfig, hello: &Hello) -> (u32, u64) {
     let slots = match hello.want_slots {
         0 => cfg.slots_per_session,
         n => n.min(cfg.max_slots_per_session),
@@ -164,30 +214,29 @@ pub(crate) fn open_session(
         0 => cfg.slot_size,
         n => n.min(cfg.max_slot_size),
     };
-    // Charge the budget before a byte is reserved: the pool's size as HostPool will make it.
-    let want = HostPool::size_for(slots, slot_size).map_or(u64::MAX, |(_, len)| len);
-    if want > shared.max_session_bytes {
-        return Err((
-            ErrorCode::MemoryBudget,
-            format!(
-                "a pool of {want} bytes ({slots} slots of {slot_size}) is over the {} bytes one producer may have; ask for fewer or smaller slots",
-                shared.max_session_bytes
-            ),
-        ));
-    }
-    let charge = charge_making_room(shared, want)?;
+    (slots, slot_size)
+}
+
+/// The session's pool (pinned if the server pins), queues and state, and the slots first
+/// granted; nothing registered yet.
+fn build_session(
+    shared: &Arc<Shared>,
+    hello: &Hello,
+    pid: u32,
+    version: u16,
+    stream: &UnixStream,
+    charge: Charge,
+) -> std::result::Result<(Arc<Session>, Vec<SlotRef>), Refusal> {
+    let cfg = &shared.config;
+    let (slots, slot_size) = pool_shape(cfg, hello);
+    let internal = |e: String| (ErrorCode::Internal, e);
     let id = shared.next_session.fetch_add(1, Ordering::SeqCst);
     let mut pool = HostPool::create("tensorport-pool", slots, slot_size)
-        .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
+        .map_err(|e| internal(e.to_string()))?;
     if let Some(pin) = &cfg.pin {
         pool.pin_with(pin.as_ref())
-            .map_err(|e| (ErrorCode::Internal, e.to_string()))?;
+            .map_err(|e| internal(e.to_string()))?;
     }
-    let layout = PoolLayout {
-        slot_count: pool.slot_count(),
-        slot_size: pool.slot_size(),
-        pool_len: pool.len(),
-    };
     let max_in_flight = match cfg.max_in_flight {
         0 => slots.saturating_mul(2),
         n => n,
@@ -203,26 +252,22 @@ pub(crate) fn open_session(
     // request in flight or grants a slot, so these sizes never make a side wait on the other.
     let ring = if version >= 2 && cfg.rings {
         let cq = slots.saturating_add(max_in_flight).saturating_add(8);
-        Some(
-            ServerRing::create(max_in_flight.max(8), cq)
-                .map_err(|e| (ErrorCode::Internal, e.to_string()))?,
-        )
+        Some(ServerRing::create(max_in_flight.max(8), cq).map_err(|e| internal(e.to_string()))?)
     } else {
         None
     };
     let outbox_stream = stream
         .try_clone()
-        .map_err(|e| (ErrorCode::Internal, format!("dup socket: {e}")))?;
-    let shard = shared.least_loaded_shard();
+        .map_err(|e| internal(format!("dup socket: {e}")))?;
     let session = Arc::new(Session {
         id,
-        shard,
+        shard: shared.least_loaded_shard(),
         version,
         name: hello.name.clone(),
         pid,
         bounds: PoolBounds {
-            slot_count: layout.slot_count,
-            slot_size: layout.slot_size,
+            slot_count: pool.slot_count(),
+            slot_size: pool.slot_size(),
         },
         pool: Arc::new(pool),
         _charge: charge,
@@ -242,85 +287,75 @@ pub(crate) fn open_session(
             errors: 0,
         }),
         outbox: Outbox::new(outbox_stream, cfg.max_queued_output)
-            .map_err(|e| (ErrorCode::Internal, e.to_string()))?,
+            .map_err(|e| internal(e.to_string()))?,
         alive: AtomicBool::new(true),
         ring,
         shared: shared.clone(),
     });
-    // Registered before the producer hears of it, so that once its `connect` returns the
-    // session is in the table (status, places) — nothing can be submitted before the Welcome.
-    let sh = &shared.shards[shard];
-    let unregister = || {
-        let mut sessions = lock(&shared.sessions);
-        sessions.remove(&id);
-        sh.sessions.fetch_sub(1, Ordering::SeqCst);
-        drop(sessions);
-        if let Some(r) = &session.ring {
-            let _ = sh.epoll.delete(&r.to_server);
-            sh.ring_generation.fetch_add(1, Ordering::SeqCst);
-        }
-    };
+    Ok((session, grant))
+}
+
+/// Puts the session in the server's table and its queue on its shard's epoll set.
+fn register(shared: &Shared, session: &Arc<Session>) -> std::result::Result<(), Refusal> {
+    let sh = &shared.shards[session.shard];
     {
         let mut sessions = lock(&shared.sessions);
-        sessions.insert(id, session.clone());
+        sessions.insert(session.id, session.clone());
         sh.sessions.fetch_add(1, Ordering::SeqCst);
     }
     if let Some(r) = &session.ring {
-        if let Err(e) = sh
-            .epoll
-            .add(&r.to_server, EpollEvent::new(EpollFlags::EPOLLIN, id))
-        {
-            unregister();
+        if let Err(e) = sh.epoll.add(
+            &r.to_server,
+            EpollEvent::new(EpollFlags::EPOLLIN, session.id),
+        ) {
+            unregister(shared, session);
             return Err((ErrorCode::Internal, format!("epoll_ctl: {e}")));
         }
         sh.ring_generation.fetch_add(1, Ordering::SeqCst);
         sh.wake_consumer();
     }
-    // The handshake is written on the session's own thread, blocking (with the write timeout):
-    // the Welcome carries descriptors and nothing else waits on it.
+    Ok(())
+}
+
+/// Undoes [`register`] for a session whose handshake failed.
+fn unregister(shared: &Shared, session: &Session) {
+    let sh = &shared.shards[session.shard];
+    let mut sessions = lock(&shared.sessions);
+    sessions.remove(&session.id);
+    sh.sessions.fetch_sub(1, Ordering::SeqCst);
+    drop(sessions);
+    if let Some(r) = &session.ring {
+        let _ = sh.epoll.delete(&r.to_server);
+        sh.ring_generation.fetch_add(1, Ordering::SeqCst);
+    }
+}
+
+/// Writes the handshake on the session's own thread, blocking (with the write timeout): the
+/// Welcome carries the descriptors and nothing else waits on it; then the first grants.
+fn send_welcome(stream: UnixStream, session: &Session, grant: &[SlotRef]) -> crate::Result<()> {
     let mut fds = vec![session.pool.fd()];
     if let Some(r) = &session.ring {
         fds.extend(r.fds());
     }
     let mut writer = FrameWriter::new(stream);
     let welcome = ServerMsg::Welcome(Welcome {
-        version,
-        session_id: id,
-        pool: layout,
-        max_in_flight,
+        version: session.version,
+        session_id: session.id,
+        pool: PoolLayout {
+            slot_count: session.pool.slot_count(),
+            slot_size: session.pool.slot_size(),
+            pool_len: session.pool.len(),
+        },
+        max_in_flight: session.max_in_flight,
         fds: fds.len() as u8,
     });
-    let sent = writer.send(&welcome, &fds).and_then(|()| {
-        // Nothing reads the slot table's grants but this thread until the Welcome is out, so
-        // the grant cannot race a submit.
-        for chunk in grant.chunks(tensorport_wire::MAX_GRANT) {
-            writer.send(&ServerMsg::Grant(chunk.to_vec()), &[])?;
-        }
-        Ok(())
-    });
-    drop(fds);
-    if let Err(e) = sent {
-        unregister();
-        return Err(handshake_write(e));
+    writer.send(&welcome, &fds)?;
+    // Nothing reads the slot table's grants but this thread until the Welcome is out, so the
+    // grant cannot race a submit.
+    for chunk in grant.chunks(tensorport_wire::MAX_GRANT) {
+        writer.send(&ServerMsg::Grant(chunk.to_vec()), &[])?;
     }
-    // Counted, like every later socket message, so a producer on the queues that only polls
-    // (`Producer::poll`) reads the first grants too.
-    session.note_socket_write();
-    // From here the reservation is released by `close_session`.
-    reservation.1 = false;
-    shared
-        .counters
-        .sessions_opened
-        .fetch_add(1, Ordering::Relaxed);
-    tracing::info!(
-        session = id,
-        producer = %hello.name,
-        pid,
-        slots,
-        slot_size = layout.slot_size,
-        "producer connected"
-    );
-    Ok(session)
+    Ok(())
 }
 
 /// Checks a submission against the session (descriptor, slot state, limits) and makes it a
