@@ -30,9 +30,9 @@ impl Producer {
         fd: Option<BorrowedFd<'_>>,
         timeout: Duration,
     ) -> Result<Vec<u8>> {
-        self.registered = None;
+        self.requests.registered = None;
         let fds: Vec<BorrowedFd<'_>> = fd.into_iter().collect();
-        self.writer.send(
+        self.link.writer.send(
             &ClientMsg::RegisterDevice {
                 buffer,
                 len,
@@ -42,9 +42,9 @@ impl Producer {
         )?;
         let deadline = Instant::now() + timeout;
         loop {
-            if let Some((b, ev)) = self.registered.take() {
+            if let Some((b, ev)) = self.requests.registered.take() {
                 if b == buffer {
-                    self.devices.insert(
+                    self.requests.devices.insert(
                         buffer,
                         DeviceState {
                             len,
@@ -66,7 +66,10 @@ impl Producer {
 
     /// Whether a registered device buffer is ours to write (not in flight).
     pub fn device_free(&self, buffer: u32) -> bool {
-        self.devices.get(&buffer).is_some_and(|d| !d.in_flight)
+        self.requests
+            .devices
+            .get(&buffer)
+            .is_some_and(|d| !d.in_flight)
     }
 
     /// Waits until the server releases device `buffer` and the session is below its in-flight
@@ -75,9 +78,12 @@ impl Producer {
     pub fn wait_device(&mut self, buffer: u32, timeout: Duration) -> Result<()> {
         let deadline = Instant::now() + timeout;
         loop {
-            match self.devices.get(&buffer) {
+            match self.requests.devices.get(&buffer) {
                 None => return Err(Error::UnknownDevice(buffer)),
-                Some(d) if !d.in_flight && self.in_flight.len() < self.max_in_flight as usize => {
+                Some(d)
+                    if !d.in_flight
+                        && self.requests.in_flight.len() < self.requests.max_in_flight as usize =>
+                {
                     return Ok(())
                 }
                 Some(_) => {}
@@ -100,8 +106,8 @@ impl Producer {
         spec: &TensorSpec,
         timeline: Option<u64>,
     ) -> Result<u64> {
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = self.requests.next_id;
+        self.requests.next_id += 1;
         self.submit_device_as(buffer, id, spec, timeline)?;
         Ok(id)
     }
@@ -117,6 +123,7 @@ impl Producer {
     ) -> Result<()> {
         let id = request_id;
         let d = self
+            .requests
             .devices
             .get(&buffer)
             .cloned()
@@ -128,7 +135,7 @@ impl Producer {
             slot: buffer,
             generation: d.generation,
         });
-        if self.ring.is_some() && self.version >= tensorport_wire::DEVICE_QUEUES_VERSION {
+        if self.link.ring.is_some() && self.link.version >= tensorport_wire::DEVICE_QUEUES_VERSION {
             // Protocol 3: device hand-offs take the queue too.
             self.submit_on_ring(location, id, spec, timeline, Held::Device(buffer))?;
         } else {
@@ -139,7 +146,7 @@ impl Producer {
             });
             self.check_and_send(id, raw, Held::Device(buffer))?;
         }
-        if let Some(d) = self.devices.get_mut(&buffer) {
+        if let Some(d) = self.requests.devices.get_mut(&buffer) {
             d.in_flight = true;
         }
         Ok(())

@@ -27,19 +27,19 @@ impl Producer {
     /// in-flight limit.
     pub fn loan(&mut self, timeout: Duration) -> Result<Loan> {
         let slot = self.take_slot(timeout)?;
-        self.loaned += 1;
+        self.slots.loaned += 1;
         Ok(Loan {
             slot,
-            pool: self.pool.clone(),
-            home: self.home.clone(),
+            pool: self.slots.pool.clone(),
+            home: self.slots.home.clone(),
             submitted: false,
         })
     }
 
     /// Hands a loaned slot to the server as the tensor `spec`; returns the request id.
     pub fn submit_loan(&mut self, loan: Loan, spec: &TensorSpec) -> Result<u64> {
-        let id = self.next_id;
-        self.next_id += 1;
+        let id = self.requests.next_id;
+        self.requests.next_id += 1;
         self.submit_loan_as(loan, id, spec)?;
         Ok(id)
     }
@@ -51,22 +51,22 @@ impl Producer {
         request_id: u64,
         spec: &TensorSpec,
     ) -> Result<()> {
-        if !Arc::ptr_eq(&loan.home, &self.home) {
+        if !Arc::ptr_eq(&loan.home, &self.slots.home) {
             return Err(Error::ForeignLoan);
         }
         loan.submitted = true;
-        self.loaned -= 1;
+        self.slots.loaned -= 1;
         let slot = loan.slot;
         self.submit_slot(slot, request_id, spec).inspect_err(|_| {
-            self.free.push_back(slot);
+            self.slots.free.push_back(slot);
         })
     }
 
     /// Slots of loans dropped unsubmitted go back to the free list.
     pub(super) fn reclaim_loans(&mut self) {
-        let back = std::mem::take(&mut *crate::lock(&self.home.returned));
-        self.loaned -= back.len();
-        self.free.extend(back);
+        let back = std::mem::take(&mut *crate::lock(&self.slots.home.returned));
+        self.slots.loaned -= back.len();
+        self.slots.free.extend(back);
     }
 
     /// A free slot, within the in-flight limit, waiting up to `timeout`.
@@ -77,18 +77,19 @@ impl Producer {
             if self.draining {
                 return Err(Error::Draining);
             }
-            if self.loaned > 0 {
+            if self.slots.loaned > 0 {
                 self.reclaim_loans();
             }
-            if self.in_flight.len() + self.loaned < self.max_in_flight as usize
-                && !self.free.is_empty()
+            if self.requests.in_flight.len() + self.slots.loaned
+                < self.requests.max_in_flight as usize
+                && !self.slots.free.is_empty()
             {
                 self.await_warm_slot()?;
                 // The slot given back last (or the warm one): its pages are the likeliest to be
                 // in cache.
-                if let Some(slot) = self.free.pop_back() {
-                    if self.warm.on() {
-                        self.warm.leased(Instant::now());
+                if let Some(slot) = self.slots.free.pop_back() {
+                    if self.slots.warm.on() {
+                        self.slots.warm.leased(Instant::now());
                     }
                     return Ok(slot);
                 }
@@ -107,18 +108,18 @@ impl Producer {
     /// to come back (as long as [`super::warm::WarmLease::plan`] allows), and puts it at the
     /// back of the free list, where the next lease takes it (see [`super::warm`]).
     fn await_warm_slot(&mut self) -> Result<()> {
-        if !self.warm.on() {
+        if !self.slots.warm.on() {
             return Ok(());
         }
-        let Some((warm, until)) = self.warm.plan(Instant::now()) else {
+        let Some((warm, until)) = self.slots.warm.plan(Instant::now()) else {
             return Ok(());
         };
         let pos = loop {
-            if let Some(pos) = self.free.iter().rposition(|s| s.slot == warm) {
+            if let Some(pos) = self.slots.free.iter().rposition(|s| s.slot == warm) {
                 break pos;
             }
             if Instant::now() >= until {
-                self.warm.missed();
+                self.slots.warm.missed();
                 return Ok(());
             }
             for _ in 0..super::SPINS_PER_LOOK {
@@ -126,8 +127,8 @@ impl Producer {
             }
             self.poll()?;
         };
-        if let Some(s) = self.free.remove(pos) {
-            self.free.push_back(s);
+        if let Some(s) = self.slots.free.remove(pos) {
+            self.slots.free.push_back(s);
         }
         Ok(())
     }
@@ -217,13 +218,13 @@ impl SlotLease<'_> {
         let slot = self.slot.expect("slot present until submit");
         // SAFETY: the server granted this slot to us and we have not submitted it, so no one
         // else (honest) reads or writes it; `&mut self` makes this the only view in this process.
-        unsafe { self.producer.pool.slot_bytes_mut(slot.slot) }
+        unsafe { self.producer.slots.pool.slot_bytes_mut(slot.slot) }
             .expect("granted slot is in the pool")
     }
 
     /// Bytes in the slot.
     pub fn len(&self) -> usize {
-        self.producer.layout.slot_size as usize
+        self.producer.slots.layout.slot_size as usize
     }
 
     /// Whether the slot has no bytes (never).
@@ -244,8 +245,8 @@ impl SlotLease<'_> {
 
     /// Hands the slot to the server as the tensor `spec`; returns the request id.
     pub fn submit(self, spec: &TensorSpec) -> Result<u64> {
-        let id = self.producer.next_id;
-        self.producer.next_id += 1;
+        let id = self.producer.requests.next_id;
+        self.producer.requests.next_id += 1;
         self.submit_as(id, spec)?;
         Ok(id)
     }
@@ -257,7 +258,7 @@ impl SlotLease<'_> {
         match self.producer.submit_slot(slot, request_id, spec) {
             Ok(()) => Ok(()),
             Err(e) => {
-                self.producer.free.push_back(slot);
+                self.producer.slots.free.push_back(slot);
                 Err(e)
             }
         }
@@ -267,7 +268,7 @@ impl SlotLease<'_> {
 impl Drop for SlotLease<'_> {
     fn drop(&mut self) {
         if let Some(slot) = self.slot.take() {
-            self.producer.free.push_back(slot);
+            self.producer.slots.free.push_back(slot);
         }
     }
 }

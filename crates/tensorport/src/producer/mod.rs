@@ -56,26 +56,22 @@ pub use warm::{WARM_MIN_SLOT, WARM_SKIP_AFTER_MISS};
 
 /// A connected producer session with its own pool.
 pub struct Producer {
+    link: Link,
+    slots: Slots,
+    requests: Requests,
+    /// The last status the server sent (control sessions ask for it).
+    status: Option<StatusReport>,
+    /// The server said it is draining: no new work.
+    draining: bool,
+}
+
+/// The connection to the server: the socket, the queues, and how they are watched.
+struct Link {
     reader: FrameReader,
     writer: FrameWriter,
-    pool: Arc<HostPool>,
     /// The protocol version negotiated.
     version: u16,
-    /// Where dropped [`Loan`]s leave their slots; also what makes a loan ours.
-    home: Arc<LoanHome>,
-    /// Loans out (not yet submitted or given back).
-    loaned: usize,
-    layout: PoolLayout,
     session_id: u64,
-    max_in_flight: u32,
-    free: VecDeque<SlotRef>,
-    in_flight: IdMap<Held>,
-    devices: HashMap<u32, DeviceState>,
-    registered: Option<(u32, Vec<u8>)>,
-    done: VecDeque<Done>,
-    status: Option<StatusReport>,
-    draining: bool,
-    next_id: u64,
     /// The shared-memory queues, if the server gave us some.
     ring: Option<ProducerRing>,
     spin: Duration,
@@ -84,8 +80,29 @@ pub struct Producer {
     socket_looked: Instant,
     /// The server's socket-message counter when we last looked.
     socket_seen: u64,
+}
+
+/// This producer's pool and the slots it holds.
+struct Slots {
+    pool: Arc<HostPool>,
+    layout: PoolLayout,
+    /// Where dropped [`Loan`]s leave their slots; also what makes a loan ours.
+    home: Arc<LoanHome>,
+    /// Loans out (not yet submitted or given back).
+    loaned: usize,
+    free: VecDeque<SlotRef>,
     /// The warm lease (large slots): see [`warm`].
     warm: WarmLease,
+}
+
+/// The requests in flight, and what came back for them.
+struct Requests {
+    in_flight: IdMap<Held>,
+    max_in_flight: u32,
+    next_id: u64,
+    done: VecDeque<Done>,
+    devices: HashMap<u32, DeviceState>,
+    registered: Option<(u32, Vec<u8>)>,
 }
 
 /// Looks at the queue between two reads of the clock while spinning.
@@ -98,10 +115,10 @@ const SOCKET_LOOK_EVERY: Duration = Duration::from_micros(100);
 impl std::fmt::Debug for Producer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Producer")
-            .field("session_id", &self.session_id)
-            .field("layout", &self.layout)
-            .field("free", &self.free.len())
-            .field("in_flight", &self.in_flight.len())
+            .field("session_id", &self.link.session_id)
+            .field("layout", &self.slots.layout)
+            .field("free", &self.slots.free.len())
+            .field("in_flight", &self.requests.in_flight.len())
             .finish()
     }
 }
@@ -141,70 +158,76 @@ impl Producer {
             }
         };
         Ok(Producer {
-            reader: c.reader,
-            writer: c.writer,
-            pool: Arc::new(pool),
-            version: c.welcome.version,
-            home: Arc::new(LoanHome::default()),
-            loaned: 0,
-            layout,
-            session_id: c.welcome.session_id,
-            max_in_flight: c.welcome.max_in_flight.max(1),
-            free: VecDeque::new(),
-            in_flight: IdMap::default(),
-            devices: HashMap::new(),
-            registered: None,
-            done: VecDeque::new(),
+            link: Link {
+                reader: c.reader,
+                writer: c.writer,
+                version: c.welcome.version,
+                session_id: c.welcome.session_id,
+                ring,
+                spin: config.spin,
+                socket_looked: Instant::now() - SOCKET_LOOK_EVERY * 2,
+                socket_seen: 0,
+            },
+            slots: Slots {
+                pool: Arc::new(pool),
+                layout,
+                home: Arc::new(LoanHome::default()),
+                loaned: 0,
+                free: VecDeque::new(),
+                warm: WarmLease::new(layout.slot_size, config.warm_wait),
+            },
+            requests: Requests {
+                in_flight: IdMap::default(),
+                max_in_flight: c.welcome.max_in_flight.max(1),
+                next_id: 1,
+                done: VecDeque::new(),
+                devices: HashMap::new(),
+                registered: None,
+            },
             status: None,
             draining: false,
-            next_id: 1,
-            ring,
-            spin: config.spin,
-            socket_looked: Instant::now() - SOCKET_LOOK_EVERY * 2,
-            socket_seen: 0,
-            warm: WarmLease::new(layout.slot_size, config.warm_wait),
         })
     }
 
     /// Whether this session hands tensors over on the shared-memory queues (protocol 2).
     pub fn uses_rings(&self) -> bool {
-        self.ring.is_some()
+        self.link.ring.is_some()
     }
 
     /// The session id the server gave us.
     pub fn session_id(&self) -> u64 {
-        self.session_id
+        self.link.session_id
     }
 
     /// The pool's layout.
     pub fn layout(&self) -> PoolLayout {
-        self.layout
+        self.slots.layout
     }
 
     /// Bytes per slot.
     pub fn slot_size(&self) -> u64 {
-        self.layout.slot_size
+        self.slots.layout.slot_size
     }
 
     /// The pool's memfd (sealed: it can be neither shrunk nor grown).
     pub fn pool_fd(&self) -> BorrowedFd<'_> {
-        self.pool.fd()
+        self.slots.pool.fd()
     }
 
     /// Requests submitted whose result has not been taken (still with the server, or received
     /// and waiting in [`Producer::ready`]).
     pub fn in_flight(&self) -> usize {
-        self.in_flight.len() + self.done.len()
+        self.requests.in_flight.len() + self.requests.done.len()
     }
 
     /// Results received and not yet taken.
     pub fn ready(&self) -> usize {
-        self.done.len()
+        self.requests.done.len()
     }
 
     /// Slots granted to us and not leased.
     pub fn free_slots(&self) -> usize {
-        self.free.len()
+        self.slots.free.len()
     }
 
     /// Whether the server told us it drains.
@@ -214,7 +237,7 @@ impl Producer {
 
     /// Most requests in flight the server allows this session.
     pub fn max_in_flight(&self) -> u32 {
-        self.max_in_flight
+        self.requests.max_in_flight
     }
 
     fn handle(&mut self, msg: ServerMsg) -> Result<()> {
@@ -222,20 +245,23 @@ impl Producer {
             ServerMsg::Grant(slots) => {
                 // A client checks what the server says too: a slot past the pool would index
                 // outside the mapping (the queue path drops such grants the same way).
-                if let Some(bad) = slots.iter().find(|s| s.slot >= self.layout.slot_count) {
+                if let Some(bad) = slots
+                    .iter()
+                    .find(|s| s.slot >= self.slots.layout.slot_count)
+                {
                     return Err(Error::Protocol(WireError::Malformed(format!(
                         "the server granted slot {} of a pool of {}",
-                        bad.slot, self.layout.slot_count
+                        bad.slot, self.slots.layout.slot_count
                     ))));
                 }
-                self.free.extend(slots)
+                self.slots.free.extend(slots)
             }
             ServerMsg::Result {
                 request_id,
                 outcome,
             } => {
-                if self.in_flight.remove(&request_id).is_some() {
-                    self.done.push_back(Done::Message(Completion {
+                if self.requests.in_flight.remove(&request_id).is_some() {
+                    self.requests.done.push_back(Done::Message(Completion {
                         request_id,
                         result: match outcome {
                             Outcome::Ok(b) => Ok(b),
@@ -256,16 +282,16 @@ impl Producer {
                 let code = ErrorCode::from_u16(code);
                 if let Some(id) = request_id.filter(|_| !fatal) {
                     // The submit was refused before the server took the slot: it is still ours.
-                    if let Some(held) = self.in_flight.remove(&id) {
+                    if let Some(held) = self.requests.in_flight.remove(&id) {
                         match held {
-                            Held::Host(slot) => self.free.push_back(slot),
+                            Held::Host(slot) => self.slots.free.push_back(slot),
                             Held::Device(b) => {
-                                if let Some(d) = self.devices.get_mut(&b) {
+                                if let Some(d) = self.requests.devices.get_mut(&b) {
                                     d.in_flight = false;
                                 }
                             }
                         }
-                        self.done.push_back(Done::Message(Completion {
+                        self.requests.done.push_back(Done::Message(Completion {
                             request_id: id,
                             result: Err(RemoteError { code, message }),
                         }));
@@ -278,9 +304,9 @@ impl Producer {
             ServerMsg::DeviceRegistered {
                 buffer,
                 release_event,
-            } => self.registered = Some((buffer, release_event)),
+            } => self.requests.registered = Some((buffer, release_event)),
             ServerMsg::DeviceReleased(r) => {
-                if let Some(d) = self.devices.get_mut(&r.slot) {
+                if let Some(d) = self.requests.devices.get_mut(&r.slot) {
                     d.generation = r.generation;
                     d.in_flight = false;
                 }
@@ -299,8 +325,8 @@ impl Producer {
     /// Handles what arrives — completions on the queue, messages on the socket — until
     /// something did or `deadline` passes; returns whether something did.
     fn pump(&mut self, deadline: Option<Instant>) -> Result<bool> {
-        if self.ring.is_none() {
-            return match next_msg(&mut self.reader, deadline)? {
+        if self.link.ring.is_none() {
+            return match next_msg(&mut self.link.reader, deadline)? {
                 Some(m) => {
                     self.handle(m)?;
                     Ok(true)
@@ -324,7 +350,7 @@ impl Producer {
             // The socket carries errors, draining and results too long for the queue: frames
             // already read are handled at once; the socket itself is looked at every 100 µs
             // while spinning, once more at the deadline, and slept on with the doorbell.
-            let buffered = match self.reader.next_payload()? {
+            let buffered = match self.link.reader.next_payload()? {
                 Some(p) => Some(decode_server(p)?),
                 None => None,
             };
@@ -334,9 +360,10 @@ impl Producer {
             }
             let now = Instant::now();
             let expired = deadline.is_some_and(|d| now >= d);
-            if self.socket_news() || now.duration_since(self.socket_looked) > SOCKET_LOOK_EVERY {
-                self.socket_looked = now;
-                if let Some(m) = next_msg(&mut self.reader, Some(now))? {
+            if self.socket_news() || now.duration_since(self.link.socket_looked) > SOCKET_LOOK_EVERY
+            {
+                self.link.socket_looked = now;
+                if let Some(m) = next_msg(&mut self.link.reader, Some(now))? {
                     self.handle(m)?;
                     return Ok(true);
                 }
@@ -344,7 +371,7 @@ impl Producer {
             if expired {
                 return self.drain_ring();
             }
-            if now.duration_since(*start.get_or_insert(now)) < self.spin {
+            if now.duration_since(*start.get_or_insert(now)) < self.link.spin {
                 if spins % (SPINS_PER_LOOK * 8) == 1 {
                     // Now and then give the core away (a consumer sharing it gets to run).
                     std::thread::yield_now();
@@ -358,14 +385,14 @@ impl Producer {
 
     /// Says we sleep, looks at the queue once more, then waits for the doorbell or the socket.
     fn sleep(&mut self, deadline: Option<Instant>) -> Result<()> {
-        let ring = self.ring.as_mut().expect("only with a ring");
+        let ring = self.link.ring.as_mut().expect("only with a ring");
         ring.mem.set_producer_waiting(true);
         fence(Ordering::SeqCst);
         if ring.has_work() {
             ring.mem.set_producer_waiting(false);
             return Ok(());
         }
-        let ring = self.ring.as_ref().expect("only with a ring");
+        let ring = self.link.ring.as_ref().expect("only with a ring");
         let left = deadline.map(|d| d.saturating_duration_since(Instant::now()));
         let timeout = match left {
             None => PollTimeout::NONE,
@@ -373,7 +400,7 @@ impl Producer {
                 .unwrap_or(PollTimeout::MAX),
         };
         let mut pfd = [
-            PollFd::new(self.reader.stream().as_fd(), PollFlags::POLLIN),
+            PollFd::new(self.link.reader.stream().as_fd(), PollFlags::POLLIN),
             PollFd::new(ring.to_producer.as_fd(), PollFlags::POLLIN),
         ];
         match poll(&mut pfd, timeout) {
@@ -389,7 +416,7 @@ impl Producer {
             ring.to_producer.clear();
         }
         ring.mem.set_producer_waiting(false);
-        if sock && self.reader.fill()?.bytes == 0 {
+        if sock && self.link.reader.fill()?.bytes == 0 {
             return Err(Error::ServerGone);
         }
         Ok(())
@@ -399,41 +426,41 @@ impl Producer {
     /// header moved). Dead servers write nothing: waits also look at the socket on a timer and
     /// sleep on it.
     fn socket_news(&mut self) -> bool {
-        let Some(ring) = &self.ring else {
+        let Some(ring) = &self.link.ring else {
             return false;
         };
         let n = ring.mem.socket_messages();
-        if n == self.socket_seen {
+        if n == self.link.socket_seen {
             return false;
         }
-        self.socket_seen = n;
+        self.link.socket_seen = n;
         true
     }
 
     /// Handles every completion on the queue; returns whether there was any.
     fn drain_ring(&mut self) -> Result<bool> {
-        let Some(ring) = self.ring.as_mut() else {
+        let Some(ring) = self.link.ring.as_mut() else {
             return Ok(false);
         };
         let mut any = false;
         let mut bytes = [0u8; CQ_INLINE_BYTES];
         while let Some(h) = ring.next(&mut bytes)? {
             any = true;
-            if h.flags & CQ_GRANT != 0 && h.slot < self.layout.slot_count {
-                self.free.push_back(SlotRef {
+            if h.flags & CQ_GRANT != 0 && h.slot < self.slots.layout.slot_count {
+                self.slots.free.push_back(SlotRef {
                     slot: h.slot,
                     generation: h.generation,
                 });
             }
             if h.flags & CQ_DEVICE_RELEASED != 0 {
-                if let Some(d) = self.devices.get_mut(&h.slot) {
+                if let Some(d) = self.requests.devices.get_mut(&h.slot) {
                     d.generation = h.generation;
                     d.in_flight = false;
                 }
             }
-            if h.flags & CQ_RESULT != 0 && self.in_flight.remove(&h.request_id).is_some() {
+            if h.flags & CQ_RESULT != 0 && self.requests.in_flight.remove(&h.request_id).is_some() {
                 // `pop` bounds the length by CQ_INLINE_BYTES (232).
-                self.done.push_back(Done::Inline {
+                self.requests.done.push_back(Done::Inline {
                     request_id: h.request_id,
                     len: h.len as u8,
                     bytes,
@@ -445,24 +472,24 @@ impl Producer {
 
     /// Handles everything already received, without waiting.
     pub fn poll(&mut self) -> Result<()> {
-        if self.loaned > 0 {
+        if self.slots.loaned > 0 {
             self.reclaim_loans();
         }
-        if self.ring.is_none() {
+        if self.link.ring.is_none() {
             while self.pump(Some(Instant::now()))? {}
             return Ok(());
         }
         // The queue path makes no system call and reads no clock: the socket is read when the
         // server's message counter in the queue header says it wrote something.
         self.drain_ring()?;
-        while let Some(p) = self.reader.next_payload()? {
+        while let Some(p) = self.link.reader.next_payload()? {
             let m = decode_server(p)?;
             self.handle(m)?;
         }
         if self.socket_news() {
             let now = Instant::now();
-            self.socket_looked = now;
-            while let Some(m) = next_msg(&mut self.reader, Some(now))? {
+            self.link.socket_looked = now;
+            while let Some(m) = next_msg(&mut self.link.reader, Some(now))? {
                 self.handle(m)?;
             }
         }
@@ -505,10 +532,10 @@ impl Producer {
     fn next_done(&mut self, timeout: Duration) -> Result<Done> {
         let mut deadline = None;
         loop {
-            if let Some(c) = self.done.pop_front() {
+            if let Some(c) = self.requests.done.pop_front() {
                 return Ok(c);
             }
-            if self.in_flight.is_empty() {
+            if self.requests.in_flight.is_empty() {
                 return Err(Error::NothingInFlight);
             }
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
@@ -520,16 +547,16 @@ impl Producer {
 
     /// A result if one is ready, without waiting for the server.
     pub fn try_recv_result(&mut self) -> Result<Option<Completion>> {
-        if self.done.is_empty() {
+        if self.requests.done.is_empty() {
             self.poll()?;
         }
-        Ok(self.done.pop_front().map(Done::into_completion))
+        Ok(self.requests.done.pop_front().map(Done::into_completion))
     }
 
     /// The server's status.
     pub fn status(&mut self, timeout: Duration) -> Result<StatusReport> {
         self.status = None;
-        self.writer.send(&ClientMsg::Status, &[])?;
+        self.link.writer.send(&ClientMsg::Status, &[])?;
         let deadline = Instant::now() + timeout;
         loop {
             if let Some(s) = self.status.take() {
@@ -549,7 +576,7 @@ impl Producer {
     /// Ends the session cleanly without consuming the producer (for owners that cannot move it
     /// out); nothing may be sent after it.
     pub fn goodbye(&mut self) -> Result<()> {
-        self.writer.send(&ClientMsg::Goodbye, &[])
+        self.link.writer.send(&ClientMsg::Goodbye, &[])
     }
 }
 
@@ -557,6 +584,6 @@ impl Producer {
 /// grants do not make it readable: wait with [`Producer::recv_result`] or [`Producer::lease`].
 impl AsFd for Producer {
     fn as_fd(&self) -> BorrowedFd<'_> {
-        self.reader.stream().as_fd()
+        self.link.reader.stream().as_fd()
     }
 }

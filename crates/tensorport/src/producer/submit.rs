@@ -23,8 +23,8 @@ impl Producer {
         request_id: u64,
         spec: &TensorSpec,
     ) -> Result<()> {
-        self.warm.submitted(slot.slot);
-        if self.ring.is_some() {
+        self.slots.warm.submitted(slot.slot);
+        if self.link.ring.is_some() {
             return self.submit_on_ring(
                 RawLocation::HostSlot(slot),
                 request_id,
@@ -87,32 +87,33 @@ impl Producer {
         if let Some(st) = &spec.strides {
             e.strides[..rank].copy_from_slice(st);
         }
-        let ring = self.ring.as_mut().expect("checked by the caller");
+        let ring = self.link.ring.as_mut().expect("checked by the caller");
         if !ring.submit(&e)? {
             // The queue is full (the server is behind): the socket carries this one.
             let mut tensor = spec.to_raw(location)?;
             tensor.fence = fence;
-            self.writer
+            self.link
+                .writer
                 .send(&ClientMsg::Submit { request_id, tensor }, &[])?;
         }
-        self.in_flight.insert(request_id, held);
+        self.requests.in_flight.insert(request_id, held);
         Ok(())
     }
 
     /// Checks a submission locally with the server's own rules, so a bad spec fails here,
     /// clearly.
     pub(super) fn check(&self, request_id: u64, tensor: &RawTensorView<'_>) -> Result<()> {
-        let devices = &self.devices;
+        let devices = &self.requests.devices;
         validate_view(
             tensor,
             &PoolBounds {
-                slot_count: self.layout.slot_count,
-                slot_size: self.layout.slot_size,
+                slot_count: self.slots.layout.slot_count,
+                slot_size: self.slots.layout.slot_size,
             },
             &|b| devices.get(&b).map(|d| d.len),
         )
         .map_err(Error::InvalidTensor)?;
-        if self.in_flight.contains_key(&request_id) {
+        if self.requests.in_flight.contains_key(&request_id) {
             return Err(Error::DuplicateRequest(request_id));
         }
         Ok(())
@@ -125,14 +126,14 @@ impl Producer {
         held: Held,
     ) -> Result<()> {
         self.check(request_id, &raw.view())?;
-        self.writer.send(
+        self.link.writer.send(
             &ClientMsg::Submit {
                 request_id,
                 tensor: raw,
             },
             &[],
         )?;
-        self.in_flight.insert(request_id, held);
+        self.requests.in_flight.insert(request_id, held);
         Ok(())
     }
 }
