@@ -334,6 +334,33 @@ impl ModelArgs {
         Ok(())
     }
 
+    /// The bundled model on dfdx's kernels: from `--weights`, or from `--seed`.
+    pub fn dfdx_model<D: tensorport_dfdx::dfdx::prelude::Device<f32>>(
+        &self,
+        dev: &D,
+    ) -> CliResult<tensorport_dfdx::ImageClassifier<D>> {
+        use tensorport_dfdx::ImageClassifier;
+        Ok(match &self.weights {
+            Some(p) => ImageClassifier::load(dev, self.config(), p)?,
+            None => ImageClassifier::from_seed(dev, self.config(), self.seed)?,
+        })
+    }
+
+    /// The bundled model on cuDNN at `how` (precision, layout): from `--weights`, or `--seed`.
+    #[cfg(feature = "cuda")]
+    pub fn cudnn_model(
+        &self,
+        dev: &tensorport_dfdx::dfdx::prelude::Cuda,
+        gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
+        how: (tensorport_cuda::Precision, tensorport_cuda::Layout),
+    ) -> CliResult<tensorport_dfdx::CudnnClassifier> {
+        use tensorport_dfdx::CudnnClassifier;
+        Ok(match &self.weights {
+            Some(p) => CudnnClassifier::load(dev, gpu, self.config(), p, how)?,
+            None => CudnnClassifier::from_seed(dev, gpu, self.config(), self.seed, how)?,
+        })
+    }
+
     /// The same options as command-line arguments, to pass to a child process.
     pub fn to_args(&self) -> Vec<String> {
         let mut v = vec![

@@ -4,7 +4,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use tensorport_dfdx::dfdx::prelude::*;
-use tensorport_dfdx::{Classify, ImageClassifier, Tensor4};
+use tensorport_dfdx::{Classify, Tensor4};
 
 use crate::common::Device as On;
 use crate::common::{CliError, CliResult, ModelArgs};
@@ -51,7 +51,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     match a.model.device {
         On::Cpu => {
             let dev = Cpu::seed_from_u64(a.model.seed);
-            let mut m = dfdx_model(&dev, &a)?;
+            let mut m = a.model.dfdx_model(&dev)?;
             for &b in &a.batch {
                 row(&dev, &mut m, b, "dfdx", "f32", &a);
             }
@@ -69,22 +69,12 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-fn dfdx_model<D: Device<f32>>(dev: &D, a: &Args) -> CliResult<ImageClassifier<D>> {
-    let cfg = a.model.config();
-    Ok(match &a.model.weights {
-        Some(p) => ImageClassifier::load(dev, cfg, p)?,
-        None => ImageClassifier::from_seed(dev, cfg, a.model.seed)?,
-    })
-}
-
 #[cfg(feature = "cuda")]
 fn cuda(n: u32, a: &Args) -> CliResult<()> {
     use crate::common::PrecisionArg;
-    use tensorport_dfdx::CudnnClassifier;
     let dev = Cuda::try_build(n as usize, a.model.seed)
         .map_err(|e| CliError::new(format!("cannot start dfdx on CUDA device {n}: {e:?}")))?;
     let gpu = tensorport_cuda::Gpu::open(n as i32).map_err(|e| CliError::new(e.to_string()))?;
-    let cfg = a.model.config();
     let precisions = match a.model.precision {
         Some(p) => vec![p],
         None => vec![
@@ -94,18 +84,14 @@ fn cuda(n: u32, a: &Args) -> CliResult<()> {
             PrecisionArg::F16,
         ],
     };
-    let mut dfdx = dfdx_model(&dev, a)?;
+    let mut dfdx = a.model.dfdx_model(&dev)?;
     for &b in &a.batch {
         match tensorport_cuda::ConvNet::cudnn_version() {
             Ok(_) => {
                 for layout in tensorport_cuda::Layout::ALL {
                     for &p in &precisions {
                         let p = p.precision();
-                        let how = (p, layout);
-                        let mut m = match &a.model.weights {
-                            Some(w) => CudnnClassifier::load(&dev, &gpu, cfg, w, how)?,
-                            None => CudnnClassifier::from_seed(&dev, &gpu, cfg, a.model.seed, how)?,
-                        };
+                        let mut m = a.model.cudnn_model(&dev, &gpu, (p, layout))?;
                         m.prepare(b)?;
                         let engine = format!("cudnn {layout}");
                         row(&dev, &mut m, b, &engine, p.name(), a);

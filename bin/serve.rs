@@ -190,11 +190,7 @@ fn load_dfdx<D: Device<f32>>(dev: &D, model: &ModelArgs) -> CliResult<Model<D>>
 where
     ImageClassifier<D>: 'static,
 {
-    let cfg = model.config();
-    Ok(Box::new(match &model.weights {
-        Some(p) => ImageClassifier::load(dev, cfg, p)?,
-        None => ImageClassifier::from_seed(dev, cfg, model.seed)?,
-    }))
+    Ok(Box::new(model.dfdx_model(dev)?))
 }
 
 fn serve_on<D: Device<f32>>(
@@ -493,7 +489,6 @@ fn load_cuda(
     model: &ModelArgs,
     max_batch: usize,
 ) -> CliResult<Model<tensorport_dfdx::dfdx::prelude::Cuda>> {
-    use tensorport_dfdx::CudnnClassifier;
     let precision = model.precision.unwrap_or_default().precision();
     if let Err(e) = tensorport_cuda::ConvNet::cudnn_version() {
         if precision != tensorport_cuda::Precision::F32 {
@@ -502,12 +497,8 @@ fn load_cuda(
         tracing::warn!("{e}; the model runs on dfdx's own CUDA kernels, several times slower");
         return load_dfdx(dev, model);
     }
-    let cfg = model.config();
     let layout = tensorport_cuda::Layout::preferred(precision, max_batch);
-    let mut m = match &model.weights {
-        Some(p) => CudnnClassifier::load(dev, gpu, cfg, p, (precision, layout))?,
-        None => CudnnClassifier::from_seed(dev, gpu, cfg, model.seed, (precision, layout))?,
-    };
+    let mut m = model.cudnn_model(dev, gpu, (precision, layout))?;
     m.prepare(max_batch)?;
     Ok(Box::new(m))
 }

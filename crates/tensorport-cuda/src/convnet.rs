@@ -355,9 +355,12 @@ impl ConvNet {
         let handle = Handle::new(gpu, &stream)?;
         let src = format!("{}{KERNELS}", precision.kernel_prelude());
         let file = format!("tensorport_net_{}.cu", precision.name());
-        let convert = Kernel::compile(gpu, &src, &file, c"tp_net_convert")?;
-        let epilogue = Kernel::compile(gpu, &src, &file, c"tp_net_epilogue")?;
-        let mean = Kernel::compile(gpu, &src, &file, c"tp_net_mean")?;
+        let [convert, epilogue, mean] = Kernel::compile_all(
+            gpu,
+            &src,
+            &file,
+            [c"tp_net_convert", c"tp_net_epilogue", c"tp_net_mean"],
+        )?;
         let dtype = precision.data_type();
         let mut on_device = Vec::with_capacity(layers.len());
         for (i, spec) in layers.into_iter().enumerate() {

@@ -289,7 +289,7 @@ impl TensorDesc {
         [n, c, h, w]: [usize; 4],
     ) -> Result<TensorDesc> {
         let d = TensorDesc::create()?;
-        let [n, c, h, w] = [dim(n)?, dim(c)?, dim(h)?, dim(w)?];
+        let [n, c, h, w] = dims([n, c, h, w])?;
         // SAFETY: a live descriptor.
         check("cudnnSetTensor4dDescriptor", unsafe {
             sys::cudnnSetTensor4dDescriptor(d.raw, format, dtype, n, c, h, w)
@@ -306,7 +306,7 @@ impl FilterDesc {
         [k, c, r, s]: [usize; 4],
     ) -> Result<FilterDesc> {
         let d = FilterDesc::create()?;
-        let [k, c, r, s] = [dim(k)?, dim(c)?, dim(r)?, dim(s)?];
+        let [k, c, r, s] = dims([k, c, r, s])?;
         // SAFETY: a live descriptor.
         check("cudnnSetFilter4dDescriptor", unsafe {
             sys::cudnnSetFilter4dDescriptor(d.raw, dtype, format, k, c, r, s)
@@ -361,6 +361,11 @@ impl Relu {
         })?;
         Ok(d)
     }
+}
+
+/// Four dimensions as cuDNN's `int`s.
+fn dims(d: [usize; 4]) -> Result<[i32; 4]> {
+    Ok([dim(d[0])?, dim(d[1])?, dim(d[2])?, dim(d[3])?])
 }
 
 /// A dimension as cuDNN's `int`.

@@ -28,9 +28,32 @@ impl Kernel {
     pub(crate) fn compile(gpu: &Arc<Gpu>, src: &str, file: &str, entry: &CStr) -> Result<Kernel> {
         gpu.bind()?;
         let ptx = compile(gpu, src, file)?;
+        Kernel::load(gpu, &ptx, entry)
+    }
+
+    /// Compiles `src` once and loads each of `entries` from it (each kernel its own module).
+    pub(crate) fn compile_all<const N: usize>(
+        gpu: &Arc<Gpu>,
+        src: &str,
+        file: &str,
+        entries: [&CStr; N],
+    ) -> Result<[Kernel; N]> {
+        gpu.bind()?;
+        let ptx = compile(gpu, src, file)?;
+        let kernels = entries
+            .iter()
+            .map(|e| Kernel::load(gpu, &ptx, e))
+            .collect::<Result<Vec<_>>>()?;
+        Ok(kernels
+            .try_into()
+            .unwrap_or_else(|_| unreachable!("one kernel per entry")))
+    }
+
+    /// Loads `entry` from `ptx` into `gpu`'s context (bound by the caller).
+    fn load(gpu: &Arc<Gpu>, ptx: &CStr, entry: &CStr) -> Result<Kernel> {
         let d = gpu.driver();
         // SAFETY: the context is bound; `ptx` is NUL-terminated PTX text.
-        let module = unsafe { d.module_load_data(ptx.as_bytes_with_nul())? };
+        let module = unsafe { d.module_load_data(ptx.to_bytes_with_nul())? };
         // SAFETY: a live module.
         let func = match unsafe { d.module_get_function(module, entry) } {
             Ok(f) => f,
