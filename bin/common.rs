@@ -1,8 +1,12 @@
-//! What the subcommands share: errors, logging, the socket option, model options, result lines.
+//! What the subcommands share: errors and their hints, logging, the socket option, the model's
+//! and the preparation's options.
 
 use std::path::PathBuf;
 
-use serde::{Deserialize, Serialize};
+use tensorport_cuda::Precision;
+pub use tensorport_farm::config::{Device, ModelKind, Pixels, TransformKind};
+use tensorport_farm::{ModelOptions, PrepOptions};
+use tensorport_vision::JpegDecoder;
 
 /// A command's failure: a message for the user and an exit code.
 #[derive(Debug)]
@@ -83,6 +87,66 @@ impl From<tensorport_vision::Error> for CliError {
         CliError::usage(e.to_string())
     }
 }
+impl From<tensorport_cuda::Error> for CliError {
+    fn from(e: tensorport_cuda::Error) -> CliError {
+        CliError::new(e.to_string())
+    }
+}
+
+/// The application layer's errors, with the options that help.
+impl From<tensorport_farm::Error> for CliError {
+    fn from(e: tensorport_farm::Error) -> CliError {
+        use tensorport_farm::{ConfigError as C, Error as E};
+        let usage = e.is_config();
+        let message = match e {
+            E::Transport(e) => return e.into(),
+            E::Model(e) | E::Config(C::Model(e)) => return e.into(),
+            E::Inputs(e) => format!("{e} (or --synthetic N for made-up images)"),
+            E::Config(c) => match c {
+                C::ImageSize => "--image-size must be positive".into(),
+                C::MaxBatch => "--max-batch must be at least 1".into(),
+                C::PrecisionNeedsGpu(p) => format!(
+                    "--precision {p}: reduced precision is for the GPU model; add --device cuda, \
+                     or leave --precision out"
+                ),
+                C::PrecisionNeedsCudnn(p, e) => format!("--precision {p}: {e}"),
+                C::NoCudaBuild => "--device cuda: this tensorport was built without CUDA; rebuild \
+                     with `--features cuda` (see docs/operations.md), or use --device cpu"
+                    .into(),
+                C::NoProducers => "--producers must be at least 1 (or give --gpu-producers)".into(),
+                C::GpuProducersNeedGpu => "--gpu-producers hand over device memory: run the \
+                     servers on a GPU (--device cuda or --devices 0,1,...)"
+                    .into(),
+                C::WeightsMissing(w) => format!(
+                    "weights file {} does not exist; write one with `tensorport weights --out \
+                     FILE`, or leave --weights out to use --seed",
+                    w.display()
+                ),
+                C::NoInputs => {
+                    "say what to classify: --input DIR, --synthetic N, or --worklist".into()
+                }
+                C::JpegDecoder(e) => format!("--jpeg-decoder: {e}"),
+                C::SlotTooSmall {
+                    given,
+                    needed,
+                    size,
+                } => format!(
+                    "the server gives slots of {given} bytes, an image of {size}×{size} needs \
+                     {needed}; start the server with a larger --slot-size"
+                ),
+                C::Metrics { addr, why } => format!("--metrics {addr}: {why}"),
+                C::NoGpu(e) => format!("{e}, or use --device cpu"),
+                c => c.to_string(),
+            },
+            e => e.to_string(),
+        };
+        if usage {
+            CliError::usage(message)
+        } else {
+            CliError::new(message)
+        }
+    }
+}
 
 /// The images in `--input DIR`, for commands that also take `--synthetic N`.
 pub fn list_inputs(dir: &std::path::Path) -> CliResult<Vec<std::path::PathBuf>> {
@@ -150,78 +214,25 @@ impl SocketArg {
     }
 }
 
-/// What the server runs on each batch.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum ModelKind {
-    /// The bundled image classifier.
-    Classifier,
-    /// None: the batch is only moved onto the device (a transport benchmark, like PyTorch's
-    /// DataLoader one).
-    None,
-}
-
-/// The arithmetic of the model's convolutions on the GPU.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PrecisionArg {
-    /// fp32, FMA only (no TF32): the CPU model's results to about 1e-5.
-    #[default]
-    F32,
-    /// fp32 data, TF32 tensor cores in the convolutions.
-    Tf32,
-    /// bfloat16 activations and weights, fp32 sums.
-    Bf16,
-    /// fp16 activations and weights, fp32 sums.
-    F16,
-}
-
-#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-impl PrecisionArg {
-    pub fn precision(self) -> tensorport_cuda::Precision {
-        use tensorport_cuda::Precision as P;
-        match self {
-            PrecisionArg::F32 => P::F32,
-            PrecisionArg::Tf32 => P::Tf32,
-            PrecisionArg::Bf16 => P::Bf16,
-            PrecisionArg::F16 => P::F16,
-        }
-    }
-}
-
-/// Where the model runs: `cpu`, `cuda` (GPU 0) or `cuda:N`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Device {
-    /// The CPU.
-    Cpu,
-    /// CUDA GPU N (needs a build with `--features cuda`).
-    Cuda(u32),
-}
-
-impl Device {
-    pub fn is_cuda(&self) -> bool {
-        matches!(self, Device::Cuda(_))
-    }
-}
-
-impl std::fmt::Display for Device {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            Device::Cpu => write!(f, "cpu"),
-            Device::Cuda(n) => write!(f, "cuda:{n}"),
-        }
-    }
-}
-
 /// `cpu`, `cuda` or `cuda:N`, for `--device`.
 pub fn parse_device(s: &str) -> Result<Device, String> {
-    match s {
-        "cpu" => Ok(Device::Cpu),
-        "cuda" => Ok(Device::Cuda(0)),
-        _ => s
-            .strip_prefix("cuda:")
-            .and_then(|n| n.parse().ok())
-            .map(Device::Cuda)
-            .ok_or_else(|| format!("{s:?}: say cpu, cuda (GPU 0) or cuda:N")),
-    }
+    s.parse()
+}
+
+/// `f32`, `tf32`, `bf16` or `f16`, for `--precision`.
+pub fn parse_precision(s: &str) -> Result<Precision, String> {
+    Precision::from_name(&s.to_ascii_lowercase()).ok_or_else(|| {
+        let names: Vec<&str> = Precision::ALL.iter().map(|p| p.name()).collect();
+        format!("{s:?}: say {}", names.join(", "))
+    })
+}
+
+/// `libjpeg-turbo` or `zune-jpeg`, for `--jpeg-decoder`.
+pub fn parse_jpeg_decoder(s: &str) -> Result<JpegDecoder, String> {
+    [JpegDecoder::LibjpegTurbo, JpegDecoder::ZuneJpeg]
+        .into_iter()
+        .find(|d| d.name() == s)
+        .ok_or_else(|| format!("{s:?}: say libjpeg-turbo or zune-jpeg"))
 }
 
 /// The name clap knows a value by, to pass an option on to a child process.
@@ -267,256 +278,63 @@ pub struct ModelArgs {
     /// Arithmetic of the model's convolutions on the GPU (cuDNN): f32 (no TF32), tf32, bf16 or
     /// f16; the 16-bit ones keep fp32 sums, biases and scores. The CPU model is always f32.
     /// [default: f32; model-bench: every one]
-    #[arg(long, value_enum)]
-    pub precision: Option<PrecisionArg>,
-}
-
-/// What producers hand over per image.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum PixelsArg {
-    /// Normalised `f32` planes, ready for the model.
-    #[default]
-    F32,
-    /// 8-bit planes (a quarter of the bytes in the pool and over PCIe); the server normalises
-    /// them, on the GPU in the CUDA build, to the same floats bit for bit.
-    U8,
-}
-
-impl PixelsArg {
-    pub fn dtype(self) -> tensorport::DType {
-        match self {
-            PixelsArg::F32 => tensorport::DType::F32,
-            PixelsArg::U8 => tensorport::DType::U8,
-        }
-    }
-
-    /// Bytes per value.
-    pub fn bytes(self) -> usize {
-        match self {
-            PixelsArg::F32 => 4,
-            PixelsArg::U8 => 1,
-        }
-    }
-
-    /// A view of `slot` to prepare an image into.
-    pub fn planes(self, slot: &mut [u8]) -> CliResult<tensorport_vision::Planes<'_>> {
-        Ok(match self {
-            PixelsArg::U8 => tensorport_vision::Planes::U8(slot),
-            PixelsArg::F32 => tensorport_vision::Planes::F32(
-                bytemuck::try_cast_slice_mut(slot)
-                    .map_err(|e| CliError::new(format!("slot is not f32-aligned: {e}")))?,
-            ),
-        })
-    }
+    #[arg(long, value_parser = parse_precision, value_name = "f32|tf32|bf16|f16")]
+    pub precision: Option<Precision>,
 }
 
 impl ModelArgs {
-    pub fn config(&self) -> tensorport_dfdx::ModelConfig {
-        tensorport_dfdx::ModelConfig {
-            image_size: self.image_size,
-            classes: self.classes,
-            width: self.width,
-        }
-    }
-
-    /// Refuses options that contradict each other.
-    pub fn check(&self) -> CliResult<()> {
-        self.config().check()?;
-        if let Some(p) = self.precision.filter(|&p| p != PrecisionArg::F32) {
-            if !self.device.is_cuda() {
-                return Err(CliError::usage(format!(
-                    "--precision {}: reduced precision is for the GPU model; add --device cuda, \
-                     or leave --precision out",
-                    arg_name(&p)
-                )));
-            }
-        }
-        Ok(())
-    }
-
-    /// The bundled model on dfdx's kernels: from `--weights`, or from `--seed`.
-    pub fn dfdx_model<D: tensorport_dfdx::dfdx::prelude::Device<f32>>(
-        &self,
-        dev: &D,
-    ) -> CliResult<tensorport_dfdx::ImageClassifier<D>> {
-        use tensorport_dfdx::ImageClassifier;
-        Ok(match &self.weights {
-            Some(p) => ImageClassifier::load(dev, self.config(), p)?,
-            None => ImageClassifier::from_seed(dev, self.config(), self.seed)?,
-        })
-    }
-
-    /// The bundled model on cuDNN at `how` (precision, layout): from `--weights`, or `--seed`.
-    #[cfg(feature = "cuda")]
-    pub fn cudnn_model(
-        &self,
-        dev: &tensorport_dfdx::dfdx::prelude::Cuda,
-        gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
-        how: (tensorport_cuda::Precision, tensorport_cuda::Layout),
-    ) -> CliResult<tensorport_dfdx::CudnnClassifier> {
-        use tensorport_dfdx::CudnnClassifier;
-        Ok(match &self.weights {
-            Some(p) => CudnnClassifier::load(dev, gpu, self.config(), p, how)?,
-            None => CudnnClassifier::from_seed(dev, gpu, self.config(), self.seed, how)?,
-        })
-    }
-
-    /// The same options as command-line arguments, to pass to a child process.
-    pub fn to_args(&self) -> Vec<String> {
-        let mut v = vec![
-            "--model".into(),
-            arg_name(&self.model),
-            "--image-size".into(),
-            self.image_size.to_string(),
-            "--classes".into(),
-            self.classes.to_string(),
-            "--width".into(),
-            self.width.to_string(),
-            "--seed".into(),
-            self.seed.to_string(),
-            "--device".into(),
-            self.device.to_string(),
-            "--max-batch".into(),
-            self.max_batch.to_string(),
-            "--max-wait-ms".into(),
-            self.max_wait_ms.to_string(),
-        ];
-        if let Some(p) = &self.precision {
-            v.push("--precision".into());
-            v.push(arg_name(p));
-        }
-        if let Some(w) = &self.weights {
-            v.push("--weights".into());
-            v.push(w.display().to_string());
-        }
-        v
-    }
-}
-
-/// One line of a producer's output: the answer for one input.
-#[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
-pub struct ResultLine {
-    /// Position of the input in the input list.
-    pub index: u64,
-    /// The file, or `synthetic:N`.
-    pub input: String,
-    /// Index of the highest score (absent on error).
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub class: Option<usize>,
-    /// Class scores (logits), exactly as the model computed them.
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub scores: Option<Vec<f32>>,
-    /// What went wrong for this input, if anything.
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub error: Option<String>,
-    /// From lease to result, in milliseconds.
-    pub latency_ms: f64,
-    /// Which producer did it.
-    pub producer: String,
-    /// Where the time went, with `--profile`.
-    #[serde(skip_serializing_if = "Option::is_none", default)]
-    pub stages: Option<StageTimes>,
-}
-
-/// One input's time in each step, in milliseconds (`produce --profile`).
-#[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
-pub struct StageTimes {
-    /// Reading the file (on the producer's reader thread, overlapping the rest).
-    pub read_ms: f64,
-    /// Decoding to RGB.
-    pub decode_ms: f64,
-    /// Resizing and cropping.
-    pub resize_ms: f64,
-    /// Normalising into the slot.
-    pub normalise_ms: f64,
-    /// Waiting for a free slot.
-    pub lease_ms: f64,
-    /// Handing the slot over (`submit`).
-    pub submit_ms: f64,
-    /// From submit to the result: the server's queue, batch wait, model, and the answer.
-    pub result_ms: f64,
-}
-
-impl std::ops::AddAssign for StageTimes {
-    fn add_assign(&mut self, o: StageTimes) {
-        self.read_ms += o.read_ms;
-        self.decode_ms += o.decode_ms;
-        self.resize_ms += o.resize_ms;
-        self.normalise_ms += o.normalise_ms;
-        self.lease_ms += o.lease_ms;
-        self.submit_ms += o.submit_ms;
-        self.result_ms += o.result_ms;
-    }
-}
-
-/// The preprocessing a producer applies (`--transform`).
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum TransformArg {
-    /// Resize the shorter side to size/0.875 (256 for 224), antialiased; centre-crop size×size
-    /// (torchvision's standard evaluation transform).
-    #[default]
-    Standard,
-    /// Resize the whole image to size×size, whatever its aspect ratio.
-    Square,
-}
-
-impl TransformArg {
-    pub fn for_size(self, size: u32) -> tensorport_vision::Transform {
-        match self {
-            TransformArg::Standard => tensorport_vision::Transform::standard(size),
-            TransformArg::Square => tensorport_vision::Transform::Square { size },
-        }
-    }
-
-    pub fn name(self) -> &'static str {
-        match self {
-            TransformArg::Standard => "standard",
-            TransformArg::Square => "square",
+    /// The model's configuration.
+    pub fn options(&self) -> ModelOptions {
+        ModelOptions {
+            kind: self.model,
+            config: tensorport_dfdx::ModelConfig {
+                image_size: self.image_size,
+                classes: self.classes,
+                width: self.width,
+            },
+            weights: self.weights.clone(),
+            seed: self.seed,
+            device: self.device,
+            max_batch: self.max_batch,
+            max_wait: std::time::Duration::from_millis(self.max_wait_ms),
+            precision: self.precision,
         }
     }
 }
 
-/// The CPU's JPEG decoder (`--jpeg-decoder`).
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum JpegDecoderArg {
-    /// libjpeg-turbo, linked in at build time where its development files were found: decodes
-    /// only the part of the image the transform keeps. The default where built in.
-    LibjpegTurbo,
-    /// zune-jpeg (pure Rust): decodes the whole image.
-    ZuneJpeg,
+/// How producers prepare images on the CPU.
+#[derive(clap::Args, Debug, Clone)]
+pub struct PrepArgs {
+    /// The preprocessing.
+    #[arg(long, value_enum, default_value_t)]
+    pub transform: TransformKind,
+    /// The CPU's JPEG decoder: libjpeg-turbo (decodes only the part the transform keeps; the
+    /// default where it was built in) or zune-jpeg (pure Rust, decodes the whole image).
+    #[arg(long, value_parser = parse_jpeg_decoder, value_name = "libjpeg-turbo|zune-jpeg",
+          default_value = JpegDecoder::default().name())]
+    pub jpeg_decoder: JpegDecoder,
+    /// Images over this many megapixels are refused (an error line naming the file) before
+    /// anything is allocated for them: a small file can declare an image of gigabytes.
+    #[arg(long, default_value_t = 64.0, value_name = "MP")]
+    pub max_megapixels: f64,
+    /// Decode large JPEGs at 1/2, 1/4 or 1/8 of their size with libjpeg-turbo's DCT scaling
+    /// whenever that still leaves a source pixel for each output pixel (as PIL's `draft`
+    /// does): less work on big photos, but the tensors differ from torchvision's full decode
+    /// by more than the default's bound (docs/operations.md), so it is off unless asked for.
+    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    pub dct_scaling: Switch,
 }
 
-impl Default for JpegDecoderArg {
-    fn default() -> JpegDecoderArg {
-        match tensorport_vision::JpegDecoder::default() {
-            tensorport_vision::JpegDecoder::LibjpegTurbo => JpegDecoderArg::LibjpegTurbo,
-            tensorport_vision::JpegDecoder::ZuneJpeg => JpegDecoderArg::ZuneJpeg,
+impl PrepArgs {
+    /// The preparation's configuration, handing over `pixels`.
+    pub fn options(&self, pixels: Pixels) -> PrepOptions {
+        PrepOptions {
+            transform: self.transform,
+            jpeg_decoder: self.jpeg_decoder,
+            max_pixels: pixels_of(self.max_megapixels),
+            dct_scaling: self.dct_scaling.on(),
+            pixels,
         }
-    }
-}
-
-impl JpegDecoderArg {
-    pub fn decoder(self) -> tensorport_vision::JpegDecoder {
-        match self {
-            JpegDecoderArg::LibjpegTurbo => tensorport_vision::JpegDecoder::LibjpegTurbo,
-            JpegDecoderArg::ZuneJpeg => tensorport_vision::JpegDecoder::ZuneJpeg,
-        }
-    }
-
-    /// A preprocessor for `transform` decoding with this decoder (an error naming what to do if
-    /// it was not built in).
-    pub fn preprocessor(
-        self,
-        transform: tensorport_vision::Transform,
-        max_pixels: u64,
-        dct_scaling: bool,
-    ) -> CliResult<tensorport_vision::Preprocessor> {
-        let mut p = tensorport_vision::Preprocessor::new(transform);
-        p.set_max_pixels(max_pixels);
-        p.set_dct_scaling(dct_scaling);
-        p.set_jpeg_decoder(self.decoder())
-            .map_err(|e| CliError::usage(format!("--jpeg-decoder: {e}")))?;
-        Ok(p)
     }
 }
 
@@ -535,63 +353,7 @@ impl Switch {
     }
 }
 
-/// Pixels from `--max-megapixels`.
-pub fn pixels_of(megapixels: f64) -> u64 {
-    (megapixels.max(0.0) * 1e6) as u64
-}
-
-/// Index of the largest score.
-pub fn argmax(v: &[f32]) -> Option<usize> {
-    v.iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i)
-}
-
-/// Installs SIGINT/SIGTERM handlers: the first sets the returned flag (drain), a second one
-/// exits the process at once with status 130.
-pub fn stop_flag() -> std::sync::Arc<std::sync::atomic::AtomicBool> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    use signal_hook::flag;
-    let stop = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    for sig in [SIGINT, SIGTERM] {
-        // Registered first, so it sees the flag as it was before this signal.
-        let r = flag::register_conditional_shutdown(sig, 130, stop.clone())
-            .and_then(|_| flag::register(sig, stop.clone()));
-        if let Err(e) = r {
-            tracing::warn!("cannot install a handler for signal {sig}: {e}");
-        }
-    }
-    stop
-}
-
-/// A write past the file size limit (`ulimit -f`; memfd pools count) raises SIGXFSZ, whose
-/// default action kills the process: catch it, so the call fails with EFBIG and the caller can
-/// refuse or report it.
-pub fn catch_sigxfsz() {
-    let flag = std::sync::Arc::new(std::sync::atomic::AtomicBool::new(false));
-    if let Err(e) = signal_hook::flag::register(signal_hook::consts::SIGXFSZ, flag) {
-        tracing::warn!("cannot catch SIGXFSZ: {e}");
-    }
-}
-
-/// When started by a farm (`TENSORPORT_FARM_PID` set), ask the kernel to send us SIGTERM if the
-/// farm dies, so no producer or server outlives it.
-pub fn die_with_farm() {
-    let Some(pid) = std::env::var("TENSORPORT_FARM_PID")
-        .ok()
-        .and_then(|p| p.parse::<i32>().ok())
-    else {
-        return;
-    };
-    if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM) {
-        tracing::warn!("cannot set the parent-death signal: {e}");
-    }
-    // The farm may have died before the line above took effect.
-    if nix::unistd::getppid().as_raw() != pid {
-        std::process::exit(1);
-    }
-}
+pub use tensorport_farm::config::pixels_of;
 
 /// A size in bytes: a number, optionally with K, M, G or T (powers of 1024; `KiB`, `MB`, `g`
 /// all read alike).

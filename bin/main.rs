@@ -4,15 +4,13 @@ mod common;
 mod ctl;
 mod farm;
 mod gpu;
-mod metrics;
 mod model_bench;
 mod prep;
 mod produce;
-mod produce_gpu;
-mod results;
 mod serve;
 mod soak;
 mod tools;
+mod view;
 
 use std::process::ExitCode;
 
@@ -67,7 +65,7 @@ enum Command {
 fn main() -> ExitCode {
     let cli = Cli::parse();
     common::init_logging(cli.log.as_deref().unwrap_or("info"));
-    common::die_with_farm();
+    tensorport_farm::process::die_with_farm();
     let r = match cli.command {
         Command::Serve(a) => serve::run(a),
         Command::Produce(a) => produce::run(a),

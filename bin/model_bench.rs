@@ -32,13 +32,14 @@ pub struct Args {
 }
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
-    a.model.check()?;
+    let model = a.model.options();
+    model.check().map_err(tensorport_farm::Error::from)?;
     if a.batch.is_empty() || a.batch.contains(&0) {
         return Err(CliError::usage(
             "--batch: give positive batch sizes, e.g. 32,256",
         ));
     }
-    let cfg = a.model.config();
+    let cfg = model.config;
     println!(
         "model 3x{s}x{s}, width {}, {} classes, on {}; scores to the host after each batch",
         cfg.width,
@@ -51,7 +52,11 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     match a.model.device {
         On::Cpu => {
             let dev = Cpu::seed_from_u64(a.model.seed);
-            let mut m = a.model.dfdx_model(&dev)?;
+            let mut m = a
+                .model
+                .options()
+                .dfdx_model(&dev)
+                .map_err(tensorport_farm::Error::from)?;
             for &b in &a.batch {
                 row(&dev, &mut m, b, "dfdx", "f32", &a);
             }
@@ -60,10 +65,9 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         On::Cuda(n) => cuda(n, &a)?,
         #[cfg(not(feature = "cuda"))]
         On::Cuda(_) => {
-            return Err(CliError::usage(
-                "--device cuda: this tensorport was built without CUDA; rebuild with `--features \
-                 cuda` (see docs/operations.md), or use --device cpu",
-            ))
+            return Err(
+                tensorport_farm::Error::from(tensorport_farm::ConfigError::NoCudaBuild).into(),
+            )
         }
     }
     Ok(ExitCode::SUCCESS)
@@ -71,27 +75,29 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
 
 #[cfg(feature = "cuda")]
 fn cuda(n: u32, a: &Args) -> CliResult<()> {
-    use crate::common::PrecisionArg;
+    use tensorport_cuda::Precision;
     let dev = Cuda::try_build(n as usize, a.model.seed)
         .map_err(|e| CliError::new(format!("cannot start dfdx on CUDA device {n}: {e:?}")))?;
     let gpu = tensorport_cuda::Gpu::open(n as i32).map_err(|e| CliError::new(e.to_string()))?;
     let precisions = match a.model.precision {
         Some(p) => vec![p],
-        None => vec![
-            PrecisionArg::F32,
-            PrecisionArg::Tf32,
-            PrecisionArg::Bf16,
-            PrecisionArg::F16,
-        ],
+        None => Precision::ALL.to_vec(),
     };
-    let mut dfdx = a.model.dfdx_model(&dev)?;
+    let mut dfdx = a
+        .model
+        .options()
+        .dfdx_model(&dev)
+        .map_err(tensorport_farm::Error::from)?;
     for &b in &a.batch {
         match tensorport_cuda::ConvNet::cudnn_version() {
             Ok(_) => {
                 for layout in tensorport_cuda::Layout::ALL {
                     for &p in &precisions {
-                        let p = p.precision();
-                        let mut m = a.model.cudnn_model(&dev, &gpu, (p, layout))?;
+                        let mut m = a
+                            .model
+                            .options()
+                            .cudnn_model(&dev, &gpu, (p, layout))
+                            .map_err(tensorport_farm::Error::from)?;
                         m.prepare(b)?;
                         let engine = format!("cudnn {layout}");
                         row(&dev, &mut m, b, &engine, p.name(), a);
@@ -105,7 +111,7 @@ fn cuda(n: u32, a: &Args) -> CliResult<()> {
             }
             Err(e) => eprintln!("no cuDNN rows: {e}"),
         }
-        if a.model.precision.unwrap_or_default() == PrecisionArg::F32 {
+        if a.model.precision.unwrap_or_default() == Precision::F32 {
             row(&dev, &mut dfdx, b, "dfdx kernels", "f32", a);
         }
     }
@@ -121,7 +127,7 @@ fn row<D: Device<f32>>(
     precision: &str,
     a: &Args,
 ) {
-    let s = a.model.config().image_size;
+    let s = a.model.image_size;
     let x: Tensor4<D> = dev.sample_normal_like(&(batch, 3usize, s, s));
     let mut run = || match model.classify(x.clone()) {
         Ok(scores) => scores.len() == batch,

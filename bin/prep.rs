@@ -7,7 +7,7 @@ use std::time::{Duration, Instant};
 
 use tensorport_vision::{list_images, Stages};
 
-use crate::common::{CliError, CliResult, TransformArg};
+use crate::common::{CliError, CliResult, PrepArgs};
 
 /// Preprocess a folder of images on one thread, exactly as a producer does, and report the
 /// cost of each step per image (decode, resize and crop, normalise) and images per second on one
@@ -26,22 +26,8 @@ pub struct Args {
     /// Side of the model's square input, in pixels.
     #[arg(long, default_value_t = 224)]
     pub image_size: u32,
-    /// The preprocessing.
-    #[arg(long, value_enum, default_value_t)]
-    pub transform: TransformArg,
-    /// The CPU's JPEG decoder (the default: libjpeg-turbo where it was built in).
-    #[arg(long, value_enum, default_value_t)]
-    pub jpeg_decoder: crate::common::JpegDecoderArg,
-    /// Images over this many megapixels are refused (an error line naming the file) before
-    /// anything is allocated for them: a small file can declare an image of gigabytes.
-    #[arg(long, default_value_t = 64.0, value_name = "MP")]
-    pub max_megapixels: f64,
-    /// Decode large JPEGs at 1/2, 1/4 or 1/8 of their size with libjpeg-turbo's DCT scaling
-    /// whenever that still leaves a source pixel for each output pixel (as PIL's `draft`
-    /// does): less work on big photos, but the tensors differ from torchvision's full decode
-    /// by more than the default's bound (docs/operations.md), so it is off unless asked for.
-    #[arg(long, value_enum, default_value_t = crate::common::Switch::Off)]
-    pub dct_scaling: crate::common::Switch,
+    #[command(flatten)]
+    pub prep: PrepArgs,
     /// Passes over the files for the timing (the best pass counts).
     #[arg(long, default_value_t = 3)]
     pub repeat: u32,
@@ -85,7 +71,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         println!(
             "{} images, {} transform to 3x{}x{} f32, nvJPEG batches of {} on GPU {}, best of {} passes: {:.0} images/s",
             encoded.len(),
-            a.transform.name(),
+            a.prep.transform.name(),
             a.image_size,
             a.image_size,
             a.batch.max(1),
@@ -95,11 +81,11 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         );
         return dump(&a, dumped);
     }
-    let mut prep = a.jpeg_decoder.preprocessor(
-        a.transform.for_size(a.image_size),
-        crate::common::pixels_of(a.max_megapixels),
-        a.dct_scaling.on(),
-    )?;
+    let mut prep = a
+        .prep
+        .options(tensorport_farm::config::Pixels::F32)
+        .preprocessor(a.image_size)
+        .map_err(tensorport_farm::Error::from)?;
     let n = prep.out_len();
     let mut out = vec![0f32; n];
     let mut dumped: Vec<(String, Vec<u8>)> = Vec::new();
@@ -125,7 +111,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     println!(
         "{} images, {} transform to 3x{}x{} f32, {} decoder, one thread, best of {} passes:",
         encoded.len(),
-        a.transform.name(),
+        a.prep.transform.name(),
         a.image_size,
         a.image_size,
         prep.jpeg_decoder().name(),
@@ -205,7 +191,7 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<(Duration, Dump
     )
     .map_err(cuda)?;
     println!("{} (from {})", jpeg.backend(), jpeg.library());
-    let transform = a.transform.for_size(a.image_size);
+    let transform = a.prep.transform.for_size(a.image_size);
     let mut sized = Vec::with_capacity(encoded.len());
     for (path, bytes) in encoded {
         match jpeg.probe(bytes) {
@@ -231,7 +217,12 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<(Duration, Dump
                 .iter()
                 .enumerate()
                 .map(|(k, (_, bytes, size))| {
-                    crate::produce_gpu::jpeg_job(&transform, bytes, *size, (&out, k * image_bytes))
+                    tensorport_farm::produce::gpu_jpeg_job(
+                        &transform,
+                        bytes,
+                        *size,
+                        (&out, k * image_bytes),
+                    )
                 })
                 .collect();
             // SAFETY: `sized` and `out` outlive the loop, and the stream is synchronised

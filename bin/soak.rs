@@ -114,7 +114,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         return Err(CliError::new("the server did not start"));
     }
     let pid = server.id();
-    let stop = crate::common::stop_flag();
+    let stop = tensorport_farm::process::stop_flag();
     let base = sample(pid, &socket)?;
     println!(
         "baseline (no producers): fds {}, RSS {:.1} MiB, mapped pools {} B",

@@ -12,18 +12,19 @@ use tensorport_vision::Source;
 
 use super::balance::{pick_move, Load, Window, MIN_RESULTS};
 use super::children::{backoff, describe, unfixable_start, Ev, Farm, State, Worker};
-use crate::common::{CliError, CliResult, ResultLine, StageTimes};
-use crate::results::ResultsFile;
+use super::{ChildRow, ChildState, ResultsFile, Snapshot, Summary};
+use crate::error::{Error, Result};
+use crate::record::{ResultLine, StageTimes};
 
 /// One server of the farm (one per `--servers` / `--devices` entry).
 pub(super) struct ServerSlot {
-    pub(super) child: Option<Child>,
+    child: Option<Child>,
     generation: u64,
-    pub(super) ready: bool,
+    ready: bool,
     /// Whether it has listened once: producers first start when every server has (so they
     /// spread over all of them, not onto the one that came up first).
     ever_ready: bool,
-    pub(super) restarts: u32,
+    restarts: u32,
     wait_until: Option<Instant>,
     /// Restarts since the last result through it: a server that keeps dying without ever
     /// serving is given up on; one that serves between its deaths is not.
@@ -33,38 +34,38 @@ pub(super) struct ServerSlot {
 pub(super) struct Supervisor {
     pub(super) farm: Farm,
     inputs: Vec<Source>,
-    pub(super) n: u64,
-    pub(super) servers: Vec<ServerSlot>,
-    pub(super) workers: Vec<Worker>,
+    n: u64,
+    servers: Vec<ServerSlot>,
+    workers: Vec<Worker>,
     stall: Duration,
     /// Inputs each producer may hold: twice its in-flight requests, so the next are ready.
     depth: usize,
     pending: VecDeque<u64>,
     done: Vec<bool>,
-    pub(super) done_count: u64,
-    pub(super) errors: u64,
-    pub(super) latencies: Vec<f64>,
-    pub(super) stage_sum: StageTimes,
-    pub(super) profiled: u64,
+    done_count: u64,
+    errors: u64,
+    latencies: Vec<f64>,
+    stage_sum: StageTimes,
+    profiled: u64,
     /// The first and the last result: the rate between them leaves the start-up out (starting
     /// the server and its device, the producers, their pools), as the DataLoader's benchmark
     /// leaves its workers' start-up out.
-    pub(super) first_result: Option<Instant>,
-    pub(super) last_result: Instant,
+    first_result: Option<Instant>,
+    last_result: Instant,
     /// Set by the first Ctrl-C: no new work, finish what is in flight by then.
     stopping: Option<Instant>,
     started: Instant,
     /// Why the run ends early, if it does.
-    pub(super) failure: Option<CliError>,
+    pub(super) failure: Option<Error>,
     /// Results per server since the last look at the servers' demand.
     window: Window,
     /// Producers moved to another server by demand.
-    pub(super) moves: u32,
+    moves: u32,
 }
 
 impl Supervisor {
     /// Starts the server; producers follow once it listens.
-    pub(super) fn start(farm: Farm, inputs: Vec<Source>) -> CliResult<Supervisor> {
+    pub(super) fn start(farm: Farm, inputs: Vec<Source>) -> Result<Supervisor> {
         let n = inputs.len() as u64;
         let servers = (0..farm.sockets.len())
             .map(|k| {
@@ -78,18 +79,17 @@ impl Supervisor {
                     failures_in_row: 0,
                 })
             })
-            .collect::<CliResult<Vec<_>>>()?;
-        let workers = (0..farm.args.producers)
+            .collect::<Result<Vec<_>>>()?;
+        let workers = (0..farm.cfg.producers)
             .map(|i| Worker::new(format!("producer-{i}"), false))
             .chain(
-                (0..farm.args.gpu_producers)
-                    .map(|i| Worker::new(format!("gpu-producer-{i}"), true)),
+                (0..farm.cfg.gpu_producers).map(|i| Worker::new(format!("gpu-producer-{i}"), true)),
             )
             .collect();
         let farm_servers = servers.len();
         Ok(Supervisor {
-            stall: Duration::from_secs_f64(farm.args.stall_secs.max(0.1)),
-            depth: (farm.args.in_flight.max(1) * 2) as usize,
+            stall: farm.cfg.stall.max(Duration::from_millis(100)),
+            depth: (farm.cfg.in_flight.max(1) * 2) as usize,
             farm,
             inputs,
             n,
@@ -117,7 +117,7 @@ impl Supervisor {
         if self.stopping.is_none() {
             self.stopping = Some(Instant::now() + Duration::from_secs(15));
             self.farm
-                .console
+                .report
                 .log("stopping: finishing the work in flight (Ctrl-C again to quit at once)");
         }
     }
@@ -152,7 +152,7 @@ impl Supervisor {
 
     /// Restarts servers whose back-off is over, and starts producers that are due against the
     /// listening server with the fewest producers.
-    pub(super) fn start_due(&mut self) -> CliResult<()> {
+    pub(super) fn start_due(&mut self) -> Result<()> {
         if self.stopping.is_some() {
             return Ok(());
         }
@@ -216,7 +216,7 @@ impl Supervisor {
                 if self.done[i as usize] {
                     continue;
                 }
-                batch.push_str(&format!("{i}\t{}\n", self.inputs[i as usize]));
+                batch.push_str(&crate::record::work_line(i, &self.inputs[i as usize]));
                 given.push(i);
             }
             if given.is_empty() {
@@ -335,16 +335,16 @@ impl Supervisor {
         }
         w.failures_in_row += 1;
         w.restarts += 1;
-        let console = &self.farm.console;
-        if w.failures_in_row > self.farm.args.max_restarts {
-            console.log(&format!(
+        let report = &self.farm.report;
+        if w.failures_in_row > self.farm.cfg.max_restarts {
+            report.log(&format!(
                 "{} failed {} times in a row ({status}); giving up on it",
                 w.name, w.failures_in_row
             ));
             w.state = State::GaveUp;
         } else {
             let d = backoff(w.failures_in_row - 1);
-            console.log(&format!(
+            report.log(&format!(
                 "{} ended ({status}); restarting in {:.1}s, its unfinished inputs are redone",
                 w.name,
                 d.as_secs_f64()
@@ -380,10 +380,11 @@ impl Supervisor {
         let status = exit.map(describe).unwrap_or_else(|| "ended".into());
         if exit.is_some_and(|st| unfixable_start(&st, was_ready)) {
             let said = self.farm.server_said[k].lock().unwrap().clone();
-            self.failure = Some(CliError::usage(format!(
-                "the {name} cannot start ({status}): {}",
-                said.trim_start_matches("error: ")
-            )));
+            self.failure = Some(Error::ServerCannotStart {
+                name,
+                status,
+                said: said.trim_start_matches("error: ").to_string(),
+            });
             return;
         }
         if self.done_count >= self.n || self.stopping.is_some() {
@@ -391,15 +392,16 @@ impl Supervisor {
         }
         s.restarts += 1;
         s.failures_in_row += 1;
-        if s.failures_in_row > self.farm.args.max_restarts {
-            self.failure = Some(CliError::new(format!(
-                "the {name} failed {} times in a row without a result ({status}); see its messages above",
-                s.failures_in_row
-            )));
+        if s.failures_in_row > self.farm.cfg.max_restarts {
+            self.failure = Some(Error::ServerKeepsFailing {
+                name,
+                times: s.failures_in_row,
+                status,
+            });
         } else {
             let d = backoff(s.failures_in_row - 1);
             s.wait_until = Some(Instant::now() + d);
-            self.farm.console.log(&format!(
+            self.farm.report.log(&format!(
                 "{name} ended ({status}); restarting in {:.1}s, its producers reconnect and redo their inputs",
                 d.as_secs_f64()
             ));
@@ -453,7 +455,7 @@ impl Supervisor {
                 w.moving = true;
                 w.next_server = Some(to);
                 self.moves += 1;
-                self.farm.console.log(&format!(
+                self.farm.report.log(&format!(
                     "moving {} from server {from} to server {to}: its producers got {:.1} results/s each, server {to}'s {:.1}",
                     w.name,
                     rate(&loads[from]) / secs,
@@ -474,7 +476,7 @@ impl Supervisor {
             let server_up = self.servers.get(w.server).is_some_and(|s| s.ready);
             if let State::Running { child, .. } = &mut w.state {
                 if server_up && !w.assigned.is_empty() && w.last_progress.elapsed() > self.stall {
-                    self.farm.console.log(&format!(
+                    self.farm.report.log(&format!(
                         "{} returned no result for {:.0}s with {} inputs (stopped or hung?); killing it, its inputs are redone",
                         w.name,
                         w.last_progress.elapsed().as_secs_f64(),
@@ -499,9 +501,7 @@ impl Supervisor {
             .iter()
             .all(|w| matches!(w.state, State::GaveUp))
         {
-            self.failure = Some(CliError::new(
-                "every producer failed repeatedly; see their messages above",
-            ));
+            self.failure = Some(Error::ProducersKeepFailing);
             return true;
         }
         self.stopping
@@ -560,4 +560,95 @@ impl Supervisor {
         }
         batches
     }
+
+    /// The farm as it is now, for a front end's progress display.
+    pub(super) fn snapshot(&self, started: Instant, batches: (u64, u64)) -> Snapshot {
+        let servers = self
+            .servers
+            .iter()
+            .enumerate()
+            .map(|(k, s)| ChildRow {
+                name: self.farm.server_name(k),
+                state: match (&s.child, s.ready) {
+                    (Some(c), true) => ChildState::Running { pid: c.id() },
+                    (Some(c), false) => ChildState::Starting { pid: Some(c.id()) },
+                    (None, _) => ChildState::Restarting {
+                        after: None,
+                        last_exit: None,
+                    },
+                },
+                done: 0,
+                handed_out: 0,
+                restarts: s.restarts,
+            })
+            .collect();
+        let producers = self
+            .workers
+            .iter()
+            .map(|w| ChildRow {
+                name: w.name.clone(),
+                state: match &w.state {
+                    State::Running { child, .. } => ChildState::Running { pid: child.id() },
+                    State::Waiting { .. } if w.generation == 0 => {
+                        ChildState::Starting { pid: None }
+                    }
+                    State::Waiting { until } => ChildState::Restarting {
+                        after: Some(until.saturating_duration_since(Instant::now())),
+                        last_exit: w.last_exit.clone(),
+                    },
+                    State::GaveUp => ChildState::GaveUp {
+                        last_exit: w.last_exit.clone(),
+                    },
+                },
+                done: w.done,
+                handed_out: w.assigned.len(),
+                restarts: w.restarts,
+            })
+            .collect();
+        Snapshot {
+            inputs: self.n,
+            done: self.done_count,
+            errors: self.errors,
+            handed_out: self.in_flight(),
+            batches,
+            elapsed: started.elapsed(),
+            servers,
+            producers,
+        }
+    }
+
+    /// The run's summary.
+    pub(super) fn summary(&mut self, started: Instant, batches: (u64, u64)) -> Summary {
+        self.latencies.sort_by(f64::total_cmp);
+        let since = |t: Instant| t.saturating_duration_since(started);
+        Summary {
+            inputs: self.n,
+            done: self.done_count,
+            errors: self.errors,
+            elapsed: started.elapsed(),
+            first_result: self.first_result.map(since),
+            last_result: self.first_result.map(|_| since(self.last_result)),
+            latency_ms: (
+                percentile(&self.latencies, 0.5),
+                percentile(&self.latencies, 0.99),
+            ),
+            batches,
+            max_batch: self.farm.cfg.model.max_batch,
+            server_restarts: self.server_restarts(),
+            producers: self.farm.cfg.producers,
+            producer_restarts: self.workers.iter().map(|w| w.restarts).sum(),
+            moves: self.moves,
+            output: self.farm.cfg.output.clone(),
+            stages: (self.profiled > 0).then_some((self.stage_sum, self.profiled)),
+        }
+    }
+}
+
+/// The value at fraction `p` of `sorted`.
+fn percentile(sorted: &[f64], p: f64) -> f64 {
+    if sorted.is_empty() {
+        return 0.0;
+    }
+    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
+    sorted[i]
 }

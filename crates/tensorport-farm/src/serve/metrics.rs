@@ -17,7 +17,7 @@ use prometheus_client::metrics::histogram::{exponential_buckets, Histogram};
 use prometheus_client::registry::Registry;
 use tensorport::Server;
 
-use crate::common::{CliError, CliResult};
+use crate::error::{ConfigError, Error, Result};
 
 /// What the serving loop records.
 #[derive(Clone)]
@@ -143,7 +143,7 @@ impl Collector for StatusCollector {
 
 /// Starts the endpoint on `addr` (port 0: any free port); returns what the serving loop records
 /// into, and the address it listens on.
-pub fn start(addr: &str, server: Arc<Server>) -> CliResult<(Metrics, SocketAddr)> {
+pub fn start(addr: &str, server: Arc<Server>) -> Result<(Metrics, SocketAddr)> {
     let m = Metrics {
         batch_size: Histogram::new(exponential_buckets(1.0, 2.0, 10)),
         batch_seconds: Histogram::new(exponential_buckets(1e-4, 2.0, 18)),
@@ -166,15 +166,17 @@ pub fn start(addr: &str, server: Arc<Server>) -> CliResult<(Metrics, SocketAddr)
         m.request_seconds.clone(),
     );
     reg.register_collector(Box::new(StatusCollector(server)));
-    let http = tiny_http::Server::http(addr).map_err(|e| {
-        CliError::usage(format!(
-            "--metrics {addr}: cannot listen there ({e}); give a free HOST:PORT such as 127.0.0.1:9464"
-        ))
+    let http = tiny_http::Server::http(addr).map_err(|e| ConfigError::Metrics {
+        addr: addr.to_string(),
+        why: format!("cannot listen there ({e}); give a free HOST:PORT such as 127.0.0.1:9464"),
     })?;
     let bound = http
         .server_addr()
         .to_ip()
-        .ok_or_else(|| CliError::usage(format!("--metrics {addr}: not a TCP address")))?;
+        .ok_or_else(|| ConfigError::Metrics {
+            addr: addr.to_string(),
+            why: "not a TCP address".into(),
+        })?;
     // The registry moves into the thread that serves it; the histograms are shared handles.
     std::thread::Builder::new()
         .name("metrics".into())
@@ -200,6 +202,6 @@ pub fn start(addr: &str, server: Arc<Server>) -> CliResult<(Metrics, SocketAddr)
                 let _ = req.respond(reply);
             }
         })
-        .map_err(|e| CliError::new(format!("cannot start the metrics thread: {e}")))?;
+        .map_err(|e| Error::Other(format!("cannot start the metrics thread: {e}")))?;
     Ok((m, bound))
 }

@@ -7,7 +7,7 @@
 use std::io::Write;
 use std::path::{Path, PathBuf};
 
-use crate::common::CliError;
+use crate::error::{ConfigError, Error};
 
 /// Bytes gathered before they are written.
 const BATCH: usize = 8 * 1024;
@@ -24,9 +24,11 @@ pub struct ResultsFile {
 
 impl ResultsFile {
     /// Creates (or empties) the file at `path`.
-    pub fn create(path: &Path) -> Result<ResultsFile, CliError> {
-        let file = std::fs::File::create(path)
-            .map_err(|e| CliError::usage(format!("cannot create {}: {e}", path.display())))?;
+    pub fn create(path: &Path) -> Result<ResultsFile, Error> {
+        let file = std::fs::File::create(path).map_err(|source| ConfigError::Output {
+            path: path.to_path_buf(),
+            source,
+        })?;
         Ok(ResultsFile {
             path: path.to_path_buf(),
             file,
@@ -38,7 +40,7 @@ impl ResultsFile {
     }
 
     /// Adds one line (without its newline).
-    pub fn push(&mut self, line: &str) -> Result<(), CliError> {
+    pub fn push(&mut self, line: &str) -> Result<(), Error> {
         self.buf.extend_from_slice(line.as_bytes());
         self.buf.push(b'\n');
         self.pending_lines += 1;
@@ -49,7 +51,7 @@ impl ResultsFile {
     }
 
     /// Writes what is gathered. On failure the file keeps only its whole lines.
-    pub fn flush(&mut self) -> Result<(), CliError> {
+    pub fn flush(&mut self) -> Result<(), Error> {
         if self.buf.is_empty() {
             return Ok(());
         }
@@ -63,7 +65,7 @@ impl ResultsFile {
             }
             Err(e) => {
                 let cut = self.file.set_len(self.committed);
-                Err(CliError::new(format!(
+                Err(Error::Results(format!(
                     "writing results to {} failed: {e}; {}",
                     self.path.display(),
                     match cut {

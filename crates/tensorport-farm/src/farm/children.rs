@@ -10,9 +10,9 @@ use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use super::view::Console;
-use super::Args;
-use crate::common::{CliError, CliResult, Device};
+use super::Report;
+use crate::config::{Device, FarmConfig, GpuPrep, Inputs, Output, ProduceConfig, ServeConfig};
+use crate::error::{Error, Result};
 
 pub(super) enum Ev {
     Line { slot: usize, line: String },
@@ -134,18 +134,18 @@ pub(super) fn pump_lines(
     });
 }
 
-/// Shows a child's stderr lines on the console, prefixed with its name; keeps the last one in
-/// `last` (the server's, so a startup failure can be quoted).
+/// Reports a child's stderr lines, prefixed with its name; keeps the last one in `last` (the
+/// server's, so a startup failure can be quoted).
 pub(super) fn forward_stderr(
     r: impl std::io::Read + Send + 'static,
     name: String,
-    console: Arc<Console>,
+    report: Arc<dyn Report>,
     last: Option<Arc<Mutex<String>>>,
 ) {
     std::thread::spawn(move || {
         for line in BufReader::new(r).lines() {
             let Ok(line) = line else { break };
-            console.log(&format!("[{name}] {line}"));
+            report.log(&format!("[{name}] {line}"));
             if let Some(last) = &last {
                 *last.lock().unwrap() = line;
             }
@@ -160,29 +160,48 @@ pub(super) fn unfixable_start(status: &ExitStatus, was_ready: bool) -> bool {
     !was_ready && status.code() == Some(2)
 }
 
-/// What starting children needs: the binary, the options, the servers' sockets and devices,
-/// where their output goes.
+/// What starting children needs: the configuration, the servers' sockets and devices, where
+/// their output goes.
 pub(super) struct Farm {
-    pub(super) exe: PathBuf,
-    pub(super) args: Args,
+    pub(super) cfg: FarmConfig,
     /// Server k listens at `sockets[k]`, its model on `devices[k]`.
     pub(super) sockets: Vec<PathBuf>,
     pub(super) devices: Vec<Device>,
-    pub(super) console: Arc<Console>,
+    pub(super) report: Arc<dyn Report>,
     pub(super) tx: Sender<Ev>,
     /// Each server's last stderr line.
     pub(super) server_said: Vec<Arc<Mutex<String>>>,
 }
 
 impl Farm {
+    pub(super) fn new(
+        cfg: FarmConfig,
+        sockets: Vec<PathBuf>,
+        devices: Vec<Device>,
+        report: Arc<dyn Report>,
+        tx: Sender<Ev>,
+    ) -> Farm {
+        Farm {
+            cfg,
+            server_said: sockets
+                .iter()
+                .map(|_| Arc::new(Mutex::new(String::new())))
+                .collect(),
+            sockets,
+            devices,
+            report,
+            tx,
+        }
+    }
+
     fn command(&self, sub: &str, server: usize) -> Command {
-        let mut c = Command::new(&self.exe);
+        let mut c = Command::new(&self.cfg.exe);
         c.arg("--log")
-            .arg(&self.args.child_log)
+            .arg(&self.cfg.child_log)
             .arg(sub)
             .arg("--socket")
             .arg(&self.sockets[server])
-            .env("TENSORPORT_FARM_PID", std::process::id().to_string())
+            .env(crate::process::FARM_PID_ENV, std::process::id().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())
@@ -200,25 +219,65 @@ impl Farm {
         }
     }
 
-    pub(super) fn start_server(&self, k: usize, generation: u64) -> CliResult<Child> {
-        let a = &self.args;
-        let mut c = self.command("serve", k);
-        let mut model = a.model.clone();
+    /// Server k's configuration.
+    pub(super) fn serve_config(&self, k: usize) -> ServeConfig {
+        let cfg = &self.cfg;
+        let mut model = cfg.model.clone();
         model.device = self.devices[k];
-        c.args(model.to_args())
-            .arg("--slots")
-            .arg(a.in_flight.to_string())
-            .arg("--max-sessions")
-            .arg((a.producers + a.gpu_producers + 4).to_string());
-        if let Some(t) = a.threads {
-            c.arg("--threads").arg(t.to_string());
+        ServeConfig {
+            socket: self.sockets[k].clone(),
+            model,
+            slots: cfg.in_flight,
+            slot_size: None,
+            max_sessions: (cfg.producers + cfg.gpu_producers + 4) as u32,
+            memory_budget: None,
+            max_session_memory: None,
+            threads: cfg.threads,
+            spin: Duration::from_micros(50),
+            metrics: None,
+            workers: cfg.workers,
+            sink: false,
+            fence_timeout: Duration::from_secs(10),
         }
-        if a.workers > 1 {
-            c.arg("--workers").arg(a.workers.to_string());
+    }
+
+    /// A producer's configuration, started against server `server`.
+    pub(super) fn produce_config(&self, name: &str, gpu: bool, server: usize) -> ProduceConfig {
+        let cfg = &self.cfg;
+        let gpu = gpu.then(|| GpuPrep {
+            ordinal: match self.devices[server] {
+                Device::Cuda(n) => n,
+                Device::Cpu => 0,
+            },
+            batch: GPU_BATCH as usize,
+        });
+        ProduceConfig {
+            socket: self.sockets[server].clone(),
+            inputs: Inputs::Worklist,
+            output: Output::Stdout,
+            image_size: cfg.model.config.image_size,
+            in_flight: if gpu.is_some() {
+                GPU_IN_FLIGHT
+            } else {
+                cfg.in_flight
+            },
+            ready: cfg.ready,
+            prep: cfg.prep,
+            profile: cfg.profile,
+            name: name.to_string(),
+            timeout: Duration::from_secs(60),
+            spin: Duration::from_micros(20),
+            gpu,
         }
-        let mut child = c
-            .spawn()
-            .map_err(|e| CliError::new(format!("cannot start the server: {e}")))?;
+    }
+
+    pub(super) fn start_server(&self, k: usize, generation: u64) -> Result<Child> {
+        let mut c = self.command("serve", k);
+        c.args(self.serve_config(k).to_args());
+        let mut child = c.spawn().map_err(|source| Error::Spawn {
+            name: self.server_name(k),
+            source,
+        })?;
         pump_lines(
             child.stdout.take().expect("piped"),
             self.tx.clone(),
@@ -229,54 +288,22 @@ impl Farm {
         forward_stderr(
             child.stderr.take().expect("piped"),
             self.server_name(k),
-            self.console.clone(),
+            self.report.clone(),
             Some(self.server_said[k].clone()),
         );
         Ok(child)
     }
 
     /// Starts producer `slot` against server `server`.
-    pub(super) fn start_producer(
-        &self,
-        slot: usize,
-        w: &mut Worker,
-        server: usize,
-    ) -> CliResult<()> {
-        let a = &self.args;
+    pub(super) fn start_producer(&self, slot: usize, w: &mut Worker, server: usize) -> Result<()> {
         let mut c = self.command("produce", server);
         c.arg("--worklist")
-            .arg("--name")
-            .arg(&w.name)
-            .arg("--image-size")
-            .arg(a.model.image_size.to_string())
+            .args(self.produce_config(&w.name, w.gpu, server).to_args())
             .stdin(Stdio::piped());
-        if w.gpu {
-            let gpu = match self.devices[server] {
-                Device::Cuda(n) => n,
-                Device::Cpu => 0,
-            };
-            c.args(["--nvjpeg", "--gpu", &gpu.to_string()])
-                .args(["--in-flight", &GPU_IN_FLIGHT.to_string()])
-                .args(["--batch", &GPU_BATCH.to_string()]);
-        } else {
-            c.arg("--in-flight").arg(a.in_flight.to_string());
-        }
-        if a.ready {
-            c.arg("--ready");
-        }
-        c.arg("--transform").arg(a.transform.name());
-        c.arg("--jpeg-decoder")
-            .arg(crate::common::arg_name(&a.jpeg_decoder));
-        c.arg("--max-megapixels").arg(a.max_megapixels.to_string());
-        c.arg("--dct-scaling")
-            .arg(crate::common::arg_name(&a.dct_scaling));
-        c.arg("--pixels").arg(crate::common::arg_name(&a.pixels));
-        if a.profile {
-            c.arg("--profile");
-        }
-        let mut child = c
-            .spawn()
-            .map_err(|e| CliError::new(format!("cannot start {}: {e}", w.name)))?;
+        let mut child = c.spawn().map_err(|source| Error::Spawn {
+            name: w.name.clone(),
+            source,
+        })?;
         w.generation += 1;
         w.server = server;
         w.last_progress = Instant::now();
@@ -289,7 +316,7 @@ impl Farm {
         forward_stderr(
             child.stderr.take().expect("piped"),
             w.name.clone(),
-            self.console.clone(),
+            self.report.clone(),
             None,
         );
         let stdin = child.stdin.take();

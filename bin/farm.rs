@@ -1,0 +1,177 @@
+//! `tensorport farm`: the command-line face of `tensorport_farm::farm` — flags to a
+//! `FarmConfig`, the console that shows its reports, the summary and the exit status.
+
+use std::io::IsTerminal;
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tensorport_farm::config::Servers;
+use tensorport_farm::FarmConfig;
+use tensorport_vision::Source;
+
+use crate::common::{CliError, CliResult, ModelArgs, Pixels, PrepArgs};
+use crate::view::Console;
+
+/// When to draw live progress.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Progress {
+    /// On a terminal.
+    Auto,
+    /// Always (even into a file or pipe).
+    Always,
+    /// Never.
+    Never,
+}
+
+/// Classify a set of images with one inference server and N producer processes. The farm starts
+/// the server and the producers, hands inputs to producers as they have room, restarts a
+/// producer (or the server) that dies — with back-off — and redoes its unfinished inputs, so
+/// every input gets exactly one line in --output. Ctrl-C finishes the work in flight and stops;
+/// a second Ctrl-C stops at once. Shows live progress on a terminal, stays quiet otherwise, and
+/// ends with a summary.
+#[derive(clap::Args, Debug)]
+pub struct Args {
+    /// Folder of PNG/JPEG images to classify.
+    #[arg(long, conflicts_with = "synthetic")]
+    pub input: Option<PathBuf>,
+    /// Classify N generated images instead of files.
+    #[arg(long, value_name = "N")]
+    pub synthetic: Option<u64>,
+    /// Number of producer processes (preparing on the CPU).
+    #[arg(long, short = 'p', default_value_t = 3)]
+    pub producers: usize,
+    /// Producers that decode and prepare on the GPU (`produce --nvjpeg`: batches of JPEGs
+    /// decoded by nvJPEG, resized and normalised by a kernel, handed over in device memory),
+    /// besides the --producers CPU ones; each works on its server's GPU. Needs --device cuda
+    /// (or --devices).
+    #[arg(long, default_value_t = 0, value_name = "N")]
+    pub gpu_producers: usize,
+    /// Inference servers, each with its own socket (and model); producers are spread over the
+    /// ones that listen, the least loaded first. A server that dies has its producers' inputs
+    /// redone through the others while it restarts.
+    #[arg(long, default_value_t = 1, conflicts_with = "devices")]
+    pub servers: usize,
+    /// One server per listed GPU (e.g. `--devices 0,1`: a server on cuda:0 and one on cuda:1);
+    /// overrides --device and --servers.
+    #[arg(long, value_delimiter = ',', value_name = "GPU,...")]
+    pub devices: Vec<u32>,
+    /// Where to write the results, one JSON line per input.
+    #[arg(long, short, default_value = "results.jsonl")]
+    pub output: PathBuf,
+    #[command(flatten)]
+    pub model: ModelArgs,
+    /// Requests each producer keeps in flight. The farm hands each producer up to twice as many
+    /// inputs, so the next ones are ready; progress shows them as "handed out".
+    #[arg(long, default_value_t = 8)]
+    pub in_flight: u32,
+    /// Model workers per server (`serve --workers`): threads that each run their own copy of
+    /// the model on their share of the producers.
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Threads for the server's model [default: all cores].
+    #[arg(long)]
+    pub threads: Option<usize>,
+    /// Socket path [default: a fresh private directory, removed afterwards].
+    #[arg(long)]
+    pub socket: Option<PathBuf>,
+    /// Live progress: auto (on a terminal), always, never.
+    #[arg(long, value_enum, default_value_t = Progress::Auto)]
+    pub progress: Progress,
+    /// Restarts of one producer (or of the server) in a row without a result in between before
+    /// the farm gives up on it.
+    #[arg(long, default_value_t = 8)]
+    pub max_restarts: u32,
+    /// A producer that holds inputs but returns no result for this many seconds, while the
+    /// server runs, is taken as hung (stopped, deadlocked in its preprocessing): the farm kills
+    /// it, restarts it and hands its inputs out again.
+    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+    pub stall_secs: f64,
+    /// Producers hand over a ready tensor for every input instead of preparing each (see
+    /// `produce --ready`).
+    #[arg(long)]
+    pub ready: bool,
+    /// The producers' preparation.
+    #[command(flatten)]
+    pub prep: PrepArgs,
+    /// What producers hand over per image: normalised f32, or u8 planes (4× fewer bytes) that
+    /// the server normalises to the same floats (on the GPU in the CUDA build).
+    #[arg(long, value_enum, default_value_t)]
+    pub pixels: Pixels,
+    /// Time every step of every input (read, decode, resize, normalise, lease, submit, result)
+    /// and print the mean of each in the summary; the result lines carry them as "stages".
+    #[arg(long)]
+    pub profile: bool,
+    /// Log level of the server and producers (their stderr is shown prefixed with their name).
+    #[arg(long, default_value = "warn", value_parser = crate::common::parse_log_filter)]
+    pub child_log: String,
+}
+
+impl Args {
+    /// The farm's configuration, with its inputs listed.
+    pub fn config(&self) -> CliResult<FarmConfig> {
+        let inputs: Vec<Source> = match (&self.input, self.synthetic) {
+            (Some(dir), _) => crate::common::list_inputs(dir)?
+                .into_iter()
+                .map(Source::File)
+                .collect(),
+            (None, Some(n)) => (0..n).map(Source::Synthetic).collect(),
+            (None, None) => {
+                return Err(CliError::usage(
+                    "say what to classify: --input DIR (PNG/JPEG files) or --synthetic N",
+                ))
+            }
+        };
+        Ok(FarmConfig {
+            inputs,
+            producers: self.producers,
+            gpu_producers: self.gpu_producers,
+            servers: if self.devices.is_empty() {
+                Servers::Copies(self.servers)
+            } else {
+                Servers::Gpus(self.devices.clone())
+            },
+            output: self.output.clone(),
+            model: self.model.options(),
+            in_flight: self.in_flight,
+            workers: self.workers,
+            threads: self.threads,
+            socket: self.socket.clone(),
+            max_restarts: self.max_restarts,
+            stall: Duration::from_secs_f64(self.stall_secs.max(0.0)),
+            ready: self.ready,
+            prep: self.prep.options(self.pixels),
+            profile: self.profile,
+            child_log: self.child_log.clone(),
+            exe: std::env::current_exe()?,
+        })
+    }
+}
+
+pub fn run(args: Args) -> CliResult<ExitCode> {
+    let cfg = args.config()?;
+    // Checked before the progress block appears.
+    cfg.check().map_err(tensorport_farm::Error::from)?;
+    let tty = match args.progress {
+        Progress::Always => true,
+        Progress::Never => false,
+        Progress::Auto => std::io::stderr().is_terminal(),
+    };
+    let console = Arc::new(Console::new(tty, cfg.inputs.len() as u64));
+    let outcome = tensorport_farm::farm::run(cfg, console.clone());
+    console.clear();
+    let outcome = outcome?;
+    let Some(summary) = &outcome.summary else {
+        console.log("stopped at once (second signal)");
+        return Ok(ExitCode::from(130));
+    };
+    crate::view::print_summary(summary);
+    if let Some(f) = outcome.failure {
+        return Err(f.into());
+    }
+    if summary.done < summary.inputs {
+        return Ok(ExitCode::from(if outcome.stopped { 130 } else { 1 }));
+    }
+    Ok(ExitCode::SUCCESS)
+}

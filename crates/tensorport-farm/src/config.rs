@@ -1,0 +1,525 @@
+//! The configuration of a producer, a server and a farm, as types. A front end (the command
+//! line, a test, another program) fills these in; `to_args` turns a configuration back into the
+//! `tensorport` command line the farm starts its children with.
+
+use std::path::PathBuf;
+use std::time::Duration;
+
+use tensorport_cuda::Precision;
+use tensorport_dfdx::ModelConfig;
+use tensorport_vision::{JpegDecoder, Source, Transform};
+
+use crate::error::{ConfigError, Result};
+
+/// Where the model runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Device {
+    /// The CPU.
+    Cpu,
+    /// CUDA GPU N (needs a build with the `cuda` feature).
+    Cuda(u32),
+}
+
+impl Device {
+    pub fn is_cuda(&self) -> bool {
+        matches!(self, Device::Cuda(_))
+    }
+}
+
+impl std::fmt::Display for Device {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Device::Cpu => write!(f, "cpu"),
+            Device::Cuda(n) => write!(f, "cuda:{n}"),
+        }
+    }
+}
+
+impl std::str::FromStr for Device {
+    type Err = String;
+    /// `cpu`, `cuda` (GPU 0) or `cuda:N`.
+    fn from_str(s: &str) -> Result<Device, String> {
+        match s {
+            "cpu" => Ok(Device::Cpu),
+            "cuda" => Ok(Device::Cuda(0)),
+            _ => s
+                .strip_prefix("cuda:")
+                .and_then(|n| n.parse().ok())
+                .map(Device::Cuda)
+                .ok_or_else(|| format!("{s:?}: say cpu, cuda (GPU 0) or cuda:N")),
+        }
+    }
+}
+
+/// What the server runs on each batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum ModelKind {
+    /// The bundled image classifier.
+    #[default]
+    Classifier,
+    /// None: the batch is only moved onto the device (a transport benchmark, like PyTorch's
+    /// DataLoader one).
+    None,
+}
+
+impl ModelKind {
+    pub fn name(self) -> &'static str {
+        match self {
+            ModelKind::Classifier => "classifier",
+            ModelKind::None => "none",
+        }
+    }
+}
+
+/// What producers hand over per image.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum Pixels {
+    /// Normalised `f32` planes, ready for the model.
+    #[default]
+    F32,
+    /// 8-bit planes (a quarter of the bytes in the pool and over PCIe); the server normalises
+    /// them, on the GPU in the CUDA build, to the same floats bit for bit.
+    U8,
+}
+
+impl Pixels {
+    pub fn name(self) -> &'static str {
+        match self {
+            Pixels::F32 => "f32",
+            Pixels::U8 => "u8",
+        }
+    }
+
+    pub fn dtype(self) -> tensorport::DType {
+        match self {
+            Pixels::F32 => tensorport::DType::F32,
+            Pixels::U8 => tensorport::DType::U8,
+        }
+    }
+
+    /// Bytes per value.
+    pub fn bytes(self) -> usize {
+        match self {
+            Pixels::F32 => 4,
+            Pixels::U8 => 1,
+        }
+    }
+
+    /// A view of `slot` to prepare an image into.
+    pub fn planes(self, slot: &mut [u8]) -> Result<tensorport_vision::Planes<'_>> {
+        Ok(match self {
+            Pixels::U8 => tensorport_vision::Planes::U8(slot),
+            Pixels::F32 => tensorport_vision::Planes::F32(
+                bytemuck::try_cast_slice_mut(slot)
+                    .map_err(|e| crate::Error::Other(format!("slot is not f32-aligned: {e}")))?,
+            ),
+        })
+    }
+}
+
+/// The preprocessing a producer applies.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum TransformKind {
+    /// Resize the shorter side to size/0.875 (256 for 224), antialiased; centre-crop size×size
+    /// (torchvision's standard evaluation transform).
+    #[default]
+    Standard,
+    /// Resize the whole image to size×size, whatever its aspect ratio.
+    Square,
+}
+
+impl TransformKind {
+    pub fn for_size(self, size: u32) -> Transform {
+        match self {
+            TransformKind::Standard => Transform::standard(size),
+            TransformKind::Square => Transform::Square { size },
+        }
+    }
+
+    pub fn name(self) -> &'static str {
+        match self {
+            TransformKind::Standard => "standard",
+            TransformKind::Square => "square",
+        }
+    }
+}
+
+/// The model, and how the server runs it; server and producers must agree on the image size.
+#[derive(Debug, Clone)]
+pub struct ModelOptions {
+    pub kind: ModelKind,
+    /// Image size, classes, width.
+    pub config: ModelConfig,
+    /// Weights file (safetensors); without it, weights come from `seed`.
+    pub weights: Option<PathBuf>,
+    pub seed: u64,
+    pub device: Device,
+    /// Largest batch the model runs.
+    pub max_batch: usize,
+    /// How long a batch waits for more requests after its first.
+    pub max_wait: Duration,
+    /// The convolutions' arithmetic on the GPU; `None` is f32 (and, in benchmarks, every one).
+    pub precision: Option<Precision>,
+}
+
+impl Default for ModelOptions {
+    fn default() -> ModelOptions {
+        ModelOptions {
+            kind: ModelKind::Classifier,
+            config: ModelConfig::default(),
+            weights: None,
+            seed: 0,
+            device: Device::Cpu,
+            max_batch: 32,
+            max_wait: Duration::from_millis(5),
+            precision: None,
+        }
+    }
+}
+
+impl ModelOptions {
+    /// Refuses options that contradict each other.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        self.config.check()?;
+        if self.max_batch == 0 {
+            return Err(ConfigError::MaxBatch);
+        }
+        if let Some(p) = self.precision.filter(|&p| p != Precision::F32) {
+            if !self.device.is_cuda() {
+                return Err(ConfigError::PrecisionNeedsGpu(p));
+            }
+        }
+        if self.device.is_cuda() && !cfg!(feature = "cuda") {
+            return Err(ConfigError::NoCudaBuild);
+        }
+        Ok(())
+    }
+
+    /// The bundled model on dfdx's kernels: from the weights file, or from the seed.
+    pub fn dfdx_model<D: tensorport_dfdx::dfdx::prelude::Device<f32>>(
+        &self,
+        dev: &D,
+    ) -> Result<tensorport_dfdx::ImageClassifier<D>, ConfigError> {
+        use tensorport_dfdx::ImageClassifier;
+        Ok(match &self.weights {
+            Some(p) => ImageClassifier::load(dev, self.config, p)?,
+            None => ImageClassifier::from_seed(dev, self.config, self.seed)?,
+        })
+    }
+
+    /// The bundled model on cuDNN at `how` (precision, layout): from the weights file, or the
+    /// seed.
+    #[cfg(feature = "cuda")]
+    pub fn cudnn_model(
+        &self,
+        dev: &tensorport_dfdx::dfdx::prelude::Cuda,
+        gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
+        how: (Precision, tensorport_cuda::Layout),
+    ) -> Result<tensorport_dfdx::CudnnClassifier, ConfigError> {
+        use tensorport_dfdx::CudnnClassifier;
+        Ok(match &self.weights {
+            Some(p) => CudnnClassifier::load(dev, gpu, self.config, p, how)?,
+            None => CudnnClassifier::from_seed(dev, gpu, self.config, self.seed, how)?,
+        })
+    }
+
+    /// The same options as `tensorport serve` arguments.
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v: Vec<String> = vec![
+            "--model".into(),
+            self.kind.name().into(),
+            "--image-size".into(),
+            self.config.image_size.to_string(),
+            "--classes".into(),
+            self.config.classes.to_string(),
+            "--width".into(),
+            self.config.width.to_string(),
+            "--seed".into(),
+            self.seed.to_string(),
+            "--device".into(),
+            self.device.to_string(),
+            "--max-batch".into(),
+            self.max_batch.to_string(),
+            "--max-wait-ms".into(),
+            self.max_wait.as_millis().to_string(),
+        ];
+        if let Some(p) = self.precision {
+            v.push("--precision".into());
+            v.push(p.name().into());
+        }
+        if let Some(w) = &self.weights {
+            v.push("--weights".into());
+            v.push(w.display().to_string());
+        }
+        v
+    }
+}
+
+/// How a producer prepares an image on the CPU.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PrepOptions {
+    pub transform: TransformKind,
+    pub jpeg_decoder: JpegDecoder,
+    /// Images over this many pixels are refused before anything is allocated for them.
+    pub max_pixels: u64,
+    /// Decode large JPEGs at 1/2, 1/4 or 1/8 of their size where that still leaves a source
+    /// pixel for each output pixel.
+    pub dct_scaling: bool,
+    pub pixels: Pixels,
+}
+
+impl Default for PrepOptions {
+    fn default() -> PrepOptions {
+        PrepOptions {
+            transform: TransformKind::Standard,
+            jpeg_decoder: JpegDecoder::default(),
+            max_pixels: 64_000_000,
+            dct_scaling: false,
+            pixels: Pixels::F32,
+        }
+    }
+}
+
+impl PrepOptions {
+    /// A CPU preprocessor for images of `size`×`size`.
+    pub fn preprocessor(&self, size: u32) -> Result<tensorport_vision::Preprocessor, ConfigError> {
+        let mut p = self.cpu_preprocessor(size);
+        p.set_jpeg_decoder(self.jpeg_decoder)
+            .map_err(ConfigError::JpegDecoder)?;
+        Ok(p)
+    }
+
+    /// A CPU preprocessor with the default JPEG decoder (the GPU producer's fallback).
+    pub fn cpu_preprocessor(&self, size: u32) -> tensorport_vision::Preprocessor {
+        let mut p = tensorport_vision::Preprocessor::new(self.transform.for_size(size));
+        p.set_max_pixels(self.max_pixels);
+        p.set_dct_scaling(self.dct_scaling);
+        p
+    }
+
+    /// The same options as `tensorport produce` arguments.
+    pub fn to_args(&self) -> Vec<String> {
+        vec![
+            "--transform".into(),
+            self.transform.name().into(),
+            "--jpeg-decoder".into(),
+            self.jpeg_decoder.name().into(),
+            "--max-megapixels".into(),
+            (self.max_pixels as f64 / 1e6).to_string(),
+            "--dct-scaling".into(),
+            if self.dct_scaling { "on" } else { "off" }.into(),
+            "--pixels".into(),
+            self.pixels.name().into(),
+        ]
+    }
+}
+
+/// What a producer classifies.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Inputs {
+    /// The PNG/JPEG files in a folder.
+    Dir(PathBuf),
+    /// N generated images.
+    Synthetic(u64),
+    /// `INDEX<TAB>SOURCE` lines on stdin, until end of input (how a farm drives producers).
+    Worklist,
+}
+
+/// Where result lines go.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Output {
+    Stdout,
+    File(PathBuf),
+}
+
+/// Decoding on the GPU (nvJPEG), handing over device memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct GpuPrep {
+    /// The GPU's ordinal.
+    pub ordinal: u32,
+    /// Images per nvJPEG batch (at most the requests in flight).
+    pub batch: usize,
+}
+
+/// One producer process.
+#[derive(Debug, Clone)]
+pub struct ProduceConfig {
+    pub socket: PathBuf,
+    pub inputs: Inputs,
+    pub output: Output,
+    /// Side of the square images the server's model takes.
+    pub image_size: usize,
+    /// Requests outstanding at once (also the number of slots asked for).
+    pub in_flight: u32,
+    /// Prepare the first input once and hand a copy over for every input.
+    pub ready: bool,
+    pub prep: PrepOptions,
+    /// Add each input's stage times to its line.
+    pub profile: bool,
+    /// Name shown in the server's logs and status, and in the result lines.
+    pub name: String,
+    /// How long to wait for a free slot or a result before giving up.
+    pub timeout: Duration,
+    /// How long to poll for results before sleeping on the doorbell.
+    pub spin: Duration,
+    /// Decode and prepare on the GPU instead of the CPU.
+    pub gpu: Option<GpuPrep>,
+}
+
+impl ProduceConfig {
+    /// The options a farm passes to a producer child (the socket and the worklist are its own).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v: Vec<String> = vec![
+            "--name".into(),
+            self.name.clone(),
+            "--image-size".into(),
+            self.image_size.to_string(),
+        ];
+        if let Some(g) = self.gpu {
+            v.extend([
+                "--nvjpeg".into(),
+                "--gpu".into(),
+                g.ordinal.to_string(),
+                "--in-flight".into(),
+                self.in_flight.to_string(),
+                "--batch".into(),
+                g.batch.to_string(),
+            ]);
+        } else {
+            v.extend(["--in-flight".into(), self.in_flight.to_string()]);
+        }
+        if self.ready {
+            v.push("--ready".into());
+        }
+        v.extend(self.prep.to_args());
+        if self.profile {
+            v.push("--profile".into());
+        }
+        v
+    }
+}
+
+/// The inference server.
+#[derive(Debug, Clone)]
+pub struct ServeConfig {
+    pub socket: PathBuf,
+    pub model: ModelOptions,
+    /// Slots per producer, unless the producer asks otherwise.
+    pub slots: u32,
+    /// Bytes per slot, unless the producer asks otherwise [default: one input image].
+    pub slot_size: Option<u64>,
+    /// Most producers at once.
+    pub max_sessions: u32,
+    /// Memory all producers' pools may reserve together [default: the transport's].
+    pub memory_budget: Option<u64>,
+    /// Memory one producer's pool may reserve [default: the transport's].
+    pub max_session_memory: Option<u64>,
+    /// Threads for the model's matrix products [default: all cores].
+    pub threads: Option<usize>,
+    /// How long to poll the producers' queues before sleeping on their doorbells.
+    pub spin: Duration,
+    /// Serve Prometheus metrics on this address.
+    pub metrics: Option<String>,
+    /// Model workers, each with its own share of the producers and copy of the model.
+    pub workers: usize,
+    /// Answer every request at once with an empty result, without a model.
+    pub sink: bool,
+    /// How long a batch waits for a GPU producer's "ready" fence.
+    pub fence_timeout: Duration,
+}
+
+impl ServeConfig {
+    /// The options a farm passes to a server child (the socket is its own).
+    pub fn to_args(&self) -> Vec<String> {
+        let mut v = self.model.to_args();
+        v.extend([
+            "--slots".into(),
+            self.slots.to_string(),
+            "--max-sessions".into(),
+            self.max_sessions.to_string(),
+        ]);
+        if let Some(t) = self.threads {
+            v.extend(["--threads".into(), t.to_string()]);
+        }
+        if self.workers > 1 {
+            v.extend(["--workers".into(), self.workers.to_string()]);
+        }
+        v
+    }
+}
+
+/// The servers of a farm.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Servers {
+    /// This many servers on the model's device.
+    Copies(usize),
+    /// One server per listed GPU.
+    Gpus(Vec<u32>),
+}
+
+/// A farm: servers and supervised producers over a set of inputs.
+#[derive(Debug, Clone)]
+pub struct FarmConfig {
+    /// What to classify.
+    pub inputs: Vec<Source>,
+    /// Producers preparing on the CPU.
+    pub producers: usize,
+    /// Producers decoding and preparing on the GPU.
+    pub gpu_producers: usize,
+    pub servers: Servers,
+    /// The results file, one JSON line per input.
+    pub output: PathBuf,
+    pub model: ModelOptions,
+    /// Requests each CPU producer keeps in flight (each holds up to twice as many inputs).
+    pub in_flight: u32,
+    /// Model workers per server.
+    pub workers: usize,
+    /// Threads for each server's model [default: all cores].
+    pub threads: Option<usize>,
+    /// The first server's socket [default: a fresh private directory, removed afterwards].
+    pub socket: Option<PathBuf>,
+    /// Restarts of one producer (or server) in a row without a result before giving up.
+    pub max_restarts: u32,
+    /// A producer holding inputs without a result this long, with the server up, is killed.
+    pub stall: Duration,
+    /// Producers hand over a ready tensor for every input.
+    pub ready: bool,
+    pub prep: PrepOptions,
+    /// Time every step of every input.
+    pub profile: bool,
+    /// Log filter of the children.
+    pub child_log: String,
+    /// The `tensorport` binary to start the children with.
+    pub exe: PathBuf,
+}
+
+impl FarmConfig {
+    /// Refuses options that cannot work together, before anything starts.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if self.producers + self.gpu_producers == 0 {
+            return Err(ConfigError::NoProducers);
+        }
+        let on_gpu = self.model.device.is_cuda() || matches!(self.servers, Servers::Gpus(_));
+        if self.gpu_producers > 0 && !on_gpu {
+            return Err(ConfigError::GpuProducersNeedGpu);
+        }
+        self.model.check()?;
+        if on_gpu && !cfg!(feature = "cuda") {
+            return Err(ConfigError::NoCudaBuild);
+        }
+        if let Some(w) = &self.model.weights {
+            if !w.is_file() {
+                return Err(ConfigError::WeightsMissing(w.clone()));
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Pixels from megapixels.
+pub fn pixels_of(megapixels: f64) -> u64 {
+    (megapixels.max(0.0) * 1e6) as u64
+}

@@ -1,0 +1,282 @@
+//! The farm: one or more inference servers and N supervised producer processes over a set of
+//! inputs, every input answered exactly once in the results file.
+//!
+//! [`run`] sets up (checks, results file, socket directory, signals) and loops: the
+//! [`Supervisor`](supervisor) decides (hand out inputs, react to events, restart, give up),
+//! `children` starts the processes, and a front end's [`Report`] shows what happens: log lines,
+//! a [`Snapshot`] four times a second, and the [`Summary`] at the end.
+
+mod balance;
+mod children;
+mod results;
+mod rundir;
+mod supervisor;
+
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::mpsc::{self, Receiver};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use crate::config::{Device, FarmConfig, Servers};
+use crate::error::{Error, Result};
+use crate::record::StageTimes;
+use children::{Ev, Farm};
+pub use results::ResultsFile;
+use supervisor::Supervisor;
+
+/// What a front end shows of a running farm.
+pub trait Report: Send + Sync {
+    /// A line for the user: a child's stderr line (prefixed with its name), a restart, a move.
+    fn log(&self, line: &str);
+    /// Whether to take [`Snapshot`]s (each asks the servers for their batch counts).
+    fn wants_progress(&self) -> bool;
+    /// The farm as it is now, about four times a second when [`Report::wants_progress`].
+    fn progress(&self, snapshot: &Snapshot);
+}
+
+/// What a child process is doing.
+#[derive(Debug, Clone, PartialEq)]
+pub enum ChildState {
+    /// Not started yet, or started and not listening yet (a server).
+    Starting {
+        pid: Option<u32>,
+    },
+    Running {
+        pid: u32,
+    },
+    /// Waiting to restart after it ended (`after`: how long still, where known).
+    Restarting {
+        after: Option<Duration>,
+        last_exit: Option<String>,
+    },
+    GaveUp {
+        last_exit: Option<String>,
+    },
+}
+
+/// One row of the snapshot: a server or a producer.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ChildRow {
+    pub name: String,
+    pub state: ChildState,
+    /// Results returned (producers).
+    pub done: u64,
+    /// Inputs held (producers).
+    pub handed_out: usize,
+    pub restarts: u32,
+}
+
+/// The farm at one moment.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Snapshot {
+    pub inputs: u64,
+    pub done: u64,
+    pub errors: u64,
+    /// Inputs handed to producers and not answered yet.
+    pub handed_out: usize,
+    /// The servers' batches and the requests in them, as last asked.
+    pub batches: (u64, u64),
+    pub elapsed: Duration,
+    pub servers: Vec<ChildRow>,
+    pub producers: Vec<ChildRow>,
+}
+
+/// A finished run.
+#[derive(Debug, Clone)]
+pub struct Summary {
+    pub inputs: u64,
+    pub done: u64,
+    pub errors: u64,
+    pub elapsed: Duration,
+    /// When the first and the last result came, from the start (the rate between them leaves
+    /// the start-up out, as the DataLoader's benchmark leaves its workers' start-up out).
+    pub first_result: Option<Duration>,
+    pub last_result: Option<Duration>,
+    /// Latency (lease to result) at the 50th and 99th percentiles, in milliseconds.
+    pub latency_ms: (f64, f64),
+    /// The servers' batches and the requests in them (since the last server start).
+    pub batches: (u64, u64),
+    pub max_batch: usize,
+    pub server_restarts: u32,
+    pub producers: usize,
+    pub producer_restarts: u32,
+    /// Producers moved to a faster server.
+    pub moves: u32,
+    pub output: PathBuf,
+    /// The stage times summed over the profiled inputs, and how many there were.
+    pub stages: Option<(StageTimes, u64)>,
+}
+
+/// How a run ended.
+#[derive(Debug)]
+pub struct Outcome {
+    /// `None` when a second signal stopped it at once.
+    pub summary: Option<Summary>,
+    /// Why it ended early, if it did.
+    pub failure: Option<Error>,
+    /// A signal asked it to stop.
+    pub stopped: bool,
+}
+
+impl Outcome {
+    /// Every input has its line.
+    pub fn complete(&self) -> bool {
+        self.failure.is_none() && self.summary.as_ref().is_some_and(|s| s.done >= s.inputs)
+    }
+}
+
+/// Runs the farm until every input has its line, it fails, or a signal stops it. Configuration
+/// errors (and a server that cannot start) come back as `Err`, before any summary.
+pub fn run(cfg: FarmConfig, report: Arc<dyn Report>) -> Result<Outcome> {
+    cfg.check()?;
+    let inputs = cfg.inputs.clone();
+    let mut out = ResultsFile::create(&cfg.output)?;
+    // A results write past the file size limit then fails (and the file is cut back to whole
+    // lines) instead of killing the farm.
+    crate::process::catch_sigxfsz();
+    // A private directory for the socket, unless one was given (removed when this returns).
+    let tmp;
+    let base_socket = match &cfg.socket {
+        Some(s) => s.clone(),
+        None => {
+            let base = std::env::var_os("XDG_RUNTIME_DIR")
+                .map(PathBuf::from)
+                .filter(|p| p.is_dir())
+                .unwrap_or_else(std::env::temp_dir);
+            tmp = rundir::create(&base)?;
+            tmp.path().join("tensorport.sock")
+        }
+    };
+    let (sockets, devices) = servers(&cfg, &base_socket);
+    let (tx, rx) = mpsc::channel();
+    let farm = Farm::new(cfg, sockets, devices, report.clone(), tx);
+    let signals = count_signals()?;
+    let stopped = || signals.load(Ordering::SeqCst) >= 1;
+    let quit_now = || signals.load(Ordering::SeqCst) >= 2;
+    let started = Instant::now();
+    let mut sup = Supervisor::start(farm, inputs)?;
+    let mut batches = drive(&mut sup, &rx, &mut out, (&stopped, &quit_now), started)?;
+    if let Err(e) = out.flush() {
+        sup.failure.get_or_insert(e);
+    }
+    // Producers first (end of their worklists), then the server: drained, or on a second
+    // signal killed; the socket directory goes with this function's return.
+    if let Some(b) = sup.shut_down(&quit_now) {
+        batches = b;
+    }
+    if quit_now() {
+        return Ok(Outcome {
+            summary: None,
+            failure: sup.failure.take(),
+            stopped: true,
+        });
+    }
+    if let Some(f) = sup.failure.take_if(|f| f.is_config()) {
+        // Nothing ran: a summary of zeros would only bury the one line that matters.
+        return Err(f);
+    }
+    Ok(Outcome {
+        summary: Some(sup.summary(started, batches)),
+        failure: sup.failure.take(),
+        stopped: stopped(),
+    })
+}
+
+/// One socket and one device per server: GPUs listed, or copies of the model's device. Server
+/// k > 0 listens beside the first (`tensorport-k.sock`).
+fn servers(cfg: &FarmConfig, base_socket: &Path) -> (Vec<PathBuf>, Vec<Device>) {
+    let devices: Vec<Device> = match &cfg.servers {
+        Servers::Copies(n) => vec![cfg.model.device; (*n).max(1)],
+        Servers::Gpus(g) => g.iter().map(|&g| Device::Cuda(g)).collect(),
+    };
+    let sockets = (0..devices.len())
+        .map(|k| match k {
+            0 => base_socket.to_owned(),
+            k => {
+                let stem = base_socket
+                    .file_stem()
+                    .map_or("tensorport".into(), |s| s.to_string_lossy().into_owned());
+                base_socket.with_file_name(format!("{stem}-{k}.sock"))
+            }
+        })
+        .collect();
+    (sockets, devices)
+}
+
+/// SIGINT/SIGTERM, counted: the first drains, the second quits at once — but through the
+/// farm's own exit, so the children are ended and the socket directory removed.
+fn count_signals() -> Result<Arc<AtomicUsize>> {
+    use signal_hook::consts::{SIGINT, SIGTERM};
+    let signals = Arc::new(AtomicUsize::new(0));
+    let mut it = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
+        .map_err(|e| Error::Other(format!("cannot handle SIGINT/SIGTERM: {e}")))?;
+    let count = signals.clone();
+    std::thread::spawn(move || {
+        for _ in it.forever() {
+            count.fetch_add(1, Ordering::SeqCst);
+        }
+    });
+    Ok(signals)
+}
+
+/// The supervisor's loop: start, hand out, collect, restart and rebalance until the work is
+/// over or a signal says stop; reports progress. Returns the servers' batch counts (batches,
+/// requests batched) as last seen, or the error of a process that could not be started.
+fn drive(
+    sup: &mut Supervisor,
+    rx: &Receiver<Ev>,
+    out: &mut ResultsFile,
+    (stopped, quit_now): (&dyn Fn() -> bool, &dyn Fn() -> bool),
+    started: Instant,
+) -> Result<(u64, u64)> {
+    let mut last_draw = Instant::now() - Duration::from_secs(1);
+    let mut batches = (0u64, 0u64);
+    let live = sup.farm.report.wants_progress();
+    loop {
+        if quit_now() {
+            break;
+        }
+        if stopped() {
+            sup.stop();
+        }
+        sup.start_due()?;
+        sup.hand_out();
+        sup.handle_events(rx, Duration::from_millis(50), out);
+        sup.kill_stalled();
+        sup.rebalance();
+        if sup.is_over() {
+            break;
+        }
+        if last_draw.elapsed() >= Duration::from_millis(250) {
+            last_draw = Instant::now();
+            // Results reach the file at least four times a second.
+            if let Err(e) = out.flush() {
+                sup.failure = Some(e);
+                break;
+            }
+            if live {
+                if sup.any_ready() {
+                    batches = batch_counts(&sup.farm.sockets);
+                }
+                let snapshot = sup.snapshot(started, batches);
+                sup.farm.report.progress(&snapshot);
+            }
+        }
+    }
+    Ok(batches)
+}
+
+/// The servers' batch counts together (batches, requests batched), from their status.
+fn batch_counts(sockets: &[PathBuf]) -> (u64, u64) {
+    let mut sum = (0, 0);
+    for socket in sockets {
+        if let Ok(mut c) = tensorport::Control::connect(socket, Duration::from_millis(200)) {
+            if let Ok(s) = c.status() {
+                sum.0 += s.totals.batches;
+                sum.1 += s.totals.batched;
+            }
+        }
+    }
+    sum
+}

@@ -1,0 +1,189 @@
+//! The batch loop each model worker runs: take a batch of requests, build the model's input
+//! (one copy on the CPU; DMA and fences on the GPU), give the slots back, run the model, answer
+//! every request. Where the model runs on a device of its own (cuDNN), the next batch is taken
+//! and gathered while the device runs the last one, whose answers go out once the next is on
+//! its way.
+
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use tensorport::{Request, Responder, Server};
+use tensorport_dfdx::dfdx::prelude::Device;
+use tensorport_dfdx::{scores_to_bytes, Classify, Stacked, Submitted};
+
+use super::metrics::Metrics;
+use crate::error::Result;
+
+/// Builds a batch's model input from its requests (on the CPU: one copy; on the GPU: DMA).
+pub type StackFn<D> = dyn Fn(&D, &[Request], [usize; 3]) -> Stacked<D>;
+
+/// A worker's model.
+pub type Model<D> = Box<dyn Classify<D>>;
+
+/// What the model workers share: the server, the batching policy and the counters.
+pub struct BatchLoop<'a> {
+    pub server: &'a Server,
+    pub max_batch: usize,
+    /// How long a batch waits for more requests after its first.
+    pub max_wait: Duration,
+    /// Answer at once, without a model.
+    pub sink: bool,
+    /// The model's input `[C, H, W]`.
+    pub shape: [usize; 3],
+    /// Set by a signal: drain, then return.
+    pub stop: &'a AtomicBool,
+    pub metrics: Option<&'a Metrics>,
+    /// Images answered, all workers together.
+    pub images: &'a AtomicU64,
+}
+
+/// A batch whose scores the model is still computing: who to answer, row by row.
+struct InFlight {
+    responders: Vec<Option<Responder>>,
+    used: Vec<usize>,
+    size: usize,
+    taken: Instant,
+    model_started: Instant,
+}
+
+impl BatchLoop<'_> {
+    /// One model worker: takes batches (from its share of the producers when there are several
+    /// workers), runs the model, answers, until the server has drained.
+    pub fn run<D: Device<f32>>(
+        &self,
+        dev: &D,
+        stack: &StackFn<D>,
+        mut model: Option<&mut Model<D>>,
+    ) -> Result<()> {
+        let mut draining = false;
+        let mut in_flight: Option<InFlight> = None;
+        let finish = |m: &mut Option<&mut Model<D>>, batch: Option<InFlight>| {
+            if let (Some(batch), Some(m)) = (batch, m.as_deref_mut()) {
+                let scores = m.collect();
+                self.answer(batch, scores);
+            }
+        };
+        loop {
+            if self.stop.load(Ordering::SeqCst) && !draining {
+                draining = true;
+                self.server.drain();
+            }
+            // With a batch on the device, take only what is already queued: its answers wait for
+            // this call.
+            let (first, more) = match in_flight {
+                Some(_) => (Duration::ZERO, Duration::ZERO),
+                None => (Duration::from_millis(100), self.max_wait),
+            };
+            let batch = match self.server.recv_batch(self.max_batch, first, more) {
+                Ok(b) => b,
+                Err(tensorport::Error::Stopped) => break,
+                Err(e) => {
+                    finish(&mut model, in_flight.take());
+                    return Err(e.into());
+                }
+            };
+            if batch.is_empty() {
+                finish(&mut model, in_flight.take());
+                continue;
+            }
+            let taken = Instant::now();
+            let size = batch.len();
+            if self.sink {
+                let mut answers: Vec<_> = batch.into_iter().map(|r| (r, [0u8; 0])).collect();
+                let _ = self.server.respond_all(&mut answers);
+                self.images.fetch_add(size as u64, Ordering::Relaxed);
+                self.record(size, Duration::ZERO, taken);
+                continue;
+            }
+            let stacked = stack(dev, &batch, self.shape);
+            // The batch owns a copy of the pixels now: give the slots back before the model runs.
+            let mut responders: Vec<Option<Responder>> =
+                batch.into_iter().map(|r| Some(r.release())).collect();
+            // (Before the results: a late device tensor's row is in the input, but it gets this.)
+            reject(&mut responders, stacked.rejected);
+            // This batch is on the device: the last one's scores are wanted now.
+            finish(&mut model, in_flight.take());
+            let Some(x) = stacked.input else {
+                self.record(size, Duration::ZERO, taken);
+                continue;
+            };
+            let batch = InFlight {
+                responders,
+                used: stacked.used,
+                size,
+                taken,
+                model_started: Instant::now(),
+            };
+            match model.as_deref_mut() {
+                Some(m) => match m.submit(x) {
+                    Ok(Submitted::InFlight) => in_flight = Some(batch),
+                    Ok(Submitted::Ready(scores)) => self.answer(batch, Ok(scores)),
+                    Err(e) => self.answer(batch, Err(e)),
+                },
+                // No model: the batch is on the device; that was the job.
+                None => {
+                    let rows = batch.used.len();
+                    self.answer(batch, Ok(vec![Vec::new(); rows]));
+                }
+            }
+        }
+        finish(&mut model, in_flight.take());
+        Ok(())
+    }
+
+    /// Answers `batch`'s requests from `scores` (row `k` for request `used[k]`), or each with the
+    /// model's error, and records the batch.
+    fn answer(&self, batch: InFlight, scores: tensorport_dfdx::Result<Vec<Vec<f32>>>) {
+        let InFlight {
+            mut responders,
+            used,
+            size,
+            taken,
+            model_started,
+        } = batch;
+        let model_time = model_started.elapsed();
+        match scores {
+            Ok(scores) => {
+                for (row, i) in scores.iter().zip(used) {
+                    if let Some(r) = responders[i].take() {
+                        let _ = r.respond(&scores_to_bytes(row));
+                    }
+                    self.images.fetch_add(1, Ordering::Relaxed);
+                }
+            }
+            // The device failed: this batch's requests get the error; a device that stays broken
+            // fails every batch the same way.
+            Err(e) => {
+                tracing::error!("the model failed on a batch of {size}: {e}");
+                for i in used {
+                    if let Some(r) = responders[i].take() {
+                        let _ = r.fail(e.to_string());
+                    }
+                }
+            }
+        }
+        self.record(size, model_time, taken);
+    }
+
+    fn record(&self, size: usize, model: Duration, taken: Instant) {
+        if let Some(m) = self.metrics {
+            m.record_batch(size, model, taken.elapsed());
+        }
+    }
+}
+
+/// Fails the requests the batch could not take (a device tensor whose fence never came ends its
+/// producer's session: the producer broke the hand-off).
+fn reject(responders: &mut [Option<Responder>], rejected: Vec<(usize, tensorport_dfdx::Error)>) {
+    for (i, e) in rejected {
+        tracing::warn!("{e}");
+        if let Some(r) = responders[i].take() {
+            let _ = match e {
+                tensorport_dfdx::Error::FenceTimeout { .. } => {
+                    r.fail_and_end_session(tensorport::wire::ErrorCode::FenceTimeout, e.to_string())
+                }
+                e => r.fail(e.to_string()),
+            };
+        }
+    }
+}

@@ -1,0 +1,269 @@
+//! The inference server: binds the socket, loads the model once per worker (before it
+//! listens, so a model that cannot load fails at once), and runs a [`BatchLoop`] per worker
+//! until a signal drains it.
+//!
+//! On the GPU, pools are registered with the device (pinned), each request's slot is copied by
+//! DMA into a device tensor (or a GPU producer's device tensor is fenced and copied), the batch
+//! is stacked on the device, and the model runs there: cuDNN at the configured precision, or
+//! dfdx's own kernels where cuDNN cannot be loaded.
+
+mod batch;
+pub mod metrics;
+
+use std::io::Write;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tensorport::{DeviceImporter, PinHook, Server, ServerConfig};
+use tensorport_dfdx::dfdx::prelude::{Cpu, Device as DfdxDevice};
+use tensorport_dfdx::{stack_images, ImageClassifier};
+
+pub use batch::{BatchLoop, Model, StackFn};
+
+use crate::config::{Device, ModelKind, ModelOptions, ServeConfig};
+use crate::error::{ConfigError, Error, Result};
+
+/// Runs the server until a signal has drained it: once it listens, SIGINT/SIGTERM drains (the
+/// work in flight finishes, new producers are refused) and a second signal exits at once.
+/// Prints `ready <socket>` on stdout once it listens (and `metrics http://…/metrics` if
+/// configured).
+pub fn run(cfg: &ServeConfig) -> Result<()> {
+    if let Some(n) = cfg.threads {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(n.max(1))
+            .build_global()
+            .map_err(|e| ConfigError::Threads(e.to_string()))?;
+    }
+    cfg.model.check()?;
+    if let Device::Cuda(n) = cfg.model.device {
+        return run_cuda(cfg, n);
+    }
+    let model = cfg.model.clone();
+    serve_on(
+        cfg,
+        Hooks::default(),
+        &|| Ok((Cpu::default(), Box::new(stack_images) as Box<StackFn<Cpu>>)),
+        &move |dev: &Cpu| load_dfdx(dev, &model),
+    )
+}
+
+#[cfg(not(feature = "cuda"))]
+fn run_cuda(_: &ServeConfig, _: u32) -> Result<()> {
+    Err(ConfigError::NoCudaBuild.into())
+}
+
+#[cfg(feature = "cuda")]
+fn run_cuda(cfg: &ServeConfig, ordinal: u32) -> Result<()> {
+    use tensorport_dfdx::dfdx::prelude::Cuda;
+    // No driver, or no such device: configuration a restart cannot fix.
+    let gpu = tensorport_cuda::Gpu::open(ordinal as i32).map_err(|e| match e {
+        tensorport_cuda::Error::NoDriver | tensorport_cuda::Error::NoDevice(..) => {
+            Error::Config(ConfigError::NoGpu(e))
+        }
+        e => Error::Cuda(e),
+    })?;
+    let seed = cfg.model.seed;
+    let fence_timeout = cfg.fence_timeout.max(Duration::from_millis(1));
+    let hooks = Hooks {
+        pin: Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone()))),
+        device: Some(Arc::new(
+            tensorport_cuda::CudaImporter::new(gpu.clone()).with_fence_timeout(fence_timeout),
+        )),
+    };
+    // GPU producers' tensors of a batch are fenced and copied together; the copy kernel is
+    // compiled once and launched from every worker (launches are thread-safe).
+    let gatherer = Arc::new(tensorport_cuda::Gatherer::new(&gpu));
+    let model = cfg.model.clone();
+    let model_gpu = gpu.clone();
+    let load = move |dev: &Cuda| -> Result<Model<Cuda>> { load_cuda(dev, &model_gpu, &model) };
+    // Each worker thread builds its own dfdx device and copy stream (neither may be shared).
+    serve_on(
+        cfg,
+        hooks,
+        &move || {
+            let dev = Cuda::try_build(ordinal as usize, seed).map_err(|e| {
+                Error::Other(format!("cannot start dfdx on CUDA device {ordinal}: {e:?}"))
+            })?;
+            let stream = tensorport_cuda::Stream::new(&gpu)?;
+            // u8 images are normalised on the GPU with the producers' table.
+            let norm =
+                tensorport_cuda::GpuNormaliser::new(&gpu, tensorport_dfdx::normaliser().table())?;
+            let norm = std::sync::Mutex::new(norm);
+            let gatherer = gatherer.clone();
+            let stack: Box<StackFn<Cuda>> = Box::new(move |dev: &Cuda, reqs, shape| {
+                let mut norm = norm.lock().unwrap_or_else(|p| p.into_inner());
+                tensorport_dfdx::gather_on_device(
+                    dev,
+                    &stream,
+                    &mut norm,
+                    &gatherer,
+                    reqs,
+                    shape,
+                    fence_timeout,
+                )
+            });
+            Ok((dev, stack))
+        },
+        &load,
+    )
+}
+
+/// What the CUDA server plugs into the transport: pool pinning, device-buffer import.
+#[derive(Default)]
+struct Hooks {
+    pin: Option<Arc<dyn PinHook>>,
+    device: Option<Arc<dyn DeviceImporter>>,
+}
+
+/// Makes one worker's device and batch stacker (called on the worker's own thread).
+type WorkerFn<D> = dyn Fn() -> Result<(D, Box<StackFn<D>>)> + Sync;
+
+/// Loads one worker's model on its device (on the worker's own thread).
+type LoadFn<D> = dyn Fn(&D) -> Result<Model<D>> + Sync;
+
+/// The bundled model on dfdx's own kernels (the CPU model; on the GPU where cuDNN is missing).
+fn load_dfdx<D: DfdxDevice<f32>>(dev: &D, model: &ModelOptions) -> Result<Model<D>>
+where
+    ImageClassifier<D>: 'static,
+{
+    Ok(Box::new(model.dfdx_model(dev)?))
+}
+
+/// The transport's settings for this server.
+fn server_config(cfg: &ServeConfig, hooks: Hooks, image_bytes: u64) -> ServerConfig {
+    let mut sc = ServerConfig::new(&cfg.socket);
+    sc.slots_per_session = cfg.slots.max(1);
+    sc.slot_size = cfg.slot_size.unwrap_or(image_bytes);
+    sc.max_sessions = cfg.max_sessions;
+    if let Some(b) = cfg.memory_budget {
+        sc.memory_budget = b;
+    }
+    if let Some(b) = cfg.max_session_memory {
+        sc.max_session_bytes = b;
+    }
+    sc.spin = cfg.spin;
+    sc.pin = hooks.pin;
+    sc.device = hooks.device;
+    sc.consumers = cfg.workers.max(1);
+    sc
+}
+
+fn serve_on<D: DfdxDevice<f32>>(
+    cfg: &ServeConfig,
+    hooks: Hooks,
+    make: &WorkerFn<D>,
+    load_model: &LoadFn<D>,
+) -> Result<()> {
+    let mc = cfg.model.config;
+    let workers = cfg.workers.max(1);
+    // The first worker's device is made here, so a model that cannot load fails before the
+    // socket listens, not in a thread.
+    let first = make()?;
+    let load = |dev: &D| -> Result<Option<Model<D>>> {
+        Ok(match cfg.model.kind {
+            _ if cfg.sink => None,
+            ModelKind::None => None,
+            ModelKind::Classifier => Some(load_model(dev)?),
+        })
+    };
+    let first_model = load(&first.0)?;
+    let shape = mc.input_shape();
+    let image_bytes = (shape.iter().product::<usize>() * 4) as u64;
+    let server = Arc::new(Server::bind(server_config(cfg, hooks, image_bytes))?);
+    let metrics = match &cfg.metrics {
+        Some(addr) => Some(metrics::start(addr, server.clone())?),
+        None => None,
+    };
+    let stop = crate::process::stop_flag();
+    println!("ready {}", cfg.socket.display());
+    if let Some((_, at)) = &metrics {
+        println!("metrics http://{at}/metrics");
+    }
+    std::io::stdout().flush().ok();
+    let metrics = metrics.map(|(m, _)| m);
+    tracing::info!(
+        image_size = mc.image_size,
+        classes = mc.classes,
+        max_batch = cfg.model.max_batch,
+        workers,
+        sink = cfg.sink,
+        "serving the model"
+    );
+    let started = Instant::now();
+    let images = AtomicU64::new(0);
+    let shared = BatchLoop {
+        server: &server,
+        max_batch: cfg.model.max_batch,
+        // A sink answers what it has at once.
+        max_wait: if cfg.sink {
+            Duration::ZERO
+        } else {
+            cfg.model.max_wait
+        },
+        sink: cfg.sink,
+        shape,
+        stop: &stop,
+        metrics: metrics.as_ref(),
+        images: &images,
+    };
+    let work = |dev: D, stack: Box<StackFn<D>>, mut model: Option<Model<D>>| {
+        shared.run(&dev, &*stack, model.as_mut())
+    };
+    std::thread::scope(|s| -> Result<()> {
+        let others: Vec<_> = (1..workers)
+            .map(|_| {
+                s.spawn(|| -> Result<()> {
+                    let (dev, stack) = make()?;
+                    let model = load(&dev)?;
+                    work(dev, stack, model)
+                })
+            })
+            .collect();
+        let mine = work(first.0, first.1, first_model);
+        for t in others {
+            t.join()
+                .map_err(|_| Error::Other("a model worker panicked".into()))??;
+        }
+        mine
+    })?;
+    let images = images.load(Ordering::Relaxed);
+    let secs = started.elapsed().as_secs_f64();
+    let st = server.status();
+    let fill = if st.totals.batches > 0 {
+        st.totals.batched as f64 / st.totals.batches as f64
+    } else {
+        0.0
+    };
+    tracing::info!(
+        images,
+        batches = st.totals.batches,
+        mean_batch = format!("{fill:.1}"),
+        seconds = format!("{secs:.1}"),
+        "drained; exiting"
+    );
+    Ok(())
+}
+
+/// The GPU model: cuDNN's convolutions at the configured precision, their algorithms measured
+/// for the largest batch before the socket listens; dfdx's own kernels (fp32, several times
+/// slower) where cuDNN cannot be loaded, with a warning that says so.
+#[cfg(feature = "cuda")]
+fn load_cuda(
+    dev: &tensorport_dfdx::dfdx::prelude::Cuda,
+    gpu: &Arc<tensorport_cuda::Gpu>,
+    model: &ModelOptions,
+) -> Result<Model<tensorport_dfdx::dfdx::prelude::Cuda>> {
+    let precision = model.precision.unwrap_or_default();
+    if let Err(e) = tensorport_cuda::ConvNet::cudnn_version() {
+        if precision != tensorport_cuda::Precision::F32 {
+            return Err(ConfigError::PrecisionNeedsCudnn(precision, e).into());
+        }
+        tracing::warn!("{e}; the model runs on dfdx's own CUDA kernels, several times slower");
+        return load_dfdx(dev, model);
+    }
+    let layout = tensorport_cuda::Layout::preferred(precision, model.max_batch);
+    let mut m = model.cudnn_model(dev, gpu, (precision, layout))?;
+    m.prepare(model.max_batch)?;
+    Ok(Box::new(m))
+}
