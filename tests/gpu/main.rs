@@ -1,7 +1,8 @@
 //! GPU tests of the pinned host path. Without an NVIDIA driver they are skipped, and say so; on
 //! the GPU machine they run against the real device (see docs/benchmarks.md for the record).
 
-#[path = "../support/mod.rs"]
+// The transport's test helpers (its harness, guards, leak counters), shared with its own tests.
+#[path = "../../crates/tensorport/tests/support/mod.rs"]
 mod support;
 
 mod checking;

@@ -9,28 +9,9 @@ use tensorport_bridge::schema::TensorLayout;
 use tensorport_vision::{list_images, Planes, Preprocessor, Source, Transform};
 use tokio::sync::mpsc;
 
+use tensorport_farm::config::Pixels;
+
 use super::{CliError, CliResult};
-
-/// What the remote producer sends per image.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Pixels {
-    /// Normalised f32 planes.
-    #[default]
-    F32,
-    /// 8-bit planes (a quarter of the bytes; the server normalises them).
-    U8,
-}
-
-/// How images are resized.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Resize {
-    /// Shorter side to size/0.875, antialiased, then a centre crop (torchvision's evaluation
-    /// transform).
-    #[default]
-    Standard,
-    /// The whole image to size×size.
-    Square,
-}
 
 /// What to prepare.
 pub struct Plan {

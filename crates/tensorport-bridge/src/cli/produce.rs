@@ -7,15 +7,16 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use arrow_array::{BooleanArray, RecordBatch};
-use serde::Serialize;
 use tensorport::DType;
 use tensorport_bridge::auth::Token;
 use tensorport_bridge::remote::{connect, Exchange, RemoteConfig, RemoteError};
 use tensorport_bridge::schema::{ResultRow, TensorLayout};
 use tensorport_bridge::tls::ClientTls;
-use tensorport_vision::Transform;
 
-use super::inputs::{Pixels, Plan, Prepared, Resize};
+use tensorport_farm::config::{Pixels, TransformKind};
+use tensorport_farm::record::{argmax, ResultLine};
+
+use super::inputs::{Plan, Prepared};
 use super::{CliError, CliResult, TokenArg};
 
 /// Prepare images on this host and have a tensorport server on another classify them, through
@@ -68,7 +69,7 @@ pub struct Args {
     pub image_size: u32,
     /// The resize.
     #[arg(long, value_enum, default_value_t)]
-    pub transform: Resize,
+    pub transform: TransformKind,
     /// What to send per image.
     #[arg(long, value_enum, default_value_t)]
     pub pixels: Pixels,
@@ -91,21 +92,6 @@ pub struct Args {
     /// Seconds to wait for a connection.
     #[arg(long, default_value_t = 10)]
     pub connect_timeout: u64,
-}
-
-/// One line of output, as `tensorport produce` writes it.
-#[derive(Serialize)]
-struct Line<'a> {
-    index: u64,
-    input: &'a str,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    class: Option<usize>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    scores: Option<Vec<f32>>,
-    #[serde(skip_serializing_if = "Option::is_none")]
-    error: Option<String>,
-    latency_ms: f64,
-    producer: &'a str,
 }
 
 /// A request sent and not yet answered.
@@ -140,14 +126,15 @@ impl Run {
         if error.is_some() {
             self.errors += 1;
         }
-        let line = Line {
+        let line = ResultLine {
             index,
-            input,
+            input: input.to_string(),
             class,
             scores,
             error,
             latency_ms: latency,
-            producer: &self.name,
+            producer: self.name.clone(),
+            stages: None,
         };
         let s = serde_json::to_string(&line).expect("serialisable");
         writeln!(self.out, "{s}")?;
@@ -210,13 +197,6 @@ fn ids(b: &RecordBatch) -> &[u64] {
         .values()
 }
 
-fn argmax(v: &[f32]) -> Option<usize> {
-    v.iter()
-        .enumerate()
-        .max_by(|a, b| a.1.total_cmp(b.1))
-        .map(|(i, _)| i)
-}
-
 pub fn run(a: Args) -> CliResult<ExitCode> {
     let token = Token::read(&a.token.token_file)?;
     if a.image_size == 0 || a.in_flight == 0 || a.batch == 0 {
@@ -229,11 +209,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         Some(shape) => TensorLayout::new(DType::F32, shape)?,
         None => {
             let s = a.image_size as u64;
-            let dtype = match a.pixels {
-                Pixels::F32 => DType::F32,
-                Pixels::U8 => DType::U8,
-            };
-            TensorLayout::new(dtype, &[3, s, s])?
+            TensorLayout::new(a.pixels.dtype(), &[3, s, s])?
         }
     };
     let inputs = Plan::inputs(a.input.as_ref(), a.synthetic)?;
@@ -266,10 +242,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     let plan = Plan {
         inputs,
         layout: layout.clone(),
-        transform: match a.transform {
-            Resize::Standard => Transform::standard(a.image_size),
-            Resize::Square => Transform::Square { size: a.image_size },
-        },
+        transform: a.transform.for_size(a.image_size),
         pixels: a.pixels,
         ready: a.ready,
         raw,

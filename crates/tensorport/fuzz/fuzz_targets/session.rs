@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use libfuzzer_sys::fuzz_target;
 
-#[path = "../../../../tests/support/session_ops.rs"]
+#[path = "../../tests/support/session_ops.rs"]
 mod session_ops;
 
 struct Fixture {

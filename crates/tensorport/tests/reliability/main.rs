@@ -76,6 +76,7 @@ fn child(role: &str, socket: &str) {
         "chaos-producer" => chaos_producer(socket),
         "other-uid" => other_uid_client(socket),
         "other-uid-server" => other_uid_server(socket),
+        "sink-server" => sink_server_child(socket),
         r => panic!("unknown role {r}"),
     }
 }

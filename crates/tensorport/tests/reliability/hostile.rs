@@ -400,15 +400,15 @@ pub(crate) fn refused_submit_named() {
     stop.store(true, Ordering::SeqCst);
 }
 
-/// A real `tensorport serve --sink` whose descriptor table holds `nofile` entries.
+/// A server in a child process of its own (this test binary's `sink-server` role) whose
+/// descriptor table holds `nofile` entries.
 fn sink_server(sock: &std::path::Path, nofile: u32) -> ChildGuard {
     let child = std::process::Command::new("sh")
         .arg("-c")
-        .arg(format!(
-            "ulimit -n {nofile} && exec \"$0\" serve --sink --log warn --socket \"$1\""
-        ))
-        .arg(env!("CARGO_BIN_EXE_tensorport"))
-        .arg(sock)
+        .arg(format!("ulimit -n {nofile} && exec \"$0\""))
+        .arg(std::env::current_exe().unwrap())
+        .env(CHILD_ENV, "sink-server")
+        .env("TP_SOCKET", sock)
         .stdin(std::process::Stdio::null())
         .stdout(std::process::Stdio::null())
         .stderr(std::process::Stdio::null())
@@ -417,10 +417,25 @@ fn sink_server(sock: &std::path::Path, nofile: u32) -> ChildGuard {
     let guard = ChildGuard(Some(child));
     assert!(
         eventually(PATIENCE, || sock.exists()),
-        "tensorport serve did not bind {}",
+        "the sink server did not bind {}",
         sock.display()
     );
     guard
+}
+
+/// The `sink-server` role: a server answering every request at once with an empty result,
+/// until it is killed.
+pub(crate) fn sink_server_child(socket: &str) {
+    let server = Server::bind(ServerConfig::new(socket)).unwrap();
+    loop {
+        match server.recv_batch(64, Duration::from_millis(100), Duration::ZERO) {
+            Ok(batch) => {
+                let mut answers: Vec<_> = batch.into_iter().map(|r| (r, [0u8; 0])).collect();
+                let _ = server.respond_all(&mut answers);
+            }
+            Err(_) => return,
+        }
+    }
 }
 
 fn fds_of(pid: i32) -> usize {
