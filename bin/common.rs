@@ -338,6 +338,32 @@ impl PrepArgs {
     }
 }
 
+/// What producers hand over per input, and how they prepare it.
+#[derive(clap::Args, Debug, Clone)]
+pub struct HandOverArgs {
+    /// The tensors are ready: prepare the first input once, and hand a copy of it over for every
+    /// input (measures the hand-off without the preprocessing).
+    #[arg(long)]
+    pub ready: bool,
+    #[command(flatten)]
+    pub prep: PrepArgs,
+    /// What to hand over per image: normalised f32 planes, or u8 planes (4× fewer bytes) that
+    /// the server normalises to the same floats (on the GPU in the CUDA build).
+    #[arg(long, value_enum, default_value_t)]
+    pub pixels: Pixels,
+    /// Time every step of every input (read, decode, resize, normalise, lease, submit, result):
+    /// each result line carries them as "stages", and a farm's summary their means.
+    #[arg(long)]
+    pub profile: bool,
+}
+
+impl HandOverArgs {
+    /// The preparation's configuration.
+    pub fn prep_options(&self) -> PrepOptions {
+        self.prep.options(self.pixels)
+    }
+}
+
 /// An option that is on or off.
 #[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Switch {

@@ -11,7 +11,7 @@ use tensorport_farm::config::Servers;
 use tensorport_farm::FarmConfig;
 use tensorport_vision::Source;
 
-use crate::common::{CliError, CliResult, ModelArgs, Pixels, PrepArgs};
+use crate::common::{CliError, CliResult, HandOverArgs, ModelArgs};
 use crate::view::Console;
 
 /// When to draw live progress.
@@ -88,21 +88,8 @@ pub struct Args {
     /// it, restarts it and hands its inputs out again.
     #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
     pub stall_secs: f64,
-    /// Producers hand over a ready tensor for every input instead of preparing each (see
-    /// `produce --ready`).
-    #[arg(long)]
-    pub ready: bool,
-    /// The producers' preparation.
     #[command(flatten)]
-    pub prep: PrepArgs,
-    /// What producers hand over per image: normalised f32, or u8 planes (4× fewer bytes) that
-    /// the server normalises to the same floats (on the GPU in the CUDA build).
-    #[arg(long, value_enum, default_value_t)]
-    pub pixels: Pixels,
-    /// Time every step of every input (read, decode, resize, normalise, lease, submit, result)
-    /// and print the mean of each in the summary; the result lines carry them as "stages".
-    #[arg(long)]
-    pub profile: bool,
+    pub hand_over: HandOverArgs,
     /// Log level of the server and producers (their stderr is shown prefixed with their name).
     #[arg(long, default_value = "warn", value_parser = crate::common::parse_log_filter)]
     pub child_log: String,
@@ -140,9 +127,9 @@ impl Args {
             socket: self.socket.clone(),
             max_restarts: self.max_restarts,
             stall: Duration::from_secs_f64(self.stall_secs.max(0.0)),
-            ready: self.ready,
-            prep: self.prep.options(self.pixels),
-            profile: self.profile,
+            ready: self.hand_over.ready,
+            prep: self.hand_over.prep_options(),
+            profile: self.hand_over.profile,
             child_log: self.child_log.clone(),
             exe: std::env::current_exe()?,
         })

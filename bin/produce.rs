@@ -7,7 +7,7 @@ use std::time::Duration;
 use tensorport_farm::config::{GpuPrep, Inputs, Output};
 use tensorport_farm::ProduceConfig;
 
-use crate::common::{CliResult, Pixels, PrepArgs, SocketArg};
+use crate::common::{CliResult, HandOverArgs, SocketArg};
 
 /// Preprocess images into shared memory and have the server classify them. Each image is decoded,
 /// resized and cropped to --image-size (see --transform) and normalised straight into a slot of
@@ -38,20 +38,8 @@ pub struct Args {
     /// Requests outstanding at once (also the number of slots asked for).
     #[arg(long, default_value_t = 4)]
     pub in_flight: u32,
-    /// The tensors are ready: prepare the first input once, and hand a copy of it over for every
-    /// input (measures the hand-off without the preprocessing).
-    #[arg(long)]
-    pub ready: bool,
     #[command(flatten)]
-    pub prep: PrepArgs,
-    /// What to hand over per image: normalised f32 planes, or u8 planes (4× fewer bytes; the
-    /// server normalises them to the same floats).
-    #[arg(long, value_enum, default_value_t)]
-    pub pixels: Pixels,
-    /// Add each input's time per step (read, decode, resize, normalise, lease, submit, result)
-    /// to its line, as "stages".
-    #[arg(long)]
-    pub profile: bool,
+    pub hand_over: HandOverArgs,
     /// Name shown in the server's logs and status.
     #[arg(long, default_value = "producer")]
     pub name: String,
@@ -74,6 +62,10 @@ pub struct Args {
     /// Images per nvJPEG batch (at most --in-flight).
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
+    /// With --nvjpeg: threads preparing on the CPU what nvJPEG does not take (progressive JPEGs
+    /// on the hardware decoder, PNGs), while the GPU decodes the rest of the batch.
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub cpu_threads: usize,
 }
 
 impl Args {
@@ -93,15 +85,16 @@ impl Args {
             },
             image_size: self.image_size,
             in_flight: self.in_flight,
-            ready: self.ready,
-            prep: self.prep.options(self.pixels),
-            profile: self.profile,
+            ready: self.hand_over.ready,
+            prep: self.hand_over.prep_options(),
+            profile: self.hand_over.profile,
             name: self.name.clone(),
             timeout: Duration::from_secs(self.timeout),
             spin: Duration::from_micros(self.spin_us),
             gpu: self.nvjpeg.then_some(GpuPrep {
                 ordinal: self.gpu,
                 batch: self.batch,
+                cpu_threads: self.cpu_threads,
             }),
         }
     }

@@ -342,6 +342,9 @@ pub struct GpuPrep {
     pub ordinal: u32,
     /// Images per nvJPEG batch (at most the requests in flight).
     pub batch: usize,
+    /// Threads preparing on the CPU what nvJPEG does not take (progressive JPEGs on the
+    /// hardware decoder, PNGs), while the GPU decodes the rest of the batch.
+    pub cpu_threads: usize,
 }
 
 /// One producer process.
@@ -387,6 +390,8 @@ impl ProduceConfig {
                 self.in_flight.to_string(),
                 "--batch".into(),
                 g.batch.to_string(),
+                "--cpu-threads".into(),
+                g.cpu_threads.to_string(),
             ]);
         } else {
             v.extend(["--in-flight".into(), self.in_flight.to_string()]);

@@ -61,6 +61,8 @@ pub(super) struct Worker {
 /// session) and the images it decodes per batch.
 pub(super) const GPU_IN_FLIGHT: u32 = 64;
 pub(super) const GPU_BATCH: u32 = 32;
+/// A GPU producer's threads for the images nvJPEG does not take.
+pub(super) const GPU_CPU_THREADS: usize = 4;
 
 impl Worker {
     pub(super) fn new(name: String, gpu: bool) -> Worker {
@@ -250,6 +252,7 @@ impl Farm {
                 Device::Cpu => 0,
             },
             batch: GPU_BATCH as usize,
+            cpu_threads: GPU_CPU_THREADS,
         });
         ProduceConfig {
             socket: self.sockets[server].clone(),

@@ -3,7 +3,8 @@
 //! fenced and handed over through the device path (CUDA IPC or a VMM file descriptor, timeline
 //! fences). Files the batched decoder does not take (PNG, progressive JPEG on the hardware
 //! engines) — or a whole batch nvJPEG refuses — are prepared on the CPU as the CPU producer
-//! does and copied into their buffers.
+//! does, on `GpuPrep::cpu_threads` threads while the GPU decodes the rest of the batch, and
+//! copied into their buffers.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -66,10 +67,10 @@ struct GpuLoop<'a> {
     p: GpuProducer,
     jpeg: GpuJpeg,
     transform: Transform,
-    /// The CPU's preparation, for what nvJPEG does not take.
-    prep: Preprocessor,
+    /// The CPU's preparation, for what nvJPEG does not take: one per thread.
+    preps: Vec<Preprocessor>,
+    /// Page-locked room for a batch of CPU-prepared images on their way up.
     staging: PinnedBuffer,
-    cpu_px: Vec<f32>,
     spec: TensorSpec,
     image_bytes: usize,
     depth: usize,
@@ -103,9 +104,10 @@ pub(super) fn run(
         p,
         jpeg,
         transform: cfg.prep.transform.for_size(size as u32),
-        prep: cfg.prep.cpu_preprocessor(size as u32),
-        staging: PinnedBuffer::new(&gpu, image_bytes)?,
-        cpu_px: vec![0f32; 3 * size * size],
+        preps: (0..g.cpu_threads.max(1))
+            .map(|_| cfg.prep.cpu_preprocessor(size as u32))
+            .collect(),
+        staging: PinnedBuffer::new(&gpu, image_bytes * g.batch.clamp(1, depth))?,
         spec: TensorSpec::new(cfg.prep.pixels.dtype(), &[3, size as u64, size as u64]),
         image_bytes,
         depth,
@@ -234,16 +236,34 @@ impl GpuLoop<'_> {
             self.feed.reuse(b);
         }
         let per_image = ms(leased.elapsed()) / on_gpu.len().max(1) as f64;
+        let batch = taken.len();
+        let mut on_cpu: Vec<&mut Taken> = Vec::new();
         for t in taken.iter_mut() {
             if t.gpu.is_some() && gpu_ok {
                 t.st.decode_ms = per_image;
-                continue;
-            }
-            if let Err(e) = self.prepare_on_cpu(t) {
-                t.failed = true;
-                lines.failed(t.index, &t.source, e.to_string(), None, None)?;
+            } else {
+                on_cpu.push(t);
             }
         }
+        let (gpu_images, cpu_images) = (batch - on_cpu.len(), on_cpu.len());
+        let enqueued = Instant::now();
+        if !on_cpu.is_empty() {
+            let errors = self.prepare_on_cpu(&mut on_cpu)?;
+            for (t, e) in on_cpu.into_iter().zip(errors) {
+                if let Some(e) = e {
+                    t.failed = true;
+                    lines.failed(t.index, &t.source, e, None, None)?;
+                }
+            }
+        }
+        tracing::debug!(
+            gpu_images,
+            cpu_images,
+            nvjpeg_refused = !on_gpu.is_empty() && !gpu_ok,
+            enqueue_ms = ms(enqueued - leased),
+            cpu_ms = ms(enqueued.elapsed()),
+            "batch prepared"
+        );
         for t in taken.iter_mut() {
             if let Some(b) = t.bytes.take() {
                 self.held.push(b);
@@ -252,35 +272,52 @@ impl GpuLoop<'_> {
         Ok(())
     }
 
-    /// Prepares `t` on the CPU and copies it up into its buffer.
-    fn prepare_on_cpu(&mut self, t: &mut Taken) -> Result<()> {
+    /// Prepares `items` on the CPU — on up to one thread per preprocessor, while the GPU works
+    /// on the rest of the batch — and copies each up into its buffer. Returns, per item, why it
+    /// could not be prepared.
+    fn prepare_on_cpu(&mut self, items: &mut [&mut Taken]) -> Result<Vec<Option<String>>> {
         let pixels = self.cfg.prep.pixels;
-        let px: &mut [u8] = bytemuck::cast_slice_mut(&mut self.cpu_px);
-        let px = &mut px[..self.image_bytes];
-        let r = match (&t.bytes, &t.source) {
-            (Some(b), Source::File(path)) => {
-                self.prep.prepare_encoded_into(b, path, pixels.planes(px)?)
+        let ib = self.image_bytes;
+        let n = items.len();
+        let threads = self.preps.len().min(n);
+        let staging = &mut self.staging.as_mut_slice()[..ib * n];
+        let work: Vec<(&mut Taken, &mut [u8])> = items
+            .iter_mut()
+            .map(|t| &mut **t)
+            .zip(staging.chunks_exact_mut(ib))
+            .collect();
+        let queue = std::sync::Mutex::new(work.into_iter().enumerate());
+        let errors = std::sync::Mutex::new(vec![None; n]);
+        std::thread::scope(|s| {
+            for prep in self.preps.iter_mut().take(threads) {
+                let (queue, errors) = (&queue, &errors);
+                s.spawn(move || loop {
+                    let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+                    let Some((k, (t, px))) = next else { break };
+                    if let Err(e) = prepare_one(prep, pixels, t, px) {
+                        errors.lock().unwrap_or_else(|p| p.into_inner())[k] = Some(e.to_string());
+                    }
+                });
             }
-            _ => self.prep.prepare_into(&t.source, pixels.planes(px)?),
-        };
-        let s = self.prep.last_stages();
-        t.st.decode_ms = ms(s.decode);
-        t.st.resize_ms = ms(s.resize);
-        t.st.normalise_ms = ms(s.normalise);
-        r?;
-        let host = &mut self.staging.as_mut_slice()[..self.image_bytes];
-        host.copy_from_slice(&bytemuck::cast_slice(&self.cpu_px)[..self.image_bytes]);
-        let buffer = self.p.buffer(t.buffer.expect("acquired"));
-        // SAFETY: the buffer is ours (acquired) and holds `image_bytes`; the staging memory is
-        // pinned and not touched again until the copy has run (the stream is synchronised right
-        // after).
-        unsafe {
-            self.p
-                .stream()
-                .copy_host_to_device_async(buffer.ptr(), host)?;
+        });
+        let errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
+        let staging = &self.staging.as_mut_slice()[..ib * n];
+        for ((t, host), e) in items.iter().zip(staging.chunks_exact(ib)).zip(&errors) {
+            if e.is_some() {
+                continue;
+            }
+            let buffer = self.p.buffer(t.buffer.expect("acquired"));
+            // SAFETY: the buffer is ours (acquired) and holds `image_bytes`; the staging memory
+            // is pinned and not touched again until the copies have run (the stream is
+            // synchronised below, before this returns).
+            unsafe {
+                self.p
+                    .stream()
+                    .copy_host_to_device_async(buffer.ptr(), host)?;
+            }
         }
         self.p.stream().synchronize()?;
-        Ok(())
+        Ok(errors)
     }
 
     /// Submits the prepared inputs. One that failed keeps its buffer unsubmitted, so it stays
@@ -323,4 +360,22 @@ impl GpuLoop<'_> {
         }
         Ok(())
     }
+}
+
+/// Prepares `t` on the CPU into `px` (its image's room in the staging buffer), timing the steps.
+fn prepare_one(
+    prep: &mut Preprocessor,
+    pixels: Pixels,
+    t: &mut Taken,
+    px: &mut [u8],
+) -> Result<()> {
+    let r = match (&t.bytes, &t.source) {
+        (Some(b), Source::File(path)) => prep.prepare_encoded_into(b, path, pixels.planes(px)?),
+        _ => prep.prepare_into(&t.source, pixels.planes(px)?),
+    };
+    let s = prep.last_stages();
+    t.st.decode_ms = ms(s.decode);
+    t.st.resize_ms = ms(s.resize);
+    t.st.normalise_ms = ms(s.normalise);
+    Ok(r?)
 }
