@@ -185,7 +185,10 @@ pub fn print_summary(s: &Summary) {
         } else {
             ""
         },
-        s.producers,
+        match s.gpu_producers {
+            (0, _) => s.producers.0.to_string(),
+            (g, _) => format!("{} CPU, {g} GPU", s.producers.0),
+        },
         plural(s.producer_restarts, "restart"),
         if s.moves > 0 {
             format!(", {} moved to a faster server", s.moves)
@@ -195,6 +198,12 @@ pub fn print_summary(s: &Summary) {
         s.server_restarts,
         s.output.display()
     );
+    if s.gpu_producers.0 > 0 {
+        println!(
+            "by kind     CPU producers {} results, GPU producers {}",
+            s.producers.1, s.gpu_producers.1
+        );
+    }
     if let Some((st, k)) = s.stages {
         let k = k as f64;
         println!(

@@ -15,6 +15,7 @@ mod decode;
 mod libjpeg;
 mod normalise;
 mod preprocess;
+pub mod sniff;
 pub mod transform;
 
 use std::fmt;

@@ -9,6 +9,7 @@
 mod balance;
 mod children;
 mod results;
+mod route;
 mod rundir;
 mod supervisor;
 
@@ -99,7 +100,10 @@ pub struct Summary {
     pub batches: (u64, u64),
     pub max_batch: usize,
     pub server_restarts: u32,
-    pub producers: usize,
+    /// CPU producers, and the results they returned.
+    pub producers: (usize, u64),
+    /// GPU producers, and the results they returned.
+    pub gpu_producers: (usize, u64),
     pub producer_restarts: u32,
     /// Producers moved to a faster server.
     pub moves: u32,

@@ -2,7 +2,6 @@
 //! child that ended, the server ready), when a child is restarted or given up on, and when the
 //! run is over. It decides; `view` shows; `children` starts processes.
 
-use std::collections::VecDeque;
 use std::io::Write;
 use std::process::Child;
 use std::sync::mpsc::Receiver;
@@ -12,6 +11,7 @@ use tensorport_vision::Source;
 
 use super::balance::{pick_move, Load, Window, MIN_RESULTS};
 use super::children::{backoff, describe, unfixable_start, Ev, Farm, State, Worker};
+use super::route::{Queue, Side};
 use super::{ChildRow, ChildState, ResultsFile, Snapshot, Summary};
 use crate::error::{Error, Result};
 use crate::record::{ResultLine, StageTimes};
@@ -40,7 +40,8 @@ pub(super) struct Supervisor {
     stall: Duration,
     /// Inputs each producer may hold: twice its in-flight requests, so the next are ready.
     depth: usize,
-    pending: VecDeque<u64>,
+    /// Inputs not handed out yet, by the kind of producer they suit.
+    queue: Queue,
     done: Vec<bool>,
     done_count: u64,
     errors: u64,
@@ -87,6 +88,8 @@ impl Supervisor {
             )
             .collect();
         let farm_servers = servers.len();
+        // With both kinds of producers, each gets the inputs it prepares best.
+        let routing = farm.cfg.producers > 0 && farm.cfg.gpu_producers > 0;
         Ok(Supervisor {
             stall: farm.cfg.stall.max(Duration::from_millis(100)),
             depth: (farm.cfg.in_flight.max(1) * 2) as usize,
@@ -95,7 +98,7 @@ impl Supervisor {
             n,
             servers,
             workers,
-            pending: (0..n).collect(),
+            queue: Queue::new(n, routing),
             done: vec![false; n as usize],
             done_count: 0,
             errors: 0,
@@ -210,7 +213,8 @@ impl Supervisor {
                 self.depth
             };
             while w.assigned.len() + given.len() < depth {
-                let Some(i) = self.pending.pop_front() else {
+                let side = if w.gpu { Side::Gpu } else { Side::Cpu };
+                let Some(i) = self.queue.next(side, |i| suits(&self.inputs[i as usize])) else {
                     break;
                 };
                 if self.done[i as usize] {
@@ -231,7 +235,7 @@ impl Supervisor {
             } else {
                 // It is dying; its EOF will come. Keep the inputs for someone else.
                 for i in given.into_iter().rev() {
-                    self.pending.push_front(i);
+                    self.queue.push_front(i);
                 }
             }
         }
@@ -316,7 +320,7 @@ impl Supervisor {
         };
         for i in std::mem::take(&mut w.assigned).into_iter().rev() {
             if !self.done[i as usize] {
-                self.pending.push_front(i);
+                self.queue.push_front(i);
             }
         }
         w.last_exit = Some(status.clone());
@@ -617,6 +621,14 @@ impl Supervisor {
         }
     }
 
+    /// How many producers of a kind there are, and the results they returned.
+    fn results_of(&self, gpu: bool) -> (usize, u64) {
+        self.workers
+            .iter()
+            .filter(|w| w.gpu == gpu)
+            .fold((0, 0), |(n, done), w| (n + 1, done + w.done))
+    }
+
     /// The run's summary.
     pub(super) fn summary(&mut self, started: Instant, batches: (u64, u64)) -> Summary {
         self.latencies.sort_by(f64::total_cmp);
@@ -635,7 +647,8 @@ impl Supervisor {
             batches,
             max_batch: self.farm.cfg.model.max_batch,
             server_restarts: self.server_restarts(),
-            producers: self.farm.cfg.producers,
+            producers: self.results_of(false),
+            gpu_producers: self.results_of(true),
             producer_restarts: self.workers.iter().map(|w| w.restarts).sum(),
             moves: self.moves,
             output: self.farm.cfg.output.clone(),
@@ -651,4 +664,17 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     }
     let i = ((sorted.len() - 1) as f64 * p).round() as usize;
     sorted[i]
+}
+
+/// The kind of producer that prepares `source` best: GPU producers decode plain JPEGs on the
+/// GPU's engines and anything else on the CPU.
+fn suits(source: &Source) -> Side {
+    match source {
+        Source::File(p)
+            if tensorport_vision::sniff::jpeg_file_frame(p).is_some_and(|f| f.is_plain()) =>
+        {
+            Side::Gpu
+        }
+        _ => Side::Cpu,
+    }
 }
