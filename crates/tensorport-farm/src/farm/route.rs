@@ -1,16 +1,21 @@
-//! Which producer takes which input when a farm has both kinds: plain JPEGs (8-bit sequential,
+//! Which producer takes which input when a farm has both kinds. Plain JPEGs (8-bit sequential,
 //! one or three components) go to the GPU producers, whose JPEG engines decode them; the rest —
 //! progressive or 12-bit JPEGs, PNGs, synthetic images — to the CPU producers, which would
-//! otherwise leave the GPU producers preparing them on the CPU. Either side takes the other's
-//! inputs once its own run out, so neither idles while work is left.
+//! otherwise leave the GPU producers preparing them on the CPU. Large plain JPEGs suit either:
+//! whoever has room takes them. GPU producers take CPU inputs once their own run out; CPU
+//! producers take small plain JPEGs only when no GPU producer runs (a GPU producer does those
+//! several times faster than the whole CPU farm, and host tensors in its batches slow the
+//! server's device batches).
 
 use std::collections::VecDeque;
 
-/// The kind of producer an input suits.
+/// The kind of producer an input suits (or that asks for one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(super) enum Side {
     Gpu,
     Cpu,
+    /// Either kind (only for inputs).
+    Either,
 }
 
 impl Side {
@@ -18,6 +23,17 @@ impl Side {
         match self {
             Side::Gpu => 0,
             Side::Cpu => 1,
+            Side::Either => 2,
+        }
+    }
+
+    /// The queues a producer of this kind takes from, in order; CPU producers take the GPU's
+    /// only when `gpu_running` is false.
+    fn order(self, gpu_running: bool) -> &'static [Side] {
+        match (self, gpu_running) {
+            (Side::Gpu, _) => &[Side::Gpu, Side::Either, Side::Cpu],
+            (_, true) => &[Side::Cpu, Side::Either],
+            (_, false) => &[Side::Cpu, Side::Either, Side::Gpu],
         }
     }
 }
@@ -31,7 +47,7 @@ pub(super) struct Queue {
     /// Not sorted yet, in order.
     unsorted: VecDeque<u64>,
     /// Sorted, by side.
-    sides: [VecDeque<u64>; 2],
+    sides: [VecDeque<u64>; 3],
     /// Each input's side, once sorted.
     side: Vec<Option<Side>>,
     /// Whether to sort at all (only a farm with both kinds of producers does).
@@ -43,19 +59,26 @@ impl Queue {
     pub(super) fn new(n: u64, routing: bool) -> Queue {
         Queue {
             unsorted: (0..n).collect(),
-            sides: [VecDeque::new(), VecDeque::new()],
+            sides: [VecDeque::new(), VecDeque::new(), VecDeque::new()],
             side: vec![None; if routing { n as usize } else { 0 }],
             routing,
         }
     }
 
-    /// The next input for a producer of `side`: its own side's first (sorting up to
-    /// [`LOOKAHEAD`] more inputs with `sort` to find one), else the other side's.
-    pub(super) fn next(&mut self, side: Side, sort: impl Fn(u64) -> Side) -> Option<u64> {
+    /// The next input for a producer of kind `taker` (`Gpu` or `Cpu`): from the first of its
+    /// queues ([`Side::order`]) that has one, sorting up to [`LOOKAHEAD`] more inputs with
+    /// `sort` to find one for its first.
+    pub(super) fn next(
+        &mut self,
+        taker: Side,
+        gpu_running: bool,
+        sort: impl Fn(u64) -> Side,
+    ) -> Option<u64> {
         if !self.routing {
             return self.unsorted.pop_front();
         }
-        if let Some(i) = self.sides[side.at()].pop_front() {
+        let order = taker.order(gpu_running);
+        if let Some(i) = self.sides[order[0].at()].pop_front() {
             return Some(i);
         }
         let mut sorted = 0;
@@ -65,19 +88,22 @@ impl Queue {
             };
             let s = sort(i);
             self.side[i as usize] = Some(s);
-            if s == side {
+            if s == order[0] {
                 return Some(i);
             }
             self.sides[s.at()].push_back(i);
             sorted += 1;
         }
-        let other = match side {
-            Side::Gpu => Side::Cpu,
-            Side::Cpu => Side::Gpu,
-        };
-        self.sides[other.at()]
-            .pop_front()
-            .or_else(|| self.unsorted.pop_front())
+        for s in &order[1..] {
+            if let Some(i) = self.sides[s.at()].pop_front() {
+                return Some(i);
+            }
+        }
+        // Beyond the lookahead: unsorted inputs, if this taker may have them whatever they are.
+        if order.len() == 3 {
+            return self.unsorted.pop_front();
+        }
+        None
     }
 
     /// Puts `i` back, to be handed out first.
@@ -93,72 +119,84 @@ impl Queue {
 mod tests {
     use super::*;
 
-    /// Odd inputs suit the CPU.
-    fn odd_cpu(i: u64) -> Side {
-        if i % 2 == 1 {
-            Side::Cpu
-        } else {
-            Side::Gpu
+    /// Inputs 1, 4, 7, … suit the CPU; 2, 5, 8, … either; the rest the GPU.
+    fn by_three(i: u64) -> Side {
+        match i % 3 {
+            0 => Side::Gpu,
+            1 => Side::Cpu,
+            _ => Side::Either,
         }
     }
 
     #[test]
-    fn each_side_gets_its_own_then_the_others() {
+    fn each_kind_gets_its_own_then_what_suits_either_then_the_others() {
         let mut q = Queue::new(6, true);
-        assert_eq!(q.next(Side::Cpu, odd_cpu), Some(1));
-        assert_eq!(q.next(Side::Gpu, odd_cpu), Some(0));
-        assert_eq!(q.next(Side::Cpu, odd_cpu), Some(3));
-        assert_eq!(q.next(Side::Cpu, odd_cpu), Some(5));
-        // The CPU's are gone: the GPU's go to the CPU producer.
-        assert_eq!(q.next(Side::Cpu, odd_cpu), Some(2));
-        assert_eq!(q.next(Side::Gpu, odd_cpu), Some(4));
-        assert_eq!(q.next(Side::Gpu, odd_cpu), None);
-        assert_eq!(q.next(Side::Cpu, odd_cpu), None);
+        assert_eq!(q.next(Side::Cpu, true, by_three), Some(1));
+        assert_eq!(q.next(Side::Gpu, true, by_three), Some(0));
+        assert_eq!(q.next(Side::Cpu, true, by_three), Some(4));
+        // The CPU's are gone: it takes what suits either.
+        assert_eq!(q.next(Side::Cpu, true, by_three), Some(2));
+        // Not the GPU's while a GPU producer runs.
+        assert_eq!(q.next(Side::Gpu, true, by_three), Some(3));
+        assert_eq!(q.next(Side::Cpu, true, by_three), Some(5));
+        assert_eq!(q.next(Side::Cpu, true, by_three), None);
+        assert_eq!(q.next(Side::Gpu, true, by_three), None);
+    }
+
+    #[test]
+    fn gpu_producers_take_the_cpus_inputs_and_cpus_the_gpus_only_without_gpu_producers() {
+        let mut q = Queue::new(3, true);
+        assert_eq!(q.next(Side::Gpu, true, |_| Side::Cpu), Some(0));
+        let mut q = Queue::new(3, true);
+        assert_eq!(q.next(Side::Cpu, true, |_| Side::Gpu), None);
+        assert_eq!(q.next(Side::Cpu, false, |_| Side::Gpu), Some(0));
     }
 
     #[test]
     fn inputs_put_back_come_first_on_their_side() {
         let mut q = Queue::new(4, true);
-        let a = q.next(Side::Gpu, odd_cpu).unwrap();
-        let b = q.next(Side::Cpu, odd_cpu).unwrap();
+        let a = q.next(Side::Gpu, true, by_three).unwrap();
+        let b = q.next(Side::Cpu, true, by_three).unwrap();
         q.push_front(b);
         q.push_front(a);
-        assert_eq!(q.next(Side::Cpu, odd_cpu), Some(b));
-        assert_eq!(q.next(Side::Gpu, odd_cpu), Some(a));
+        assert_eq!(q.next(Side::Cpu, true, by_three), Some(b));
+        assert_eq!(q.next(Side::Gpu, true, by_three), Some(a));
     }
 
     #[test]
     fn without_routing_it_is_one_queue_and_sorts_nothing() {
         let mut q = Queue::new(3, false);
         let never = |_: u64| -> Side { panic!("sorted") };
-        assert_eq!(q.next(Side::Cpu, never), Some(0));
+        assert_eq!(q.next(Side::Cpu, true, never), Some(0));
         q.push_front(0);
-        assert_eq!(q.next(Side::Gpu, never), Some(0));
-        assert_eq!(q.next(Side::Gpu, never), Some(1));
+        assert_eq!(q.next(Side::Gpu, true, never), Some(0));
+        assert_eq!(q.next(Side::Gpu, true, never), Some(1));
     }
 
     #[test]
     fn every_input_comes_out_once_whatever_the_order_of_asking() {
         let mut q = Queue::new(1000, true);
         let mut seen = vec![false; 1000];
-        let mut k = 0u64;
-        while let Some(i) = q.next(
-            if k.is_multiple_of(3) {
+        let sort = |i: u64| match i % 7 {
+            0 | 1 => Side::Cpu,
+            2 => Side::Either,
+            _ => Side::Gpu,
+        };
+        for k in 0u64.. {
+            let taker = if k.is_multiple_of(3) {
                 Side::Gpu
             } else {
                 Side::Cpu
-            },
-            |i| {
-                if i % 7 < 2 {
-                    Side::Cpu
-                } else {
-                    Side::Gpu
-                }
-            },
-        ) {
+            };
+            // A CPU producer finding nothing leaves the rest to the GPU producers.
+            let Some(i) = q
+                .next(taker, true, sort)
+                .or_else(|| q.next(Side::Gpu, true, sort))
+            else {
+                break;
+            };
             assert!(!seen[i as usize], "{i} twice");
             seen[i as usize] = true;
-            k += 1;
         }
         assert!(seen.iter().all(|&s| s));
     }

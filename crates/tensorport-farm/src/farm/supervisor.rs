@@ -198,6 +198,11 @@ impl Supervisor {
         if self.stopping.is_some() {
             return;
         }
+        // GPU producers that gave up leave their inputs to the CPU producers.
+        let gpu_running = self
+            .workers
+            .iter()
+            .any(|w| w.gpu && !matches!(w.state, State::GaveUp));
         for w in self.workers.iter_mut() {
             let State::Running {
                 stdin: Some(stdin), ..
@@ -214,7 +219,10 @@ impl Supervisor {
             };
             while w.assigned.len() + given.len() < depth {
                 let side = if w.gpu { Side::Gpu } else { Side::Cpu };
-                let Some(i) = self.queue.next(side, |i| suits(&self.inputs[i as usize])) else {
+                let next = self
+                    .queue
+                    .next(side, gpu_running, |i| suits(&self.inputs[i as usize]));
+                let Some(i) = next else {
                     break;
                 };
                 if self.done[i as usize] {
@@ -666,14 +674,23 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
     sorted[i]
 }
 
+/// Plain JPEGs of this many pixels or more suit either kind of producer.
+const EITHER_PIXELS: u64 = 2_000_000;
+
 /// The kind of producer that prepares `source` best: GPU producers decode plain JPEGs on the
-/// GPU's engines and anything else on the CPU.
+/// GPU's engines and anything else on the CPU; large plain JPEGs cost both about the same per
+/// pixel, so whoever has room takes them.
 fn suits(source: &Source) -> Side {
-    match source {
-        Source::File(p)
-            if tensorport_vision::sniff::jpeg_file_frame(p).is_some_and(|f| f.is_plain()) =>
-        {
-            Side::Gpu
+    let Source::File(p) = source else {
+        return Side::Cpu;
+    };
+    match tensorport_vision::sniff::jpeg_file_frame(p) {
+        Some(f) if f.is_plain() => {
+            if u64::from(f.width) * u64::from(f.height) >= EITHER_PIXELS {
+                Side::Either
+            } else {
+                Side::Gpu
+            }
         }
         _ => Side::Cpu,
     }
