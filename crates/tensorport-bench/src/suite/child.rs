@@ -9,9 +9,8 @@ use super::*;
 /// window itself starts at the parent's go, after every child is set up; so the minimum only
 /// matters on a loaded machine, and the window, not a count, ends every producer's run: the
 /// rate is what all of them delivered together in the same span, whatever their spread
-/// (reported apart, as fairness). (Until 2026-12-01 the minimum was 1,024, which at 19.3 MB
-/// outlasted a 1 s window: every producer sent exactly 1,024, and the slowest one's finish set
-/// the span.)
+/// (reported apart, as fairness). A larger minimum would outlast the window at 19.3 MB:
+/// every producer would send exactly the minimum, and the slowest one's finish set the span.
 pub(super) const MIN_MESSAGES: usize = 128;
 
 /// Whether a streaming child of `size`-byte messages goes on: it sends at least

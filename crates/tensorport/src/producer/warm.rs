@@ -15,8 +15,7 @@ use std::time::{Duration, Instant};
 /// Slots from this size up are leased warm: a wait of a few microseconds is small beside
 /// filling them, and two of them per producer overflow a cache sooner (one 1 MiB slot fits the
 /// H200 host's 2 MiB of L2 per core, two do not: one producer of 1 MiB tensors ran 14–20%
-/// faster leased warm; with 8 and 15 producers it made no difference). Until session 10 this
-/// was 4 MiB.
+/// faster leased warm; with 8 and 15 producers it made no difference).
 pub const WARM_MIN_SLOT: u64 = 1 << 20;
 
 /// Leases that do not wait for the warm slot after a wait for it ran out.
