@@ -3,7 +3,6 @@
 
 use std::io::IsTerminal;
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -131,12 +130,12 @@ impl Args {
             prep: self.hand_over.prep_options(),
             profile: self.hand_over.profile,
             child_log: self.child_log.clone(),
-            exe: std::env::current_exe()?,
+            launcher: crate::launcher(),
         })
     }
 }
 
-pub fn run(args: Args) -> CliResult<ExitCode> {
+pub fn run(args: Args) -> CliResult<u8> {
     let cfg = args.config()?;
     // Checked before the progress block appears.
     cfg.check().map_err(tensorport_farm::Error::from)?;
@@ -151,14 +150,14 @@ pub fn run(args: Args) -> CliResult<ExitCode> {
     let outcome = outcome?;
     let Some(summary) = &outcome.summary else {
         console.log("stopped at once (second signal)");
-        return Ok(ExitCode::from(130));
+        return Ok(130);
     };
     crate::view::print_summary(summary);
     if let Some(f) = outcome.failure {
         return Err(f.into());
     }
     if summary.done < summary.inputs {
-        return Ok(ExitCode::from(if outcome.stopped { 130 } else { 1 }));
+        return Ok(if outcome.stopped { 130 } else { 1 });
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }

@@ -1,6 +1,5 @@
 //! `tensorport model-bench`: the bundled model on its own, on the CPU or a GPU.
 
-use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use tensorport_dfdx::dfdx::prelude::*;
@@ -31,7 +30,7 @@ pub struct Args {
     pub unfused: bool,
 }
 
-pub fn run(a: Args) -> CliResult<ExitCode> {
+pub fn run(a: Args) -> CliResult<u8> {
     let model = a.model.options();
     model.check().map_err(tensorport_farm::Error::from)?;
     if a.batch.is_empty() || a.batch.contains(&0) {
@@ -70,7 +69,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             )
         }
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }
 
 #[cfg(feature = "cuda")]

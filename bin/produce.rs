@@ -1,7 +1,6 @@
 //! `tensorport produce`: one producer process (the loops live in `tensorport_farm::produce`).
 
 use std::path::PathBuf;
-use std::process::ExitCode;
 use std::time::Duration;
 
 use tensorport_farm::config::{GpuPrep, Inputs, Output};
@@ -100,10 +99,10 @@ impl Args {
     }
 }
 
-pub fn run(a: Args) -> CliResult<ExitCode> {
+pub fn run(a: Args) -> CliResult<u8> {
     if a.input.is_none() && a.synthetic.is_none() && !a.worklist {
         return Err(tensorport_farm::Error::from(tensorport_farm::ConfigError::NoInputs).into());
     }
     tensorport_farm::produce::run(&a.config())?;
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }

@@ -1,6 +1,5 @@
 //! `tensorport serve`: the inference process (its batch loop lives in `tensorport_farm::serve`).
 
-use std::process::ExitCode;
 use std::time::Duration;
 
 use tensorport_farm::ServeConfig;
@@ -87,9 +86,9 @@ impl Args {
     }
 }
 
-pub fn run(a: Args) -> CliResult<ExitCode> {
+pub fn run(a: Args) -> CliResult<u8> {
     // A pool over the file size limit is then one producer refused, not the server killed.
     tensorport_farm::process::catch_sigxfsz();
     tensorport_farm::serve::run(&a.config())?;
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }

@@ -2,7 +2,7 @@
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Child, Stdio};
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
@@ -70,10 +70,13 @@ fn sample(pid: u32, socket: &Path) -> CliResult<Sample> {
     })
 }
 
-fn spawn(exe: &Path, args: &[String]) -> CliResult<Child> {
-    Command::new(exe)
+fn spawn(exe: &Launcher, args: &[String]) -> CliResult<Child> {
+    exe.command()
         .args(args)
-        .env("TENSORPORT_FARM_PID", std::process::id().to_string())
+        .env(
+            tensorport_farm::process::FARM_PID_ENV,
+            std::process::id().to_string(),
+        )
         .stdin(Stdio::null())
         .stdout(Stdio::piped())
         .stderr(Stdio::null())
@@ -84,8 +87,10 @@ fn spawn(exe: &Path, args: &[String]) -> CliResult<Child> {
 
 use std::os::unix::process::CommandExt;
 
-pub fn run(a: Args) -> CliResult<ExitCode> {
-    let exe = std::env::current_exe()?;
+use tensorport_farm::config::Launcher;
+
+pub fn run(a: Args) -> CliResult<u8> {
+    let exe = crate::launcher();
     let tmp = tempfile::Builder::new()
         .prefix("tensorport-soak-")
         .tempdir()?;
@@ -214,9 +219,5 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         end.mapped,
         if flat { "flat" } else { "NOT FLAT" }
     );
-    Ok(if flat {
-        ExitCode::SUCCESS
-    } else {
-        ExitCode::from(1)
-    })
+    Ok(if flat { 0 } else { 1 })
 }

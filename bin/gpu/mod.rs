@@ -1,8 +1,6 @@
 //! `tensorport gpu`: the CUDA probe, the host-to-device benchmark, and the CUDA IPC hand-off
 //! benchmark (its two sides in `ipc_bench.rs`).
 
-use std::process::ExitCode;
-
 use crate::common::{CliError, CliResult};
 
 mod ipc_bench;
@@ -89,7 +87,7 @@ pub(crate) fn cuda(e: tensorport_cuda::Error) -> CliError {
     CliError::new(e.to_string())
 }
 
-pub fn run(a: Args) -> CliResult<ExitCode> {
+pub fn run(a: Args) -> CliResult<u8> {
     match a.what {
         What::Probe => {
             let c = tensorport_cuda::probe().map_err(cuda)?;
@@ -195,7 +193,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             }
         },
     }
-    Ok(ExitCode::SUCCESS)
+    Ok(0)
 }
 
 fn yes(b: bool) -> &'static str {

@@ -480,21 +480,33 @@ class Server:
 
 def find_binary(binary=None) -> str:
     """The `tensorport` executable the package starts (the `Loader`'s producers, the tests'
-    servers): `binary` if given, else `$TENSORPORT_BIN`, else one shipped beside the package
-    (`tensorport/bin/tensorport`), else `tensorport` on `PATH`. Raises `TensorportError`
-    saying where it looked."""
+    servers, `python -m tensorport`): `binary` if given, else `$TENSORPORT_BIN`, else the one the
+    wheel carries (`tensorport/bin/tensorport`), else `tensorport` on `PATH` that is not this
+    package's own script. Raises `TensorportError` saying where it looked."""
     import os
     import shutil
 
     beside = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "tensorport")
-    for candidate in (binary, os.environ.get("TENSORPORT_BIN"), beside, shutil.which("tensorport")):
+    on_path = shutil.which("tensorport")
+    if on_path and _is_script(on_path):
+        on_path = None  # the wheel's `tensorport` script, which comes back here
+    for candidate in (binary, os.environ.get("TENSORPORT_BIN"), beside, on_path):
         if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
             return candidate
     raise TensorportError(
         "cannot find the tensorport binary: pass binary=..., set TENSORPORT_BIN, put it in "
         f"{os.path.dirname(beside)}, or put `tensorport` on PATH (cargo build --release puts "
-        "it in target/release/)"
+        "it in target/release/; scripts/build-wheel.sh makes a wheel that carries it)"
     )
+
+
+def _is_script(path: str) -> bool:
+    """Whether `path` is a text script (a `#!` line) rather than an executable."""
+    try:
+        with open(path, "rb") as f:
+            return f.read(2) == b"#!"
+    except OSError:
+        return False
 
 
 _find_binary = find_binary

@@ -540,3 +540,31 @@ def test_views_are_revoked_with_their_loan_and_never_hold_a_slot(sock):
                 s5.array(np.uint8, (4,))
     finally:
         stop.set()
+
+
+def test_the_package_runs_its_own_tensorport_command():
+    """`python -m tensorport` and, from an installed wheel, the `tensorport` script run the
+    executable the package carries: no Rust toolchain needed."""
+    import shutil
+
+    out = subprocess.run([sys.executable, "-m", "tensorport", "--version"], check=True,
+                         capture_output=True, text=True, timeout=PATIENCE)
+    assert out.stdout.startswith("tensorport "), out.stdout
+    script = shutil.which("tensorport")
+    if script is None or not tensorport._is_script(script):
+        pytest.skip("the `tensorport` script comes with an installed wheel (this run uses the sources)")
+    out = subprocess.run([script, "images", "--help"], check=True, capture_output=True, text=True,
+                         timeout=PATIENCE)
+    assert "sample" in out.stdout.lower(), out.stdout
+
+
+def test_an_installed_wheel_carries_its_executable():
+    """Installed as a wheel, the package finds the executable inside it, with nothing set."""
+    here = os.path.dirname(os.path.abspath(tensorport.__file__))
+    inside = os.path.join(here, "bin", "tensorport")
+    if not os.path.isfile(inside):
+        pytest.skip("not an installed wheel (this run uses the sources and TENSORPORT_BIN)")
+    if os.environ.get("TENSORPORT_BIN"):
+        pytest.skip("TENSORPORT_BIN overrides the wheel's executable")
+    assert tensorport.find_binary() == inside
+    assert os.access(inside, os.X_OK)

@@ -456,6 +456,31 @@ impl ServeConfig {
     }
 }
 
+/// How to start the `tensorport` command line in a child process: a program and the arguments
+/// before the subcommand (the executable itself, or `python -m tensorport`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Launcher {
+    pub program: PathBuf,
+    pub args: Vec<String>,
+}
+
+impl Launcher {
+    /// This process's own executable.
+    pub fn this_executable() -> Launcher {
+        Launcher {
+            program: std::env::current_exe().unwrap_or_else(|_| PathBuf::from("tensorport")),
+            args: Vec::new(),
+        }
+    }
+
+    /// A command that runs `program args… extra…`.
+    pub fn command(&self) -> std::process::Command {
+        let mut c = std::process::Command::new(&self.program);
+        c.args(&self.args);
+        c
+    }
+}
+
 /// The servers of a farm.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Servers {
@@ -497,8 +522,8 @@ pub struct FarmConfig {
     pub profile: bool,
     /// Log filter of the children.
     pub child_log: String,
-    /// The `tensorport` binary to start the children with.
-    pub exe: PathBuf,
+    /// How to start the children (`tensorport serve`, `tensorport produce`).
+    pub launcher: Launcher,
 }
 
 impl FarmConfig {

@@ -1,9 +1,12 @@
-//! Runs the Python package's pytest suite (`python/tests`) against this build: the extension
-//! this crate builds, and the `tensorport` binary as the Rust server and producers.
+//! Runs the Python package's pytest suite (`python/tests`) the way a Python user meets the
+//! package: as a wheel (maturin, abi3) that carries the `tensorport` executable this build made,
+//! installed into a virtual environment with no cargo on its `PATH`, with no `TENSORPORT_BIN` and
+//! no `PYTHONPATH`.
 //!
-//! It makes a virtual environment of its own under `target/` the first time (numpy and pytest
-//! from PyPI; later runs reuse it), puts the package with the freshly built extension beside
-//! it, and fails with pytest's own report if any test fails.
+//! The first run makes two virtual environments under `target/` (one to build with: maturin; one
+//! to install into: numpy and pytest; all from PyPI); later runs reuse them. The wheel's
+//! extension is built in a target folder of its own (`target/wheel-build`): cargo holds this
+//! build's folder for as long as the tests run.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -30,72 +33,151 @@ fn run(cmd: &mut Command, what: &str) {
     );
 }
 
+/// A virtual environment at `dir` with `packages` from PyPI, made once (a marker file names
+/// what it holds). Returns its python.
+fn venv(dir: &Path, packages: &[&str]) -> PathBuf {
+    let python = dir.join("bin/python");
+    let ready = dir.join(".tensorport-ready");
+    let want = packages.join(" ");
+    if std::fs::read_to_string(&ready).ok().as_deref() != Some(want.as_str()) {
+        if !python.is_file() {
+            let py = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
+            run(
+                Command::new(&py).args(["-m", "venv"]).arg(dir),
+                "making a virtual environment (needs python3 with venv)",
+            );
+        }
+        run(
+            Command::new(&python)
+                .args(["-m", "pip", "install", "--quiet"])
+                .args(["--disable-pip-version-check", "--retries", "5"])
+                .args(packages),
+            &format!("installing {want} from PyPI"),
+        );
+        std::fs::write(&ready, &want).expect("mark the environment ready");
+    }
+    python
+}
+
+/// `PATH` without the folders that hold a `cargo`, with `first` in front.
+fn path_without_cargo(first: &Path) -> String {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    let kept = std::env::split_paths(&path).filter(|d| !d.join("cargo").exists());
+    std::env::join_paths(std::iter::once(first.to_path_buf()).chain(kept))
+        .expect("a PATH")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// Stages the wheel's sources under `stage`: pyproject.toml (its manifest pointing back into the
+/// repository), the package's Python files, and `bin` as `tensorport/bin/tensorport`.
+fn stage_sources(repo: &Path, stage: &Path, bin: &Path) {
+    let _ = std::fs::remove_dir_all(stage);
+    let pkg = stage.join("python/tensorport");
+    std::fs::create_dir_all(pkg.join("bin")).expect("stage dir");
+    let manifest = repo
+        .join("crates/tensorport-py/Cargo.toml")
+        .canonicalize()
+        .expect("the extension's manifest");
+    let pyproject = std::fs::read_to_string(repo.join("pyproject.toml")).expect("pyproject.toml");
+    let pyproject = pyproject.replace(
+        "manifest-path = \"crates/tensorport-py/Cargo.toml\"",
+        &format!("manifest-path = {:?}", manifest.display().to_string()),
+    );
+    assert!(
+        pyproject.contains(&*manifest.to_string_lossy()),
+        "pyproject.toml's manifest-path moved"
+    );
+    std::fs::write(stage.join("pyproject.toml"), pyproject).expect("stage pyproject.toml");
+    for entry in std::fs::read_dir(repo.join("python/tensorport")).expect("python/tensorport") {
+        let p = entry.expect("entry").path();
+        if p.extension().is_some_and(|e| e == "py") {
+            std::fs::copy(&p, pkg.join(p.file_name().unwrap())).expect("copy a .py");
+        }
+    }
+    let staged = pkg.join("bin/tensorport");
+    std::fs::copy(bin, &staged).expect("copy the executable");
+    // Debug builds carry hundreds of megabytes of symbols; the wheel does not need them.
+    let _ = Command::new("strip").arg(&staged).output();
+}
+
 #[test]
-fn the_python_package_passes_its_pytest_suite() {
+fn the_python_package_passes_its_pytest_suite_as_an_installed_wheel() {
     let profile = profile_dir();
     let target = profile.parent().expect("target dir").to_path_buf();
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    // Built beside this test (deps/) when cargo builds it for the tests, or in the profile
-    // folder by `cargo build`: the newer one.
-    let ext = ["deps/libtensorport_native.so", "libtensorport_native.so"]
-        .iter()
-        .map(|p| profile.join(p))
-        .filter(|p| p.is_file())
-        .max_by_key(|p| p.metadata().and_then(|m| m.modified()).ok())
-        .unwrap_or_else(|| profile.join("deps/libtensorport_native.so"));
     let bin = profile.join("tensorport");
-    assert!(ext.is_file(), "{} was not built", ext.display());
     assert!(
         bin.is_file(),
         "{} is missing: run the whole suite (`cargo test --workspace`), which builds it",
         bin.display()
     );
-    // The virtual environment, made once.
-    let venv = target.join("pyenv");
-    let python = venv.join("bin/python");
-    let ready = venv.join(".tensorport-ready");
-    if !ready.is_file() {
-        let py = std::env::var("PYTHON").unwrap_or_else(|_| "python3".into());
-        run(
-            Command::new(&py).args(["-m", "venv"]).arg(&venv),
-            "making the virtual environment (needs python3 with venv)",
-        );
-        run(
-            Command::new(&python).args([
+    let builder = venv(&target.join("pyenv-build"), &["maturin>=1.5,<2"]);
+    let user = venv(&target.join("pyenv-user"), &["numpy", "pytest"]);
+
+    // The wheel, built from staged sources.
+    let stage = target.join("wheel-src");
+    stage_sources(&repo, &stage, &bin);
+    let wheels = target.join("wheel-out");
+    let _ = std::fs::remove_dir_all(&wheels);
+    let maturin = builder.parent().expect("venv bin").join("maturin");
+    let cargo_profile = if profile.ends_with("release") {
+        "release"
+    } else {
+        "dev"
+    };
+    run(
+        Command::new(&maturin)
+            .args(["build", "--quiet", "--profile", cargo_profile, "-o"])
+            .arg(&wheels)
+            .current_dir(&stage)
+            .env("CARGO_TARGET_DIR", target.join("wheel-build")),
+        "building the wheel with maturin",
+    );
+    let wheel = std::fs::read_dir(&wheels)
+        .expect("wheel dir")
+        .map(|e| e.expect("entry").path())
+        .find(|p| p.extension().is_some_and(|e| e == "whl"))
+        .expect("maturin made no wheel");
+
+    // Installed where no cargo is, as a user would.
+    let path = path_without_cargo(user.parent().expect("venv bin"));
+    run(
+        Command::new(&user)
+            .args([
                 "-m",
                 "pip",
                 "install",
                 "--quiet",
                 "--disable-pip-version-check",
-                "--retries",
-                "5",
-                "numpy",
-                "pytest",
-            ]),
-            "installing numpy and pytest from PyPI",
-        );
-        std::fs::write(&ready, b"numpy pytest\n").expect("mark the environment ready");
-    }
-    // The package: its Python files and the extension just built.
-    let pkg = target.join("python-package");
-    let dir = pkg.join("tensorport");
-    let _ = std::fs::remove_dir_all(&pkg);
-    std::fs::create_dir_all(&dir).expect("package dir");
-    for entry in std::fs::read_dir(repo.join("python/tensorport")).expect("python/tensorport") {
-        let p = entry.expect("entry").path();
-        if p.extension().is_some_and(|e| e == "py") {
-            std::fs::copy(&p, dir.join(p.file_name().unwrap())).expect("copy a .py");
-        }
-    }
-    std::fs::copy(&ext, dir.join("_native.abi3.so")).expect("copy the extension");
-    let out = Command::new(&python)
+            ])
+            .args(["--force-reinstall", "--no-deps"])
+            .arg(&wheel),
+        "installing the wheel",
+    );
+    let clean = |c: &mut Command| {
+        c.env("PATH", &path)
+            .env_remove("TENSORPORT_BIN")
+            .env_remove("PYTHONPATH")
+            .current_dir(&target);
+    };
+    let mut check = Command::new(&user);
+    check.args([
+        "-c",
+        "import shutil, sys; sys.exit(shutil.which('cargo') is not None)",
+    ]);
+    clean(&mut check);
+    run(&mut check, "checking that cargo is not on the PATH");
+    let mut pytest = Command::new(&user);
+    pytest
         .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
-        .arg(repo.join("python/tests"))
-        .current_dir(&pkg)
-        .env("PYTHONPATH", &pkg)
-        .env("TENSORPORT_BIN", &bin)
-        .output()
-        .expect("run pytest");
+        .arg(
+            repo.join("python/tests")
+                .canonicalize()
+                .expect("python/tests"),
+        );
+    clean(&mut pytest);
+    let out = pytest.output().expect("run pytest");
     let report = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),

@@ -197,7 +197,7 @@ impl Farm {
     }
 
     fn command(&self, sub: &str, server: usize) -> Command {
-        let mut c = Command::new(&self.cfg.exe);
+        let mut c = self.cfg.launcher.command();
         c.arg("--log")
             .arg(&self.cfg.child_log)
             .arg(sub)
