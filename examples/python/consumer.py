@@ -23,6 +23,6 @@ while True:
     if batch:
         x = np.stack([r.array() for r in batch])  # one copy, into the batch
         for r, mean in zip(batch, x.reshape(len(batch), -1).mean(axis=1)):
-            r.respond(np.float32([mean]))
+            r.respond(np.array([mean], dtype=np.float32))
         served += len(batch)
 print(f"served {served} tensors")

@@ -78,7 +78,7 @@ def _view(owner, address: int, nbytes: int, dtype, shape, writable: bool, stride
     """A numpy array over `nbytes` at `address`, keeping `owner` (and so the mapping) alive."""
     np = _np()
     buf = (ctypes.c_char * max(nbytes, 1)).from_address(address)
-    buf._owner = owner  # the array's base chain now holds the loan or request
+    buf._owner = owner  # type: ignore[attr-defined]  # the array's base chain holds the owner
     dt = np.dtype(dtype)
     if strides is None:
         count = 1
@@ -242,9 +242,9 @@ class Producer:
         socket = default_socket() if socket is None else socket
         self._native = _native.Producer(str(socket), name, slots, slot_size, rings, connect_timeout)
         # Each slot's bytes as a uint8 array over the pool's mapping (see Loan.array).
-        self._slots = {}
+        self._slots: dict = {}
         # CUDA tensors handed over and not answered yet: kept alive until their results.
-        self._held = {}
+        self._held: dict = {}
 
     def _slot_bytes(self, native):
         a = self._slots.get(native.slot)
@@ -512,6 +512,9 @@ def _is_script(path: str) -> bool:
 _find_binary = find_binary
 
 
+_IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
+
+
 class Loader:
     """Batches of preprocessed images from a farm of Rust producer processes, as an iterable:
     a stand-in for `torch.utils.data.DataLoader` over image files.
@@ -519,30 +522,52 @@ class Loader:
         for images, indices in tensorport.Loader(files, batch_size=32, producers=8):
             ...   # images: float32 [B, 3, S, S] (ImageNet-normalised); indices: positions in files
 
+        loader = tensorport.Loader.from_folder("train/", batch_size=32, shuffle=True, seed=0)
+        for epoch in range(3):
+            for images, labels in loader:          # ImageFolder layout: one folder per class
+                ...
+
         for images, indices in tensorport.Loader(files, device="cuda", gpu_producers=1):
             ...   # images: a torch CUDA tensor, decoded and prepared on the GPU (nvJPEG)
 
-    Each producer (`tensorport produce --worklist`) decodes, resizes and normalises its share
-    of the files straight into its slots of shared memory; this process copies each batch out
-    once and hands the slots back. Batches come in the order the producers finish them, with the
-    indices of their files; every file comes exactly once. A producer that dies (killed, say) is
-    started again on the files of its share that have not come; one that fails `max_restarts`
-    times in a row ends the iteration with `TensorportError`, as does a file that cannot be
-    decoded (named in the error).
+    Each producer (`tensorport produce --worklist`, the executable the package carries) decodes,
+    resizes and normalises its share of the files straight into its slots of shared memory;
+    this process copies each batch out once and hands the slots back. Every batch holds
+    `batch_size` images (the last one fewer, or none with `drop_last`), in the order the
+    producers finish them; every file comes exactly once per epoch (each `for` over the loader
+    is an epoch, with fresh producers). With `labels` (a sequence, one per file) or
+    `from_folder`, batches are `(images, labels)`; otherwise `(images, indices)` — and
+    `last_indices` holds the batch's positions in `files` either way.
+
+    A producer that dies (killed, say) is started again on the files of its share that have not
+    come; one that fails `max_restarts` times in a row ends the iteration with
+    `TensorportError`. A file that cannot be prepared raises `TensorportError` naming it, or,
+    with `on_error="skip"`, is left out and listed in `skipped`. The producers end with the
+    iteration (at its end, at `break`, on `KeyboardInterrupt`, when the iterator is collected)
+    and with this process, even if it is killed.
 
     With `device="cuda"` (or `"cuda:N"`) batches are torch tensors on that GPU: the producers'
     slots are pinned and copied into the batch by DMA, and `gpu_producers` producers
-    (`tensorport produce --nvjpeg`, the CUDA build) decode and prepare their files on the GPU
-    and hand them over in device memory. A GPU producer's share of the files is `gpu_weight`
-    times a CPU producer's.
+    (`tensorport produce --nvjpeg`) decode and prepare their files on the GPU and hand them
+    over in device memory. A GPU producer's share of the files is `gpu_weight` times a CPU
+    producer's.
+
+    DataLoader arguments and theirs: `batch_size`, `shuffle` (with `seed`: epoch e uses
+    `seed + e`), `drop_last` as there; `num_workers` → `producers`; `pin_memory` as there;
+    `collate_fn` and `sampler` → none (batches are stacked by the extension; pass the files in
+    the order or subset you want).
     """
 
     def __init__(self, files, batch_size: int = 32, producers: int = 4, image_size: int = 224,
                  transform: str = "standard", in_flight: int = 8, max_wait: float = 0.002,
                  timeout: float = 60.0, binary=None, torch: bool = False,
                  max_restarts: int = 8, pin_memory: bool = False, device=None,
-                 gpu_producers: int = 0, gpu_weight: int = 24):
+                 gpu_producers: int = 0, gpu_weight: int = 24, shuffle: bool = False,
+                 seed: Optional[int] = None, drop_last: bool = False, labels=None,
+                 on_error: str = "raise"):
         self.files = [str(f) for f in files]
+        if batch_size < 1:
+            raise ValueError(f"batch_size={batch_size}: give 1 or more")
         self.batch_size = batch_size
         self.device = None if device is None else str(device)
         if self.device is not None and not self.device.startswith("cuda"):
@@ -550,6 +575,14 @@ class Loader:
         self.gpu = 0 if self.device in (None, "cuda") else int(self.device.split(":")[1])
         if gpu_producers and self.device is None:
             raise ValueError("gpu_producers hand over GPU memory: give device='cuda'")
+        if on_error not in ("raise", "skip"):
+            raise ValueError(f"on_error={on_error!r}: 'raise' or 'skip'")
+        if labels is not None:
+            labels = list(labels)
+            if len(labels) != len(self.files):
+                raise ValueError(f"{len(labels)} labels for {len(self.files)} files: give one each")
+        self.labels = labels
+        self.on_error = on_error
         self.gpu_producers = max(0, gpu_producers)
         self.gpu_weight = max(1, gpu_weight)
         self.producers = max(0 if self.gpu_producers else 1,
@@ -565,9 +598,49 @@ class Loader:
         # `.cuda(non_blocking=True)` is one asynchronous DMA, as the DataLoader's pin_memory.
         self.pin_memory = pin_memory
         self.max_restarts = max_restarts
+        self.shuffle = shuffle
+        self.seed = seed
+        self.drop_last = drop_last
+        self.epoch = 0
+        self.skipped: List[Tuple[str, str]] = []
+        self.last_indices = None
+        self.classes: Optional[List[str]] = None
+        self.producer_pids: List[int] = []
+
+    @classmethod
+    def from_folder(cls, root, **kw) -> "Loader":
+        """A loader over an ImageFolder layout: `root/<class>/<image>`, classes sorted by name
+        (`loader.classes`), labels their positions; batches are `(images, labels)`."""
+        import os
+
+        root = str(root)
+        classes = sorted(d for d in os.listdir(root) if os.path.isdir(os.path.join(root, d)))
+        if not classes:
+            raise ValueError(f"{root} has no class folders (ImageFolder layout: root/<class>/<image>)")
+        files, labels = [], []
+        for c, name in enumerate(classes):
+            folder = os.path.join(root, name)
+            for f in sorted(os.listdir(folder)):
+                if f.lower().endswith(_IMAGE_SUFFIXES):
+                    files.append(os.path.join(folder, f))
+                    labels.append(c)
+        loader = cls(files, labels=labels, **kw)
+        loader.classes = classes
+        return loader
 
     def __len__(self) -> int:
-        return (len(self.files) + self.batch_size - 1) // self.batch_size
+        n = len(self.files)
+        return n // self.batch_size if self.drop_last else (n + self.batch_size - 1) // self.batch_size
+
+    def _order(self) -> List[int]:
+        """This epoch's order of the files."""
+        order = list(range(len(self.files)))
+        if self.shuffle:
+            import random
+
+            seed = None if self.seed is None else self.seed + self.epoch
+            random.Random(seed).shuffle(order)
+        return order
 
     def __iter__(self):
         import os
@@ -578,13 +651,19 @@ class Loader:
 
         np = _np()
         s = self.image_size
+        order = self._order()
+        self.epoch += 1
+        self.skipped = []
         with tempfile.TemporaryDirectory(prefix="tensorport-loader-") as d:
             os.chmod(d, 0o700)
             sock = os.path.join(d, "tp.sock")
             server = Server(sock, slots=self.in_flight, slot_size=3 * s * s * 4,
                             max_sessions=self.producers + self.gpu_producers + 4,
                             cuda_device=None if self.device is None else self.gpu)
-            failures: "queue.Queue[str]" = queue.Queue()
+            failures: "queue.Queue[Tuple[int, str, str]]" = queue.Queue()
+            # Producers die with this process, even killed (`tensorport produce` asks the
+            # kernel for SIGTERM when its parent, this pid, ends).
+            env = dict(os.environ, TENSORPORT_FARM_PID=str(os.getpid()))
 
             def watch(out):
                 # The producer's result lines: only its failures matter here.
@@ -594,7 +673,7 @@ class Loader:
                     except ValueError:
                         continue
                     if r.get("error"):
-                        failures.put(f"{r.get('input')}: {r['error']}")
+                        failures.put((int(r.get("index", -1)), str(r.get("input")), r["error"]))
 
             def spawn(k, indices):
                 if k < self.producers:
@@ -607,6 +686,7 @@ class Loader:
                      "--image-size", str(s), "--transform", self.transform,
                      "--name", f"loader-{k}"] + kind,
                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                    env=env,
                 )
                 threading.Thread(target=watch, args=(p.stdout,), daemon=True).start()
                 # Its share of the files, on a thread of its own: the producer reads its list as
@@ -626,24 +706,64 @@ class Loader:
                 return p
 
             # Producers 0.. are CPU ones, then the GPU ones, each GPU producer's share
-            # `gpu_weight` times a CPU producer's (it runs that much faster).
+            # `gpu_weight` times a CPU producer's (it runs that much faster); shares follow the
+            # epoch's order.
             weights = [1] * self.producers + [self.gpu_weight] * self.gpu_producers
             slots = [k for k, w in enumerate(weights) for _ in range(w)]
             shares = {k: [] for k in range(len(weights))}
-            for i in range(len(self.files)):
-                shares[slots[i % len(slots)]].append(i)
+            for pos, i in enumerate(order):
+                shares[slots[pos % len(slots)]].append(i)
             shares = {k: v for k, v in shares.items() if v}
             procs = {}
             try:
                 for k, share in shares.items():
                     procs[k] = spawn(k, share)
+                self.producer_pids = [p.pid for p in procs.values()]
                 yield from self._batches(server, procs, shares, spawn, failures, np)
             finally:
                 for p in procs.values():
                     if p.poll() is None:
                         p.kill()
                     p.wait()
+                self.producer_pids = []
                 server.drain()
+
+    def _new_batch(self, rows, np):
+        """An empty batch of `rows` images, where this loader's batches live."""
+        shape = (rows, 3, self.image_size, self.image_size)
+        if self.device is not None:
+            import torch
+
+            return torch.empty(shape, dtype=torch.float32, device=torch.device("cuda", self.gpu))
+        if self.pin_memory:
+            import torch
+
+            return torch.empty(shape, dtype=torch.float32, pin_memory=True)
+        return np.empty(shape, dtype=np.float32)
+
+    def _fill(self, server, images, start, want):
+        """Receives up to `want` images into rows `start..` of `images`; returns
+        `(request_id, row)` for the rows written."""
+        row = 3 * self.image_size * self.image_size * 4
+        if self.device is not None:
+            import torch
+
+            address = images.data_ptr() + start * row
+            try:
+                got = server._native._recv_into_device(
+                    address, want * row, row,
+                    torch.cuda.current_stream(images.device).cuda_stream, want, 0.2,
+                    self.max_wait)
+            except TensorportError as e:
+                if "quarantined" in str(e):
+                    # Copies may still write it: never freed, never reused.
+                    _QUARANTINED.append(images)
+                raise
+        else:
+            address = (images.data_ptr() if self.pin_memory else images.ctypes.data) + start * row
+            got = server._native._recv_into_address(address, want * row, row, want, 0.2,
+                                                    self.max_wait)
+        return [(rid, start + k) for rid, k in got]
 
     def _batches(self, server, procs, shares, spawn, failures, np):
         import queue
@@ -654,88 +774,89 @@ class Loader:
         restarts = dict.fromkeys(procs, 0)
         last = time.monotonic()
         while len(done) < n:
-            try:
-                raise TensorportError(f"a file could not be prepared: {failures.get_nowait()}")
-            except queue.Empty:
-                pass
             want = min(self.batch_size, n - len(done))
-            shape = (want, 3, self.image_size, self.image_size)
-            if self.device is not None:
-                import torch
-
-                dev = torch.device("cuda", self.gpu)
-                images = torch.empty(shape, dtype=torch.float32, device=dev)
-                address, nbytes = images.data_ptr(), images.numel() * 4
-                try:
-                    got = server._native._recv_into_device(
-                        address, nbytes, nbytes // want, torch.cuda.current_stream(dev).cuda_stream,
-                        want, 0.2, self.max_wait)
-                except TensorportError as e:
-                    if "quarantined" in str(e):
-                        # Copies may still write it: never freed, never reused.
-                        _QUARANTINED.append(images)
-                    raise
-            elif self.pin_memory:
-                import torch
-
-                images = torch.empty(shape, dtype=torch.float32, pin_memory=True)
-                address, nbytes = images.data_ptr(), images.numel() * 4
-                got = server._native._recv_into_address(
-                    address, nbytes, nbytes // want, want, 0.2, self.max_wait)
-            else:
-                images = np.empty(shape, dtype=np.float32)
-                address, nbytes = images.ctypes.data, images.nbytes
-                got = server._native._recv_into_address(
-                    address, nbytes, nbytes // want, want, 0.2, self.max_wait)
-            if not got:
-                # A producer that ended with files of its share not yet here (killed, say) is
-                # started again on those; one that keeps failing is given up on.
-                for k, p in list(procs.items()):
-                    if p.poll() is None:
-                        continue
-                    missing = [i for i in shares[k] if i not in done]
-                    if not missing:
-                        continue
-                    restarts[k] += 1
-                    if restarts[k] > self.max_restarts:
-                        why = p.stderr.read().decode(errors="replace").strip()[-500:]
+            if self.drop_last and want < self.batch_size:
+                return
+            images = self._new_batch(want, np)
+            # Rows kept (new files), in place order; rows of files already done are written
+            # over by the next call.
+            kept_rows, kept_ids = [], []
+            while len(kept_ids) < want and len(done) < n:
+                while True:
+                    try:
+                        index, name, error = failures.get_nowait()
+                    except queue.Empty:
+                        break
+                    if self.on_error == "raise":
+                        raise TensorportError(f"a file could not be prepared: {name}: {error}")
+                    if 0 <= index < n and index not in done:
+                        done.add(index)
+                        self.skipped.append((name, error))
+                if len(done) >= n:
+                    break
+                start = len(kept_ids)
+                room = min(want - start, n - len(done))
+                got = self._fill(server, images, start, room)
+                if not got:
+                    self._restart_dead(procs, shares, spawn, restarts, done, n)
+                    if time.monotonic() - last > self.timeout:
                         raise TensorportError(
-                            f"{n - len(done)} of {n} images never came: producer {k} failed "
-                            f"{restarts[k]} times in a row ({why or f'exit {p.returncode}'})")
-                    shares[k] = missing
-                    procs[k] = spawn(k, missing)
-                    last = time.monotonic()
-                if time.monotonic() - last > self.timeout:
-                    raise TensorportError(
-                        f"{n - len(done)} of {n} images never came within {self.timeout} s")
+                            f"{n - len(done)} of {n} images never came within {self.timeout} s")
+                    continue
+                last = time.monotonic()
+                fresh = [(rid, r) for rid, r in got if rid not in done]
+                done.update(rid for rid, _ in fresh)
+                rows = [r for _, r in fresh]
+                if rows != list(range(start, start + len(rows))):
+                    # A file a dead producer handed over just before its replacement did, or a
+                    # GPU producer's row left out: move the kept rows together.
+                    images[start:start + len(rows)] = images[self._index(images, rows)]
+                kept_ids += [rid for rid, _ in fresh]
+                for k in restarts:
+                    restarts[k] = 0 if procs[k].poll() is None else restarts[k]
+            if not kept_ids:
                 continue
-            last = time.monotonic()
-            # One copy, made by the extension without the GIL: each slot into its row. A file a
-            # dead producer handed over just before its replacement did is kept once.
-            # (A row the extension left out, a GPU producer's that never signalled its tensor
-            # ready, is not in `got`: rows go by the k it gives, not by place.)
-            rows = [k for rid, k in got if rid not in done]
-            indices = np.array([rid for rid, _ in got if rid not in done], dtype=np.int64)
-            if rows == list(range(len(rows))):
-                images = images[:len(rows)]
-            elif self.device is not None:
-                import torch
+            if self.drop_last and len(kept_ids) < self.batch_size:
+                return
+            images = images[:len(kept_ids)]
+            indices = np.array(kept_ids, dtype=np.int64)
+            self.last_indices = indices
+            yield self._pair(images, indices, np)
 
-                images = images[torch.tensor(rows, device=images.device)]
-            else:
-                images = images[rows]
-            done.update(indices.tolist())
-            for k in restarts:
-                restarts[k] = 0 if procs[k].poll() is None else restarts[k]
-            if not len(indices):
+    def _index(self, images, rows):
+        if self.device is not None:
+            import torch
+
+            return torch.tensor(rows, device=images.device)
+        return rows
+
+    def _pair(self, images, indices, np):
+        """What a batch yields: (images, labels) with labels, else (images, indices)."""
+        second = indices if self.labels is None else np.array(
+            [self.labels[i] for i in indices.tolist()], dtype=np.int64)
+        if self.pin_memory or self.device is not None or self.torch:
+            import torch
+
+            if not isinstance(images, torch.Tensor):
+                images = torch.from_numpy(images)
+            return images, torch.from_numpy(second)
+        return images, second
+
+    def _restart_dead(self, procs, shares, spawn, restarts, done, n):
+        """A producer that ended with files of its share not yet here (killed, say) is started
+        again on those; one that keeps failing is given up on."""
+        for k, p in list(procs.items()):
+            if p.poll() is None:
                 continue
-            if self.pin_memory or self.device is not None:
-                import torch
-
-                yield images, torch.from_numpy(indices)
-            elif self.torch:
-                import torch
-
-                yield torch.from_numpy(images), torch.from_numpy(indices)
-            else:
-                yield images, indices
+            missing = [i for i in shares[k] if i not in done]
+            if not missing:
+                continue
+            restarts[k] += 1
+            if restarts[k] > self.max_restarts:
+                why = p.stderr.read().decode(errors="replace").strip()[-500:]
+                raise TensorportError(
+                    f"{n - len(done)} of {n} images never came: producer {k} failed "
+                    f"{restarts[k]} times in a row ({why or f'exit {p.returncode}'})")
+            shares[k] = missing
+            procs[k] = spawn(k, missing)
+            self.producer_pids = [q.pid for q in procs.values()]

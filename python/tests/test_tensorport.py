@@ -568,3 +568,113 @@ def test_an_installed_wheel_carries_its_executable():
         pytest.skip("TENSORPORT_BIN overrides the wheel's executable")
     assert tensorport.find_binary() == inside
     assert os.access(inside, os.X_OK)
+
+
+def test_loader_epochs_give_full_batches_and_every_file_once(tmp_path):
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "20")
+    files = sorted(images.iterdir())
+    loader = tensorport.Loader(files, batch_size=6, producers=2, image_size=16, binary=BIN,
+                               shuffle=True, seed=7, timeout=PATIENCE)
+    assert len(loader) == 4
+    for epoch in range(2):
+        sizes, seen = [], []
+        for x, idx in loader:
+            sizes.append(len(x))
+            assert len(idx) == len(x)
+            seen += idx.tolist()
+        assert sizes == [6, 6, 6, 2], (epoch, sizes)
+        assert sorted(seen) == list(range(20)), epoch
+    # The shuffled order is the seed's: epoch e uses seed + e, the same for every loader.
+    again = tensorport.Loader(files, shuffle=True, seed=7, binary=BIN)
+    assert again._order() == tensorport.Loader(files, shuffle=True, seed=7, binary=BIN)._order()
+    first = again._order()
+    again.epoch = 1
+    assert again._order() != first and sorted(again._order()) == list(range(20))
+
+
+def test_loader_drop_last_leaves_out_the_short_batch(tmp_path):
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "20")
+    loader = tensorport.Loader(sorted(images.iterdir()), batch_size=6, producers=2,
+                               image_size=16, binary=BIN, drop_last=True, timeout=PATIENCE)
+    assert len(loader) == 3
+    sizes = [len(x) for x, _ in loader]
+    assert sizes == [6, 6, 6]
+
+
+def test_loader_from_an_image_folder_yields_labels(tmp_path):
+    root = tmp_path / "train"
+    for name, count in (("cat", "5"), ("dog", "7")):
+        run("images", "--out", str(root / name), "--count", count)
+    loader = tensorport.Loader.from_folder(root, batch_size=4, producers=2, image_size=16,
+                                           binary=BIN, timeout=PATIENCE)
+    assert loader.classes == ["cat", "dog"]
+    seen = {}
+    for x, labels in loader:
+        assert len(labels) == len(x) == len(loader.last_indices)
+        for label, i in zip(labels.tolist(), loader.last_indices.tolist()):
+            seen[i] = label
+    assert len(seen) == 12
+    for i, label in seen.items():
+        assert os.path.basename(os.path.dirname(loader.files[i])) == loader.classes[label]
+
+
+def test_loader_can_skip_a_file_it_cannot_prepare(tmp_path):
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "6")
+    bad = images / "broken.jpg"
+    bad.write_bytes(b"\xff\xd8 not a jpeg")
+    files = sorted(images.iterdir())
+    loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=16, binary=BIN,
+                               on_error="skip", timeout=PATIENCE)
+    seen = [i for _, idx in loader for i in idx.tolist()]
+    assert sorted(seen) == [i for i, f in enumerate(files) if f.name != "broken.jpg"]
+    assert [os.path.basename(name) for name, _ in loader.skipped] == ["broken.jpg"]
+    with pytest.raises(ValueError, match="on_error"):
+        tensorport.Loader(files, on_error="ignore", binary=BIN)
+
+
+def test_a_killed_python_parent_leaves_no_producer_behind(tmp_path):
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "8")
+    script = (
+        "import sys, time, tensorport\n"
+        "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 500\n"
+        "loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=16,\n"
+        "                           binary=sys.argv[2], in_flight=2)\n"
+        "it = iter(loader)\n"
+        "next(it)\n"
+        "print(' '.join(map(str, loader.producer_pids)), flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    parent = subprocess.Popen([sys.executable, "-c", script, str(images), BIN],
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        pids = [int(p) for p in parent.stdout.readline().split()]
+        assert len(pids) == 2, pids
+        assert all(os.path.exists(f"/proc/{p}") for p in pids)
+    finally:
+        parent.kill()
+        parent.wait(timeout=PATIENCE)
+
+    def gone(pid):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        return state == "Z"  # ended, waiting for init to reap it
+
+    assert eventually(lambda: all(gone(p) for p in pids)), "a producer outlived its parent"
+
+
+def test_the_package_and_its_examples_type_check(tmp_path):
+    """The extension's stubs (`_native.pyi`) and the package's annotations hold for the examples:
+    mypy finds no error."""
+    api = pytest.importorskip("mypy.api", reason="mypy is not installed here")
+    examples = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "examples",
+                            "python")
+    files = sorted(os.path.join(examples, f) for f in os.listdir(examples) if f.endswith(".py"))
+    for what in (["-p", "tensorport"], files):
+        out, err, code = api.run(["--ignore-missing-imports", "--cache-dir", str(tmp_path), *what])
+        assert code == 0, out + err

@@ -4,7 +4,7 @@
 //! no `PYTHONPATH`.
 //!
 //! The first run makes two virtual environments under `target/` (one to build with: maturin; one
-//! to install into: numpy and pytest; all from PyPI); later runs reuse them. The wheel's
+//! to install into: numpy, pytest and mypy; all from PyPI); later runs reuse them. The wheel's
 //! extension is built in a target folder of its own (`target/wheel-build`): cargo holds this
 //! build's folder for as long as the tests run.
 
@@ -70,7 +70,8 @@ fn path_without_cargo(first: &Path) -> String {
 }
 
 /// Stages the wheel's sources under `stage`: pyproject.toml (its manifest pointing back into the
-/// repository), the package's Python files, and `bin` as `tensorport/bin/tensorport`.
+/// repository), the package's files (Python, stubs, `py.typed`), and `bin` as
+/// `tensorport/bin/tensorport`.
 fn stage_sources(repo: &Path, stage: &Path, bin: &Path) {
     let _ = std::fs::remove_dir_all(stage);
     let pkg = stage.join("python/tensorport");
@@ -91,8 +92,11 @@ fn stage_sources(repo: &Path, stage: &Path, bin: &Path) {
     std::fs::write(stage.join("pyproject.toml"), pyproject).expect("stage pyproject.toml");
     for entry in std::fs::read_dir(repo.join("python/tensorport")).expect("python/tensorport") {
         let p = entry.expect("entry").path();
-        if p.extension().is_some_and(|e| e == "py") {
-            std::fs::copy(&p, pkg.join(p.file_name().unwrap())).expect("copy a .py");
+        // The Python files, the extension's stubs and the marker that the package is typed.
+        let kept = p.extension().is_some_and(|e| e == "py" || e == "pyi")
+            || p.file_name().is_some_and(|n| n == "py.typed");
+        if kept {
+            std::fs::copy(&p, pkg.join(p.file_name().unwrap())).expect("copy a package file");
         }
     }
     let staged = pkg.join("bin/tensorport");
@@ -113,7 +117,7 @@ fn the_python_package_passes_its_pytest_suite_as_an_installed_wheel() {
         bin.display()
     );
     let builder = venv(&target.join("pyenv-build"), &["maturin>=1.5,<2"]);
-    let user = venv(&target.join("pyenv-user"), &["numpy", "pytest"]);
+    let user = venv(&target.join("pyenv-user"), &["numpy", "pytest", "mypy"]);
 
     // The wheel, built from staged sources.
     let stage = target.join("wheel-src");
