@@ -33,8 +33,12 @@ pub enum Progress {
 #[derive(clap::Args, Debug)]
 pub struct Args {
     /// Folder of PNG/JPEG images to classify.
-    #[arg(long, conflicts_with = "synthetic")]
+    #[arg(long, conflicts_with_all = ["synthetic", "input_list"])]
     pub input: Option<PathBuf>,
+    /// A file listing the images to classify, one path per line, in the order to hand them out
+    /// (a path may come more than once: each line is an input).
+    #[arg(long, value_name = "FILE", conflicts_with = "synthetic")]
+    pub input_list: Option<PathBuf>,
     /// Classify N generated images instead of files.
     #[arg(long, value_name = "N")]
     pub synthetic: Option<u64>,
@@ -56,6 +60,14 @@ pub struct Args {
     /// overrides --device and --servers.
     #[arg(long, value_delimiter = ',', value_name = "GPU,...")]
     pub devices: Vec<u32>,
+    /// Start no server: the producers feed the one already listening at SOCKET (a Python
+    /// `tensorport.Loader`'s, say), which the farm never drains. The model options are then
+    /// unused, except --image-size for the producers.
+    #[arg(long, value_name = "SOCKET", conflicts_with_all = ["devices", "servers", "socket"])]
+    pub attach: Option<PathBuf>,
+    /// With --attach: the GPU the attached server's device memory is on (for --gpu-producers).
+    #[arg(long, default_value_t = 0, value_name = "ORDINAL", requires = "attach")]
+    pub attach_gpu: u32,
     /// Where to write the results, one JSON line per input.
     #[arg(long, short, default_value = "results.jsonl")]
     pub output: PathBuf,
@@ -97,15 +109,22 @@ pub struct Args {
 impl Args {
     /// The farm's configuration, with its inputs listed.
     pub fn config(&self) -> CliResult<FarmConfig> {
-        let inputs: Vec<Source> = match (&self.input, self.synthetic) {
-            (Some(dir), _) => crate::common::list_inputs(dir)?
+        let inputs: Vec<Source> = match (&self.input, &self.input_list, self.synthetic) {
+            (Some(dir), _, _) => crate::common::list_inputs(dir)?
                 .into_iter()
                 .map(Source::File)
                 .collect(),
-            (None, Some(n)) => (0..n).map(Source::Synthetic).collect(),
-            (None, None) => {
+            (None, Some(list), _) => std::fs::read_to_string(list)
+                .map_err(|e| CliError::usage(format!("--input-list {}: {e}", list.display())))?
+                .lines()
+                .filter(|l| !l.trim().is_empty())
+                .map(|l| Source::File(PathBuf::from(l)))
+                .collect(),
+            (None, None, Some(n)) => (0..n).map(Source::Synthetic).collect(),
+            (None, None, None) => {
                 return Err(CliError::usage(
-                    "say what to classify: --input DIR (PNG/JPEG files) or --synthetic N",
+                    "say what to classify: --input DIR (PNG/JPEG files), --input-list FILE or \
+                     --synthetic N",
                 ))
             }
         };
@@ -113,10 +132,13 @@ impl Args {
             inputs,
             producers: self.producers,
             gpu_producers: self.gpu_producers,
-            servers: if self.devices.is_empty() {
-                Servers::Copies(self.servers)
-            } else {
-                Servers::Gpus(self.devices.clone())
+            servers: match &self.attach {
+                Some(socket) => Servers::Attach {
+                    socket: socket.clone(),
+                    gpu: self.attach_gpu,
+                },
+                None if self.devices.is_empty() => Servers::Copies(self.servers),
+                None => Servers::Gpus(self.devices.clone()),
             },
             output: self.output.clone(),
             model: self.model.options(),

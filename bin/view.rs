@@ -139,6 +139,7 @@ fn state(row: &ChildRow) -> String {
             exit(last_exit)
         ),
         ChildState::GaveUp { last_exit } => format!("gave up ({})", exit(last_exit)),
+        ChildState::Attached => "attached".into(),
     }
 }
 

@@ -530,17 +530,19 @@ class Loader:
         for images, indices in tensorport.Loader(files, device="cuda", gpu_producers=1):
             ...   # images: a torch CUDA tensor, decoded and prepared on the GPU (nvJPEG)
 
-    Each producer (`tensorport produce --worklist`, the executable the package carries) decodes,
-    resizes and normalises its share of the files straight into its slots of shared memory;
-    this process copies each batch out once and hands the slots back. Every batch holds
+    Each producer (`tensorport produce`, the executable the package carries) decodes, resizes
+    and normalises files straight into its slots of shared memory; this process copies each
+    batch out once and hands the slots back. The producers are supervised by `tensorport farm`
+    attached to this process's server (the same code the `farm` command runs: files handed out
+    as producers have room, dead or hung producers restarted and their files redone). Every batch holds
     `batch_size` images (the last one fewer, or none with `drop_last`), in the order the
     producers finish them; every file comes exactly once per epoch (each `for` over the loader
     is an epoch, with fresh producers). With `labels` (a sequence, one per file) or
     `from_folder`, batches are `(images, labels)`; otherwise `(images, indices)` — and
     `last_indices` holds the batch's positions in `files` either way.
 
-    A producer that dies (killed, say) is started again on the files of its share that have not
-    come; one that fails `max_restarts` times in a row ends the iteration with
+    A producer that dies (killed, say) is started again and its unfinished files redone; when
+    every producer has failed `max_restarts` times in a row the iteration ends with
     `TensorportError`. A file that cannot be prepared raises `TensorportError` naming it, or,
     with `on_error="skip"`, is left out and listed in `skipped`. The producers end with the
     iteration (at its end, at `break`, on `KeyboardInterrupt`, when the iterator is collected)
@@ -549,8 +551,8 @@ class Loader:
     With `device="cuda"` (or `"cuda:N"`) batches are torch tensors on that GPU: the producers'
     slots are pinned and copied into the batch by DMA, and `gpu_producers` producers
     (`tensorport produce --nvjpeg`) decode and prepare their files on the GPU and hand them
-    over in device memory. A GPU producer's share of the files is `gpu_weight` times a CPU
-    producer's.
+    over in device memory; with both kinds, plain JPEGs go to the GPU producers and the rest to
+    the CPU producers (docs/operations.md).
 
     DataLoader arguments and theirs: `batch_size`, `shuffle` (with `seed`: epoch e uses
     `seed + e`), `drop_last` as there; `num_workers` → `producers`; `pin_memory` as there;
@@ -562,7 +564,7 @@ class Loader:
                  transform: str = "standard", in_flight: int = 8, max_wait: float = 0.002,
                  timeout: float = 60.0, binary=None, torch: bool = False,
                  max_restarts: int = 8, pin_memory: bool = False, device=None,
-                 gpu_producers: int = 0, gpu_weight: int = 24, shuffle: bool = False,
+                 gpu_producers: int = 0, shuffle: bool = False,
                  seed: Optional[int] = None, drop_last: bool = False, labels=None,
                  on_error: str = "raise"):
         self.files = [str(f) for f in files]
@@ -584,7 +586,6 @@ class Loader:
         self.labels = labels
         self.on_error = on_error
         self.gpu_producers = max(0, gpu_producers)
-        self.gpu_weight = max(1, gpu_weight)
         self.producers = max(0 if self.gpu_producers else 1,
                              min(producers, len(self.files) or 1))
         self.image_size = image_size
@@ -660,73 +661,66 @@ class Loader:
             server = Server(sock, slots=self.in_flight, slot_size=3 * s * s * 4,
                             max_sessions=self.producers + self.gpu_producers + 4,
                             cuda_device=None if self.device is None else self.gpu)
+            # The files in this epoch's order, one per line: the farm hands them out in that
+            # order, and a request's id is its line's position.
+            listing = os.path.join(d, "inputs.txt")
+            with open(listing, "w") as f:
+                f.writelines(self.files[i] + "\n" for i in order)
             failures: "queue.Queue[Tuple[int, str, str]]" = queue.Queue()
-            # Producers die with this process, even killed (`tensorport produce` asks the
-            # kernel for SIGTERM when its parent, this pid, ends).
-            env = dict(os.environ, TENSORPORT_FARM_PID=str(os.getpid()))
+            farm = subprocess.Popen(
+                [self.binary, "--log", "warn", "farm", "--attach", sock,
+                 "--attach-gpu", str(self.gpu), "--input-list", listing,
+                 "--producers", str(self.producers), "--gpu-producers", str(self.gpu_producers),
+                 "--in-flight", str(self.in_flight), "--image-size", str(s),
+                 "--transform", self.transform, "--max-restarts", str(self.max_restarts),
+                 "--stall-secs", str(self.timeout), "--progress", "never",
+                 "--output", "/dev/stdout"],
+                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                # The farm, and so its producers, die with this process, even killed.
+                env=dict(os.environ, TENSORPORT_FARM_PID=str(os.getpid())),
+            )
+            self.producer_pids = [farm.pid]
+            stderr: List[str] = []
 
-            def watch(out):
-                # The producer's result lines: only its failures matter here.
-                for line in out:
+            def watch():
+                # The farm's result lines: only the failures matter here (the images come
+                # through this process's server); the rest is its summary.
+                for line in farm.stdout:
                     try:
                         r = json.loads(line)
                     except ValueError:
                         continue
-                    if r.get("error"):
+                    if isinstance(r, dict) and r.get("error"):
                         failures.put((int(r.get("index", -1)), str(r.get("input")), r["error"]))
 
-            def spawn(k, indices):
-                if k < self.producers:
-                    kind = ["--in-flight", str(self.in_flight)]
-                else:
-                    kind = ["--nvjpeg", "--gpu", str(self.gpu), "--in-flight", "64",
-                            "--batch", "32"]
-                p = subprocess.Popen(
-                    [self.binary, "--log", "warn", "produce", "--worklist", "--socket", sock,
-                     "--image-size", str(s), "--transform", self.transform,
-                     "--name", f"loader-{k}"] + kind,
-                    stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                    env=env,
-                )
-                threading.Thread(target=watch, args=(p.stdout,), daemon=True).start()
-                # Its share of the files, on a thread of its own: the producer reads its list as
-                # it has room, so a long list must not hold up this thread (which takes the
-                # batches that make that room). A producer that dies first breaks the pipe; the
-                # batch loop restarts it.
-                data = "".join(f"{i}\t{self.files[i]}\n" for i in indices).encode()
+            def keep_stderr():
+                for line in farm.stderr:
+                    stderr.append(line.decode(errors="replace").rstrip())
+                    del stderr[:-20]
 
-                def feed():
-                    try:
-                        p.stdin.write(data)
-                        p.stdin.close()
-                    except OSError:
-                        pass
-
-                threading.Thread(target=feed, daemon=True).start()
-                return p
-
-            # Producers 0.. are CPU ones, then the GPU ones, each GPU producer's share
-            # `gpu_weight` times a CPU producer's (it runs that much faster); shares follow the
-            # epoch's order.
-            weights = [1] * self.producers + [self.gpu_weight] * self.gpu_producers
-            slots = [k for k, w in enumerate(weights) for _ in range(w)]
-            shares = {k: [] for k in range(len(weights))}
-            for pos, i in enumerate(order):
-                shares[slots[pos % len(slots)]].append(i)
-            shares = {k: v for k, v in shares.items() if v}
-            procs = {}
+            threading.Thread(target=watch, daemon=True).start()
+            threading.Thread(target=keep_stderr, daemon=True).start()
             try:
-                for k, share in shares.items():
-                    procs[k] = spawn(k, share)
-                self.producer_pids = [p.pid for p in procs.values()]
-                yield from self._batches(server, procs, shares, spawn, failures, np)
+                yield from self._batches(server, farm, stderr, order, failures, np)
             finally:
-                for p in procs.values():
-                    if p.poll() is None:
-                        p.kill()
-                    p.wait()
+                self._end_farm(farm)
                 self.producer_pids = []
                 server.drain()
+
+    @staticmethod
+    def _end_farm(farm) -> None:
+        """Ends the farm and its producers: two signals make it stop at once, ending them."""
+        import signal
+        import subprocess
+
+        if farm.poll() is None:
+            for _ in range(2):
+                farm.send_signal(signal.SIGTERM)
+            try:
+                farm.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                farm.kill()
+        farm.wait()
 
     def _new_batch(self, rows, np):
         """An empty batch of `rows` images, where this loader's batches live."""
@@ -765,61 +759,59 @@ class Loader:
                                                     self.max_wait)
         return [(rid, start + k) for rid, k in got]
 
-    def _batches(self, server, procs, shares, spawn, failures, np):
+    def _batches(self, server, farm, stderr, order, failures, np):
         import queue
         import time
 
-        n = len(self.files)
-        done = set()
-        restarts = dict.fromkeys(procs, 0)
+        n = len(order)
+        done = set()  # positions in `order`
         last = time.monotonic()
         while len(done) < n:
             want = min(self.batch_size, n - len(done))
             if self.drop_last and want < self.batch_size:
                 return
             images = self._new_batch(want, np)
-            # Rows kept (new files), in place order; rows of files already done are written
-            # over by the next call.
-            kept_rows, kept_ids = [], []
-            while len(kept_ids) < want and len(done) < n:
+            kept = []  # positions of the rows kept, in row order
+            while len(kept) < want and len(done) < n:
                 while True:
                     try:
-                        index, name, error = failures.get_nowait()
+                        pos, name, error = failures.get_nowait()
                     except queue.Empty:
                         break
                     if self.on_error == "raise":
                         raise TensorportError(f"a file could not be prepared: {name}: {error}")
-                    if 0 <= index < n and index not in done:
-                        done.add(index)
+                    if 0 <= pos < n and pos not in done:
+                        done.add(pos)
                         self.skipped.append((name, error))
                 if len(done) >= n:
                     break
-                start = len(kept_ids)
-                room = min(want - start, n - len(done))
-                got = self._fill(server, images, start, room)
+                start = len(kept)
+                got = self._fill(server, images, start, min(want - start, n - len(done)))
                 if not got:
-                    self._restart_dead(procs, shares, spawn, restarts, done, n)
+                    if farm.poll() is not None and len(done) < n and failures.empty():
+                        time.sleep(0.2)  # its last lines may still be on their way
+                        if failures.empty():
+                            raise TensorportError(
+                                f"{n - len(done)} of {n} images never came: the producers' farm "
+                                f"ended (exit {farm.returncode}): " + " | ".join(stderr[-5:]))
                     if time.monotonic() - last > self.timeout:
                         raise TensorportError(
                             f"{n - len(done)} of {n} images never came within {self.timeout} s")
                     continue
                 last = time.monotonic()
-                fresh = [(rid, r) for rid, r in got if rid not in done]
+                # A file handed over twice (its producer killed after its hand-off) is kept once.
+                fresh = [(rid, r) for rid, r in got if rid < n and rid not in done]
                 done.update(rid for rid, _ in fresh)
                 rows = [r for _, r in fresh]
                 if rows != list(range(start, start + len(rows))):
-                    # A file a dead producer handed over just before its replacement did, or a
-                    # GPU producer's row left out: move the kept rows together.
                     images[start:start + len(rows)] = images[self._index(images, rows)]
-                kept_ids += [rid for rid, _ in fresh]
-                for k in restarts:
-                    restarts[k] = 0 if procs[k].poll() is None else restarts[k]
-            if not kept_ids:
+                kept += [rid for rid, _ in fresh]
+            if not kept:
                 continue
-            if self.drop_last and len(kept_ids) < self.batch_size:
+            if self.drop_last and len(kept) < self.batch_size:
                 return
-            images = images[:len(kept_ids)]
-            indices = np.array(kept_ids, dtype=np.int64)
+            images = images[:len(kept)]
+            indices = np.array([order[pos] for pos in kept], dtype=np.int64)
             self.last_indices = indices
             yield self._pair(images, indices, np)
 
@@ -841,22 +833,3 @@ class Loader:
                 images = torch.from_numpy(images)
             return images, torch.from_numpy(second)
         return images, second
-
-    def _restart_dead(self, procs, shares, spawn, restarts, done, n):
-        """A producer that ended with files of its share not yet here (killed, say) is started
-        again on those; one that keeps failing is given up on."""
-        for k, p in list(procs.items()):
-            if p.poll() is None:
-                continue
-            missing = [i for i in shares[k] if i not in done]
-            if not missing:
-                continue
-            restarts[k] += 1
-            if restarts[k] > self.max_restarts:
-                why = p.stderr.read().decode(errors="replace").strip()[-500:]
-                raise TensorportError(
-                    f"{n - len(done)} of {n} images never came: producer {k} failed "
-                    f"{restarts[k]} times in a row ({why or f'exit {p.returncode}'})")
-            shares[k] = missing
-            procs[k] = spawn(k, missing)
-            self.producer_pids = [q.pid for q in procs.values()]

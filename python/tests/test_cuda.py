@@ -137,7 +137,7 @@ def check_loader_on_the_gpu(d):
 
     cpu = load(producers=2)
     gpu = load(producers=0, gpu_producers=1)
-    mixed = load(producers=1, gpu_producers=1, gpu_weight=4)
+    mixed = load(producers=1, gpu_producers=1)
     diff = torch.stack([(cpu[i] - gpu[i]).abs().mean() for i in cpu])
     worst = max(float((cpu[i] - mixed[i]).abs().mean()) for i in cpu)
     print(f"  Loader(device='cuda'): 40 files once each with CPU, GPU and mixed producers; mean "

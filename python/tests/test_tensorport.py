@@ -390,20 +390,24 @@ def test_loader_on_a_gpu_is_asked_for_clearly(tmp_path):
         tensorport.Server(str(tmp_path / "g.sock"), cuda_device=0)
 
 
-def _children(needle):
-    """Pids of this process's children whose command line contains `needle`."""
-    me, out = os.getpid(), []
+def _descendants(root=None, needle=""):
+    """Pids of the processes below `root` (this one by default) whose command line contains
+    `needle`."""
+    parents, cmds = {}, {}
     for d in os.listdir("/proc"):
         if not d.isdigit():
             continue
         try:
             stat = open(f"/proc/{d}/stat").read()
-            cmd = open(f"/proc/{d}/cmdline", "rb").read().decode(errors="replace")
+            cmds[int(d)] = open(f"/proc/{d}/cmdline", "rb").read().decode(errors="replace")
         except OSError:
             continue
-        if int(stat.rsplit(")", 1)[1].split()[1]) == me and needle in cmd:
-            out.append(int(d))
-    return out
+        parents[int(d)] = int(stat.rsplit(")", 1)[1].split()[1])
+    below, frontier = set(), {os.getpid() if root is None else root}
+    while frontier:
+        frontier = {p for p, parent in parents.items() if parent in frontier} - below
+        below |= frontier
+    return sorted(p for p in below if needle in cmds.get(p, ""))
 
 
 def test_loader_restarts_a_killed_producer_every_file_once(tmp_path):
@@ -416,7 +420,7 @@ def test_loader_restarts_a_killed_producer_every_file_once(tmp_path):
                                     in_flight=2):
         seen += idx.tolist()
         if not killed:
-            victims = _children("loader-1")
+            victims = _descendants(needle="producer-1")
             assert victims, "no producer to kill"
             os.kill(victims[0], signal.SIGKILL)
             killed = True
@@ -645,15 +649,16 @@ def test_a_killed_python_parent_leaves_no_producer_behind(tmp_path):
         "                           binary=sys.argv[2], in_flight=2)\n"
         "it = iter(loader)\n"
         "next(it)\n"
-        "print(' '.join(map(str, loader.producer_pids)), flush=True)\n"
+        "print('ready', flush=True)\n"
         "time.sleep(600)\n"
     )
     parent = subprocess.Popen([sys.executable, "-c", script, str(images), BIN],
                               stdout=subprocess.PIPE, text=True)
     try:
-        pids = [int(p) for p in parent.stdout.readline().split()]
-        assert len(pids) == 2, pids
-        assert all(os.path.exists(f"/proc/{p}") for p in pids)
+        assert parent.stdout.readline().strip() == "ready"
+        # The farm and its two producers, below the Python process.
+        pids = _descendants(parent.pid, needle="tensorport")
+        assert len(_descendants(parent.pid, needle="\x00produce\x00")) == 2, pids
     finally:
         parent.kill()
         parent.wait(timeout=PATIENCE)
@@ -665,7 +670,7 @@ def test_a_killed_python_parent_leaves_no_producer_behind(tmp_path):
             return True
         return state == "Z"  # ended, waiting for init to reap it
 
-    assert eventually(lambda: all(gone(p) for p in pids)), "a producer outlived its parent"
+    assert eventually(lambda: all(gone(p) for p in pids)), "a process outlived its parent"
 
 
 def test_the_package_and_its_examples_type_check(tmp_path):

@@ -131,3 +131,65 @@ fn ctl_status_farm_shows_every_server_of_a_farm() {
     let st = farm.wait().unwrap();
     assert_eq!(st.code(), Some(130));
 }
+
+#[test]
+fn farm_attached_to_a_running_server_feeds_it_every_input_once_and_leaves_it_running() {
+    let dir = tmp();
+    let sock = dir.path().join("s.sock");
+    let s = sock.to_str().unwrap();
+    let (mut server, _lines) =
+        serve_until_ready(Command::new(EXE).args(["serve", "--socket", s, "--image-size", "32"]));
+    // A list with a file twice and a file that is not there: each line is an input.
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "4"]);
+    assert!(ok, "{err}");
+    let mut files: Vec<String> = std::fs::read_dir(&images)
+        .unwrap()
+        .map(|e| e.unwrap().path().display().to_string())
+        .collect();
+    files.sort();
+    files.push(files[0].clone());
+    files.push(dir.path().join("missing.jpg").display().to_string());
+    let list = dir.path().join("inputs.txt");
+    std::fs::write(&list, files.join("\n") + "\n").unwrap();
+    let out = dir.path().join("r.jsonl");
+    let (ok, text, err) = run(&[
+        "farm",
+        "--attach",
+        s,
+        "--input-list",
+        list.to_str().unwrap(),
+        "-p",
+        "2",
+        "--image-size",
+        "32",
+        "--progress",
+        "never",
+        "--output",
+        out.to_str().unwrap(),
+    ]);
+    assert!(ok, "{text}{err}");
+    let lines = read_results(&out);
+    let mut indices: Vec<u64> = lines.iter().map(|l| l.index).collect();
+    indices.sort();
+    assert_eq!(indices, (0..6).collect::<Vec<u64>>(), "{text}");
+    let errors: Vec<_> = lines.iter().filter(|l| l.error.is_some()).collect();
+    assert_eq!(errors.len(), 1, "{text}");
+    assert!(errors[0].input.ends_with("missing.jpg"));
+    // The same file twice: two lines, the same scores.
+    let by = |i: u64| lines.iter().find(|l| l.index == i).unwrap();
+    assert_eq!(by(0).scores, by(4).scores);
+    assert!(by(0).scores.as_ref().is_some_and(|s| s.len() == 10));
+    // The attached server was not drained: it still serves.
+    let (ok, out2, err) = run(&[
+        "produce",
+        "--socket",
+        s,
+        "--synthetic",
+        "2",
+        "--image-size",
+        "32",
+    ]);
+    assert!(ok && out2.lines().count() == 2, "{out2}{err}");
+    drain_and_wait(s, &mut server);
+}

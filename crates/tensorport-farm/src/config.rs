@@ -488,6 +488,9 @@ pub enum Servers {
     Copies(usize),
     /// One server per listed GPU.
     Gpus(Vec<u32>),
+    /// A server someone else runs (a Python `Loader`'s, say), listening at `socket`: the farm
+    /// starts none, and never drains it; GPU producers work on GPU `gpu`.
+    Attach { socket: PathBuf, gpu: u32 },
 }
 
 /// A farm: servers and supervised producers over a set of inputs.
@@ -532,12 +535,14 @@ impl FarmConfig {
         if self.producers + self.gpu_producers == 0 {
             return Err(ConfigError::NoProducers);
         }
+        let attached = matches!(self.servers, Servers::Attach { .. });
         let on_gpu = self.model.device.is_cuda() || matches!(self.servers, Servers::Gpus(_));
-        if self.gpu_producers > 0 && !on_gpu {
+        if self.gpu_producers > 0 && !on_gpu && !attached {
             return Err(ConfigError::GpuProducersNeedGpu);
         }
         self.model.check()?;
-        if on_gpu && !cfg!(feature = "cuda") {
+        // An attached server's model and device are its own business.
+        if on_gpu && !attached && !cfg!(feature = "cuda") {
             return Err(ConfigError::NoCudaBuild);
         }
         if let Some(w) = &self.model.weights {

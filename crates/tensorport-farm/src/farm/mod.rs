@@ -54,6 +54,8 @@ pub enum ChildState {
     GaveUp {
         last_exit: Option<String>,
     },
+    /// Someone else's server the farm attached to.
+    Attached,
 }
 
 /// One row of the snapshot: a server or a producer.
@@ -141,9 +143,10 @@ pub fn run(cfg: FarmConfig, report: Arc<dyn Report>) -> Result<Outcome> {
     crate::process::catch_sigxfsz();
     // A private directory for the socket, unless one was given (removed when this returns).
     let tmp;
-    let base_socket = match &cfg.socket {
-        Some(s) => s.clone(),
-        None => {
+    let base_socket = match (&cfg.servers, &cfg.socket) {
+        (Servers::Attach { socket, .. }, _) => socket.clone(),
+        (_, Some(s)) => s.clone(),
+        (_, None) => {
             let base = std::env::var_os("XDG_RUNTIME_DIR")
                 .map(PathBuf::from)
                 .filter(|p| p.is_dir())
@@ -193,6 +196,7 @@ fn servers(cfg: &FarmConfig, base_socket: &Path) -> (Vec<PathBuf>, Vec<Device>) 
     let devices: Vec<Device> = match &cfg.servers {
         Servers::Copies(n) => vec![cfg.model.device; (*n).max(1)],
         Servers::Gpus(g) => g.iter().map(|&g| Device::Cuda(g)).collect(),
+        Servers::Attach { gpu, .. } => vec![Device::Cuda(*gpu)],
     };
     let sockets = (0..devices.len())
         .map(|k| match k {

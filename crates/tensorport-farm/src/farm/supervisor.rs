@@ -29,6 +29,8 @@ pub(super) struct ServerSlot {
     /// Restarts since the last result through it: a server that keeps dying without ever
     /// serving is given up on; one that serves between its deaths is not.
     failures_in_row: u32,
+    /// Someone else's server: never started, restarted or drained by the farm.
+    attached: bool,
 }
 
 pub(super) struct Supervisor {
@@ -68,16 +70,22 @@ impl Supervisor {
     /// Starts the server; producers follow once it listens.
     pub(super) fn start(farm: Farm, inputs: Vec<Source>) -> Result<Supervisor> {
         let n = inputs.len() as u64;
+        let attached = matches!(farm.cfg.servers, crate::config::Servers::Attach { .. });
         let servers = (0..farm.sockets.len())
             .map(|k| {
                 Ok(ServerSlot {
-                    child: Some(farm.start_server(k, 1)?),
+                    child: if attached {
+                        None
+                    } else {
+                        Some(farm.start_server(k, 1)?)
+                    },
                     generation: 1,
-                    ready: false,
-                    ever_ready: false,
+                    ready: attached,
+                    ever_ready: attached,
                     restarts: 0,
                     wait_until: None,
                     failures_in_row: 0,
+                    attached,
                 })
             })
             .collect::<Result<Vec<_>>>()?;
@@ -542,7 +550,8 @@ impl Supervisor {
             }
         }
         let mut batches = None;
-        if !now() {
+        let ours = !self.servers.iter().any(|s| s.attached);
+        if !now() && ours {
             for socket in &self.farm.sockets {
                 if let Ok(mut c) = tensorport::Control::connect(socket, Duration::from_secs(2)) {
                     if let Ok(s) = c.status() {
@@ -582,6 +591,7 @@ impl Supervisor {
             .map(|(k, s)| ChildRow {
                 name: self.farm.server_name(k),
                 state: match (&s.child, s.ready) {
+                    _ if s.attached => ChildState::Attached,
                     (Some(c), true) => ChildState::Running { pid: c.id() },
                     (Some(c), false) => ChildState::Starting { pid: Some(c.id()) },
                     (None, _) => ChildState::Restarting {
