@@ -134,20 +134,31 @@ pub(super) fn staged_producer(
     Ok(())
 }
 
-// The benchmark's settings, passed on as they came from the command line.
-#[allow(clippy::too_many_arguments)]
-pub(super) fn ipc_server(
-    gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
-    handoffs: usize,
-    bytes: usize,
-    fence: FenceArg,
-    work: Work,
-    producer_gpu: i32,
-    batch: usize,
-    sync: ServerSync,
-    fences: ServerFences,
-    pool: usize,
-) -> CliResult<()> {
+/// One run of the benchmark: its settings, as they came from the command line.
+pub(super) struct IpcRun {
+    pub handoffs: usize,
+    pub bytes: usize,
+    pub fence: FenceArg,
+    pub work: Work,
+    pub producer_gpu: i32,
+    pub batch: usize,
+    pub sync: ServerSync,
+    pub fences: ServerFences,
+    pub pool: usize,
+}
+
+pub(super) fn ipc_server(gpu: &std::sync::Arc<tensorport_cuda::Gpu>, run: IpcRun) -> CliResult<()> {
+    let IpcRun {
+        handoffs,
+        bytes,
+        fence,
+        work,
+        producer_gpu,
+        batch,
+        sync,
+        fences,
+        pool,
+    } = run;
     use std::sync::Arc;
     use std::time::{Duration, Instant};
     let tmp = tempfile::Builder::new()

@@ -178,15 +178,17 @@ pub fn run(a: Args) -> CliResult<u8> {
                     for &b in &bytes {
                         ipc_server(
                             &gpu,
-                            handoffs,
-                            b,
-                            f,
-                            producer_work,
-                            producer_gpu,
-                            batch,
-                            server_sync,
-                            server_fences,
-                            pool,
+                            ipc_bench::IpcRun {
+                                handoffs,
+                                bytes: b,
+                                fence: f,
+                                work: producer_work,
+                                producer_gpu,
+                                batch,
+                                sync: server_sync,
+                                fences: server_fences,
+                                pool,
+                            },
                         )?;
                     }
                 }

@@ -473,18 +473,13 @@ mod tests {
 
     /// Direct-loop NCHW reference of the same network, from the PyTorch-layout parameters.
     fn naive(c: &ModelConfig, p: &HashMap<&'static str, Vec<f32>>, x: &[f32]) -> Vec<f32> {
-        #[allow(clippy::too_many_arguments)]
+        /// `x` of `(cin, h, w)` through `wt` and `b` into `cout` channels, with `(k, stride, pad)`.
         fn conv(
             x: &[f32],
-            cin: usize,
-            h: usize,
-            w: usize,
-            wt: &[f32],
-            b: &[f32],
+            (cin, h, w): (usize, usize, usize),
+            (wt, b): (&[f32], &[f32]),
             cout: usize,
-            k: usize,
-            stride: usize,
-            pad: usize,
+            (k, stride, pad): (usize, usize, usize),
         ) -> (Vec<f32>, usize, usize) {
             let (ho, wo) = (
                 (h + 2 * pad - k) / stride + 1,
@@ -517,69 +512,50 @@ mod tests {
         let relu = |v: Vec<f32>| v.into_iter().map(|a| a.max(0.0)).collect::<Vec<_>>();
         let add = |a: &[f32], b: &[f32]| a.iter().zip(b).map(|(x, y)| x + y).collect::<Vec<_>>();
         let (w, w2, s) = (c.width, c.width * 2, c.image_size);
-        let (x, h, ww) = conv(x, 3, s, s, &p["stem.weight"], &p["stem.bias"], w, 4, 4, 0);
+        let (x, h, ww) = conv(
+            x,
+            (3, s, s),
+            (&p["stem.weight"], &p["stem.bias"]),
+            w,
+            (4, 4, 0),
+        );
         let x = relu(x);
         let (y, _, _) = conv(
             &x,
+            (w, h, ww),
+            (&p["res1.0.weight"], &p["res1.0.bias"]),
             w,
-            h,
-            ww,
-            &p["res1.0.weight"],
-            &p["res1.0.bias"],
-            w,
-            3,
-            1,
-            1,
+            (3, 1, 1),
         );
         let (y, _, _) = conv(
             &relu(y),
+            (w, h, ww),
+            (&p["res1.1.weight"], &p["res1.1.bias"]),
             w,
-            h,
-            ww,
-            &p["res1.1.weight"],
-            &p["res1.1.bias"],
-            w,
-            3,
-            1,
-            1,
+            (3, 1, 1),
         );
         let x = relu(add(&y, &x));
         let (x, h, ww) = conv(
             &x,
-            w,
-            h,
-            ww,
-            &p["down.weight"],
-            &p["down.bias"],
+            (w, h, ww),
+            (&p["down.weight"], &p["down.bias"]),
             w2,
-            2,
-            2,
-            0,
+            (2, 2, 0),
         );
         let x = relu(x);
         let (y, _, _) = conv(
             &x,
+            (w2, h, ww),
+            (&p["res2.0.weight"], &p["res2.0.bias"]),
             w2,
-            h,
-            ww,
-            &p["res2.0.weight"],
-            &p["res2.0.bias"],
-            w2,
-            3,
-            1,
-            1,
+            (3, 1, 1),
         );
         let (y, _, _) = conv(
             &relu(y),
+            (w2, h, ww),
+            (&p["res2.1.weight"], &p["res2.1.bias"]),
             w2,
-            h,
-            ww,
-            &p["res2.1.weight"],
-            &p["res2.1.bias"],
-            w2,
-            3,
-            1,
-            1,
+            (3, 1, 1),
         );
         let x = relu(add(&y, &x));
         let pooled: Vec<f32> = (0..w2)
