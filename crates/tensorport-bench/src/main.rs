@@ -89,8 +89,13 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     }
-    match suite::run(cli.args) {
-        Ok(code) => code,
+    let plots = cli.args.plots.clone();
+    let r = suite::run(cli.args).and_then(|results| match (results, plots) {
+        (Some(results), Some(dir)) => plot::write(&dir, &results),
+        _ => Ok(()),
+    });
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
             ExitCode::from(e.code)

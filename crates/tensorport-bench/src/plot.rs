@@ -4,7 +4,7 @@ use std::path::Path;
 
 use plotters::prelude::*;
 
-use crate::suite::{Latency, Throughput};
+use crate::suite::{Latency, Results, Throughput};
 use crate::{CliError, CliResult};
 
 fn err<E: std::fmt::Display>(e: E) -> CliError {
@@ -162,4 +162,15 @@ fn human(x: f64) -> String {
     } else {
         format!("{b}")
     }
+}
+
+/// Writes both plots of `results` into `dir` (throughput against size; latency CDF).
+pub fn write(dir: &std::path::Path, results: &Results) -> CliResult<()> {
+    std::fs::create_dir_all(dir)?;
+    let t = dir.join("throughput_vs_size.svg");
+    let l = dir.join("latency_cdf.svg");
+    throughput(&t, &results.tput)?;
+    latency_cdf(&l, &results.lat)?;
+    println!("\nplots: {} and {}", t.display(), l.display());
+    Ok(())
 }

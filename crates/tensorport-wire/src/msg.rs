@@ -159,6 +159,21 @@ pub enum ClientMsg {
     },
 }
 
+impl ClientMsg {
+    /// The message's name, for errors that quote it.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ClientMsg::Hello(_) => "Hello",
+            ClientMsg::Submit { .. } => "Submit",
+            ClientMsg::Return(_) => "Return",
+            ClientMsg::Status => "Status",
+            ClientMsg::Drain => "Drain",
+            ClientMsg::Goodbye => "Goodbye",
+            ClientMsg::RegisterDevice { .. } => "RegisterDevice",
+        }
+    }
+}
+
 /// Layout of a session's pool, sent in `Welcome` with the pool's file descriptor.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct PoolLayout {

@@ -3,7 +3,7 @@
 use std::io::{Read, Write};
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
-use std::process::{Child, Command, ExitCode, Stdio};
+use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 use iceoryx2::port::publisher::Publisher;
@@ -405,9 +405,11 @@ fn fmt_p(v: &mut [f64]) -> String {
     format!("{} / {} / {} µs", sig3(a), sig3(b), sig3(c))
 }
 
-pub fn run(mut a: Args) -> CliResult<ExitCode> {
+/// Runs the suite (or, in a child process, its role); returns the measurements of a full run.
+pub fn run(mut a: Args) -> CliResult<Option<Results>> {
     if let Some(role) = a.role {
-        return run_child(&a, role);
+        run_child(&a, role)?;
+        return Ok(None);
     }
     if a.quick {
         a.sizes = vec![4096, 65536];
@@ -563,15 +565,13 @@ pub fn run(mut a: Args) -> CliResult<ExitCode> {
             });
         }
     }
-    if let Some(dir) = &a.plots {
-        std::fs::create_dir_all(dir)?;
-        let t = dir.join("throughput_vs_size.svg");
-        let l = dir.join("latency_cdf.svg");
-        crate::plot::throughput(&t, &tput)?;
-        crate::plot::latency_cdf(&l, &lat)?;
-        println!("\nplots: {} and {}", t.display(), l.display());
-    }
-    Ok(ExitCode::SUCCESS)
+    Ok(Some(Results { tput, lat }))
+}
+
+/// A run's measurements, for the plots.
+pub struct Results {
+    pub tput: Vec<Throughput>,
+    pub lat: Vec<Latency>,
 }
 
 /// `x` to three significant digits (at least the integer part): a small figure on a loaded

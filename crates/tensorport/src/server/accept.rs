@@ -139,7 +139,7 @@ fn read_hello(reader: &mut FrameReader, timeout: Duration) -> Handshake {
                     Ok(ClientMsg::Hello(h)) => Handshake::Hello(h),
                     Ok(other) => Handshake::Refused(
                         ErrorCode::HandshakeRequired,
-                        format!("first message must be Hello, got {}", msg_name(&other)),
+                        format!("first message must be Hello, got {}", other.name()),
                     ),
                     Err(e) => Handshake::Refused(e.code(), e.to_string()),
                 };
@@ -170,18 +170,6 @@ fn read_hello(reader: &mut FrameReader, timeout: Duration) -> Handshake {
             Ok(_) => {}
             Err(_) => return Handshake::Gone,
         }
-    }
-}
-
-pub(crate) fn msg_name(m: &ClientMsg) -> &'static str {
-    match m {
-        ClientMsg::Hello(_) => "Hello",
-        ClientMsg::Submit { .. } => "Submit",
-        ClientMsg::Return(_) => "Return",
-        ClientMsg::Status => "Status",
-        ClientMsg::Drain => "Drain",
-        ClientMsg::Goodbye => "Goodbye",
-        ClientMsg::RegisterDevice { .. } => "RegisterDevice",
     }
 }
 

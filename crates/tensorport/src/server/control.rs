@@ -8,7 +8,6 @@ use tensorport_wire::{
 };
 
 use crate::conn::{FrameReader, FrameWriter};
-use crate::server::accept::msg_name;
 use crate::server::shared::Shared;
 
 pub(crate) fn serve_control(
@@ -59,7 +58,7 @@ pub(crate) fn serve_control(
                 code: ErrorCode::Unsupported.as_u16(),
                 request_id: None,
                 fatal: false,
-                message: format!("{} is not for control sessions", msg_name(&other)),
+                message: format!("{} is not for control sessions", other.name()),
             },
             Err(e) => ServerMsg::Error {
                 code: e.code().as_u16(),
