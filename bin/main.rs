@@ -1,6 +1,94 @@
-//! `tensorport`: the command line (`tensorport_cli::main_with`) as an executable.
+//! `tensorport`: the inference server, the producer, the farm that runs both, and a control
+//! tool, each a thin face over `tensorport-farm`.
 
-fn main() -> std::process::ExitCode {
-    let launcher = tensorport_cli::Launcher::this_executable();
-    std::process::ExitCode::from(tensorport_cli::main_with(std::env::args_os(), launcher))
+mod common;
+mod ctl;
+mod farm;
+mod gpu;
+mod model_bench;
+mod prep;
+mod produce;
+mod serve;
+mod soak;
+mod tools;
+mod view;
+
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+/// Zero-copy tensor hand-off between processes on one machine.
+///
+/// Producers prepare tensors straight into shared memory that the inference process reads in
+/// place; one process owns the model (and the GPU), many feed it. Start with `tensorport farm
+/// --synthetic 512`, which runs a server and producers together and prints a summary.
+#[derive(Parser, Debug)]
+#[command(name = "tensorport", version, propagate_version = true)]
+struct Cli {
+    /// Log level for messages on stderr: off, error, warn, info, debug, trace, or a filter such
+    /// as `warn,tensorport=debug` [default: info].
+    #[arg(long, global = true, env = "TENSORPORT_LOG", value_parser = common::parse_log_filter)]
+    log: Option<String>,
+    #[command(subcommand)]
+    command: Command,
+}
+
+/// The user's commands first, then the developer tools (measuring and checking).
+#[derive(Subcommand, Debug)]
+enum Command {
+    /// Run a server and N supervised producers over a set of images; print progress and a summary.
+    Farm(farm::Args),
+    /// Run the inference server: serve the bundled image classifier (dfdx on the CPU, cuDNN on
+    /// the GPU) to producers over the socket.
+    Serve(serve::Args),
+    /// Run one producer: preprocess images into shared memory, submit them, write the scores.
+    Produce(produce::Args),
+    /// Ask a running server for its status, or tell it to drain.
+    Ctl(ctl::Args),
+    /// Write sample PNG and JPEG images (a small input set to try things on).
+    Images(tools::ImagesArgs),
+    /// Write a weights file for the model (safetensors), from a seed.
+    Weights(tools::WeightsArgs),
+    /// Developer tool: the bundled model alone on its device, a table of images/s per batch
+    /// size, engine and precision.
+    ModelBench(model_bench::Args),
+    /// Developer tool: the producers' preprocessing alone on one thread: cost per step, and its
+    /// tensors (--dump).
+    Prep(prep::Args),
+    /// Developer tool: what this machine's CUDA can do, and host-to-device bandwidth from pinned
+    /// pools.
+    Gpu(gpu::Args),
+    /// Developer tool: long load with random producer kills, checking the server for leaks (not
+    /// for CI).
+    Soak(soak::Args),
+}
+
+/// How to start this command line again, for child processes: this executable.
+pub(crate) fn launcher() -> tensorport_farm::config::Launcher {
+    tensorport_farm::config::Launcher::this_executable()
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    common::init_logging(cli.log.as_deref().unwrap_or("info"));
+    tensorport_farm::process::die_with_farm();
+    let r = match cli.command {
+        Command::Serve(a) => serve::run(a),
+        Command::Produce(a) => produce::run(a),
+        Command::Farm(a) => farm::run(a),
+        Command::ModelBench(a) => model_bench::run(a),
+        Command::Ctl(a) => ctl::run(a),
+        Command::Soak(a) => soak::run(a),
+        Command::Gpu(a) => gpu::run(a),
+        Command::Prep(a) => prep::run(a),
+        Command::Weights(a) => tools::weights(a),
+        Command::Images(a) => tools::images(a),
+    };
+    ExitCode::from(match r {
+        Ok(code) => code,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            e.exit_code()
+        }
+    })
 }

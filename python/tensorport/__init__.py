@@ -688,10 +688,11 @@ class Loader:
                 for line in farm.stdout:
                     try:
                         r = json.loads(line)
-                    except ValueError:
-                        continue
-                    if isinstance(r, dict) and r.get("error"):
-                        failures.put((int(r.get("index", -1)), str(r.get("input")), r["error"]))
+                        if isinstance(r, dict) and r.get("error"):
+                            failures.put((int(r.get("index", -1)), str(r.get("input")),
+                                          str(r["error"])))
+                    except (ValueError, TypeError):
+                        continue  # not a result line (the farm's summary)
 
             def keep_stderr():
                 for line in farm.stderr:
@@ -709,17 +710,10 @@ class Loader:
 
     @staticmethod
     def _end_farm(farm) -> None:
-        """Ends the farm and its producers: two signals make it stop at once, ending them."""
-        import signal
-        import subprocess
-
+        """Ends the farm; its producers end with it (they asked the kernel for SIGTERM when it
+        dies). Nothing it still holds is wanted: this iteration is over."""
         if farm.poll() is None:
-            for _ in range(2):
-                farm.send_signal(signal.SIGTERM)
-            try:
-                farm.wait(timeout=10)
-            except subprocess.TimeoutExpired:
-                farm.kill()
+            farm.kill()
         farm.wait()
 
     def _new_batch(self, rows, np):

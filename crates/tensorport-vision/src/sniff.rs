@@ -101,9 +101,19 @@ pub fn jpeg_frame(mut r: impl Read + Seek) -> Option<JpegFrame> {
     None
 }
 
-/// The frame header of the JPEG file at `path` (`None`: not a JPEG, or unreadable).
+/// The frame header of the JPEG file at `path` (`None`: not a JPEG, unreadable, or not a
+/// regular file). Opened without blocking, so a FIFO or a device named as an input cannot stall
+/// the caller.
 pub fn jpeg_file_frame(path: &std::path::Path) -> Option<JpegFrame> {
-    let f = std::fs::File::open(path).ok()?;
+    use std::os::unix::fs::OpenOptionsExt;
+    let f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .ok()?;
+    if !f.metadata().ok()?.is_file() {
+        return None;
+    }
     jpeg_frame(std::io::BufReader::with_capacity(512, f))
 }
 
@@ -170,6 +180,29 @@ mod tests {
                 .coding,
             Coding::Other
         );
+    }
+
+    #[test]
+    fn a_fifo_is_not_waited_on() {
+        let dir = std::env::temp_dir().join(format!("tp-sniff-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let fifo = dir.join("f.jpg");
+        let made = std::process::Command::new("mkfifo").arg(&fifo).status();
+        assert!(
+            made.is_ok_and(|s| s.success()),
+            "mkfifo (coreutils) is needed"
+        );
+        // No writer will ever come: a blocking open would hang, so a watchdog waits for it.
+        let (tx, rx) = std::sync::mpsc::channel();
+        let (f, d) = (fifo.clone(), dir.clone());
+        std::thread::spawn(move || {
+            let _ = tx.send((jpeg_file_frame(&f), jpeg_file_frame(&d)));
+        });
+        let got = rx
+            .recv_timeout(std::time::Duration::from_secs(30))
+            .expect("reading a FIFO's header hung");
+        assert_eq!(got, (None, None));
+        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

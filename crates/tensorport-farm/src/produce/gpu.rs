@@ -288,18 +288,23 @@ impl GpuLoop<'_> {
             .collect();
         let queue = std::sync::Mutex::new(work.into_iter().enumerate());
         let errors = std::sync::Mutex::new(vec![None; n]);
-        std::thread::scope(|s| {
-            for prep in self.preps.iter_mut().take(threads) {
-                let (queue, errors) = (&queue, &errors);
-                s.spawn(move || loop {
-                    let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
-                    let Some((k, (t, px))) = next else { break };
-                    if let Err(e) = prepare_one(prep, pixels, t, px) {
-                        errors.lock().unwrap_or_else(|p| p.into_inner())[k] = Some(e.to_string());
-                    }
-                });
+        // Each thread takes the next item until none is left.
+        let drain = |prep: &mut Preprocessor| loop {
+            let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
+            let Some((k, (t, px))) = next else { break };
+            if let Err(e) = prepare_one(prep, pixels, t, px) {
+                errors.lock().unwrap_or_else(|p| p.into_inner())[k] = Some(e.to_string());
             }
-        });
+        };
+        match &mut self.preps[..threads] {
+            // One item (or one thread): no thread to start.
+            [prep] => drain(prep),
+            preps => std::thread::scope(|s| {
+                for prep in preps {
+                    s.spawn(|| drain(prep));
+                }
+            }),
+        }
         let errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
         let staging = &self.staging.as_mut_slice()[..ib * n];
         for ((t, host), e) in items.iter().zip(staging.chunks_exact(ib)).zip(&errors) {
