@@ -303,8 +303,8 @@ class Producer:
         strides = None if tensor.is_contiguous() else [int(s) for s in tensor.stride()]
         stream = torch.cuda.current_stream(tensor.device).cuda_stream
         rid = self._native._submit_cuda(
-            tensor.data_ptr(), tensor.device.index or 0, tp, [int(d) for d in tensor.shape],
-            strides, int(stream), timeout)
+            tensor.data_ptr(), tensor.device.index or 0, (tp, [int(d) for d in tensor.shape],
+                                                          strides), int(stream), timeout)
         self._held[rid] = tensor
         return rid
 
@@ -739,8 +739,8 @@ class Loader:
             address = images.data_ptr() + start * row
             try:
                 got = server._native._recv_into_device(
-                    address, want * row, row,
-                    torch.cuda.current_stream(images.device).cuda_stream, want, 0.2,
+                    address, want, row,
+                    torch.cuda.current_stream(images.device).cuda_stream, 0.2,
                     self.max_wait)
             except TensorportError as e:
                 if "quarantined" in str(e):
@@ -749,8 +749,7 @@ class Loader:
                 raise
         else:
             address = (images.data_ptr() if self.pin_memory else images.ctypes.data) + start * row
-            got = server._native._recv_into_address(address, want * row, row, want, 0.2,
-                                                    self.max_wait)
+            got = server._native._recv_into_address(address, want, row, 0.2, self.max_wait)
         return [(rid, start + k) for rid, k in got]
 
     def _batches(self, server, farm, stderr, order, failures, np):

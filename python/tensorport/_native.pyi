@@ -54,9 +54,7 @@ class Producer:
         self,
         ptr: int,
         device: int,
-        dtype: str,
-        shape: Sequence[int],
-        strides: Optional[Sequence[int]] = None,
+        spec: Tuple[str, Sequence[int], Optional[Sequence[int]]],
         stream: int = 0,
         timeout: float = 10.0,
     ) -> int: ...
@@ -103,19 +101,17 @@ class Server:
     def _recv_into_address(
         self,
         address: int,
-        capacity: int,
+        rows: int,
         row: int,
-        max: int = 32,
         timeout: float = 1.0,
         max_wait: float = 0.005,
     ) -> List[Tuple[int, int]]: ...
     def _recv_into_device(
         self,
         address: int,
-        capacity: int,
+        rows: int,
         row: int,
         stream: int,
-        max: int = 32,
         timeout: float = 1.0,
         max_wait: float = 0.005,
     ) -> List[Tuple[int, int]]: ...

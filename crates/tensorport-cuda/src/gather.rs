@@ -4,14 +4,12 @@
 //! per tensor (a device-to-device `cuMemcpyAsync` from an IPC mapping alone costs about 5 µs of
 //! host time on an H200 host; see docs/benchmarks.md).
 
-use std::any::Any;
-use std::sync::atomic::Ordering;
 use std::sync::Arc;
 
 use tensorport::DeviceTensor;
 
 use crate::driver::{MemOp, MAX_MEM_OPS};
-use crate::ipc::{Fence, Imported};
+use crate::ipc::{event_late, timeline, Imported};
 use crate::kernel::Kernel;
 use crate::{Error, Gpu, Result, Stream};
 
@@ -273,32 +271,4 @@ fn fence_err(e: String) -> Error {
         code: 0,
         message: e,
     }
-}
-
-/// A tensor whose fence is a timeline semaphore of a buffer our importer opened in `gpu`'s
-/// context, with the value to wait for; `None` for the others (fenced one by one).
-/// Whether `t` is an event-fenced tensor of `gpu`'s importer that was not signalled ready in
-/// time (nothing was made to wait for it).
-pub(crate) fn event_late(t: &DeviceTensor, gpu: &Arc<Gpu>) -> bool {
-    let any: &dyn Any = t.buffer();
-    any.downcast_ref::<Imported>().is_some_and(|imp| {
-        imp.fence == Fence::Event && Arc::ptr_eq(&imp.gpu, gpu) && imp.late.load(Ordering::SeqCst)
-    })
-}
-
-/// Takes the late mark of `t` (see [`event_late`]): whether it was set.
-pub(crate) fn take_event_late(t: &DeviceTensor, gpu: &Arc<Gpu>) -> bool {
-    let any: &dyn Any = t.buffer();
-    any.downcast_ref::<Imported>().is_some_and(|imp| {
-        imp.fence == Fence::Event
-            && Arc::ptr_eq(&imp.gpu, gpu)
-            && imp.late.swap(false, Ordering::SeqCst)
-    })
-}
-
-pub(crate) fn timeline<'a>(t: &'a DeviceTensor, gpu: &Arc<Gpu>) -> Option<(&'a Imported, u64)> {
-    let any: &dyn Any = t.buffer();
-    let imp = any.downcast_ref::<Imported>()?;
-    let v = t.timeline()?;
-    (imp.fence == Fence::Timeline && Arc::ptr_eq(&imp.gpu, gpu)).then_some((imp, v))
 }

@@ -6,16 +6,17 @@
 //! side's GPU writes and the other's waits on. See `tensorport::DeviceTensor`; the producer side
 //! is `crate::GpuProducer` (`gpu_producer.rs`).
 
+use std::any::Any;
 use std::ffi::c_void;
 use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use cudarc::driver::sys;
 use tensorport::wire::RawDeviceHandle;
-use tensorport::{DeviceImporter, ImportError, ImportedDevice};
+use tensorport::{DeviceImporter, DeviceTensor, ImportError, ImportedDevice};
 
 use crate::gpu::Gpu;
-use crate::Error;
+use crate::{Error, Stream};
 
 static LIVE_IMPORTS: AtomicUsize = AtomicUsize::new(0);
 
@@ -346,7 +347,7 @@ impl ImportedDevice for Imported {
             // Event fences cannot be signalled from here (see `stall.rs`).
             return;
         }
-        match crate::stall::let_through_abandoned(self) {
+        match self.let_through_abandoned() {
             Ok(Some((was, now))) => tracing::warn!(
                 "a gone producer's buffer was still awaited (ready {was}, awaited {now}): its wait was let through"
             ),
@@ -391,4 +392,83 @@ impl Drop for Imported {
         }
         LIVE_IMPORTS.fetch_sub(1, Ordering::SeqCst);
     }
+}
+
+/// Letting a gone or late producer's wait through (see `stall.rs`): the buffer's "ready"
+/// semaphore read and written from a side stream that no fence wait blocks.
+impl Imported {
+    /// For an abandoned buffer (its producer's session ended): if a server stream was made to wait
+    /// for a "ready" value the semaphore has not reached, writes that value. Returns the value
+    /// found and the one written, if it wrote.
+    pub(crate) fn let_through_abandoned(&self) -> crate::Result<Option<(u64, u64)>> {
+        let awaited = self.awaited();
+        if awaited == 0 {
+            return Ok(None);
+        }
+        let side = Stream::new(&self.gpu)?;
+        let now = self.ready_value(&side)?;
+        if now >= awaited {
+            return Ok(None);
+        }
+        self.signal_ready(&side, awaited)?;
+        side.synchronize()?;
+        Ok(Some((now, awaited)))
+    }
+
+    /// The buffer's "ready" semaphore as it is now, read on `side` (a stream of the buffer's
+    /// context that no fence wait blocks).
+    pub(crate) fn ready_value(&self, side: &Stream) -> crate::Result<u64> {
+        let mut v = [0u8; 8];
+        // SAFETY: the semaphore is the 8 bytes after the registered ones, inside the allocation
+        // (checked at import) and open while `imp` lives; `v` is 8 writable bytes that outlive
+        // the copy (synchronised before it is read).
+        unsafe {
+            self.gpu.driver().memcpy_dtoh_async(
+                v.as_mut_ptr(),
+                self.ready_addr(),
+                8,
+                side.raw().cast(),
+            )?;
+        }
+        side.synchronize()?;
+        Ok(u64::from_le_bytes(v))
+    }
+
+    /// Writes `value` into the buffer's "ready" semaphore on `side`.
+    pub(crate) fn signal_ready(&self, side: &Stream, value: u64) -> crate::Result<()> {
+        // SAFETY: as in `ready_value`; `side` is a live stream of the buffer's context.
+        unsafe {
+            self.gpu
+                .driver()
+                .stream_write_value64(side.raw().cast(), self.ready_addr(), value)
+        }
+    }
+}
+
+/// Whether `t` is an event-fenced tensor of `gpu`'s importer that was not signalled ready in
+/// time (nothing was made to wait for it).
+pub(crate) fn event_late(t: &DeviceTensor, gpu: &Arc<Gpu>) -> bool {
+    let any: &dyn Any = t.buffer();
+    any.downcast_ref::<Imported>().is_some_and(|imp| {
+        imp.fence == Fence::Event && Arc::ptr_eq(&imp.gpu, gpu) && imp.late.load(Ordering::SeqCst)
+    })
+}
+
+/// Takes the late mark of `t` (see [`event_late`]): whether it was set.
+pub(crate) fn take_event_late(t: &DeviceTensor, gpu: &Arc<Gpu>) -> bool {
+    let any: &dyn Any = t.buffer();
+    any.downcast_ref::<Imported>().is_some_and(|imp| {
+        imp.fence == Fence::Event
+            && Arc::ptr_eq(&imp.gpu, gpu)
+            && imp.late.swap(false, Ordering::SeqCst)
+    })
+}
+
+/// A tensor whose fence is a timeline semaphore of a buffer our importer opened in `gpu`'s
+/// context, with the value to wait for; `None` for the others (fenced one by one).
+pub(crate) fn timeline<'a>(t: &'a DeviceTensor, gpu: &Arc<Gpu>) -> Option<(&'a Imported, u64)> {
+    let any: &dyn Any = t.buffer();
+    let imp = any.downcast_ref::<Imported>()?;
+    let v = t.timeline()?;
+    (imp.fence == Fence::Timeline && Arc::ptr_eq(&imp.gpu, gpu)).then_some((imp, v))
 }

@@ -14,6 +14,9 @@
 //! - [`Gatherer`]: a batch of device tensors copied into the server's memory with one batched
 //!   wait, one kernel launch and one batched release; [`Gatherer::synchronize`] waits for the
 //!   batch without letting a producer that never signals stall the server.
+//! - [`Gatherer::gather_rows`]: a batch of requests (host slots and device tensors) copied
+//!   into rows of device memory and waited for, safely: what every GPU server builds its
+//!   batches with.
 //! - [`ExternalDevice`]: tensors another library allocated (PyTorch's caching allocator) handed
 //!   over in place, their allocations found and registered through the driver.
 //! - [`GpuJpeg`]: JPEG batches decoded with nvJPEG (the GPU's hardware decoder where it has
@@ -42,6 +45,7 @@ mod normalise;
 pub mod nvjpeg;
 mod pin;
 mod probe;
+mod rows;
 mod stall;
 mod stream;
 
@@ -58,6 +62,7 @@ pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegWindow};
 pub use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};
 pub use probe::{bench_h2d, probe, Capabilities, DeviceInfo, H2dBench};
+pub use rows::{Gathered, Place, Rows, RowsError};
 pub use stall::{quarantine, DEFAULT_FENCE_TIMEOUT};
 pub use stream::{Event, Stream};
 

@@ -21,8 +21,7 @@ use std::time::{Duration, Instant};
 
 use tensorport::DeviceTensor;
 
-use crate::gather::timeline;
-use crate::ipc::Imported;
+use crate::ipc::{take_event_late, timeline};
 use crate::{Error, Gatherer, Result, Stream};
 
 /// How long a server waits by default for a producer's "ready" fence before it lets the wait
@@ -54,7 +53,7 @@ impl Gatherer {
         self.check_stream(stream)?;
         // Event-fenced tensors not signalled in time were never waited for: late already.
         let skipped: Vec<usize> = (0..tensors.len())
-            .filter(|&i| crate::gather::take_event_late(tensors[i], &self.gpu))
+            .filter(|&i| take_event_late(tensors[i], &self.gpu))
             .collect();
         let start = Instant::now();
         let mut deadline = start + timeout;
@@ -91,67 +90,20 @@ impl Gatherer {
         let mut late = Vec::new();
         for (i, t) in tensors.iter().enumerate() {
             if let Some((imp, v)) = timeline(t, &self.gpu) {
-                let now = ready_value(&side, imp)?;
+                let now = imp.ready_value(&side)?;
                 if now < v {
                     tracing::warn!(
                         ready = now,
                         awaited = v,
                         "a producer's device tensor was not signalled ready in time: letting its wait through"
                     );
-                    signal_ready(&side, imp, v)?;
+                    imp.signal_ready(&side, v)?;
                     late.push(i);
                 }
             }
         }
         side.synchronize()?;
         Ok(late)
-    }
-}
-
-/// For an abandoned buffer (its producer's session ended): if a server stream was made to wait
-/// for a "ready" value the semaphore has not reached, writes that value. Returns the value
-/// found and the one written, if it wrote.
-pub(crate) fn let_through_abandoned(imp: &Imported) -> Result<Option<(u64, u64)>> {
-    let awaited = imp.awaited();
-    if awaited == 0 {
-        return Ok(None);
-    }
-    let side = Stream::new(&imp.gpu)?;
-    let now = ready_value(&side, imp)?;
-    if now >= awaited {
-        return Ok(None);
-    }
-    signal_ready(&side, imp, awaited)?;
-    side.synchronize()?;
-    Ok(Some((now, awaited)))
-}
-
-/// The buffer's "ready" semaphore as it is now, read on `side` (a stream of the buffer's
-/// context that no fence wait blocks).
-fn ready_value(side: &Stream, imp: &Imported) -> Result<u64> {
-    let mut v = [0u8; 8];
-    // SAFETY: the semaphore is the 8 bytes after the registered ones, inside the allocation
-    // (checked at import) and open while `imp` lives; `v` is 8 writable bytes that outlive
-    // the copy (synchronised before it is read).
-    unsafe {
-        imp.gpu.driver().memcpy_dtoh_async(
-            v.as_mut_ptr(),
-            imp.ready_addr(),
-            8,
-            side.raw().cast(),
-        )?;
-    }
-    side.synchronize()?;
-    Ok(u64::from_le_bytes(v))
-}
-
-/// Writes `value` into the buffer's "ready" semaphore on `side`.
-fn signal_ready(side: &Stream, imp: &Imported, value: u64) -> Result<()> {
-    // SAFETY: as in `ready_value`; `side` is a live stream of the buffer's context.
-    unsafe {
-        imp.gpu
-            .driver()
-            .stream_write_value64(side.raw().cast(), imp.ready_addr(), value)
     }
 }
 

@@ -146,23 +146,23 @@ impl Producer {
     }
 
     /// (Internal: `Producer.submit_tensor`.) Hands over the CUDA tensor whose first element is
-    /// at device address `ptr` on device `device`, written by work on `stream` (a `CUstream`
-    /// as an integer; 0: the default stream): its allocation is found with the driver and
-    /// registered once; "ready" is recorded on `stream`. The caller keeps the tensor alive
-    /// and unwritten until its result has come back.
-    #[pyo3(signature = (ptr, device, dtype, shape, strides = None, stream = 0, timeout = 10.0))]
-    #[allow(clippy::too_many_arguments)]
+    /// at device address `ptr` on device `device`, of `spec` = `(dtype, shape, strides or
+    /// None)`, written by work on `stream` (a `CUstream` as an integer; 0: the default
+    /// stream): its allocation is found with the driver and registered once; "ready" is
+    /// recorded on `stream`. The caller keeps the tensor alive and unwritten until its result
+    /// has come back.
+    #[pyo3(signature = (ptr, device, spec, stream = 0, timeout = 10.0))]
     fn _submit_cuda(
         &self,
         py: Python<'_>,
         ptr: u64,
         device: i32,
-        dtype: &str,
-        shape: Vec<u64>,
-        strides: Option<Vec<u64>>,
+        spec: (String, Vec<u64>, Option<Vec<u64>>),
         stream: usize,
         timeout: f64,
     ) -> PyResult<u64> {
+        let (dtype, shape, strides) = spec;
+        let dtype = dtype.as_str();
         let t = secs(timeout)?;
         let mut spec = TensorSpec::new(self::dtype(dtype)?, &shape);
         if let Some(s) = strides {

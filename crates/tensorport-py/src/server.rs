@@ -56,44 +56,44 @@ impl Server {
     }
 
     /// (Internal: `tensorport.Loader`'s batch step on a GPU.) Receives a batch as `recv_batch`
-    /// does and copies each request of exactly `row` bytes — a host slot by DMA, a producer's
-    /// device buffer after waiting on its fence — into row k of the `capacity` bytes of device
-    /// memory at `address` (a torch CUDA tensor the package allocated for it), after the work
-    /// already on torch's `stream`; waits for the copies, answers each request with an empty
-    /// result (releasing slots and buffers), and returns `(request_id, row k)` for the rows
-    /// written. A request of another size is failed, saying so; so is a GPU producer's tensor
-    /// not signalled ready within `tensorport_cuda::DEFAULT_FENCE_TIMEOUT` (its row is left
-    /// out, and its producer's session ended). The GIL is released throughout.
-    #[pyo3(signature = (address, capacity, row, stream, max = 32, timeout = 1.0, max_wait = 0.005))]
-    #[allow(clippy::too_many_arguments)]
+    /// does, at most `rows`, and copies each request of exactly `row` bytes — a host slot by
+    /// DMA, a producer's device buffer after waiting on its fence — into row k of the
+    /// `rows × row` bytes of device memory at `address` (a torch CUDA tensor the package
+    /// allocated for it), after the work already on torch's `stream`; waits for the copies,
+    /// answers each request with an empty result (releasing slots and buffers), and returns
+    /// `(request_id, row k)` for the rows written. A request of another size is failed, saying
+    /// so; so is a GPU producer's tensor not signalled ready within
+    /// `tensorport_cuda::DEFAULT_FENCE_TIMEOUT` (its row is left out, and its producer's
+    /// session ended). The GIL is released throughout.
+    #[pyo3(signature = (address, rows, row, stream, timeout = 1.0, max_wait = 0.005))]
     fn _recv_into_device(
-        &self,
-        py: Python<'_>,
+        slf: PyRef<'_, Self>,
         address: u64,
-        capacity: usize,
+        rows: usize,
         row: usize,
         stream: usize,
-        max: usize,
         timeout: f64,
         max_wait: f64,
     ) -> PyResult<Vec<(u64, usize)>> {
         let (t, w) = (secs(timeout)?, secs(max_wait)?);
-        let Some((_, ours, gatherer)) = &self.cuda else {
+        let this: &Server = &slf;
+        let Some((gpu, ours, gatherer)) = &this.cuda else {
             return Err(PyValueError::new_err(
                 "this server was made without cuda_device: it cannot write into GPU memory",
             ));
         };
-        let stalled = &self.stalled;
+        let stalled = &this.stalled;
         if stalled.load(std::sync::atomic::Ordering::SeqCst) {
             return Err(coded(
                 "this server's copy stream did not drain (a batch is quarantined): make a new Server".into(),
                 None,
             ));
         }
-        let rows = batch_rows(address as usize, capacity, row, max)?;
-        let server = self.inner.clone();
-        py.allow_threads(move || {
+        let rows = batch_rows(address as usize, rows, row)?;
+        let server = this.inner.clone();
+        slf.py().allow_threads(move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
+            let mut batch: Vec<_> = batch.into_iter().filter_map(|r| one_row(r, row)).collect();
             if batch.is_empty() {
                 return Ok(Vec::new());
             }
@@ -101,99 +101,51 @@ impl Server {
             // `torch.cuda.current_stream().cuda_stream`); the rows may be memory torch just
             // freed and reused, so our copies wait for its work first.
             unsafe { ours.wait_for_raw(stream as *mut std::ffi::c_void) }.map_err(cuda_err)?;
-            let mut kept = Vec::with_capacity(batch.len());
-            let mut written = Vec::with_capacity(batch.len());
-            // Device tensors are moved together after the loop (one batched fence wait, one
-            // copy launch, one batched release); with the place in `kept` of each.
-            let mut from_devices = Vec::new();
-            let mut device_at = Vec::new();
-            let mut copy = |r: &tensorport::Request, k: usize, dst: u64| -> PyResult<()> {
-                match r.device() {
-                    // SAFETY: `dst` is a row of the `capacity` bytes of device memory the
-                    // package allocated for this call and holds until it returns; the slot
-                    // stays unreleased until the stream is synchronised below (on every path).
-                    None => unsafe { ours.copy_host_to_device_async(dst, &r.bytes()[..row]) }
-                        .map_err(cuda_err),
-                    // The gather copies the tensor's length: it must be the row's.
-                    Some(dt) if dt.len() as usize != row => Err(coded(
-                        format!("a device tensor of {} bytes for a row of {row}", dt.len()),
-                        None,
-                    )),
-                    Some(dt) => {
-                        from_devices.push((dt.clone(), dst));
-                        device_at.push(k);
-                        Ok(())
-                    }
-                }
-            };
-            let mut failed = None;
-            for r in batch {
-                let Some(r) = one_row(r, row) else {
-                    continue;
-                };
-                let k = written.len();
-                if failed.is_none() {
-                    if let Err(e) = copy(&r, k, address + (k * row) as u64) {
-                        failed = Some(e);
-                    }
-                }
-                written.push((r.request_id(), k));
-                kept.push(r);
-            }
-            if failed.is_none() {
-                let copies: Vec<_> = from_devices.iter().map(|(t, d)| (t, *d)).collect();
-                // SAFETY: each destination is a row of the package's device memory, `row`
-                // bytes as checked; the buffers were bounds-checked against their
-                // registrations and stay fenced (their requests unreleased) until the stream
-                // is synchronised below; the gather orders the copies after the producers'
-                // writes and after torch's work (waited for above).
-                if let Err(e) = unsafe { gatherer.gather(ours, &copies) } {
-                    failed = Some(cuda_err(e));
-                }
-            }
-            // The copies read the slots and buffers: they are answered (released) only after. A
-            // producer that never signals its tensor ready does not stall the rest: its wait is
-            // let through after the fence timeout, and its row left out.
-            let tensors: Vec<_> = from_devices.iter().map(|(t, _)| t).collect();
-            let synced = gatherer
-                .synchronize(ours, &tensors, tensorport_cuda::DEFAULT_FENCE_TIMEOUT)
-                .map_err(cuda_err);
-            let late = match (failed, synced) {
-                (None, Ok(late)) => late,
-                (Some(e), _) | (None, Err(e)) => {
-                    if !ours.is_idle().unwrap_or(false) {
-                        // Copies may still run: the requests (their slots and buffers) are
-                        // never released, and the package keeps the destination; this server's
-                        // stream takes no more batches.
+            // SAFETY: the `rows × row` bytes at `address` are device memory of this GPU the
+            // package allocated for this call and holds until it returns (and for good once
+            // it raises a "quarantined" error: `_QUARANTINED`); torch's work on it was waited
+            // for above.
+            let dst = unsafe { tensorport_cuda::Rows::from_raw(gpu, address, rows * row) };
+            let places: Vec<_> = (0..batch.len())
+                .map(|k| {
+                    Some(tensorport_cuda::Place {
+                        rows: &dst,
+                        offset: k * row,
+                        len: row,
+                    })
+                })
+                .collect();
+            let timeout = tensorport_cuda::DEFAULT_FENCE_TIMEOUT;
+            let gathered =
+                match gatherer.gather_rows(ours, &mut batch, &places, timeout, |_| Ok(())) {
+                    Ok(g) => g,
+                    Err(e @ tensorport_cuda::RowsError::Stalled(_)) => {
                         stalled.store(true, std::sync::atomic::Ordering::SeqCst);
-                        tensorport_cuda::quarantine(kept);
                         return Err(coded(
-                            format!("{e}; the copy stream did not drain, so this batch and its destination memory are quarantined (held, never reused) and this server takes no more GPU batches: make a new Server"),
+                            format!(
+                                "{e}; this server takes no more GPU batches: make a new Server"
+                            ),
                             None,
                         ));
                     }
                     // Dropped unanswered: each producer gets a failure for its request.
-                    drop(kept);
-                    return Err(e);
-                }
-            };
-            let late: Vec<usize> = late.iter().map(|&j| device_at[j]).collect();
-            let mut rows = Vec::with_capacity(written.len());
-            for (k, (r, w)) in kept.into_iter().zip(written).enumerate() {
-                if late.contains(&k) {
+                    Err(e) => return Err(coded(e.to_string(), None)),
+                };
+            let mut written = Vec::with_capacity(batch.len());
+            for (k, r) in batch.into_iter().enumerate() {
+                if gathered.late.contains(&k) {
                     let _ = r.fail_and_end_session(
                         tensorport::wire::ErrorCode::FenceTimeout,
-                        format!(
-                            "the device tensor was not signalled ready within {:?}",
-                            tensorport_cuda::DEFAULT_FENCE_TIMEOUT
-                        ),
+                        format!("the device tensor was not signalled ready within {timeout:?}"),
                     );
+                } else if let Some((_, why)) = gathered.misfits.iter().find(|m| m.0 == k) {
+                    let _ = r.fail(why.clone());
                 } else {
+                    written.push((r.request_id(), k));
                     let _ = r.respond(&[]);
-                    rows.push(w);
                 }
             }
-            Ok(rows)
+            Ok(written)
         })
     }
 
@@ -216,24 +168,23 @@ impl Server {
     }
 
     /// (Internal: `tensorport.Loader`'s batch step.) Receives a batch as `recv_batch` does,
-    /// copies each request of exactly `row` bytes into row k of the `capacity` bytes at
-    /// `address` (a numpy array the package allocated for it), answers each with an empty
+    /// at most `rows`, copies each request of exactly `row` bytes into row k of the
+    /// `rows × row` bytes at `address` (a numpy array the package allocated for it), answers each with an empty
     /// result, and returns `(request_id, row k)` for the rows written. A request of another
     /// size is failed, saying so. The GIL is released throughout.
-    #[pyo3(signature = (address, capacity, row, max = 32, timeout = 1.0, max_wait = 0.005))]
-    #[allow(clippy::too_many_arguments)]
+    #[pyo3(signature = (address, rows, row, timeout = 1.0, max_wait = 0.005))]
     fn _recv_into_address(
         &self,
         py: Python<'_>,
         address: usize,
-        capacity: usize,
+        rows: usize,
         row: usize,
-        max: usize,
         timeout: f64,
         max_wait: f64,
     ) -> PyResult<Vec<(u64, usize)>> {
         let (t, w) = (secs(timeout)?, secs(max_wait)?);
-        let rows = batch_rows(address, capacity, row, max)?;
+        let rows = batch_rows(address, rows, row)?;
+        let capacity = rows * row;
         let server = self.inner.clone();
         py.allow_threads(move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
@@ -309,21 +260,16 @@ impl Server {
     }
 }
 
-/// How many rows of `row` bytes a batch copied into `capacity` bytes at `address` may have (at
-/// most `max`), or why none.
-pub(crate) fn batch_rows(
-    address: usize,
-    capacity: usize,
-    row: usize,
-    max: usize,
-) -> PyResult<usize> {
-    if row == 0 || address == 0 {
-        return Err(PyValueError::new_err("a row of 0 bytes, or no buffer"));
+/// `rows`, if `rows` rows of `row` bytes at `address` make a destination; else why not.
+pub(crate) fn batch_rows(address: usize, rows: usize, row: usize) -> PyResult<usize> {
+    if row == 0 || address == 0 || rows == 0 {
+        return Err(PyValueError::new_err(
+            "no rows, a row of 0 bytes, or no buffer",
+        ));
     }
-    match (capacity / row).min(max.max(1)) {
-        0 => Err(PyValueError::new_err("the buffer holds no row")),
-        rows => Ok(rows),
-    }
+    rows.checked_mul(row)
+        .map(|_| rows)
+        .ok_or_else(|| PyValueError::new_err("rows × row overflows"))
 }
 
 /// `r` if its tensor is exactly one row of `row` bytes; otherwise it is failed, saying so.

@@ -14,8 +14,10 @@ use tensorport_dfdx::{scores_to_bytes, Classify, Stacked, Submitted};
 use super::metrics::Metrics;
 use crate::error::Result;
 
-/// Builds a batch's model input from its requests (on the CPU: one copy; on the GPU: DMA).
-pub type StackFn<D> = dyn Fn(&D, &[Request], [usize; 3]) -> Stacked<D>;
+/// Builds a batch's model input from its requests (on the CPU: one copy; on the GPU: DMA). A
+/// GPU stacker whose copy stream stalls keeps the requests (held for good: a copy may still
+/// read them), leaving the batch empty.
+pub type StackFn<D> = dyn Fn(&D, &mut Vec<Request>, [usize; 3]) -> Stacked<D>;
 
 /// A worker's model.
 pub type Model<D> = Box<dyn Classify<D>>;
@@ -95,7 +97,8 @@ impl BatchLoop<'_> {
                 self.record(size, Duration::ZERO, taken);
                 continue;
             }
-            let stacked = stack(dev, &batch, self.shape);
+            let mut batch = batch;
+            let stacked = stack(dev, &mut batch, self.shape);
             // The batch owns a copy of the pixels now: give the slots back before the model runs.
             let mut responders: Vec<Option<Responder>> =
                 batch.into_iter().map(|r| Some(r.release())).collect();
@@ -177,7 +180,7 @@ impl BatchLoop<'_> {
 fn reject(responders: &mut [Option<Responder>], rejected: Vec<(usize, tensorport_dfdx::Error)>) {
     for (i, e) in rejected {
         tracing::warn!("{e}");
-        if let Some(r) = responders[i].take() {
+        if let Some(r) = responders.get_mut(i).and_then(Option::take) {
             let _ = match e {
                 tensorport_dfdx::Error::FenceTimeout { .. } => {
                     r.fail_and_end_session(tensorport::wire::ErrorCode::FenceTimeout, e.to_string())

@@ -43,7 +43,11 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
     serve_on(
         cfg,
         Hooks::default(),
-        &|| Ok((Cpu::default(), Box::new(stack_images) as Box<StackFn<Cpu>>)),
+        &|| {
+            let stack: Box<StackFn<Cpu>> =
+                Box::new(|dev, reqs, shape| stack_images(dev, reqs, shape));
+            Ok((Cpu::default(), stack))
+        },
         &move |dev: &Cpu| load_dfdx(dev, &model),
     )
 }
