@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorport_farm::config::Servers;
+use tensorport_farm::config::{default_producers, Servers, DEFAULT_CPU_PRODUCERS};
 use tensorport_farm::FarmConfig;
 use tensorport_vision::Source;
 
@@ -42,15 +42,18 @@ pub struct Args {
     /// Classify N generated images instead of files.
     #[arg(long, value_name = "N")]
     pub synthetic: Option<u64>,
-    /// Number of producer processes (preparing on the CPU).
-    #[arg(long, short = 'p', default_value_t = 3)]
-    pub producers: usize,
+    /// Number of producer processes preparing on the CPU [default: 3; with --device cuda and
+    /// neither -p nor --gpu-producers given: none where nvJPEG loads (the GPU producers
+    /// prepare on the CPU what nvJPEG does not take), else one per core but the server's].
+    #[arg(long, short = 'p', value_name = "N")]
+    pub producers: Option<usize>,
     /// Producers that decode and prepare on the GPU (`produce --nvjpeg`: batches of JPEGs
     /// decoded by nvJPEG, resized and normalised by a kernel, handed over in device memory),
     /// besides the --producers CPU ones; each works on its server's GPU. Needs --device cuda
-    /// (or --devices).
-    #[arg(long, default_value_t = 0, value_name = "N")]
-    pub gpu_producers: usize,
+    /// (or --devices) [default: 0; with --device cuda and neither -p nor --gpu-producers
+    /// given: two per GPU where nvJPEG loads].
+    #[arg(long, value_name = "N")]
+    pub gpu_producers: Option<usize>,
     /// Inference servers, each with its own socket (and model); producers are spread over the
     /// ones that listen, the least loaded first. A server that dies has its producers' inputs
     /// redone through the others while it restarts.
@@ -128,10 +131,10 @@ impl Args {
                 ))
             }
         };
-        Ok(FarmConfig {
+        let mut cfg = FarmConfig {
             inputs,
-            producers: self.producers,
-            gpu_producers: self.gpu_producers,
+            producers: self.producers.unwrap_or(DEFAULT_CPU_PRODUCERS),
+            gpu_producers: self.gpu_producers.unwrap_or(0),
             servers: match &self.attach {
                 Some(socket) => Servers::Attach {
                     socket: socket.clone(),
@@ -153,7 +156,14 @@ impl Args {
             profile: self.hand_over.profile,
             child_log: self.child_log.clone(),
             launcher: crate::launcher(),
-        })
+        };
+        if self.producers.is_none() && self.gpu_producers.is_none() {
+            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
+            let gpus = cfg.gpus();
+            let nvjpeg = gpus > 0 && tensorport_cuda::nvjpeg::Nvjpeg::load().is_ok();
+            (cfg.producers, cfg.gpu_producers) = default_producers(gpus, cores, nvjpeg);
+        }
+        Ok(cfg)
     }
 }
 

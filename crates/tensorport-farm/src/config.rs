@@ -529,7 +529,37 @@ pub struct FarmConfig {
     pub launcher: Launcher,
 }
 
+/// CPU producers a farm starts when the user names neither kind and its servers run on the CPU.
+pub const DEFAULT_CPU_PRODUCERS: usize = 3;
+
+/// GPU producers a farm starts per GPU when the user names neither kind.
+pub const DEFAULT_GPU_PRODUCERS_PER_GPU: usize = 2;
+
+/// The producers a farm starts when the user names neither kind: `(cpu, gpu)`. On the CPU,
+/// [`DEFAULT_CPU_PRODUCERS`]. On `gpus` GPUs with nvJPEG, [`DEFAULT_GPU_PRODUCERS_PER_GPU`] GPU
+/// producers per GPU and no CPU producer: the GPU producers then share the machine's cores for
+/// what the JPEG engines do not take (progressive files, PNGs) in their CPU lanes, which on the
+/// H200 machine beat every mix with CPU producers on a uniform and on a varied folder
+/// (docs/benchmarks.md). Without nvJPEG, a CPU producer for every core but the server's.
+pub fn default_producers(gpus: usize, cores: usize, nvjpeg: bool) -> (usize, usize) {
+    match (gpus, nvjpeg) {
+        (0, _) => (DEFAULT_CPU_PRODUCERS, 0),
+        (_, false) => (cores.saturating_sub(1).max(1), 0),
+        (g, true) => (0, g * DEFAULT_GPU_PRODUCERS_PER_GPU),
+    }
+}
+
 impl FarmConfig {
+    /// The GPUs its servers run on (0 on the CPU; an attached server's: 1 if it names one).
+    pub fn gpus(&self) -> usize {
+        match &self.servers {
+            Servers::Gpus(list) => list.len(),
+            Servers::Copies(_) if self.model.device.is_cuda() => 1,
+            Servers::Copies(_) => 0,
+            Servers::Attach { .. } => 0,
+        }
+    }
+
     /// Refuses options that cannot work together, before anything starts.
     pub fn check(&self) -> Result<(), ConfigError> {
         if self.producers + self.gpu_producers == 0 {
@@ -557,4 +587,19 @@ impl FarmConfig {
 /// Pixels from megapixels.
 pub fn pixels_of(megapixels: f64) -> u64 {
     (megapixels.max(0.0) * 1e6) as u64
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_default_producers_are_gpu_producers_where_nvjpeg_is() {
+        assert_eq!(default_producers(0, 16, true), (DEFAULT_CPU_PRODUCERS, 0));
+        assert_eq!(default_producers(1, 16, true), (0, 2));
+        assert_eq!(default_producers(2, 16, true), (0, 4));
+        // No nvJPEG: the cores, on the CPU.
+        assert_eq!(default_producers(1, 16, false), (15, 0));
+        assert_eq!(default_producers(1, 1, false), (1, 0));
+    }
 }

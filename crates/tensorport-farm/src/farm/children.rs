@@ -61,8 +61,18 @@ pub(super) struct Worker {
 /// session) and the images it decodes per batch.
 pub(super) const GPU_IN_FLIGHT: u32 = 64;
 pub(super) const GPU_BATCH: u32 = 32;
-/// A GPU producer's threads for the images nvJPEG does not take.
+/// A GPU producer's threads for the images nvJPEG does not take, where CPU producers take most
+/// of those (see `route.rs`).
 pub(super) const GPU_CPU_THREADS: usize = 4;
+
+/// A GPU producer's CPU threads: [`GPU_CPU_THREADS`] beside CPU producers; without them, the
+/// GPU producers prepare every file nvJPEG does not take, and share the machine's cores.
+pub(super) fn gpu_cpu_threads(cpu_producers: usize, gpu_producers: usize, cores: usize) -> usize {
+    match cpu_producers {
+        0 => (cores.saturating_sub(1) / gpu_producers.max(1)).max(GPU_CPU_THREADS),
+        _ => GPU_CPU_THREADS,
+    }
+}
 
 impl Worker {
     pub(super) fn new(name: String, gpu: bool) -> Worker {
@@ -252,7 +262,11 @@ impl Farm {
                 Device::Cpu => 0,
             },
             batch: GPU_BATCH as usize,
-            cpu_threads: GPU_CPU_THREADS,
+            cpu_threads: gpu_cpu_threads(
+                cfg.producers,
+                cfg.gpu_producers,
+                std::thread::available_parallelism().map_or(1, |n| n.get()),
+            ),
         });
         ProduceConfig {
             socket: self.sockets[server].clone(),
@@ -325,5 +339,21 @@ impl Farm {
         let stdin = child.stdin.take();
         w.state = State::Running { child, stdin };
         Ok(())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn gpu_producers_alone_share_the_cores() {
+        // Beside CPU producers: the few files routed to them.
+        assert_eq!(gpu_cpu_threads(14, 1, 16), GPU_CPU_THREADS);
+        // Alone: the cores but the server's.
+        assert_eq!(gpu_cpu_threads(0, 1, 16), 15);
+        assert_eq!(gpu_cpu_threads(0, 2, 16), 7);
+        // Never fewer than beside CPU producers.
+        assert_eq!(gpu_cpu_threads(0, 2, 2), GPU_CPU_THREADS);
     }
 }

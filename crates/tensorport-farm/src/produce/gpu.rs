@@ -2,17 +2,18 @@
 //! kernel resizes, crops and normalises each into its own device buffer, and each buffer is
 //! fenced and handed over through the device path (CUDA IPC or a VMM file descriptor, timeline
 //! fences). Files the batched decoder does not take (PNG, progressive JPEG on the hardware
-//! engines) — or a whole batch nvJPEG refuses — are prepared on the CPU as the CPU producer
-//! does, on `GpuPrep::cpu_threads` threads while the GPU decodes the rest of the batch, and
-//! copied into their buffers.
+//! engines) — or a whole batch nvJPEG refuses — go to the CPU lane (`lane.rs`): prepared as the
+//! CPU producer does, on `GpuPrep::cpu_threads` threads of their own, while the GPU decodes the
+//! next batches; each is copied into a buffer and submitted when it is ready.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorport::TensorSpec;
 use tensorport_cuda::{DeviceBuffer, Gpu, GpuJpeg, GpuProducer, JpegJob, JpegWindow, PinnedBuffer};
-use tensorport_vision::{Preprocessor, Source, Transform, IMAGENET_MEAN, IMAGENET_STD};
+use tensorport_vision::{Source, Transform, IMAGENET_MEAN, IMAGENET_STD};
 
+use super::lane::{Done, Job, Lane};
 use super::{refuse_again, submitted, Outstanding};
 use crate::config::{GpuPrep, Pixels, ProduceConfig};
 use crate::error::Result;
@@ -62,13 +63,12 @@ struct Taken {
 
 /// The GPU producer's state between batches.
 struct GpuLoop<'a> {
-    cfg: &'a ProduceConfig,
     feed: &'a Feed,
     p: GpuProducer,
     jpeg: GpuJpeg,
     transform: Transform,
-    /// The CPU's preparation, for what nvJPEG does not take: one per thread.
-    preps: Vec<Preprocessor>,
+    /// The CPU's preparation, for what nvJPEG does not take.
+    lane: Lane,
     /// Page-locked room for a batch of CPU-prepared images on their way up.
     staging: PinnedBuffer,
     spec: TensorSpec,
@@ -99,14 +99,17 @@ pub(super) fn run(
     let p = GpuProducer::connect_best(&cfg.socket, &cfg.name, &gpu, depth, image_bytes)?;
     let timeout = cfg.timeout.max(Duration::from_secs(1));
     let mut l = GpuLoop {
-        cfg,
         feed,
         p,
         jpeg,
         transform: cfg.prep.transform.for_size(size as u32),
-        preps: (0..g.cpu_threads.max(1))
-            .map(|_| cfg.prep.cpu_preprocessor(size as u32))
-            .collect(),
+        lane: Lane::start(
+            (0..g.cpu_threads.max(1))
+                .map(|_| cfg.prep.cpu_preprocessor(size as u32))
+                .collect(),
+            cfg.prep.pixels,
+            image_bytes,
+        ),
         staging: PinnedBuffer::new(&gpu, image_bytes * g.batch.clamp(1, depth))?,
         spec: TensorSpec::new(cfg.prep.pixels.dtype(), &[3, size as u64, size as u64]),
         image_bytes,
@@ -118,18 +121,32 @@ pub(super) fn run(
         eof: false,
     };
     loop {
-        let mut taken = l.take(lines)?;
+        let taken = l.take(lines)?;
         if !taken.is_empty() {
             let t0 = Instant::now();
-            for t in &mut taken {
+            let (mut on_gpu, mut send_to_lane): (Vec<Taken>, Vec<Taken>) =
+                taken.into_iter().partition(|t| t.gpu.is_some());
+            for t in &mut on_gpu {
                 t.buffer = Some(l.p.acquire(timeout)?);
                 t.st.lease_ms = ms(t0.elapsed());
             }
-            l.prepare(&mut taken, lines)?;
-            l.submit(taken, t0)?;
+            if !on_gpu.is_empty() && !l.decode(&mut on_gpu)? {
+                // Refused: their buffers were not written, and stay free for later acquires.
+                send_to_lane.extend(on_gpu.drain(..).map(|mut t| {
+                    t.buffer = None;
+                    t
+                }));
+            }
+            l.submit(on_gpu, t0)?;
+            for t in send_to_lane {
+                l.send_to_lane(t, lines)?;
+            }
         }
+        l.take_from_lane(Duration::ZERO, lines)?;
         if l.out.is_empty() {
-            if l.eof {
+            if l.lane.len() > 0 {
+                l.take_from_lane(Duration::from_millis(100), lines)?;
+            } else if l.eof {
                 break;
             }
             continue;
@@ -162,7 +179,9 @@ impl GpuLoop<'_> {
                     break;
                 }
             };
-            let held = taken.iter().any(|t| t.index == input.index) || self.out.holds(input.index);
+            let held = taken.iter().any(|t| t.index == input.index)
+                || self.out.holds(input.index)
+                || self.lane.holds(input.index);
             if refuse_again(&mut input, held, self.feed, lines)? {
                 continue;
             }
@@ -195,134 +214,118 @@ impl GpuLoop<'_> {
         Ok(taken)
     }
 
-    /// Prepares the batch into its buffers: nvJPEG for what it takes, the CPU for the rest (and
-    /// for all of it if nvJPEG refuses the batch).
-    fn prepare(&mut self, taken: &mut [Taken], lines: &mut LineWriter) -> Result<()> {
+    /// Decodes the batch into its buffers with nvJPEG; false if nvJPEG refused it (nothing
+    /// was written; the batch's bytes are no longer read).
+    fn decode(&mut self, taken: &mut [Taken]) -> Result<bool> {
         let leased = Instant::now();
-        let on_gpu: Vec<usize> = (0..taken.len())
-            .filter(|&i| taken[i].gpu.is_some())
+        let jobs: Vec<JpegJob<'_>> = taken
+            .iter()
+            .map(|t| {
+                jpeg_job(
+                    &self.transform,
+                    t.bytes.as_deref().expect("probed bytes"),
+                    t.gpu.expect("partitioned"),
+                    (self.p.buffer(t.buffer.expect("acquired")), 0),
+                )
+            })
             .collect();
-        let mut gpu_ok = false;
-        if !on_gpu.is_empty() {
-            let jobs: Vec<JpegJob<'_>> = on_gpu
-                .iter()
-                .map(|&i| {
-                    let t = &taken[i];
-                    jpeg_job(
-                        &self.transform,
-                        t.bytes.as_deref().expect("probed bytes"),
-                        t.gpu.expect("filtered"),
-                        (self.p.buffer(t.buffer.expect("acquired")), 0),
-                    )
-                })
-                .collect();
-            // SAFETY: the bytes are held (`held`) until the next batch's `run` or `wait_idle`
-            // below has waited for this one, and the buffers are the producer's, allocated for
-            // its life.
-            match unsafe { self.jpeg.run(&jobs, self.p.stream()) } {
-                Ok(()) => gpu_ok = true,
-                Err(e) => tracing::warn!(
+        // SAFETY: the bytes are held (`held`) until the next batch's `run` or `wait_idle`
+        // below has waited for this one, and the buffers are the producer's, allocated for
+        // its life.
+        let ok = match unsafe { self.jpeg.run(&jobs, self.p.stream()) } {
+            Ok(()) => true,
+            Err(e) => {
+                tracing::warn!(
                     images = jobs.len(),
                     "nvJPEG refused the batch ({e}); preparing it on the CPU"
-                ),
+                );
+                false
             }
-        }
+        };
         // The last batch's decode has run (a successful `run` waited for it; otherwise wait
-        // here): its bytes can be reused.
-        if !gpu_ok && !self.held.is_empty() {
+        // here, for this batch's too): its bytes can be reused, or read by the CPU lane.
+        if !ok {
             self.jpeg.wait_idle()?;
         }
         for b in self.held.drain(..) {
             self.feed.reuse(b);
         }
-        let per_image = ms(leased.elapsed()) / on_gpu.len().max(1) as f64;
-        let batch = taken.len();
-        let mut on_cpu: Vec<&mut Taken> = Vec::new();
-        for t in taken.iter_mut() {
-            if t.gpu.is_some() && gpu_ok {
+        if ok {
+            let per_image = ms(leased.elapsed()) / taken.len().max(1) as f64;
+            for t in taken.iter_mut() {
                 t.st.decode_ms = per_image;
-            } else {
-                on_cpu.push(t);
-            }
-        }
-        let (gpu_images, cpu_images) = (batch - on_cpu.len(), on_cpu.len());
-        let enqueued = Instant::now();
-        if !on_cpu.is_empty() {
-            let errors = self.prepare_on_cpu(&mut on_cpu)?;
-            for (t, e) in on_cpu.into_iter().zip(errors) {
-                if let Some(e) = e {
-                    t.failed = true;
-                    lines.failed(t.index, &t.source, e, None, None)?;
-                }
+                self.held.extend(t.bytes.take());
             }
         }
         tracing::debug!(
-            gpu_images,
-            cpu_images,
-            nvjpeg_refused = !on_gpu.is_empty() && !gpu_ok,
-            enqueue_ms = ms(enqueued - leased),
-            cpu_ms = ms(enqueued.elapsed()),
-            "batch prepared"
+            images = taken.len(),
+            nvjpeg_refused = !ok,
+            enqueue_ms = ms(leased.elapsed()),
+            "batch decoding"
         );
-        for t in taken.iter_mut() {
-            if let Some(b) = t.bytes.take() {
-                self.held.push(b);
-            }
+        Ok(ok)
+    }
+
+    /// Puts `t` into the CPU lane, first taking in what the lane has finished while it is full.
+    fn send_to_lane(&mut self, t: Taken, lines: &mut LineWriter) -> Result<()> {
+        while self.lane.is_full() {
+            self.take_from_lane(Duration::from_millis(100), lines)?;
         }
+        self.lane.send(Job {
+            index: t.index,
+            source: t.source,
+            bytes: t.bytes,
+            st: t.st,
+        });
         Ok(())
     }
 
-    /// Prepares `items` on the CPU — on up to one thread per preprocessor, while the GPU works
-    /// on the rest of the batch — and copies each up into its buffer. Returns, per item, why it
-    /// could not be prepared.
-    fn prepare_on_cpu(&mut self, items: &mut [&mut Taken]) -> Result<Vec<Option<String>>> {
-        let pixels = self.cfg.prep.pixels;
+    /// Takes in what the CPU lane has finished (waiting up to `wait` for the first): each is
+    /// copied into a buffer and submitted, a staging buffer's worth at a time; one that could
+    /// not be prepared gets its line.
+    fn take_from_lane(&mut self, wait: Duration, lines: &mut LineWriter) -> Result<()> {
+        let mut ready = Vec::new();
+        for Done { job, pixels } in self.lane.finished(wait) {
+            match pixels {
+                Ok(px) => ready.push((job, px)),
+                Err(e) => lines.failed(job.index, &job.source, e, None, None)?,
+            }
+        }
         let ib = self.image_bytes;
-        let n = items.len();
-        let threads = self.preps.len().min(n);
-        let staging = &mut self.staging.as_mut_slice()[..ib * n];
-        let work: Vec<(&mut Taken, &mut [u8])> = items
-            .iter_mut()
-            .map(|t| &mut **t)
-            .zip(staging.chunks_exact_mut(ib))
-            .collect();
-        let queue = std::sync::Mutex::new(work.into_iter().enumerate());
-        let errors = std::sync::Mutex::new(vec![None; n]);
-        // Each thread takes the next item until none is left.
-        let drain = |prep: &mut Preprocessor| loop {
-            let next = queue.lock().unwrap_or_else(|p| p.into_inner()).next();
-            let Some((k, (t, px))) = next else { break };
-            if let Err(e) = prepare_one(prep, pixels, t, px) {
-                errors.lock().unwrap_or_else(|p| p.into_inner())[k] = Some(e.to_string());
-            }
-        };
-        match &mut self.preps[..threads] {
-            // One item (or one thread): no thread to start.
-            [prep] => drain(prep),
-            preps => std::thread::scope(|s| {
-                for prep in preps {
-                    s.spawn(|| drain(prep));
+        let per_copy = (self.staging.len() / ib).max(1);
+        while !ready.is_empty() {
+            let group: Vec<(Job, Vec<u8>)> = ready.drain(..per_copy.min(ready.len())).collect();
+            let t0 = Instant::now();
+            let mut taken = Vec::with_capacity(group.len());
+            for (k, (job, px)) in group.into_iter().enumerate() {
+                let buffer = self.p.acquire(self.timeout)?;
+                let host = &mut self.staging.as_mut_slice()[k * ib..(k + 1) * ib];
+                host.copy_from_slice(&px);
+                let dst = self.p.buffer(buffer);
+                // SAFETY: the buffer is ours (acquired) and holds `image_bytes`; the staging
+                // memory is pinned and not touched again until the copies have run (the stream
+                // is synchronised below, before the next group is written).
+                unsafe {
+                    self.p
+                        .stream()
+                        .copy_host_to_device_async(dst.ptr(), &host[..])?;
                 }
-            }),
-        }
-        let errors = errors.into_inner().unwrap_or_else(|p| p.into_inner());
-        let staging = &self.staging.as_mut_slice()[..ib * n];
-        for ((t, host), e) in items.iter().zip(staging.chunks_exact(ib)).zip(&errors) {
-            if e.is_some() {
-                continue;
+                let mut st = job.st;
+                st.lease_ms = ms(t0.elapsed());
+                taken.push(Taken {
+                    index: job.index,
+                    source: job.source,
+                    bytes: None,
+                    st,
+                    gpu: None,
+                    buffer: Some(buffer),
+                    failed: false,
+                });
             }
-            let buffer = self.p.buffer(t.buffer.expect("acquired"));
-            // SAFETY: the buffer is ours (acquired) and holds `image_bytes`; the staging memory
-            // is pinned and not touched again until the copies have run (the stream is
-            // synchronised below, before this returns).
-            unsafe {
-                self.p
-                    .stream()
-                    .copy_host_to_device_async(buffer.ptr(), host)?;
-            }
+            self.p.stream().synchronize()?;
+            self.submit(taken, t0)?;
         }
-        self.p.stream().synchronize()?;
-        Ok(errors)
+        Ok(())
     }
 
     /// Submits the prepared inputs. One that failed keeps its buffer unsubmitted, so it stays
@@ -365,22 +368,4 @@ impl GpuLoop<'_> {
         }
         Ok(())
     }
-}
-
-/// Prepares `t` on the CPU into `px` (its image's room in the staging buffer), timing the steps.
-fn prepare_one(
-    prep: &mut Preprocessor,
-    pixels: Pixels,
-    t: &mut Taken,
-    px: &mut [u8],
-) -> Result<()> {
-    let r = match (&t.bytes, &t.source) {
-        (Some(b), Source::File(path)) => prep.prepare_encoded_into(b, path, pixels.planes(px)?),
-        _ => prep.prepare_into(&t.source, pixels.planes(px)?),
-    };
-    let s = prep.last_stages();
-    t.st.decode_ms = ms(s.decode);
-    t.st.resize_ms = ms(s.resize);
-    t.st.normalise_ms = ms(s.normalise);
-    Ok(r?)
 }

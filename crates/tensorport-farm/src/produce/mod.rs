@@ -8,6 +8,7 @@
 
 mod cpu;
 mod gpu;
+mod lane;
 
 pub use gpu::jpeg_job as gpu_jpeg_job;
 
