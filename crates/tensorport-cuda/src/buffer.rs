@@ -179,15 +179,23 @@ impl Drop for DeviceBuffer {
     }
 }
 
-/// Page-locked host memory from `cuMemAllocHost` (the reference for pinned bandwidth).
+/// Page-locked host memory from `cuMemAllocHost` (the reference for pinned bandwidth). As
+/// cudarc's host slices do, it records an event on the stream of each copy that reads it
+/// ([`crate::GpuProducer::upload`]), and waits for that event before it is written again
+/// ([`PinnedBuffer::as_mut_slice`]) or freed: a copy still running never sees its bytes change.
 #[derive(Debug)]
 pub struct PinnedBuffer {
     gpu: Arc<Gpu>,
     ptr: *mut u8,
     len: usize,
+    /// Recorded after the last copy that read the bytes (made at the first such copy).
+    read: sys::CUevent,
+    /// A copy may still read the bytes.
+    pending: bool,
 }
 
-// SAFETY: plain memory owned by this value.
+// SAFETY: plain memory and an event owned by this value; the event is only used with the
+// buffer's context bound.
 unsafe impl Send for PinnedBuffer {}
 
 impl PinnedBuffer {
@@ -199,6 +207,8 @@ impl PinnedBuffer {
             gpu: gpu.clone(),
             ptr,
             len,
+            read: std::ptr::null_mut(),
+            pending: false,
         })
     }
     /// Its size in bytes.
@@ -209,17 +219,56 @@ impl PinnedBuffer {
     pub fn is_empty(&self) -> bool {
         self.len == 0
     }
-    /// The bytes.
+    /// The bytes, to write: waits first for the copies that read them.
     pub fn as_mut_slice(&mut self) -> &mut [u8] {
-        // SAFETY: `len` bytes allocated by cuMemAllocHost, owned exclusively via `&mut self`.
+        self.settle();
+        // SAFETY: `len` bytes allocated by cuMemAllocHost, owned exclusively via `&mut self`;
+        // no copy reads them any more (settled).
         unsafe { std::slice::from_raw_parts_mut(self.ptr, self.len) }
+    }
+    /// The bytes, to read (copies that read them may still run: reading alongside is fine).
+    pub fn as_slice(&self) -> &[u8] {
+        // SAFETY: `len` bytes allocated by cuMemAllocHost; written only through `&mut self`.
+        unsafe { std::slice::from_raw_parts(self.ptr, self.len) }
+    }
+    /// Marks the bytes as read by the work enqueued on `stream` so far.
+    pub(crate) fn record_read(&mut self, stream: &Stream) -> Result<()> {
+        self.gpu.bind()?;
+        if self.read.is_null() {
+            self.read = self.gpu.driver().event_create()?;
+        }
+        // SAFETY: our live event and a live stream of our context (bound above).
+        unsafe {
+            self.gpu
+                .driver()
+                .event_record(self.read, stream.raw().cast())?
+        };
+        self.pending = true;
+        Ok(())
+    }
+    /// Waits for the copies that read the bytes. Where the wait fails (a broken context runs
+    /// nothing more) it gives up waiting.
+    fn settle(&mut self) {
+        if self.pending {
+            let _ = self.gpu.bind();
+            // SAFETY: our live event (made before `pending` was set).
+            let _ = unsafe { self.gpu.driver().event_sync(self.read) };
+            self.pending = false;
+        }
     }
 }
 
 impl Drop for PinnedBuffer {
     fn drop(&mut self) {
+        self.settle();
         let _ = self.gpu.bind();
-        // SAFETY: allocated by mem_alloc_host; no view outlives `self`.
-        let _ = unsafe { self.gpu.driver().mem_free_host(self.ptr) };
+        // SAFETY: allocated by mem_alloc_host, and no copy reads it any more (settled); the
+        // event, if made, is ours and not used after this.
+        unsafe {
+            if !self.read.is_null() {
+                let _ = self.gpu.driver().event_destroy(self.read);
+            }
+            let _ = self.gpu.driver().mem_free_host(self.ptr);
+        }
     }
 }

@@ -245,6 +245,34 @@ impl GpuProducer {
         &self.buffers[i].mem
     }
 
+    /// Copies `src[range]` into the start of buffer `i` on [`GpuProducer::stream`]
+    /// (asynchronously, a DMA), ordered after the server's reads of the buffer (as everything
+    /// after [`GpuProducer::acquire`]); `src` records the copy, so its bytes are not written
+    /// again until it has run. Submit the buffer afterwards: its fence follows the copy.
+    pub fn upload(
+        &mut self,
+        i: usize,
+        src: &mut crate::PinnedBuffer,
+        range: std::ops::Range<usize>,
+    ) -> Result<()> {
+        let b = self
+            .buffers
+            .get(i)
+            .ok_or(Error::Refused("no such buffer"))?;
+        let bytes = src
+            .as_slice()
+            .get(range)
+            .filter(|bytes| bytes.len() <= b.len)
+            .ok_or(Error::Refused("the range is not inside both buffers"))?;
+        // SAFETY: buffer `i` holds `b.len` bytes of our context and lives as long as `self`
+        // (whose drop synchronises the stream first); `src` stays allocated and unwritten until
+        // the copy has run (the event recorded below, which its writes and its drop wait for).
+        unsafe {
+            self.stream.copy_host_to_device_async(b.mem.ptr(), bytes)?;
+        }
+        src.record_read(&self.stream)
+    }
+
     /// Bytes of tensor data in each buffer.
     pub fn buffer_len(&self) -> usize {
         self.buffers[0].len

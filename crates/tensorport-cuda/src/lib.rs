@@ -123,6 +123,9 @@ pub enum Error {
     /// The server answered something this crate cannot use (the protocol was broken).
     #[error("the server sent {0}")]
     BadAnswer(&'static str),
+    /// A call's arguments do not fit what it works on (a buffer index, a byte range).
+    #[error("refused: {0}")]
+    Refused(&'static str),
 }
 
 /// Results of this crate.

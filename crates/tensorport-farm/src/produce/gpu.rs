@@ -69,8 +69,8 @@ struct GpuLoop<'a> {
     transform: Transform,
     /// The CPU's preparation, for what nvJPEG does not take.
     lane: Lane,
-    /// Page-locked room for a batch of CPU-prepared images on their way up.
-    staging: PinnedBuffer,
+    /// Page-locked slots for the lane's images (one per input it may hold).
+    slots: Vec<PinnedBuffer>,
     spec: TensorSpec,
     image_bytes: usize,
     depth: usize,
@@ -98,19 +98,23 @@ pub(super) fn run(
     let image_bytes = 3 * size * size * cfg.prep.pixels.bytes();
     let p = GpuProducer::connect_best(&cfg.socket, &cfg.name, &gpu, depth, image_bytes)?;
     let timeout = cfg.timeout.max(Duration::from_secs(1));
+    let lane = Lane::start(
+        (0..g.cpu_threads.max(1))
+            .map(|_| cfg.prep.cpu_preprocessor(size as u32))
+            .collect(),
+        cfg.prep.pixels,
+        image_bytes,
+    );
+    let slots = (0..lane.capacity())
+        .map(|_| PinnedBuffer::new(&gpu, image_bytes))
+        .collect::<tensorport_cuda::Result<Vec<_>>>()?;
     let mut l = GpuLoop {
         feed,
         p,
         jpeg,
         transform: cfg.prep.transform.for_size(size as u32),
-        lane: Lane::start(
-            (0..g.cpu_threads.max(1))
-                .map(|_| cfg.prep.cpu_preprocessor(size as u32))
-                .collect(),
-            cfg.prep.pixels,
-            image_bytes,
-        ),
-        staging: PinnedBuffer::new(&gpu, image_bytes * g.batch.clamp(1, depth))?,
+        lane,
+        slots,
         spec: TensorSpec::new(cfg.prep.pixels.dtype(), &[3, size as u64, size as u64]),
         image_bytes,
         depth,
@@ -124,7 +128,7 @@ pub(super) fn run(
         let taken = l.take(lines)?;
         if !taken.is_empty() {
             let t0 = Instant::now();
-            let (mut on_gpu, mut send_to_lane): (Vec<Taken>, Vec<Taken>) =
+            let (mut on_gpu, mut for_lane): (Vec<Taken>, Vec<Taken>) =
                 taken.into_iter().partition(|t| t.gpu.is_some());
             for t in &mut on_gpu {
                 t.buffer = Some(l.p.acquire(timeout)?);
@@ -132,13 +136,13 @@ pub(super) fn run(
             }
             if !on_gpu.is_empty() && !l.decode(&mut on_gpu)? {
                 // Refused: their buffers were not written, and stay free for later acquires.
-                send_to_lane.extend(on_gpu.drain(..).map(|mut t| {
+                for_lane.extend(on_gpu.drain(..).map(|mut t| {
                     t.buffer = None;
                     t
                 }));
             }
             l.submit(on_gpu, t0)?;
-            for t in send_to_lane {
+            for t in for_lane {
                 l.send_to_lane(t, lines)?;
             }
         }
@@ -268,64 +272,58 @@ impl GpuLoop<'_> {
 
     /// Puts `t` into the CPU lane, first taking in what the lane has finished while it is full.
     fn send_to_lane(&mut self, t: Taken, lines: &mut LineWriter) -> Result<()> {
-        while self.lane.is_full() {
+        while self.lane.is_full() || self.slots.is_empty() {
             self.take_from_lane(Duration::from_millis(100), lines)?;
         }
+        let slot = self.slots.pop().expect("a slot per input the lane holds");
         self.lane.send(Job {
             index: t.index,
             source: t.source,
             bytes: t.bytes,
             st: t.st,
+            slot,
         });
         Ok(())
     }
 
     /// Takes in what the CPU lane has finished (waiting up to `wait` for the first): each is
-    /// copied into a buffer and submitted, a staging buffer's worth at a time; one that could
-    /// not be prepared gets its line.
+    /// copied from its slot into a buffer and submitted; one that could not be prepared gets
+    /// its line.
     fn take_from_lane(&mut self, wait: Duration, lines: &mut LineWriter) -> Result<()> {
-        let mut ready = Vec::new();
-        for Done { job, pixels } in self.lane.finished(wait) {
-            match pixels {
-                Ok(px) => ready.push((job, px)),
-                Err(e) => lines.failed(job.index, &job.source, e, None, None)?,
+        let t0 = Instant::now();
+        let mut taken = Vec::new();
+        for Done { job, prepared } in self.lane.finished(wait) {
+            let Job {
+                index,
+                source,
+                mut st,
+                mut slot,
+                bytes,
+            } = job;
+            if let Some(b) = bytes {
+                self.feed.reuse(b);
             }
-        }
-        let ib = self.image_bytes;
-        let per_copy = (self.staging.len() / ib).max(1);
-        while !ready.is_empty() {
-            let group: Vec<(Job, Vec<u8>)> = ready.drain(..per_copy.min(ready.len())).collect();
-            let t0 = Instant::now();
-            let mut taken = Vec::with_capacity(group.len());
-            for (k, (job, px)) in group.into_iter().enumerate() {
-                let buffer = self.p.acquire(self.timeout)?;
-                let host = &mut self.staging.as_mut_slice()[k * ib..(k + 1) * ib];
-                host.copy_from_slice(&px);
-                let dst = self.p.buffer(buffer);
-                // SAFETY: the buffer is ours (acquired) and holds `image_bytes`; the staging
-                // memory is pinned and not touched again until the copies have run (the stream
-                // is synchronised below, before the next group is written).
-                unsafe {
-                    self.p
-                        .stream()
-                        .copy_host_to_device_async(dst.ptr(), &host[..])?;
-                }
-                let mut st = job.st;
-                st.lease_ms = ms(t0.elapsed());
-                taken.push(Taken {
-                    index: job.index,
-                    source: job.source,
-                    bytes: None,
-                    st,
-                    gpu: None,
-                    buffer: Some(buffer),
-                    failed: false,
-                });
+            if let Err(e) = prepared {
+                self.slots.push(slot);
+                lines.failed(index, &source, e, None, None)?;
+                continue;
             }
-            self.p.stream().synchronize()?;
-            self.submit(taken, t0)?;
+            let buffer = self.p.acquire(self.timeout)?;
+            let uploaded = self.p.upload(buffer, &mut slot, 0..self.image_bytes);
+            self.slots.push(slot);
+            uploaded?;
+            st.lease_ms = ms(t0.elapsed());
+            taken.push(Taken {
+                index,
+                source,
+                bytes: None,
+                st,
+                gpu: None,
+                buffer: Some(buffer),
+                failed: false,
+            });
         }
-        Ok(())
+        self.submit(taken, t0)
     }
 
     /// Submits the prepared inputs. One that failed keeps its buffer unsubmitted, so it stays

@@ -1,15 +1,17 @@
 //! The GPU producer's CPU lane: inputs the GPU's decoder does not take (progressive JPEGs on
 //! the hardware engines, PNGs, a batch nvJPEG refused) are prepared on threads of their own,
 //! each with its own preprocessor, while the producer goes on decoding its next batches on the
-//! GPU. A prepared input comes back with its pixels; the producer then copies it into a device
-//! buffer and submits it. At most `capacity` inputs are in the lane at once: a producer with a
-//! full lane takes what it has finished before it takes more inputs.
+//! GPU. Each input travels with a page-locked slot that its thread writes the pixels into; back
+//! on the producer's thread it is copied into a device buffer by DMA (the slot waits for that
+//! copy before it is written again) and submitted. At most `capacity` inputs are in the lane at
+//! once: a producer with a full lane takes what it has finished before it takes more inputs.
 
 use std::collections::HashSet;
 use std::sync::mpsc;
 use std::thread::JoinHandle;
 use std::time::Duration;
 
+use tensorport_cuda::PinnedBuffer;
 use tensorport_vision::{Preprocessor, Source};
 
 use crate::config::Pixels;
@@ -21,13 +23,14 @@ pub(super) struct Job {
     pub source: Source,
     pub bytes: Option<Vec<u8>>,
     pub st: StageTimes,
+    /// Where its pixels go: at least `image_bytes`.
+    pub slot: PinnedBuffer,
 }
 
-/// An input back from the lane: its pixels (`image_bytes` of them, as the producer hands them
-/// over), or why it could not be prepared.
+/// An input back from the lane: its pixels are in its slot, or it could not be prepared.
 pub(super) struct Done {
     pub job: Job,
-    pub pixels: std::result::Result<Vec<u8>, String>,
+    pub prepared: std::result::Result<(), String>,
 }
 
 pub(super) struct Lane {
@@ -56,8 +59,8 @@ impl Lane {
                     .spawn(move || loop {
                         let next = rx.lock().unwrap_or_else(|p| p.into_inner()).recv();
                         let Ok(mut job) = next else { break };
-                        let pixels = prepare(&mut prep, pixels, image_bytes, &mut job);
-                        if tx.send(Done { job, pixels }).is_err() {
+                        let prepared = prepare(&mut prep, pixels, image_bytes, &mut job);
+                        if tx.send(Done { job, prepared }).is_err() {
                             break;
                         }
                     })
@@ -76,6 +79,11 @@ impl Lane {
     /// Inputs in the lane.
     pub fn len(&self) -> usize {
         self.inside.len()
+    }
+
+    /// How many inputs the lane holds at most (the slots its producer needs).
+    pub fn capacity(&self) -> usize {
+        self.capacity
     }
 
     pub fn is_full(&self) -> bool {
@@ -121,15 +129,19 @@ impl Drop for Lane {
     }
 }
 
-/// Prepares `job` into a new buffer of `image_bytes`, timing the steps into `job.st`.
+/// Prepares `job` into the first `image_bytes` of its slot, timing the steps into `job.st`.
 fn prepare(
     prep: &mut Preprocessor,
     pixels: Pixels,
     image_bytes: usize,
     job: &mut Job,
-) -> std::result::Result<Vec<u8>, String> {
-    let mut px = vec![0u8; image_bytes];
-    let planes = pixels.planes(&mut px).map_err(|e| e.to_string())?;
+) -> std::result::Result<(), String> {
+    let px = job
+        .slot
+        .as_mut_slice()
+        .get_mut(..image_bytes)
+        .ok_or("the lane's slot is smaller than an image")?;
+    let planes = pixels.planes(px).map_err(|e| e.to_string())?;
     let r = match (&job.bytes, &job.source) {
         (Some(b), Source::File(path)) => prep.prepare_encoded_into(b, path, planes),
         _ => prep.prepare_into(&job.source, planes),
@@ -138,5 +150,5 @@ fn prepare(
     job.st.decode_ms = ms(s.decode);
     job.st.resize_ms = ms(s.resize);
     job.st.normalise_ms = ms(s.normalise);
-    r.map(|()| px).map_err(|e| e.to_string())
+    r.map_err(|e| e.to_string())
 }
