@@ -36,7 +36,9 @@ pub struct Args {
     #[arg(long, conflicts_with_all = ["synthetic", "input_list"])]
     pub input: Option<PathBuf>,
     /// A file listing the images to classify, one path per line, in the order to hand them out
-    /// (a path may come more than once: each line is an input).
+    /// (a path may come more than once: each line is an input). `-`: read them from standard
+    /// input as they come, handing each out on arrival; the farm keeps its producers waiting
+    /// for more and ends once standard input is closed and every input has its result.
     #[arg(long, value_name = "FILE", conflicts_with = "synthetic")]
     pub input_list: Option<PathBuf>,
     /// Classify N generated images instead of files.
@@ -117,6 +119,7 @@ impl Args {
                 .into_iter()
                 .map(Source::File)
                 .collect(),
+            (None, Some(list), _) if list.as_os_str() == "-" => Vec::new(),
             (None, Some(list), _) => std::fs::read_to_string(list)
                 .map_err(|e| CliError::usage(format!("--input-list {}: {e}", list.display())))?
                 .lines()
@@ -177,7 +180,14 @@ pub fn run(args: Args) -> CliResult<u8> {
         Progress::Auto => std::io::stderr().is_terminal(),
     };
     let console = Arc::new(Console::new(tty, cfg.inputs.len() as u64));
-    let outcome = tensorport_farm::farm::run(cfg, console.clone());
+    let streamed = args
+        .input_list
+        .as_ref()
+        .is_some_and(|l| l.as_os_str() == "-");
+    let outcome = match streamed {
+        false => tensorport_farm::farm::run(cfg, console.clone()),
+        true => tensorport_farm::farm::run_with(cfg, console.clone(), Some(stdin_inputs())),
+    };
     console.clear();
     let outcome = outcome?;
     let Some(summary) = &outcome.summary else {
@@ -192,4 +202,22 @@ pub fn run(args: Args) -> CliResult<u8> {
         return Ok(if outcome.stopped { 130 } else { 1 });
     }
     Ok(0)
+}
+
+/// The paths on standard input, one per line, sent as they come; the channel closes with it.
+fn stdin_inputs() -> std::sync::mpsc::Receiver<Source> {
+    let (tx, rx) = std::sync::mpsc::channel();
+    std::thread::spawn(move || {
+        use std::io::BufRead;
+        for line in std::io::stdin().lock().lines() {
+            let Ok(line) = line else { break };
+            if line.trim().is_empty() {
+                continue;
+            }
+            if tx.send(Source::File(PathBuf::from(line))).is_err() {
+                break;
+            }
+        }
+    });
+    rx
 }

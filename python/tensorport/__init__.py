@@ -537,8 +537,10 @@ class Loader:
     as producers have room, dead or hung producers restarted and their files redone). Every batch holds
     `batch_size` images (the last one fewer, or none with `drop_last`), in the order the
     producers finish them; every file comes exactly once per epoch (each `for` over the loader
-    is an epoch, with fresh producers). With `labels` (a sequence, one per file) or
-    `from_folder`, batches are `(images, labels)`; otherwise `(images, indices)` — and
+    is an epoch, with fresh producers — or, with `persistent=True`, the same ones, kept waiting
+    between epochs until `close()`, as the DataLoader's `persistent_workers`). With `labels` (a
+    sequence, one per file) or `from_folder`, batches are `(images, labels)`; otherwise
+    `(images, indices)` — and
     `last_indices` holds the batch's positions in `files` either way.
 
     A producer that dies (killed, say) is started again and its unfinished files redone; when
@@ -566,7 +568,7 @@ class Loader:
                  max_restarts: int = 8, pin_memory: bool = False, device=None,
                  gpu_producers: int = 0, shuffle: bool = False,
                  seed: Optional[int] = None, drop_last: bool = False, labels=None,
-                 on_error: str = "raise"):
+                 on_error: str = "raise", persistent: bool = False):
         self.files = [str(f) for f in files]
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: give 1 or more")
@@ -607,6 +609,9 @@ class Loader:
         self.last_indices = None
         self.classes: Optional[List[str]] = None
         self.producer_pids: List[int] = []
+        self.persistent = persistent
+        # With `persistent`: the server, the farm and what reads its output, kept across epochs.
+        self._kept: Optional[dict] = None
 
     @classmethod
     def from_folder(cls, root, **kw) -> "Loader":
@@ -644,23 +649,130 @@ class Loader:
         return order
 
     def __iter__(self):
+        if self.persistent:
+            return self._iter_kept()
+        return self._iter_once()
+
+    def _farm_command(self, sock: str, listing: str) -> List[str]:
+        """The `tensorport farm` that feeds this loader's server at `sock` the files listed in
+        `listing` (`-`: on its standard input, as they come)."""
+        return [self.binary, "--log", "warn", "farm", "--attach", sock,
+                "--attach-gpu", str(self.gpu), "--input-list", listing,
+                "--producers", str(self.producers), "--gpu-producers", str(self.gpu_producers),
+                "--in-flight", str(self.in_flight), "--image-size", str(self.image_size),
+                "--transform", self.transform, "--max-restarts", str(self.max_restarts),
+                "--stall-secs", str(self.timeout), "--progress", "never",
+                "--output", "/dev/stdout"]
+
+    def _server(self, sock: str) -> "Server":
+        s = self.image_size
+        return Server(sock, slots=self.in_flight, slot_size=3 * s * s * 4,
+                      max_sessions=self.producers + self.gpu_producers + 4,
+                      cuda_device=None if self.device is None else self.gpu)
+
+    @staticmethod
+    def _watch(farm, failures, stderr) -> None:
+        """Reads the farm's output on two threads: its failure lines into `failures` (the
+        images come through this process's server; the rest is its summary), the end of its
+        stderr into `stderr`."""
+        import threading
+
+        def watch():
+            for line in farm.stdout:
+                try:
+                    r = json.loads(line)
+                    if isinstance(r, dict) and r.get("error"):
+                        failures.put((int(r.get("index", -1)), str(r.get("input")),
+                                      str(r["error"])))
+                except (ValueError, TypeError):
+                    continue  # not a result line (the farm's summary)
+
+        def keep_stderr():
+            for line in farm.stderr:
+                stderr.append(line.decode(errors="replace").rstrip())
+                del stderr[:-20]
+
+        threading.Thread(target=watch, daemon=True).start()
+        threading.Thread(target=keep_stderr, daemon=True).start()
+
+    def _iter_kept(self):
+        """An epoch through the kept farm (started on the first, or again if it has ended):
+        this epoch's files go to its standard input, and request ids count on from the last
+        epoch's."""
+        np = _np()
+        order = self._order()
+        self.epoch += 1
+        self.skipped = []
+        kept = self._kept
+        if kept is None or kept["farm"].poll() is not None:
+            self.close()
+            kept = self._kept = self._start_kept()
+        base = kept["written"]
+        kept["farm"].stdin.write("".join(self.files[i] + "\n" for i in order).encode())
+        kept["farm"].stdin.flush()
+        kept["written"] += len(order)
+        yield from self._batches(kept["server"], kept["farm"], kept["stderr"], order,
+                                 kept["failures"], np, base)
+
+    def _start_kept(self) -> dict:
         import os
         import queue
         import subprocess
         import tempfile
-        import threading
+
+        d = tempfile.mkdtemp(prefix="tensorport-loader-")
+        os.chmod(d, 0o700)
+        sock = os.path.join(d, "tp.sock")
+        server = self._server(sock)
+        farm = subprocess.Popen(
+            self._farm_command(sock, "-"),
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+            # The farm, and so its producers, die with this process, even killed.
+            env=dict(os.environ, TENSORPORT_FARM_PID=str(os.getpid())),
+        )
+        self.producer_pids = [farm.pid]
+        kept = {"dir": d, "server": server, "farm": farm, "failures": queue.Queue(),
+                "stderr": [], "written": 0}
+        self._watch(farm, kept["failures"], kept["stderr"])
+        return kept
+
+    def close(self) -> None:
+        """Ends the producers a `persistent` loader keeps between epochs (they also end when
+        the loader is collected, and with this process). Iterating again starts new ones."""
+        import shutil
+
+        kept, self._kept = self._kept, None
+        if kept is None:
+            return
+        try:
+            kept["farm"].stdin.close()
+        except OSError:
+            pass
+        self._end_farm(kept["farm"])
+        self.producer_pids = []
+        kept["server"].drain()
+        shutil.rmtree(kept["dir"], ignore_errors=True)
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def _iter_once(self):
+        import os
+        import queue
+        import subprocess
+        import tempfile
 
         np = _np()
-        s = self.image_size
         order = self._order()
         self.epoch += 1
         self.skipped = []
         with tempfile.TemporaryDirectory(prefix="tensorport-loader-") as d:
             os.chmod(d, 0o700)
             sock = os.path.join(d, "tp.sock")
-            server = Server(sock, slots=self.in_flight, slot_size=3 * s * s * 4,
-                            max_sessions=self.producers + self.gpu_producers + 4,
-                            cuda_device=None if self.device is None else self.gpu)
+            server = self._server(sock)
             # The files in this epoch's order, one per line: the farm hands them out in that
             # order, and a request's id is its line's position.
             listing = os.path.join(d, "inputs.txt")
@@ -668,39 +780,14 @@ class Loader:
                 f.writelines(self.files[i] + "\n" for i in order)
             failures: "queue.Queue[Tuple[int, str, str]]" = queue.Queue()
             farm = subprocess.Popen(
-                [self.binary, "--log", "warn", "farm", "--attach", sock,
-                 "--attach-gpu", str(self.gpu), "--input-list", listing,
-                 "--producers", str(self.producers), "--gpu-producers", str(self.gpu_producers),
-                 "--in-flight", str(self.in_flight), "--image-size", str(s),
-                 "--transform", self.transform, "--max-restarts", str(self.max_restarts),
-                 "--stall-secs", str(self.timeout), "--progress", "never",
-                 "--output", "/dev/stdout"],
+                self._farm_command(sock, listing),
                 stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 # The farm, and so its producers, die with this process, even killed.
                 env=dict(os.environ, TENSORPORT_FARM_PID=str(os.getpid())),
             )
             self.producer_pids = [farm.pid]
             stderr: List[str] = []
-
-            def watch():
-                # The farm's result lines: only the failures matter here (the images come
-                # through this process's server); the rest is its summary.
-                for line in farm.stdout:
-                    try:
-                        r = json.loads(line)
-                        if isinstance(r, dict) and r.get("error"):
-                            failures.put((int(r.get("index", -1)), str(r.get("input")),
-                                          str(r["error"])))
-                    except (ValueError, TypeError):
-                        continue  # not a result line (the farm's summary)
-
-            def keep_stderr():
-                for line in farm.stderr:
-                    stderr.append(line.decode(errors="replace").rstrip())
-                    del stderr[:-20]
-
-            threading.Thread(target=watch, daemon=True).start()
-            threading.Thread(target=keep_stderr, daemon=True).start()
+            self._watch(farm, failures, stderr)
             try:
                 yield from self._batches(server, farm, stderr, order, failures, np)
             finally:
@@ -752,7 +839,8 @@ class Loader:
             got = server._native._recv_into_address(address, want, row, 0.2, self.max_wait)
         return [(rid, start + k) for rid, k in got]
 
-    def _batches(self, server, farm, stderr, order, failures, np):
+    def _batches(self, server, farm, stderr, order, failures, np, base=0):
+        """This epoch's batches: request ids (and the farm's indices) `base + position`."""
         import queue
         import time
 
@@ -771,8 +859,11 @@ class Loader:
                         pos, name, error = failures.get_nowait()
                     except queue.Empty:
                         break
+                    if not base <= pos < base + n:
+                        continue  # an earlier epoch's (its iteration was left early)
                     if self.on_error == "raise":
                         raise TensorportError(f"a file could not be prepared: {name}: {error}")
+                    pos -= base
                     if 0 <= pos < n and pos not in done:
                         done.add(pos)
                         self.skipped.append((name, error))
@@ -793,7 +884,9 @@ class Loader:
                     continue
                 last = time.monotonic()
                 # A file handed over twice (its producer killed after its hand-off) is kept once.
-                fresh = [(rid, r) for rid, r in got if rid < n and rid not in done]
+                # Ids outside this epoch's are an earlier one's, left early: not this epoch's.
+                fresh = [(rid - base, r) for rid, r in got
+                         if 0 <= rid - base < n and rid - base not in done]
                 done.update(rid for rid, _ in fresh)
                 rows = [r for _, r in fresh]
                 if rows != list(range(start, start + len(rows))):

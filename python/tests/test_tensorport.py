@@ -683,3 +683,40 @@ def test_the_package_and_its_examples_type_check(tmp_path):
     for what in (["-p", "tensorport"], files):
         out, err, code = api.run(["--ignore-missing-imports", "--cache-dir", str(tmp_path), *what])
         assert code == 0, out + err
+
+
+def test_persistent_loader_keeps_its_producers_across_epochs(tmp_path):
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "20")
+    files = sorted(images.iterdir())
+    loader = tensorport.Loader(files, batch_size=6, producers=2, image_size=16, binary=BIN,
+                               shuffle=True, seed=3, timeout=PATIENCE, persistent=True)
+    farms = []
+    for epoch in range(3):
+        seen = [i for _, idx in loader for i in idx.tolist()]
+        assert sorted(seen) == list(range(20)), epoch
+        farms.append(list(loader.producer_pids))
+    # One farm (and so the same producers) served every epoch, and is still up between them.
+    assert farms[0] == farms[1] == farms[2] and len(farms[0]) == 1
+    farm = farms[0][0]
+    assert os.path.exists(f"/proc/{farm}")
+    # An epoch left early: the next still gets every file once (the earlier epoch's stragglers
+    # are not taken for this one's).
+    for _ in loader:
+        break
+    seen = [i for _, idx in loader for i in idx.tolist()]
+    assert sorted(seen) == list(range(20))
+    assert loader.producer_pids == [farm]
+    loader.close()
+    assert loader.producer_pids == []
+    assert eventually(lambda: not os.path.exists(f"/proc/{farm}")), "the farm outlived close()"
+    # Collected without close(): its farm ends too.
+    again = tensorport.Loader(files, batch_size=6, producers=1, image_size=16, binary=BIN,
+                              timeout=PATIENCE, persistent=True)
+    assert sorted(i for _, idx in again for i in idx.tolist()) == list(range(20))
+    farm = again.producer_pids[0]
+    del again
+    import gc
+
+    gc.collect()
+    assert eventually(lambda: not os.path.exists(f"/proc/{farm}")), "the farm outlived its loader"

@@ -193,3 +193,72 @@ fn farm_attached_to_a_running_server_feeds_it_every_input_once_and_leaves_it_run
     assert!(ok && out2.lines().count() == 2, "{out2}{err}");
     drain_and_wait(s, &mut server);
 }
+
+#[test]
+fn farm_with_inputs_on_stdin_hands_each_out_as_it_comes_and_ends_with_stdin() {
+    use std::io::Write;
+    let dir = tmp();
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "5"]);
+    assert!(ok, "{err}");
+    let mut files: Vec<String> = std::fs::read_dir(&images)
+        .unwrap()
+        .map(|e| e.unwrap().path().display().to_string())
+        .collect();
+    files.sort();
+    let out = dir.path().join("r.jsonl");
+    let mut farm = Command::new(EXE)
+        .args(["--log", "warn", "farm", "--input-list", "-", "-p", "2"])
+        .args(["--image-size", "32", "--progress", "never", "--output"])
+        .arg(&out)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    // Watchdog: a farm that never ends is killed, and the test then fails on its status.
+    let pid = farm.id() as i32;
+    let finished = Arc::new(AtomicBool::new(false));
+    let f = finished.clone();
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        while !f.load(Ordering::SeqCst) {
+            if start.elapsed() > Duration::from_secs(120) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let mut stdin = farm.stdin.take().unwrap();
+    writeln!(stdin, "{}\n{}\n{}", files[0], files[1], files[2]).unwrap();
+    stdin.flush().unwrap();
+    // The first three are done while standard input is still open, and the farm waits on.
+    let first = Instant::now();
+    while count_lines(&out) < 3 && first.elapsed() < Duration::from_secs(60) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(count_lines(&out), 3);
+    std::thread::sleep(Duration::from_millis(300));
+    assert!(
+        farm.try_wait().unwrap().is_none(),
+        "the farm ended before its input did"
+    );
+    // More, one of them again (each line is an input), then the end.
+    writeln!(stdin, "{}\n{}\n{}", files[3], files[4], files[0]).unwrap();
+    drop(stdin);
+    let st = farm.wait().unwrap();
+    finished.store(true, Ordering::SeqCst);
+    assert!(st.success(), "{st}");
+    let lines = read_results(&out);
+    let mut indices: Vec<u64> = lines.iter().map(|l| l.index).collect();
+    indices.sort();
+    assert_eq!(indices, (0..6).collect::<Vec<u64>>());
+    assert!(lines.iter().all(|l| l.scores.is_some()));
+    let by = |i: u64| lines.iter().find(|l| l.index == i).unwrap();
+    assert_eq!(by(0).scores, by(5).scores);
+    assert_eq!(by(5).input, files[0]);
+}

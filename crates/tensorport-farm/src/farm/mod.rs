@@ -14,6 +14,7 @@ mod rundir;
 mod supervisor;
 
 use std::path::{Path, PathBuf};
+
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
@@ -135,6 +136,19 @@ impl Outcome {
 /// Runs the farm until every input has its line, it fails, or a signal stops it. Configuration
 /// errors (and a server that cannot start) come back as `Err`, before any summary.
 pub fn run(cfg: FarmConfig, report: Arc<dyn Report>) -> Result<Outcome> {
+    run_with(cfg, report, None)
+}
+
+/// [`run`], with inputs that keep coming: each `Source` sent on `more` is input
+/// `cfg.inputs.len() + k` (its result line's index), handed out as it comes; producers are kept
+/// (waiting for work) while nothing is left to do, and the farm ends once every input has its
+/// result and `more`'s sender is gone. A Python `Loader` with persistent producers feeds its
+/// epochs this way.
+pub fn run_with(
+    cfg: FarmConfig,
+    report: Arc<dyn Report>,
+    more: Option<mpsc::Receiver<tensorport_vision::Source>>,
+) -> Result<Outcome> {
     cfg.check()?;
     let inputs = cfg.inputs.clone();
     let mut out = ResultsFile::create(&cfg.output)?;
@@ -162,7 +176,7 @@ pub fn run(cfg: FarmConfig, report: Arc<dyn Report>) -> Result<Outcome> {
     let stopped = || signals.load(Ordering::SeqCst) >= 1;
     let quit_now = || signals.load(Ordering::SeqCst) >= 2;
     let started = Instant::now();
-    let mut sup = Supervisor::start(farm, inputs)?;
+    let mut sup = Supervisor::start(farm, inputs, more)?;
     let mut batches = drive(&mut sup, &rx, &mut out, (&stopped, &quit_now), started)?;
     if let Err(e) = out.flush() {
         sup.failure.get_or_insert(e);
@@ -248,6 +262,7 @@ fn drive(
         if stopped() {
             sup.stop();
         }
+        sup.take_new_inputs();
         sup.start_due()?;
         sup.hand_out();
         sup.handle_events(rx, Duration::from_millis(50), out);

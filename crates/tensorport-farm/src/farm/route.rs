@@ -106,6 +106,14 @@ impl Queue {
         None
     }
 
+    /// Adds input `i`, new (one more than the last), at the back.
+    pub(super) fn push_new(&mut self, i: u64) {
+        if self.routing {
+            self.side.resize(i as usize + 1, None);
+        }
+        self.unsorted.push_back(i);
+    }
+
     /// Puts `i` back, to be handed out first.
     pub(super) fn push_front(&mut self, i: u64) {
         match self.side.get(i as usize).copied().flatten() {

@@ -37,6 +37,8 @@ pub(super) struct Supervisor {
     pub(super) farm: Farm,
     inputs: Vec<Source>,
     n: u64,
+    /// More inputs, while they may come (a stream of them: `run_with`).
+    more: Option<Receiver<Source>>,
     servers: Vec<ServerSlot>,
     workers: Vec<Worker>,
     stall: Duration,
@@ -68,7 +70,11 @@ pub(super) struct Supervisor {
 
 impl Supervisor {
     /// Starts the server; producers follow once it listens.
-    pub(super) fn start(farm: Farm, inputs: Vec<Source>) -> Result<Supervisor> {
+    pub(super) fn start(
+        farm: Farm,
+        inputs: Vec<Source>,
+        more: Option<Receiver<Source>>,
+    ) -> Result<Supervisor> {
         let n = inputs.len() as u64;
         let attached = matches!(farm.cfg.servers, crate::config::Servers::Attach { .. });
         let servers = (0..farm.sockets.len())
@@ -104,6 +110,7 @@ impl Supervisor {
             farm,
             inputs,
             n,
+            more,
             servers,
             workers,
             queue: Queue::new(n, routing),
@@ -121,6 +128,33 @@ impl Supervisor {
             window: Window::new(farm_servers),
             moves: 0,
         })
+    }
+
+    /// Takes the inputs that have come on the stream since the last look; the stream's end
+    /// means no more will.
+    pub(super) fn take_new_inputs(&mut self) {
+        let Some(rx) = &self.more else { return };
+        loop {
+            match rx.try_recv() {
+                Ok(source) => {
+                    let i = self.n;
+                    self.inputs.push(source);
+                    self.done.push(false);
+                    self.queue.push_new(i);
+                    self.n += 1;
+                }
+                Err(std::sync::mpsc::TryRecvError::Empty) => return,
+                Err(std::sync::mpsc::TryRecvError::Disconnected) => {
+                    self.more = None;
+                    return;
+                }
+            }
+        }
+    }
+
+    /// Every input has its result and no more will come.
+    fn all_done(&self) -> bool {
+        self.done_count >= self.n && self.more.is_none()
     }
 
     /// The first Ctrl-C: hand out nothing more, give the work in flight 15 s.
@@ -184,7 +218,7 @@ impl Supervisor {
                 .servers
                 .iter()
                 .any(|s| !s.ever_ready && s.child.is_some());
-        if self.done_count < self.n && !starting {
+        if !self.all_done() && !starting {
             for slot in 0..self.workers.len() {
                 if matches!(self.workers[slot].state, State::Waiting { until } if now >= until) {
                     let wanted = self.workers[slot]
@@ -340,14 +374,15 @@ impl Supervisor {
             }
         }
         w.last_exit = Some(status.clone());
-        if std::mem::take(&mut w.moving) && self.done_count < self.n && self.stopping.is_none() {
+        let all_done = self.done_count >= self.n && self.more.is_none();
+        if std::mem::take(&mut w.moving) && !all_done && self.stopping.is_none() {
             // It finished its inputs to move: start it again at once, against its new server.
             w.state = State::Waiting {
                 until: Instant::now(),
             };
             return;
         }
-        if self.done_count >= self.n || self.stopping.is_some() {
+        if all_done || self.stopping.is_some() {
             w.state = State::Waiting {
                 until: Instant::now() + Duration::from_secs(3600),
             };
@@ -407,7 +442,7 @@ impl Supervisor {
             });
             return;
         }
-        if self.done_count >= self.n || self.stopping.is_some() {
+        if (self.done_count >= self.n && self.more.is_none()) || self.stopping.is_some() {
             return;
         }
         s.restarts += 1;
@@ -513,7 +548,7 @@ impl Supervisor {
     /// Whether the run is over: every input done, a failure, every producer given up on, or
     /// stopping with nothing left in flight (or out of time).
     pub(super) fn is_over(&mut self) -> bool {
-        if self.failure.is_some() || self.done_count >= self.n {
+        if self.failure.is_some() || self.all_done() {
             return true;
         }
         if self
