@@ -16,7 +16,7 @@
 use std::time::Duration;
 
 use tensorport::{DType, TensorSpec};
-use tensorport_cuda::{Gpu, GpuProducer};
+use tensorport_cuda::{Gpu, GpuProducer, GpuProducerConfig};
 use tensorport_dfdx::dfdx::prelude::*;
 use tensorport_dfdx::{scores_from_bytes, ImageClassifier, ModelConfig};
 use tensorport_vision::{synthetic, to_nchw, IMAGENET_MEAN, IMAGENET_STD};
@@ -45,7 +45,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     let gpu = Gpu::open(0)?;
     let dev = Cuda::try_build(0, 0).map_err(|e| format!("dfdx on CUDA: {e:?}"))?; // same primary context
     let bytes = 3 * SIZE * SIZE * 4;
-    let mut p = GpuProducer::connect_best(socket, "gpu-prep", &gpu, 4, bytes)?;
+    let mut p = GpuProducer::connect(socket, &gpu, &GpuProducerConfig::new("gpu-prep", 4, bytes))?;
     let spec = TensorSpec::new(DType::F32, &[3, SIZE as u64, SIZE as u64]);
     let mean = dev.tensor_from_vec(IMAGENET_MEAN.to_vec(), (3usize,));
     let std = dev.tensor_from_vec(IMAGENET_STD.to_vec(), (3usize,));

@@ -58,13 +58,17 @@ pub(super) fn ipc_producer(
 ) -> CliResult<()> {
     use std::time::Duration;
     use tensorport::{DType, TensorSpec};
-    use tensorport_cuda::{Fence, GpuProducer};
+    use tensorport_cuda::{Fence, GpuProducer, GpuProducerConfig, Sharing};
     let fence = match fence {
         FenceArg::Timeline => Fence::Timeline,
         _ => Fence::Event,
     };
-    let mut p = GpuProducer::connect_with(sock, "bench-ipc", gpu, pool.max(1), bytes, fence)
-        .map_err(cuda)?;
+    let mut p = GpuProducer::connect(
+        sock,
+        gpu,
+        &GpuProducerConfig::new("bench-ipc", pool.max(1), bytes).sharing(Sharing::Ipc(fence)),
+    )
+    .map_err(cuda)?;
     let words_bytes = bytes / 4 * 4;
     let spec = TensorSpec::new(DType::U8, &[bytes as u64]);
     let mut tr = StepTrace::new(["acquire", "fill", "submit", "results"]);

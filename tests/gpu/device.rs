@@ -10,11 +10,13 @@ pub(crate) fn gpu_producer(socket: &str) {
     let count: u32 = env_or("TP_COUNT", "200").parse().unwrap();
     let mib: usize = env_or("TP_MIB", "1").parse().unwrap();
     let gpu = Gpu::open(env_or("TP_GPU", "0").parse().unwrap()).unwrap();
-    let name = format!("gpu-producer-{id}");
+    let cfg = GpuProducerConfig::new(format!("gpu-producer-{id}"), 2, mib << 20);
     let mut p = match env_or("TP_FENCE", "event").as_str() {
-        "vmm" => GpuProducer::connect_vmm(socket, &name, &gpu, 2, mib << 20),
-        "timeline" => GpuProducer::connect_with(socket, &name, &gpu, 2, mib << 20, Fence::Timeline),
-        _ => GpuProducer::connect_with(socket, &name, &gpu, 2, mib << 20, Fence::Event),
+        "vmm" => GpuProducer::connect(socket, &gpu, &cfg.sharing(Sharing::Vmm)),
+        "timeline" => {
+            GpuProducer::connect(socket, &gpu, &cfg.sharing(Sharing::Ipc(Fence::Timeline)))
+        }
+        _ => GpuProducer::connect(socket, &gpu, &cfg.sharing(Sharing::Ipc(Fence::Event))),
     }
     .unwrap();
     // Tensors of this many 32-bit words (1 MiB by default) from the start of each buffer, less

@@ -35,7 +35,7 @@ use tensorport::{DType, TensorSpec};
 use tensorport::{Server, ServerConfig};
 use tensorport_cuda::{
     live_imports, live_registrations, CudaImporter, CudaPin, DeviceBuffer, Fence, Gpu, GpuProducer,
-    Stream,
+    GpuProducerConfig, Sharing, Stream,
 };
 
 fn main() {

@@ -38,7 +38,12 @@ pub(crate) fn start_cuda_serve(sock: &std::path::Path, extra: &[&str]) -> ChildG
 
 /// A timeline-fenced GPU producer of [`MODEL_SIZE`] f32 images, connected to `sock`.
 pub(crate) fn image_producer(sock: &std::path::Path, name: &str, gpu: &Arc<Gpu>) -> GpuProducer {
-    GpuProducer::connect_with(sock, name, gpu, 2, image_bytes(), Fence::Timeline).unwrap()
+    GpuProducer::connect(
+        sock,
+        gpu,
+        &GpuProducerConfig::new(name, 2, image_bytes()).sharing(Sharing::Ipc(Fence::Timeline)),
+    )
+    .unwrap()
 }
 
 pub(crate) fn image_bytes() -> usize {
@@ -208,9 +213,12 @@ pub(crate) fn event_fence_signalled_late() {
     let (_dir, sock) = socket_dir();
     let _server = start_cuda_serve(&sock, &["--fence-timeout-ms", "1000"]);
     let gpu = Gpu::open(0).unwrap();
-    let mut late =
-        GpuProducer::connect_with(&sock, "late-event", &gpu, 2, image_bytes(), Fence::Event)
-            .unwrap();
+    let mut late = GpuProducer::connect(
+        &sock,
+        &gpu,
+        &GpuProducerConfig::new("late-event", 2, image_bytes()).sharing(Sharing::Ipc(Fence::Event)),
+    )
+    .unwrap();
     let mut honest = image_producer(&sock, "honest", &gpu);
     let flag = tensorport_cuda::DeviceBuffer::new(&gpu, 8).unwrap();
     let side = tensorport_cuda::Stream::new(&gpu).unwrap();

@@ -58,71 +58,80 @@ impl std::fmt::Debug for GpuProducer {
     }
 }
 
-impl GpuProducer {
-    /// Shares VMM allocations as POSIX file descriptors (sent with `SCM_RIGHTS`) where the
-    /// device supports it, legacy CUDA IPC handles otherwise; timeline fences either way.
-    pub fn connect_best(
-        socket: impl AsRef<Path>,
-        name: &str,
-        gpu: &Arc<Gpu>,
-        count: usize,
-        len: usize,
-    ) -> Result<GpuProducer> {
-        if gpu.supports_posix_fd()? {
-            Self::connect_vmm(socket, name, gpu, count, len)
-        } else {
-            Self::connect_with(socket, name, gpu, count, len, Fence::Timeline)
+/// How a GPU producer shares its buffers with the server.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Sharing {
+    /// VMM allocations sent as POSIX file descriptors where the device supports them, legacy
+    /// CUDA IPC handles otherwise; timeline fences either way.
+    #[default]
+    Best,
+    /// VMM allocations (`cuMemCreate`) exported as POSIX file descriptors and sent with
+    /// `SCM_RIGHTS`, fenced by timelines: no legacy IPC, and nothing for another process to
+    /// open unless it was sent the descriptor.
+    Vmm,
+    /// Legacy CUDA IPC handles of `cuMemAlloc` buffers, with this fence.
+    Ipc(Fence),
+}
+
+/// A GPU producer's session: its name, its buffers, and how they are shared.
+#[derive(Debug, Clone)]
+pub struct GpuProducerConfig {
+    /// The producer's name (the server's logs and status show it).
+    pub name: String,
+    /// Device buffers, one per request in flight (a session may register at most 64).
+    pub buffers: usize,
+    /// Bytes of tensor data each buffer holds at least.
+    pub len: usize,
+    /// How the buffers are shared with the server.
+    pub sharing: Sharing,
+}
+
+impl GpuProducerConfig {
+    /// `buffers` buffers of `len` bytes, shared the best way the device allows.
+    pub fn new(name: impl Into<String>, buffers: usize, len: usize) -> GpuProducerConfig {
+        GpuProducerConfig {
+            name: name.into(),
+            buffers,
+            len,
+            sharing: Sharing::Best,
         }
     }
 
-    /// Buffers are VMM allocations (`cuMemCreate`) exported as POSIX file descriptors and sent
-    /// with `SCM_RIGHTS`, fenced by timelines: no legacy IPC, and nothing for another process to
-    /// open unless it was sent the descriptor.
-    pub fn connect_vmm(
-        socket: impl AsRef<Path>,
-        name: &str,
-        gpu: &Arc<Gpu>,
-        count: usize,
-        len: usize,
-    ) -> Result<GpuProducer> {
-        Self::connect_inner(socket, name, gpu, count, len, Fence::Timeline, true)
+    /// The same, shared as `sharing` says.
+    pub fn sharing(mut self, sharing: Sharing) -> GpuProducerConfig {
+        self.sharing = sharing;
+        self
     }
+}
 
-    /// [`GpuProducer::connect_with`] event fences.
+impl GpuProducer {
+    /// Connects to the server at `socket`, allocates `cfg.buffers` buffers of at least
+    /// `cfg.len` bytes of tensor data on `gpu` (each its own allocation, rounded up to 2 MiB so
+    /// no other allocation shares its mapping), and registers them with the server, shared as
+    /// `cfg.sharing` says.
     pub fn connect(
         socket: impl AsRef<Path>,
-        name: &str,
         gpu: &Arc<Gpu>,
-        count: usize,
-        len: usize,
+        cfg: &GpuProducerConfig,
     ) -> Result<GpuProducer> {
-        Self::connect_with(socket, name, gpu, count, len, Fence::Event)
-    }
-
-    /// Connects, allocates `count` buffers of at least `len` bytes of tensor data (each its own
-    /// allocation, rounded up to 2 MiB so no other allocation shares its IPC mapping), and
-    /// registers them with the server, fenced by `fence`.
-    pub fn connect_with(
-        socket: impl AsRef<Path>,
-        name: &str,
-        gpu: &Arc<Gpu>,
-        count: usize,
-        len: usize,
-        fence: Fence,
-    ) -> Result<GpuProducer> {
-        Self::connect_inner(socket, name, gpu, count, len, fence, false)
+        let (fence, vmm) = match cfg.sharing {
+            Sharing::Best if gpu.supports_posix_fd()? => (Fence::Timeline, true),
+            Sharing::Best => (Fence::Timeline, false),
+            Sharing::Vmm => (Fence::Timeline, true),
+            Sharing::Ipc(fence) => (fence, false),
+        };
+        Self::connect_inner(socket, gpu, cfg, fence, vmm)
     }
 
     fn connect_inner(
         socket: impl AsRef<Path>,
-        name: &str,
         gpu: &Arc<Gpu>,
-        count: usize,
-        len: usize,
+        g: &GpuProducerConfig,
         fence: Fence,
         vmm: bool,
     ) -> Result<GpuProducer> {
-        let mut cfg = ProducerConfig::new(name);
+        let (count, len) = (g.buffers, g.len);
+        let mut cfg = ProducerConfig::new(&g.name);
         // No host slots are used, but the session's in-flight limit (twice its slots) must
         // cover every buffer: one small slot per buffer.
         cfg.slots = count.max(1) as u32;

@@ -56,7 +56,7 @@ pub use driver::Driver;
 pub use external::ExternalDevice;
 pub use gather::Gatherer;
 pub use gpu::Gpu;
-pub use gpu_producer::GpuProducer;
+pub use gpu_producer::{GpuProducer, GpuProducerConfig, Sharing};
 pub use ipc::{live_imports, CudaImporter, Fence};
 pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegWindow};
 pub use normalise::GpuNormaliser;

@@ -10,7 +10,9 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorport::TensorSpec;
-use tensorport_cuda::{DeviceBuffer, Gpu, GpuJpeg, GpuProducer, JpegJob, JpegWindow, PinnedBuffer};
+use tensorport_cuda::{
+    DeviceBuffer, Gpu, GpuJpeg, GpuProducer, GpuProducerConfig, JpegJob, JpegWindow, PinnedBuffer,
+};
 use tensorport_vision::{Source, Transform, IMAGENET_MEAN, IMAGENET_STD};
 
 use super::lane::{Done, Job, Lane};
@@ -96,7 +98,11 @@ pub(super) fn run(
     // One device buffer per request in flight; a session may register at most 64.
     let depth = (cfg.in_flight.max(1) as usize).min(tensorport_wire::MAX_DEVICE_BUFFERS as usize);
     let image_bytes = 3 * size * size * cfg.prep.pixels.bytes();
-    let p = GpuProducer::connect_best(&cfg.socket, &cfg.name, &gpu, depth, image_bytes)?;
+    let p = GpuProducer::connect(
+        &cfg.socket,
+        &gpu,
+        &GpuProducerConfig::new(cfg.name.clone(), depth, image_bytes),
+    )?;
     let timeout = cfg.timeout.max(Duration::from_secs(1));
     let lane = Lane::start(
         (0..g.cpu_threads.max(1))
