@@ -282,6 +282,11 @@ impl GpuProducer {
         src.record_read(&self.stream)
     }
 
+    /// How many buffers it has.
+    pub fn buffer_count(&self) -> usize {
+        self.buffers.len()
+    }
+
     /// Bytes of tensor data in each buffer.
     pub fn buffer_len(&self) -> usize {
         self.buffers[0].len

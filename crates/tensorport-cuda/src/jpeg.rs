@@ -11,7 +11,7 @@ use std::sync::Arc;
 
 use crate::kernel::Kernel;
 use crate::nvjpeg::{self, Nvjpeg};
-use crate::{DeviceBuffer, Error, Gpu, PinnedBuffer, Result, Stream};
+use crate::{DeviceBuffer, Error, Gpu, GpuProducer, PinnedBuffer, Result, Stream};
 
 /// The resize / crop / normalise kernel. One thread per output pixel (x), one block row per
 /// output row (y), one grid layer per image (z). Two passes as PIL does them: each source row in
@@ -138,6 +138,31 @@ pub struct JpegJob<'a> {
     pub dst: (&'a DeviceBuffer, usize),
 }
 
+/// One image of a batch decoded into a GPU producer's buffer ([`GpuJpeg::decode_into`]): the
+/// decoder holds its bytes until the batch has run.
+#[derive(Debug)]
+pub struct ProducerJpeg {
+    /// The file's bytes (checked with [`GpuJpeg::probe`]).
+    pub data: Vec<u8>,
+    /// The source's width and height, as [`GpuJpeg::probe`] gave them.
+    pub size: (u32, u32),
+    /// The window to keep.
+    pub window: JpegWindow,
+    /// The producer's buffer its tensor goes into (from its start).
+    pub buffer: usize,
+}
+
+/// A batch [`GpuJpeg::decode_into`] could not decode, given back whole.
+#[derive(Debug)]
+pub struct JpegRefused {
+    /// Why.
+    pub error: Error,
+    /// The batch's jobs, bytes and all, in their order.
+    pub jobs: Vec<ProducerJpeg>,
+    /// Bytes of earlier batches that no batch reads any more.
+    pub free: Vec<Vec<u8>>,
+}
+
 /// Which nvJPEG backend decodes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum JpegBackend {
@@ -184,6 +209,8 @@ pub struct GpuJpeg {
     jobs_dev: Option<DeviceBuffer>,
     /// Set after a batch's kernel; waited on before the scratch is reused.
     last: Option<crate::Event>,
+    /// The bytes of the last batch [`GpuJpeg::decode_into`] enqueued: read until `last`.
+    held: Vec<Vec<u8>>,
 }
 
 impl std::fmt::Debug for GpuJpeg {
@@ -233,6 +260,7 @@ impl GpuJpeg {
             jobs_host: None,
             jobs_dev: None,
             last: None,
+            held: Vec::new(),
         };
         // SAFETY: `handle` is live.
         me.state = unsafe { me.lib.state_create(me.handle)? };
@@ -259,6 +287,54 @@ impl GpuJpeg {
         match self.last.take() {
             Some(e) => e.wait(),
             None => Ok(()),
+        }
+    }
+
+    /// Decodes `jobs` as one batch into `producer`'s buffers on its stream (as
+    /// [`GpuJpeg::run`], safely): the decoder keeps each job's bytes until the batch has run,
+    /// and the producer's buffers outlive any work on its stream (its drop waits for it). Then
+    /// fence and submit the buffers. Returns the bytes no batch reads any more (the last
+    /// batch's: this one waited for it), to reuse. When nvJPEG refuses the batch, nothing of
+    /// it is pending any more and it comes back whole ([`JpegRefused`]): prepare those images
+    /// another way.
+    pub fn decode_into(
+        &mut self,
+        producer: &GpuProducer,
+        jobs: Vec<ProducerJpeg>,
+    ) -> std::result::Result<Vec<Vec<u8>>, Box<JpegRefused>> {
+        let refused = |me: &mut GpuJpeg, error: Error, jobs: Vec<ProducerJpeg>| {
+            let _ = me.wait_idle();
+            Box::new(JpegRefused {
+                error,
+                jobs,
+                free: std::mem::take(&mut me.held),
+            })
+        };
+        if jobs.iter().any(|j| j.buffer >= producer.buffer_count()) {
+            return Err(refused(self, Error::Refused("no such buffer"), jobs));
+        }
+        let table: Vec<JpegJob<'_>> = jobs
+            .iter()
+            .map(|j| JpegJob {
+                data: &j.data,
+                size: j.size,
+                window: j.window,
+                dst: (producer.buffer(j.buffer), 0),
+            })
+            .collect();
+        // SAFETY: the bytes are moved into `self.held` below and kept until the next `run`,
+        // `decode_into`, `wait_idle` or drop has waited for this batch (on an error,
+        // `refused` waits first); the output buffers are the producer's, which live until its
+        // drop has synchronised the stream the work is enqueued on.
+        let r = unsafe { self.run(&table, producer.stream()) };
+        drop(table);
+        match r {
+            Ok(()) => {
+                let done = std::mem::take(&mut self.held);
+                self.held = jobs.into_iter().map(|j| j.data).collect();
+                Ok(done)
+            }
+            Err(e) => Err(refused(self, e, jobs)),
         }
     }
 
@@ -499,6 +575,8 @@ impl Drop for GpuJpeg {
         if let Some(e) = self.last.take() {
             let _ = e.wait();
         }
+        // Read by no batch any more.
+        self.held.clear();
         self.kernel = None;
         // SAFETY: each handle was made in `new` (or is null) and no work using it is pending.
         unsafe {

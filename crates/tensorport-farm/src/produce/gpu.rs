@@ -11,7 +11,8 @@ use std::time::{Duration, Instant};
 
 use tensorport::TensorSpec;
 use tensorport_cuda::{
-    DeviceBuffer, Gpu, GpuJpeg, GpuProducer, GpuProducerConfig, JpegJob, JpegWindow, PinnedBuffer,
+    DeviceBuffer, Gpu, GpuJpeg, GpuProducer, GpuProducerConfig, JpegJob, JpegRefused, JpegWindow,
+    PinnedBuffer, ProducerJpeg,
 };
 use tensorport_vision::{Source, Transform, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -34,18 +35,23 @@ pub fn jpeg_job<'a>(
     size: (u32, u32),
     dst: (&'a DeviceBuffer, usize),
 ) -> JpegJob<'a> {
-    let win = transform.window(size.0, size.1);
     JpegJob {
         data,
         size,
-        window: JpegWindow {
-            left: win.left,
-            top: win.top,
-            width: win.width,
-            height: win.height,
-            out: win.out,
-        },
+        window: jpeg_window(transform, size),
         dst,
+    }
+}
+
+/// The window of a `size` image that `transform` keeps, as the GPU pipeline takes it.
+pub fn jpeg_window(transform: &Transform, size: (u32, u32)) -> JpegWindow {
+    let win = transform.window(size.0, size.1);
+    JpegWindow {
+        left: win.left,
+        top: win.top,
+        width: win.width,
+        height: win.height,
+        out: win.out,
     }
 }
 
@@ -79,8 +85,6 @@ struct GpuLoop<'a> {
     batch: usize,
     timeout: Duration,
     out: Outstanding,
-    /// Read buffers of the last batch: nvJPEG may read them until its decode has run.
-    held: Vec<Vec<u8>>,
     eof: bool,
 }
 
@@ -127,7 +131,6 @@ pub(super) fn run(
         batch: g.batch.clamp(1, depth),
         timeout,
         out: Outstanding::new(timeout),
-        held: Vec::new(),
         eof: false,
     };
     loop {
@@ -225,50 +228,49 @@ impl GpuLoop<'_> {
     }
 
     /// Decodes the batch into its buffers with nvJPEG; false if nvJPEG refused it (nothing
-    /// was written; the batch's bytes are no longer read).
+    /// was written; each input has its bytes back, no longer read).
     fn decode(&mut self, taken: &mut [Taken]) -> Result<bool> {
         let leased = Instant::now();
-        let jobs: Vec<JpegJob<'_>> = taken
-            .iter()
+        let jobs: Vec<ProducerJpeg> = taken
+            .iter_mut()
             .map(|t| {
-                jpeg_job(
-                    &self.transform,
-                    t.bytes.as_deref().expect("probed bytes"),
-                    t.gpu.expect("partitioned"),
-                    (self.p.buffer(t.buffer.expect("acquired")), 0),
-                )
+                let size = t.gpu.expect("partitioned");
+                ProducerJpeg {
+                    data: t.bytes.take().expect("probed bytes"),
+                    size,
+                    window: jpeg_window(&self.transform, size),
+                    buffer: t.buffer.expect("acquired"),
+                }
             })
             .collect();
-        // SAFETY: the bytes are held (`held`) until the next batch's `run` or `wait_idle`
-        // below has waited for this one, and the buffers are the producer's, allocated for
-        // its life.
-        let ok = match unsafe { self.jpeg.run(&jobs, self.p.stream()) } {
-            Ok(()) => true,
-            Err(e) => {
+        let images = jobs.len();
+        // The last batch's bytes come back (its decode has run): to be read into again.
+        let ok = match self.jpeg.decode_into(&self.p, jobs) {
+            Ok(free) => {
+                free.into_iter().for_each(|b| self.feed.reuse(b));
+                true
+            }
+            Err(refused) => {
+                let JpegRefused { error, jobs, free } = *refused;
                 tracing::warn!(
-                    images = jobs.len(),
-                    "nvJPEG refused the batch ({e}); preparing it on the CPU"
+                    images,
+                    "nvJPEG refused the batch ({error}); preparing it on the CPU"
                 );
+                for (t, j) in taken.iter_mut().zip(jobs) {
+                    t.bytes = Some(j.data);
+                }
+                free.into_iter().for_each(|b| self.feed.reuse(b));
                 false
             }
         };
-        // The last batch's decode has run (a successful `run` waited for it; otherwise wait
-        // here, for this batch's too): its bytes can be reused, or read by the CPU lane.
-        if !ok {
-            self.jpeg.wait_idle()?;
-        }
-        for b in self.held.drain(..) {
-            self.feed.reuse(b);
-        }
         if ok {
-            let per_image = ms(leased.elapsed()) / taken.len().max(1) as f64;
+            let per_image = ms(leased.elapsed()) / images.max(1) as f64;
             for t in taken.iter_mut() {
                 t.st.decode_ms = per_image;
-                self.held.extend(t.bytes.take());
             }
         }
         tracing::debug!(
-            images = taken.len(),
+            images,
             nvjpeg_refused = !ok,
             enqueue_ms = ms(leased.elapsed()),
             "batch decoding"
