@@ -138,11 +138,22 @@ def check_loader_on_the_gpu(d):
     cpu = load(producers=2)
     gpu = load(producers=0, gpu_producers=1)
     mixed = load(producers=1, gpu_producers=1)
+    # Persistent GPU producers: two epochs from one farm, every file once in each.
+    kept = tensorport.Loader(files, batch_size=8, image_size=64, device="cuda", producers=0,
+                             gpu_producers=1, binary=os.environ["TENSORPORT_BIN"], shuffle=True,
+                             seed=1, persistent=True)
+    farms = []
+    for _ in range(2):
+        seen = [i for x, idx in kept for i in idx.tolist()]
+        assert sorted(seen) == list(range(len(files)))
+        farms.append(list(kept.producer_pids))
+    assert farms[0] == farms[1] and farms[0]
+    kept.close()
     diff = torch.stack([(cpu[i] - gpu[i]).abs().mean() for i in cpu])
     worst = max(float((cpu[i] - mixed[i]).abs().mean()) for i in cpu)
     print(f"  Loader(device='cuda'): 40 files once each with CPU, GPU and mixed producers; mean "
           f"|GPU - CPU| {float(diff.mean()):.4f} (worst file {float(diff.max()):.4f}); mixed "
-          f"vs CPU worst file {worst:.4f}")
+          f"vs CPU worst file {worst:.4f}; two epochs from one persistent farm")
     assert float(diff.mean()) < 0.01 and worst < 0.05
 
 
