@@ -140,14 +140,7 @@ fn farm_attached_to_a_running_server_feeds_it_every_input_once_and_leaves_it_run
     let (mut server, _lines) =
         serve_until_ready(Command::new(EXE).args(["serve", "--socket", s, "--image-size", "32"]));
     // A list with a file twice and a file that is not there: each line is an input.
-    let images = dir.path().join("images");
-    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "4"]);
-    assert!(ok, "{err}");
-    let mut files: Vec<String> = std::fs::read_dir(&images)
-        .unwrap()
-        .map(|e| e.unwrap().path().display().to_string())
-        .collect();
-    files.sort();
+    let mut files = sample_images(dir.path(), 4);
     files.push(files[0].clone());
     files.push(dir.path().join("missing.jpg").display().to_string());
     let list = dir.path().join("inputs.txt");
@@ -198,14 +191,7 @@ fn farm_attached_to_a_running_server_feeds_it_every_input_once_and_leaves_it_run
 fn farm_with_inputs_on_stdin_hands_each_out_as_it_comes_and_ends_with_stdin() {
     use std::io::Write;
     let dir = tmp();
-    let images = dir.path().join("images");
-    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "5"]);
-    assert!(ok, "{err}");
-    let mut files: Vec<String> = std::fs::read_dir(&images)
-        .unwrap()
-        .map(|e| e.unwrap().path().display().to_string())
-        .collect();
-    files.sort();
+    let files = sample_images(dir.path(), 5);
     let out = dir.path().join("r.jsonl");
     let mut farm = Command::new(EXE)
         .args(["--log", "warn", "farm", "--input-list", "-", "-p", "2"])
@@ -261,4 +247,18 @@ fn farm_with_inputs_on_stdin_hands_each_out_as_it_comes_and_ends_with_stdin() {
     let by = |i: u64| lines.iter().find(|l| l.index == i).unwrap();
     assert_eq!(by(0).scores, by(5).scores);
     assert_eq!(by(5).input, files[0]);
+}
+
+/// `count` sample images written under `dir/images` by `tensorport images`, their paths sorted.
+fn sample_images(dir: &Path, count: u32) -> Vec<String> {
+    let images = dir.join("images");
+    let n = count.to_string();
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", &n]);
+    assert!(ok, "{err}");
+    let mut files: Vec<String> = std::fs::read_dir(&images)
+        .unwrap()
+        .map(|e| e.unwrap().path().display().to_string())
+        .collect();
+    files.sort();
+    files
 }

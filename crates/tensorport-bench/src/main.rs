@@ -12,45 +12,47 @@ use std::process::ExitCode;
 
 use clap::Parser;
 
-/// A command's failure: a message for the user and an exit code (2: usage).
+/// Why the benchmark stopped: the arguments (exit code 2), or a run that failed (1).
 #[derive(Debug)]
-pub struct CliError {
-    message: String,
-    code: u8,
+pub enum CliError {
+    Usage(String),
+    Failed(String),
 }
 
 impl CliError {
     pub fn new(message: impl Into<String>) -> CliError {
-        CliError {
-            message: message.into(),
-            code: 1,
-        }
+        CliError::Failed(message.into())
     }
     pub fn usage(message: impl Into<String>) -> CliError {
-        CliError {
-            message: message.into(),
-            code: 2,
-        }
+        CliError::Usage(message.into())
+    }
+    fn exit_code(&self) -> ExitCode {
+        ExitCode::from(match self {
+            CliError::Usage(_) => 2,
+            CliError::Failed(_) => 1,
+        })
     }
 }
 
 impl std::fmt::Display for CliError {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.write_str(&self.message)
+        match self {
+            CliError::Usage(m) | CliError::Failed(m) => f.write_str(m),
+        }
     }
 }
 
-impl From<tensorport::Error> for CliError {
-    fn from(e: tensorport::Error) -> CliError {
-        CliError::new(e.to_string())
-    }
+/// The transport's and the system's errors end the run as they are.
+macro_rules! failed_from {
+    ($($t:ty),*) => {$(
+        impl From<$t> for CliError {
+            fn from(e: $t) -> CliError {
+                CliError::Failed(e.to_string())
+            }
+        }
+    )*};
 }
-
-impl From<std::io::Error> for CliError {
-    fn from(e: std::io::Error) -> CliError {
-        CliError::new(e.to_string())
-    }
-}
+failed_from!(tensorport::Error, std::io::Error);
 
 pub type CliResult<T> = Result<T, CliError>;
 
@@ -98,7 +100,7 @@ fn main() -> ExitCode {
         Ok(()) => ExitCode::SUCCESS,
         Err(e) => {
             eprintln!("error: {e}");
-            ExitCode::from(e.code)
+            e.exit_code()
         }
     }
 }
