@@ -114,7 +114,7 @@ pub(super) fn run(
             .collect(),
         cfg.prep.pixels,
         image_bytes,
-    );
+    )?;
     let slots = (0..lane.capacity())
         .map(|_| PinnedBuffer::new(&gpu, image_bytes))
         .collect::<tensorport_cuda::Result<Vec<_>>>()?;

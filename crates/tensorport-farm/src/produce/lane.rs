@@ -44,7 +44,11 @@ pub(super) struct Lane {
 
 impl Lane {
     /// Starts one thread per preprocessor, each preparing `image_bytes` of `pixels` per input.
-    pub fn start(preps: Vec<Preprocessor>, pixels: Pixels, image_bytes: usize) -> Lane {
+    pub fn start(
+        preps: Vec<Preprocessor>,
+        pixels: Pixels,
+        image_bytes: usize,
+    ) -> std::io::Result<Lane> {
         let (jobs, rx) = mpsc::channel::<Job>();
         let rx = std::sync::Arc::new(std::sync::Mutex::new(rx));
         let (tx, done) = mpsc::channel();
@@ -64,16 +68,15 @@ impl Lane {
                             break;
                         }
                     })
-                    .expect("starting a thread")
             })
-            .collect();
-        Lane {
+            .collect::<std::io::Result<Vec<_>>>()?;
+        Ok(Lane {
             jobs: Some(jobs),
             done,
             threads,
             inside: HashSet::new(),
             capacity,
-        }
+        })
     }
 
     /// Inputs in the lane.
