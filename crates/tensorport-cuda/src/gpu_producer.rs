@@ -33,8 +33,9 @@ struct OwnBuffer {
 /// ```no_run
 /// # fn f(gpu: std::sync::Arc<tensorport_cuda::Gpu>) -> tensorport_cuda::Result<()> {
 /// # use tensorport::{DType, TensorSpec};
-/// use tensorport_cuda::{Fence, GpuProducer};
-/// let mut p = GpuProducer::connect_with("/run/tp.sock", "gpu-prep", &gpu, 4, 1 << 20, Fence::Timeline)?;
+/// use tensorport_cuda::{Fence, GpuProducer, GpuProducerConfig, Sharing};
+/// let cfg = GpuProducerConfig::new("gpu-prep", 4, 1 << 20).sharing(Sharing::Ipc(Fence::Timeline));
+/// let mut p = GpuProducer::connect("/run/tp.sock", &gpu, &cfg)?;
 /// let b = p.acquire(std::time::Duration::from_secs(5))?; // a buffer the server is done with
 /// p.buffer(b).fill_u32_range_async(0, p.buffer_len(), 7, p.stream())?; // GPU work on p.stream()
 /// let id = p.submit(b, &TensorSpec::new(DType::I32, &[1 << 18]))?; // fences and sends
@@ -233,7 +234,7 @@ impl GpuProducer {
         self.gpu.bind()?;
         let b = &self.buffers[i];
         let d = self.gpu.driver();
-        // SAFETY: our stream, the server's release event (opened in `connect_with`) and the
+        // SAFETY: our stream, the server's release event (opened in `connect`) and the
         // buffer's "released" semaphore (inside our own allocation) are live.
         unsafe {
             match self.fence {
@@ -355,7 +356,7 @@ impl Drop for GpuProducer {
         let _ = self.stream.synchronize();
         let d = self.gpu.driver();
         for b in &self.buffers {
-            // SAFETY: created/opened in `connect_with` (or null), not used after this.
+            // SAFETY: created/opened in `connect` (or null), not used after this.
             unsafe {
                 if !b.ready.is_null() {
                     let _ = d.event_destroy(b.ready);
