@@ -1,0 +1,225 @@
+//! Two processes, one NIXL read path: `hold` registers slots of host memory and prints what a
+//! reader needs on one line; `read` takes that line on standard input, reads the slots over and
+//! over with several transfers in flight, checks every byte of the first round, and prints the
+//! rate. `UCX_TLS=tcp` forces UCX's TCP transport (over loopback on one host).
+//!
+//! ```sh
+//! nixl-bench hold --slots 64 --slot-len 602112 | nixl-bench read --seconds 3 --in-flight 16
+//! ```
+//! (`hold` ends when its standard input closes or `read` says `done` on it; in the pipe above it
+//! ends with the reader, when its output pipe breaks.)
+
+use std::io::{BufRead, Write};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tensorport_nixl::{Agent, Capi, Reader, SlotLayout};
+
+const USAGE: &str = "usage:
+  nixl-bench hold [--slots N] [--slot-len BYTES] [--name NAME]
+      register N slots (64) of BYTES (602112: a [3,224,224] f32 tensor), fill slot i with its
+      pattern, print `NAME BASE SLOT_LEN SLOTS METADATA_HEX`, and wait for standard input to end
+  nixl-bench read [--seconds S] [--in-flight K] [--name NAME]
+      read the line `hold` printed from standard input; read its slots for S seconds (3), K
+      transfers in flight (16); check the first round's bytes; print the rate
+The NIXL library: scripts/fetch-nixl.sh, or TENSORPORT_NIXL.";
+
+/// Slot `i`'s byte at `k`.
+fn pattern(i: u32, k: usize) -> u8 {
+    (i as usize * 31 + k * 7 % 251) as u8
+}
+
+fn hex(b: &[u8]) -> String {
+    b.iter().map(|x| format!("{x:02x}")).collect()
+}
+
+fn unhex(s: &str) -> Option<Vec<u8>> {
+    if !s.len().is_multiple_of(2) {
+        return None;
+    }
+    (0..s.len())
+        .step_by(2)
+        .map(|i| u8::from_str_radix(s.get(i..i + 2)?, 16).ok())
+        .collect()
+}
+
+struct Opts {
+    slots: u32,
+    slot_len: u64,
+    seconds: f64,
+    in_flight: u32,
+    name: Option<String>,
+}
+
+fn parse(args: &[String]) -> Result<Opts, String> {
+    let mut o = Opts {
+        slots: 64,
+        slot_len: 602_112,
+        seconds: 3.0,
+        in_flight: 16,
+        name: None,
+    };
+    let mut it = args.iter();
+    while let Some(flag) = it.next() {
+        let v = it.next().ok_or(format!("{flag} needs a value"))?;
+        let bad = || format!("{flag}: not a number: {v}");
+        match flag.as_str() {
+            "--slots" => o.slots = v.parse().map_err(|_| bad())?,
+            "--slot-len" => o.slot_len = v.parse().map_err(|_| bad())?,
+            "--seconds" => o.seconds = v.parse().map_err(|_| bad())?,
+            "--in-flight" => o.in_flight = v.parse().map_err(|_| bad())?,
+            "--name" => o.name = Some(v.clone()),
+            _ => return Err(format!("unknown flag {flag}")),
+        }
+    }
+    Ok(o)
+}
+
+fn hold(o: &Opts) -> Result<(), String> {
+    let capi = Arc::new(Capi::load().map_err(|e| e.to_string())?);
+    let name = o.name.clone().unwrap_or_else(|| "holder".into());
+    let agent = Agent::new(&capi, &name).map_err(|e| e.to_string())?;
+    let mut region = agent
+        .register(o.slots, o.slot_len)
+        .map_err(|e| e.to_string())?;
+    for i in 0..o.slots {
+        let s = region.slot_mut(i).expect("in range");
+        for (k, b) in s.iter_mut().enumerate() {
+            *b = pattern(i, k);
+        }
+    }
+    let md = agent.metadata().map_err(|e| e.to_string())?;
+    let l = region.layout();
+    let mut out = std::io::stdout();
+    writeln!(
+        out,
+        "{name} {} {} {} {}",
+        l.base,
+        l.slot_len,
+        l.slots,
+        hex(&md)
+    )
+    .and_then(|()| out.flush())
+    .map_err(|e| format!("stdout: {e}"))?;
+    // Serve reads until told to stop (or the other side is gone).
+    for line in std::io::stdin().lock().lines() {
+        if line.map_or(true, |l| l.trim() == "done") {
+            break;
+        }
+    }
+    Ok(())
+}
+
+fn read(o: &Opts) -> Result<(), String> {
+    let mut line = String::new();
+    std::io::stdin()
+        .read_line(&mut line)
+        .map_err(|e| format!("stdin: {e}"))?;
+    let f: Vec<&str> = line.split_whitespace().collect();
+    let [peer_name, base, slot_len, slots, md] = f[..] else {
+        return Err("standard input: expected `NAME BASE SLOT_LEN SLOTS METADATA_HEX`".into());
+    };
+    let num = |s: &str| s.parse::<u64>().map_err(|_| format!("not a number: {s}"));
+    let layout = SlotLayout {
+        base: num(base)?,
+        slot_len: num(slot_len)?,
+        slots: u32::try_from(num(slots)?).map_err(|_| "too many slots")?,
+    };
+    let md = unhex(md).ok_or("the metadata is not hex")?;
+    let capi = Arc::new(Capi::load().map_err(|e| e.to_string())?);
+    let agent =
+        Agent::new(&capi, o.name.as_deref().unwrap_or("reader")).map_err(|e| e.to_string())?;
+    let peer = agent
+        .add_peer(&md, peer_name, layout)
+        .map_err(|e| e.to_string())?;
+    let k = o.in_flight.clamp(1, layout.slots);
+    let mut region = agent
+        .register(k, layout.slot_len)
+        .map_err(|e| e.to_string())?;
+    let mut reader = Reader::new(&mut region, &peer).map_err(|e| e.to_string())?;
+    let timeout = Duration::from_secs(10);
+    // First round: every slot once, each checked byte for byte.
+    for from in 0..layout.slots {
+        let into = from % k;
+        reader.start(from, into).map_err(|e| e.to_string())?;
+        reader.wait(into, timeout).map_err(|e| e.to_string())?;
+        let got = reader.slot(into).expect("idle");
+        if let Some(at) = got
+            .iter()
+            .enumerate()
+            .position(|(b, &x)| x != pattern(from, b))
+        {
+            return Err(format!(
+                "slot {from}: byte {at} differs from what the holder wrote"
+            ));
+        }
+    }
+    // Timed rounds: K in flight, each finished one started again on the next peer slot.
+    let mut next = 0u32;
+    for into in 0..k {
+        reader.start(next, into).map_err(|e| e.to_string())?;
+        next = (next + 1) % layout.slots;
+    }
+    let start = Instant::now();
+    let mut done = 0u64;
+    let limit = Duration::from_secs_f64(o.seconds.max(0.1));
+    while start.elapsed() < limit {
+        for into in 0..k {
+            if reader.poll(into).map_err(|e| e.to_string())? {
+                done += 1;
+                reader.start(next, into).map_err(|e| e.to_string())?;
+                next = (next + 1) % layout.slots;
+            }
+        }
+    }
+    let secs = start.elapsed().as_secs_f64();
+    for into in 0..k {
+        reader.wait(into, timeout).map_err(|e| e.to_string())?;
+    }
+    drop(reader);
+    println!(
+        "{} reads of {} B from {} slots, {k} in flight: {:.0} reads/s, {:.2} GB/s ({} checked)",
+        done,
+        layout.slot_len,
+        layout.slots,
+        done as f64 / secs,
+        done as f64 * layout.slot_len as f64 / secs / 1e9,
+        layout.slots
+    );
+    Ok(())
+}
+
+fn main() -> ExitCode {
+    let args: Vec<String> = std::env::args().skip(1).collect();
+    let (cmd, rest) = match args.split_first() {
+        Some((c, r)) if c == "hold" || c == "read" => (c.as_str(), r),
+        Some((c, _)) if c == "--help" || c == "-h" => {
+            println!("{USAGE}");
+            return ExitCode::SUCCESS;
+        }
+        _ => {
+            eprintln!("{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let opts = match parse(rest) {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("nixl-bench: {e}\n{USAGE}");
+            return ExitCode::from(2);
+        }
+    };
+    let r = if cmd == "hold" {
+        hold(&opts)
+    } else {
+        read(&opts)
+    };
+    match r {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("nixl-bench {cmd}: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

@@ -1,0 +1,23 @@
+//! What can go wrong, per kind of cause a caller can act on.
+
+/// An error from NIXL or from a peer's description of its memory.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum Error {
+    /// NIXL's C API is not on this machine (the message says how to get it).
+    #[error("{0}")]
+    NotLoaded(String),
+    /// A NIXL call failed (`status` is NIXL's; NIXL logs the details on standard error). A
+    /// transfer from a peer that died fails this way.
+    #[error("NIXL's {call} failed (status {status})")]
+    Call { call: &'static str, status: i32 },
+    /// A peer's metadata or memory layout is out of bounds, or a read names memory outside it.
+    #[error("refused: {0}")]
+    Refused(&'static str),
+    /// A transfer did not finish in time.
+    #[error("a transfer from {peer} did not finish within {ms} ms")]
+    Stalled { peer: String, ms: u128 },
+}
+
+/// `Result` with [`Error`].
+pub type Result<T> = std::result::Result<T, Error>;

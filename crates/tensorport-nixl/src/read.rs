@@ -1,0 +1,270 @@
+//! One-sided reads of a peer's slots into a local region's slots.
+//!
+//! A [`Reader`] borrows the region mutably while it lives, so nothing reads a slot a transfer is
+//! writing except through [`Reader::slot`], which refuses slots in flight. Each (peer slot,
+//! local slot) pair gets one NIXL request, made the first time and posted again after; dropping
+//! the reader waits for its transfers (a bounded time) and releases the requests. A transfer that
+//! neither finishes nor releases within that time leaves the region's memory allocated for ever
+//! (it is leaked, never freed under a running transfer).
+
+use std::collections::HashMap;
+use std::ffi::c_int;
+use std::time::{Duration, Instant};
+
+use crate::agent::{Peer, Region};
+use crate::capi::{Capi, Handle, IN_PROGRESS, MEM_DRAM, OP_READ};
+use crate::error::{Error, Result};
+
+/// How long a dropped reader waits for its transfers.
+const DROP_WAIT: Duration = Duration::from_secs(5);
+
+/// Reads from one peer into one region, each local slot holding at most one transfer.
+pub struct Reader<'r> {
+    region: &'r mut Region,
+    peer: &'r Peer,
+    local: Handle,
+    remote: Handle,
+    requests: HashMap<(u32, u32), Handle>,
+    /// Per local slot: the request of its transfer in flight.
+    in_flight: Vec<Option<Handle>>,
+}
+
+impl std::fmt::Debug for Reader<'_> {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Reader")
+            .field("peer", &self.peer.name())
+            .field("in_flight", &self.in_flight.iter().flatten().count())
+            .finish()
+    }
+}
+
+/// A prepared descriptor list of `slots` spans of `len` bytes from `base`, on `agent_name`'s
+/// side ("" for this agent's own memory).
+fn prepped(
+    region: &Region,
+    agent_name: &std::ffi::CStr,
+    base: u64,
+    len: u64,
+    slots: u32,
+) -> Result<Handle> {
+    let capi = &region.agent.capi;
+    let mut dlist: Handle = std::ptr::null_mut();
+    // SAFETY: an out-pointer.
+    Capi::check("create_xfer_dlist", unsafe {
+        (capi.create_xfer_dlist)(MEM_DRAM, &mut dlist)
+    })?;
+    let mut r = Ok(());
+    for i in 0..slots {
+        let addr = base + u64::from(i) * len;
+        // SAFETY: a live list; spans are only described here.
+        r = Capi::check("xfer_dlist_add_desc", unsafe {
+            (capi.xfer_dlist_add_desc)(dlist, addr as usize, len as usize, 0)
+        });
+        if r.is_err() {
+            break;
+        }
+    }
+    let mut handle: Handle = std::ptr::null_mut();
+    if r.is_ok() {
+        // SAFETY: a live agent, a C string, a live list and an out-pointer. NIXL checks the spans
+        // against the registrations it knows for `agent_name` (ours, or those in the peer's
+        // metadata) and refuses any outside them.
+        r = Capi::check("prep_xfer_dlist", unsafe {
+            (capi.prep_xfer_dlist)(
+                region.agent.raw,
+                agent_name.as_ptr(),
+                dlist,
+                &mut handle,
+                std::ptr::null_mut(),
+            )
+        });
+    }
+    // SAFETY: ours; the prepared handle keeps what it needs.
+    unsafe { (capi.destroy_xfer_dlist)(dlist) };
+    r.map(|()| handle)
+}
+
+impl<'r> Reader<'r> {
+    /// A reader from `peer`'s slots into `region`'s (both of one agent; the slots must be of one
+    /// length).
+    pub fn new(region: &'r mut Region, peer: &'r Peer) -> Result<Reader<'r>> {
+        if !std::sync::Arc::ptr_eq(&region.agent, &peer.agent) {
+            return Err(Error::Refused(
+                "the region and the peer belong to different agents",
+            ));
+        }
+        if region.slot_len != peer.layout.slot_len {
+            return Err(Error::Refused(
+                "the peer's slots are not the region's length",
+            ));
+        }
+        let local = prepped(
+            region,
+            c"",
+            region.slot_addr(0),
+            region.slot_len,
+            region.slots,
+        )?;
+        let layout = peer.layout;
+        let remote = match prepped(
+            region,
+            &peer.cname,
+            layout.base,
+            layout.slot_len,
+            layout.slots,
+        ) {
+            Ok(h) => h,
+            Err(e) => {
+                // SAFETY: prepared above, unused.
+                unsafe { (region.agent.capi.release_xfer_dlist_handle)(region.agent.raw, local) };
+                return Err(e);
+            }
+        };
+        let slots = region.slots as usize;
+        Ok(Reader {
+            region,
+            peer,
+            local,
+            remote,
+            requests: HashMap::new(),
+            in_flight: vec![None; slots],
+        })
+    }
+
+    /// Starts reading the peer's slot `from` into local slot `into`, which must be idle.
+    pub fn start(&mut self, from: u32, into: u32) -> Result<()> {
+        if from >= self.peer.layout.slots {
+            return Err(Error::Refused("no such slot at the peer"));
+        }
+        let Some(state) = self.in_flight.get(into as usize) else {
+            return Err(Error::Refused("no such local slot"));
+        };
+        if state.is_some() {
+            return Err(Error::Refused("the local slot has a transfer in flight"));
+        }
+        let capi = &self.region.agent.capi;
+        let raw = self.region.agent.raw;
+        let req = match self.requests.get(&(from, into)) {
+            Some(&r) => r,
+            None => {
+                let (l, r) = (into as c_int, from as c_int);
+                let mut req: Handle = std::ptr::null_mut();
+                // SAFETY: a live agent, two prepared lists of this agent, one index into each
+                // (checked against their lengths above), an out-pointer.
+                Capi::check("make_xfer_req", unsafe {
+                    (capi.make_xfer_req)(
+                        raw,
+                        OP_READ,
+                        self.local,
+                        &l,
+                        1,
+                        self.remote,
+                        &r,
+                        1,
+                        &mut req,
+                        std::ptr::null_mut(),
+                    )
+                })?;
+                self.requests.insert((from, into), req);
+                req
+            }
+        };
+        // SAFETY: a live agent and its request, not in flight (each request maps to one local
+        // slot, which is idle).
+        let s = unsafe { (capi.post_xfer_req)(raw, req, std::ptr::null_mut()) };
+        match s {
+            0 | IN_PROGRESS => {
+                self.in_flight[into as usize] = Some(req);
+                Ok(())
+            }
+            s => Err(Error::Call {
+                call: "post_xfer_req",
+                status: s,
+            }),
+        }
+    }
+
+    /// Whether local slot `into`'s transfer has finished (true also when none runs). A failed
+    /// transfer is an error, and leaves the slot idle.
+    pub fn poll(&mut self, into: u32) -> Result<bool> {
+        let Some(Some(req)) = self.in_flight.get(into as usize).copied() else {
+            return Ok(true);
+        };
+        // SAFETY: a live agent and its posted request.
+        let s = unsafe { (self.region.agent.capi.get_xfer_status)(self.region.agent.raw, req) };
+        match s {
+            IN_PROGRESS => Ok(false),
+            s => {
+                self.in_flight[into as usize] = None;
+                Capi::check("get_xfer_status", s).map(|()| true)
+            }
+        }
+    }
+
+    /// Waits for local slot `into`'s transfer, at most `timeout`.
+    pub fn wait(&mut self, into: u32, timeout: Duration) -> Result<()> {
+        let start = Instant::now();
+        let mut spins = 0u32;
+        while !self.poll(into)? {
+            if start.elapsed() > timeout {
+                return Err(Error::Stalled {
+                    peer: self.peer.name().to_owned(),
+                    ms: timeout.as_millis(),
+                });
+            }
+            spins += 1;
+            if spins > 64 {
+                std::thread::yield_now();
+            }
+        }
+        Ok(())
+    }
+
+    /// Local slot `i`'s bytes, if no transfer into it is in flight.
+    pub fn slot(&self, i: u32) -> Option<&[u8]> {
+        match self.in_flight.get(i as usize) {
+            Some(None) => self.region.slot(i),
+            _ => None,
+        }
+    }
+}
+
+impl Drop for Reader<'_> {
+    fn drop(&mut self) {
+        let deadline = Instant::now() + DROP_WAIT;
+        let mut stuck = false;
+        for i in 0..self.in_flight.len() as u32 {
+            while self.in_flight[i as usize].is_some() {
+                match self.poll(i) {
+                    Ok(false) if Instant::now() < deadline => std::thread::yield_now(),
+                    Ok(false) => {
+                        stuck = true;
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        let capi = self.region.agent.capi.clone();
+        let raw = self.region.agent.raw;
+        for (_, req) in self.requests.drain() {
+            // SAFETY: a live agent and its request, finished (or being given up on: NIXL then
+            // tries to cancel it and says whether it could).
+            let released = unsafe { (capi.release_xfer_req)(raw, req) } == 0;
+            if released {
+                // SAFETY: released above, not used again.
+                unsafe { (capi.destroy_xfer_req)(req) };
+            } else {
+                stuck = true;
+            }
+        }
+        // SAFETY: prepared in `new`, no request uses them any more.
+        unsafe {
+            (capi.release_xfer_dlist_handle)(raw, self.local);
+            (capi.release_xfer_dlist_handle)(raw, self.remote);
+        }
+        if stuck {
+            self.region.leak_memory();
+        }
+    }
+}
