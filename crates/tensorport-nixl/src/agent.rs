@@ -7,7 +7,7 @@
 
 use std::alloc::Layout;
 use std::ffi::{c_char, CString};
-use std::sync::Arc;
+use std::sync::{Arc, Mutex, MutexGuard};
 
 use crate::capi::{Capi, Handle, MEM_DRAM};
 use crate::error::{Error, Result};
@@ -21,17 +21,28 @@ pub const MAX_SLOT_LEN: u64 = 1 << 30;
 
 pub(crate) struct AgentInner {
     pub(crate) capi: Arc<Capi>,
-    pub(crate) raw: Handle,
+    raw: Handle,
     backend: Handle,
     pub(crate) name: String,
+    /// Held for every call on the agent: NIXL's default agent does not synchronise its own API.
+    lock: Mutex<()>,
 }
 
-// SAFETY: NIXL agents are created with a progress thread and may be called from any thread;
-// every call here goes through `&self` of a type that is not `Sync` (`Agent`, `Region`,
-// `Reader`), so no two threads use one agent at once through this crate.
+// SAFETY: a NIXL agent may be called from any thread (its progress thread is its own); calls
+// through this crate are serialised by `lock` (`AgentInner::locked`).
 unsafe impl Send for AgentInner {}
-// SAFETY: as above; shared only through `Arc` to keep the agent alive, not to call it at once.
+// SAFETY: as above.
 unsafe impl Sync for AgentInner {}
+
+impl AgentInner {
+    /// The agent's handle, with the lock that every call on it holds.
+    pub(crate) fn locked(&self) -> (MutexGuard<'_, ()>, Handle) {
+        (
+            self.lock.lock().unwrap_or_else(|e| e.into_inner()),
+            self.raw,
+        )
+    }
+}
 
 impl Drop for AgentInner {
     fn drop(&mut self) {
@@ -103,6 +114,7 @@ impl Agent {
                 raw,
                 backend,
                 name: name.to_owned(),
+                lock: Mutex::new(()),
             }),
         })
     }
@@ -117,9 +129,10 @@ impl Agent {
     pub fn metadata(&self) -> Result<Vec<u8>> {
         let mut data = std::ptr::null_mut();
         let mut len = 0usize;
+        let (_g, raw) = self.inner.locked();
         // SAFETY: a live agent and two out-pointers.
         Capi::check("get_local_md", unsafe {
-            (self.inner.capi.get_local_md)(self.inner.raw, &mut data, &mut len)
+            (self.inner.capi.get_local_md)(raw, &mut data, &mut len)
         })?;
         // SAFETY: NIXL `malloc`ed `len` bytes for us.
         Ok(unsafe { Capi::take_blob(data, len) })
@@ -147,10 +160,12 @@ impl Agent {
         };
         let capi = &self.inner.capi;
         let dlist = reg_dlist(capi, ptr as usize, len)?;
+        let (g, raw) = self.inner.locked();
         // SAFETY: a live agent and a descriptor list of memory we own for the region's life.
         let r = Capi::check("register_mem", unsafe {
-            (capi.register_mem)(self.inner.raw, dlist, std::ptr::null_mut())
+            (capi.register_mem)(raw, dlist, std::ptr::null_mut())
         });
+        drop(g);
         if let Err(e) = r {
             // SAFETY: ours, unused after this.
             unsafe { (capi.destroy_reg_dlist)(dlist) };
@@ -173,15 +188,18 @@ impl Agent {
         }
         layout.check()?;
         let mut name: *mut c_char = std::ptr::null_mut();
+        let (g, raw) = self.inner.locked();
         // SAFETY: a live agent, `metadata.len()` readable bytes, an out-pointer.
-        Capi::check("load_remote_md", unsafe {
+        let loaded = Capi::check("load_remote_md", unsafe {
             (self.inner.capi.load_remote_md)(
-                self.inner.raw,
+                raw,
                 metadata.as_ptr().cast(),
                 metadata.len(),
                 &mut name,
             )
-        })?;
+        });
+        drop(g);
+        loaded?;
         // SAFETY: NIXL `strdup`ed the name for us.
         let name = unsafe { Capi::take_string(name) };
         let peer = Peer {
@@ -267,8 +285,8 @@ impl Region {
     /// Slot `i`'s bytes.
     pub fn slot(&self, i: u32) -> Option<&[u8]> {
         let (off, len) = self.span(i)?;
-        // SAFETY: inside our allocation; `&self` excludes writers through this crate (readers
-        // borrow the region mutably while transfers into it run).
+        // SAFETY: inside our allocation; `&self` excludes writers through this crate (a reader
+        // owns the region it reads into and hands out only slots with no transfer in flight).
         Some(unsafe { std::slice::from_raw_parts(self.mem.ptr.add(off), len) })
     }
 
@@ -298,10 +316,12 @@ impl Region {
 
 impl Drop for Region {
     fn drop(&mut self) {
+        let (_g, raw) = self.agent.locked();
         // SAFETY: registered in `Agent::register` with this list; no transfer into it runs
-        // (readers borrow the region and finish or abandon theirs before it can drop).
+        // (a reader owns its region and finishes or gives up its transfers before it drops, and
+        // leaks the memory of one it could not).
         unsafe {
-            (self.agent.capi.deregister_mem)(self.agent.raw, self.dlist, std::ptr::null_mut());
+            (self.agent.capi.deregister_mem)(raw, self.dlist, std::ptr::null_mut());
             (self.agent.capi.destroy_reg_dlist)(self.dlist);
         }
     }
@@ -365,8 +385,9 @@ impl Peer {
 
 impl Drop for Peer {
     fn drop(&mut self) {
+        let (_g, raw) = self.agent.locked();
         // SAFETY: a live agent and a C string; forgetting a peer's metadata ends its connection.
-        unsafe { (self.agent.capi.invalidate_remote_md)(self.agent.raw, self.cname.as_ptr()) };
+        unsafe { (self.agent.capi.invalidate_remote_md)(raw, self.cname.as_ptr()) };
     }
 }
 

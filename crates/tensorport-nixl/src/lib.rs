@@ -10,8 +10,8 @@
 //! let agent = Agent::new(&capi, "inference")?;
 //! // The producer's metadata and slot layout came over an authenticated channel.
 //! let peer = agent.add_peer(&metadata, "producer-0", layout)?;
-//! let mut region = agent.register(8, layout.slot_len)?;
-//! let mut reader = Reader::new(&mut region, &peer)?;
+//! let region = agent.register(8, layout.slot_len)?;
+//! let mut reader = Reader::new(region, peer)?;
 //! reader.start(3, 0)?; // the producer's slot 3 into our slot 0
 //! reader.wait(0, std::time::Duration::from_secs(5))?;
 //! let tensor = reader.slot(0).expect("idle");

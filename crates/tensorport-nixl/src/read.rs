@@ -1,7 +1,7 @@
 //! One-sided reads of a peer's slots into a local region's slots.
 //!
-//! A [`Reader`] borrows the region mutably while it lives, so nothing reads a slot a transfer is
-//! writing except through [`Reader::slot`], which refuses slots in flight. Each (peer slot,
+//! A [`Reader`] owns the region it reads into, so nothing reads a slot a transfer is writing
+//! except through [`Reader::slot`], which refuses slots in flight. Each (peer slot,
 //! local slot) pair gets one NIXL request, made the first time and posted again after; dropping
 //! the reader waits for its transfers (a bounded time) and releases the requests. A transfer that
 //! neither finishes nor releases within that time leaves the region's memory allocated for ever
@@ -19,9 +19,9 @@ use crate::error::{Error, Result};
 const DROP_WAIT: Duration = Duration::from_secs(5);
 
 /// Reads from one peer into one region, each local slot holding at most one transfer.
-pub struct Reader<'r> {
-    region: &'r mut Region,
-    peer: &'r Peer,
+pub struct Reader {
+    region: Region,
+    peer: Peer,
     local: Handle,
     remote: Handle,
     requests: HashMap<(u32, u32), Handle>,
@@ -29,7 +29,7 @@ pub struct Reader<'r> {
     in_flight: Vec<Option<Handle>>,
 }
 
-impl std::fmt::Debug for Reader<'_> {
+impl std::fmt::Debug for Reader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Reader")
             .field("peer", &self.peer.name())
@@ -66,12 +66,13 @@ fn prepped(
     }
     let mut handle: Handle = std::ptr::null_mut();
     if r.is_ok() {
+        let (_g, raw) = region.agent.locked();
         // SAFETY: a live agent, a C string, a live list and an out-pointer. NIXL checks the spans
         // against the registrations it knows for `agent_name` (ours, or those in the peer's
         // metadata) and refuses any outside them.
         r = Capi::check("prep_xfer_dlist", unsafe {
             (capi.prep_xfer_dlist)(
-                region.agent.raw,
+                raw,
                 agent_name.as_ptr(),
                 dlist,
                 &mut handle,
@@ -84,10 +85,10 @@ fn prepped(
     r.map(|()| handle)
 }
 
-impl<'r> Reader<'r> {
+impl Reader {
     /// A reader from `peer`'s slots into `region`'s (both of one agent; the slots must be of one
     /// length).
-    pub fn new(region: &'r mut Region, peer: &'r Peer) -> Result<Reader<'r>> {
+    pub fn new(region: Region, peer: Peer) -> Result<Reader> {
         if !std::sync::Arc::ptr_eq(&region.agent, &peer.agent) {
             return Err(Error::Refused(
                 "the region and the peer belong to different agents",
@@ -99,7 +100,7 @@ impl<'r> Reader<'r> {
             ));
         }
         let local = prepped(
-            region,
+            &region,
             c"",
             region.slot_addr(0),
             region.slot_len,
@@ -107,7 +108,7 @@ impl<'r> Reader<'r> {
         )?;
         let layout = peer.layout;
         let remote = match prepped(
-            region,
+            &region,
             &peer.cname,
             layout.base,
             layout.slot_len,
@@ -115,8 +116,9 @@ impl<'r> Reader<'r> {
         ) {
             Ok(h) => h,
             Err(e) => {
+                let (_g, raw) = region.agent.locked();
                 // SAFETY: prepared above, unused.
-                unsafe { (region.agent.capi.release_xfer_dlist_handle)(region.agent.raw, local) };
+                unsafe { (region.agent.capi.release_xfer_dlist_handle)(raw, local) };
                 return Err(e);
             }
         };
@@ -142,8 +144,9 @@ impl<'r> Reader<'r> {
         if state.is_some() {
             return Err(Error::Refused("the local slot has a transfer in flight"));
         }
-        let capi = &self.region.agent.capi;
-        let raw = self.region.agent.raw;
+        let agent = self.region.agent.clone();
+        let capi = &agent.capi;
+        let (_g, raw) = agent.locked();
         let req = match self.requests.get(&(from, into)) {
             Some(&r) => r,
             None => {
@@ -190,8 +193,10 @@ impl<'r> Reader<'r> {
         let Some(Some(req)) = self.in_flight.get(into as usize).copied() else {
             return Ok(true);
         };
+        let (g, raw) = self.region.agent.locked();
         // SAFETY: a live agent and its posted request.
-        let s = unsafe { (self.region.agent.capi.get_xfer_status)(self.region.agent.raw, req) };
+        let s = unsafe { (self.region.agent.capi.get_xfer_status)(raw, req) };
+        drop(g);
         match s {
             IN_PROGRESS => Ok(false),
             s => {
@@ -220,6 +225,11 @@ impl<'r> Reader<'r> {
         Ok(())
     }
 
+    /// The peer read from.
+    pub fn peer(&self) -> &Peer {
+        &self.peer
+    }
+
     /// Local slot `i`'s bytes, if no transfer into it is in flight.
     pub fn slot(&self, i: u32) -> Option<&[u8]> {
         match self.in_flight.get(i as usize) {
@@ -229,7 +239,7 @@ impl<'r> Reader<'r> {
     }
 }
 
-impl Drop for Reader<'_> {
+impl Drop for Reader {
     fn drop(&mut self) {
         let deadline = Instant::now() + DROP_WAIT;
         let mut stuck = false;
@@ -245,8 +255,9 @@ impl Drop for Reader<'_> {
                 }
             }
         }
-        let capi = self.region.agent.capi.clone();
-        let raw = self.region.agent.raw;
+        let agent = self.region.agent.clone();
+        let capi = &agent.capi;
+        let (_g, raw) = agent.locked();
         for (_, req) in self.requests.drain() {
             // SAFETY: a live agent and its request, finished (or being given up on: NIXL then
             // tries to cancel it and says whether it could).

@@ -134,10 +134,10 @@ fn read(o: &Opts) -> Result<(), String> {
         .add_peer(&md, peer_name, layout)
         .map_err(|e| e.to_string())?;
     let k = o.in_flight.clamp(1, layout.slots);
-    let mut region = agent
+    let region = agent
         .register(k, layout.slot_len)
         .map_err(|e| e.to_string())?;
-    let mut reader = Reader::new(&mut region, &peer).map_err(|e| e.to_string())?;
+    let mut reader = Reader::new(region, peer).map_err(|e| e.to_string())?;
     let timeout = Duration::from_secs(10);
     // First round: every slot once, each checked byte for byte.
     for from in 0..layout.slots {
