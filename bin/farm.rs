@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorport_farm::config::{default_producers, Servers, DEFAULT_CPU_PRODUCERS};
+use tensorport_farm::config::{default_producers, Routing, Servers, DEFAULT_CPU_PRODUCERS};
 use tensorport_farm::FarmConfig;
 use tensorport_vision::Source;
 
@@ -22,6 +22,16 @@ pub enum Progress {
     Always,
     /// Never.
     Never,
+}
+
+/// Who takes plain JPEGs in a farm with both kinds of producers.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum RoutingArg {
+    /// The GPU producers only (the CPU producers only when no GPU producer runs).
+    ByKind,
+    /// The GPU producers first; the CPU producers take those the GPU producers have no room
+    /// for, once each GPU producer has returned a result.
+    Shared,
 }
 
 /// Classify a set of images with one inference server and N producer processes. The farm starts
@@ -45,8 +55,9 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub synthetic: Option<u64>,
     /// Number of producer processes preparing on the CPU [default: 3; with --device cuda and
-    /// neither -p nor --gpu-producers given: none where nvJPEG loads (the GPU producers
-    /// prepare on the CPU what nvJPEG does not take), else one per core but the server's].
+    /// neither -p nor --gpu-producers given: one per core but two and one per GPU producer
+    /// where nvJPEG loads (they share the plain JPEGs with the GPU producers, see --routing),
+    /// else one per core but the server's].
     #[arg(long, short = 'p', value_name = "N")]
     pub producers: Option<usize>,
     /// Producers that decode and prepare on the GPU (`produce --nvjpeg`: batches of JPEGs
@@ -106,6 +117,10 @@ pub struct Args {
     pub stall_secs: f64,
     #[command(flatten)]
     pub hand_over: HandOverArgs,
+    /// With CPU and GPU producers: who takes plain JPEGs (the JPEG engines' kind). Progressive
+    /// JPEGs and PNGs go to the CPU producers, large plain JPEGs to whoever has room, either way.
+    #[arg(long, value_enum, default_value_t = RoutingArg::Shared)]
+    pub routing: RoutingArg,
     /// Log level of the server and producers (their stderr is shown prefixed with their name).
     #[arg(long, default_value = "warn", value_parser = crate::common::parse_log_filter)]
     pub child_log: String,
@@ -159,6 +174,10 @@ impl Args {
             profile: self.hand_over.profile,
             child_log: self.child_log.clone(),
             launcher: crate::launcher(),
+            routing: match self.routing {
+                RoutingArg::ByKind => Routing::ByKind,
+                RoutingArg::Shared => Routing::Shared,
+            },
         };
         if self.producers.is_none() && self.gpu_producers.is_none() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());

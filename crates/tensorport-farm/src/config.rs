@@ -527,6 +527,22 @@ pub struct FarmConfig {
     pub child_log: String,
     /// How to start the children (`tensorport serve`, `tensorport produce`).
     pub launcher: Launcher,
+    /// Who takes plain JPEGs when the farm has both kinds of producers.
+    pub routing: Routing,
+}
+
+/// Who takes plain JPEGs (8-bit sequential, the JPEG engines' kind) in a farm with CPU and GPU
+/// producers. Either way the rest (progressive, 12-bit, PNG) goes to the CPU producers first and
+/// large plain JPEGs to whoever has room.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[non_exhaustive]
+pub enum Routing {
+    /// The GPU producers only (the CPU producers only when no GPU producer runs).
+    ByKind,
+    /// The GPU producers first; the CPU producers take those the GPU producers have no room
+    /// for, once every GPU producer has returned a result.
+    #[default]
+    Shared,
 }
 
 /// CPU producers a farm starts when the user names neither kind and its servers run on the CPU.
@@ -537,15 +553,20 @@ pub const DEFAULT_GPU_PRODUCERS_PER_GPU: usize = 2;
 
 /// The producers a farm starts when the user names neither kind: `(cpu, gpu)`. On the CPU,
 /// [`DEFAULT_CPU_PRODUCERS`]. On `gpus` GPUs with nvJPEG, [`DEFAULT_GPU_PRODUCERS_PER_GPU`] GPU
-/// producers per GPU and no CPU producer: the GPU producers then share the machine's cores for
-/// what the JPEG engines do not take (progressive files, PNGs) in their CPU lanes, which on the
-/// H200 machine beat every mix with CPU producers on a uniform and on a varied folder
-/// (docs/benchmarks.md). Without nvJPEG, a CPU producer for every core but the server's.
+/// producers per GPU and a CPU producer for every core but two and one per GPU producer (the
+/// server's, and the GPU producers' own threads); with [`Routing::Shared`] the CPU producers
+/// take the progressive files and PNGs and share the plain JPEGs the GPU producers have no
+/// room for, which on the H200 machine beat the GPU producers alone by 13–20% on a folder of
+/// small baseline JPEGs and matched them on a varied photo folder (docs/benchmarks.md).
+/// Without nvJPEG, a CPU producer for every core but the server's.
 pub fn default_producers(gpus: usize, cores: usize, nvjpeg: bool) -> (usize, usize) {
     match (gpus, nvjpeg) {
         (0, _) => (DEFAULT_CPU_PRODUCERS, 0),
         (_, false) => (cores.saturating_sub(1).max(1), 0),
-        (g, true) => (0, g * DEFAULT_GPU_PRODUCERS_PER_GPU),
+        (g, true) => {
+            let gpu = g * DEFAULT_GPU_PRODUCERS_PER_GPU;
+            (cores.saturating_sub(2 + gpu), gpu)
+        }
     }
 }
 
@@ -594,10 +615,11 @@ mod tests {
     use super::*;
 
     #[test]
-    fn the_default_producers_are_gpu_producers_where_nvjpeg_is() {
+    fn the_default_producers_add_gpu_producers_where_nvjpeg_is() {
         assert_eq!(default_producers(0, 16, true), (DEFAULT_CPU_PRODUCERS, 0));
-        assert_eq!(default_producers(1, 16, true), (0, 2));
-        assert_eq!(default_producers(2, 16, true), (0, 4));
+        assert_eq!(default_producers(1, 16, true), (12, 2));
+        assert_eq!(default_producers(2, 16, true), (10, 4));
+        assert_eq!(default_producers(1, 4, true), (0, 2));
         // No nvJPEG: the cores, on the CPU.
         assert_eq!(default_producers(1, 16, false), (15, 0));
         assert_eq!(default_producers(1, 1, false), (1, 0));

@@ -55,6 +55,8 @@ pub(super) struct Worker {
     pub(super) moving: bool,
     /// The server to start against next, if not the one with the fewest producers.
     pub(super) next_server: Option<usize>,
+    /// It has returned a result since it was last started.
+    pub(super) warm: bool,
 }
 
 /// A GPU producer's requests in flight (its device buffers; the protocol allows 64 per
@@ -92,6 +94,7 @@ impl Worker {
             server: 0,
             moving: false,
             next_server: None,
+            warm: false,
         }
     }
 }
@@ -322,6 +325,7 @@ impl Farm {
             source,
         })?;
         w.generation += 1;
+        w.warm = false;
         w.server = server;
         w.last_progress = Instant::now();
         pump_lines(

@@ -2,12 +2,49 @@
 //! one or three components) go to the GPU producers, whose JPEG engines decode them; the rest —
 //! progressive or 12-bit JPEGs, PNGs, synthetic images — to the CPU producers, which would
 //! otherwise leave the GPU producers preparing them on the CPU. Large plain JPEGs suit either:
-//! whoever has room takes them. GPU producers take CPU inputs once their own run out; CPU
-//! producers take small plain JPEGs only when no GPU producer runs (a GPU producer does those
-//! several times faster than the whole CPU farm, and host tensors in its batches slow the
-//! server's device batches).
+//! whoever has room takes them. GPU producers take CPU inputs once their own run out. CPU
+//! producers take small plain JPEGs when no GPU producer runs, and, with
+//! [`Routing::Shared`](crate::config::Routing), those the GPU producers have no room for once
+//! each of them has returned a result (before that, CPU producers ready seconds earlier than the
+//! GPU producers' CUDA contexts would take a whole folder of them at a fraction of the GPU's
+//! rate).
 
 use std::collections::VecDeque;
+
+use crate::config::Routing;
+
+/// A GPU producer, as the router sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) enum GpuState {
+    /// Not started yet, or waiting to be restarted.
+    Starting,
+    /// Running: whether it has returned a result since it started, and whether it holds all
+    /// the inputs it may.
+    Running { warm: bool, full: bool },
+    /// Given up on.
+    GaveUp,
+}
+
+/// Whether CPU producers may take plain JPEGs now: when no GPU producer is left, and with
+/// [`Routing::Shared`] when every GPU producer left is warm and full.
+pub(super) fn cpu_takes_plain(routing: Routing, gpus: impl IntoIterator<Item = GpuState>) -> bool {
+    let mut any = false;
+    let mut all_busy = true;
+    for g in gpus {
+        match g {
+            GpuState::GaveUp => {}
+            GpuState::Running {
+                warm: true,
+                full: true,
+            } => any = true,
+            _ => {
+                any = true;
+                all_busy = false;
+            }
+        }
+    }
+    !any || (routing == Routing::Shared && all_busy)
+}
 
 /// The kind of producer an input suits (or that asks for one).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -28,12 +65,12 @@ impl Side {
     }
 
     /// The queues a producer of this kind takes from, in order; CPU producers take the GPU's
-    /// only when `gpu_running` is false.
-    fn order(self, gpu_running: bool) -> &'static [Side] {
-        match (self, gpu_running) {
+    /// only when `cpu_takes_plain`.
+    fn order(self, cpu_takes_plain: bool) -> &'static [Side] {
+        match (self, cpu_takes_plain) {
             (Side::Gpu, _) => &[Side::Gpu, Side::Either, Side::Cpu],
-            (_, true) => &[Side::Cpu, Side::Either],
-            (_, false) => &[Side::Cpu, Side::Either, Side::Gpu],
+            (_, false) => &[Side::Cpu, Side::Either],
+            (_, true) => &[Side::Cpu, Side::Either, Side::Gpu],
         }
     }
 }
@@ -71,13 +108,13 @@ impl Queue {
     pub(super) fn next(
         &mut self,
         taker: Side,
-        gpu_running: bool,
+        cpu_takes_plain: bool,
         sort: impl Fn(u64) -> Side,
     ) -> Option<u64> {
         if !self.routing {
             return self.unsorted.pop_front();
         }
-        let order = taker.order(gpu_running);
+        let order = taker.order(cpu_takes_plain);
         if let Some(i) = self.sides[order[0].at()].pop_front() {
             return Some(i);
         }
@@ -139,46 +176,77 @@ mod tests {
     #[test]
     fn each_kind_gets_its_own_then_what_suits_either_then_the_others() {
         let mut q = Queue::new(6, true);
-        assert_eq!(q.next(Side::Cpu, true, by_three), Some(1));
-        assert_eq!(q.next(Side::Gpu, true, by_three), Some(0));
-        assert_eq!(q.next(Side::Cpu, true, by_three), Some(4));
+        assert_eq!(q.next(Side::Cpu, false, by_three), Some(1));
+        assert_eq!(q.next(Side::Gpu, false, by_three), Some(0));
+        assert_eq!(q.next(Side::Cpu, false, by_three), Some(4));
         // The CPU's are gone: it takes what suits either.
-        assert_eq!(q.next(Side::Cpu, true, by_three), Some(2));
+        assert_eq!(q.next(Side::Cpu, false, by_three), Some(2));
         // Not the GPU's while a GPU producer runs.
-        assert_eq!(q.next(Side::Gpu, true, by_three), Some(3));
-        assert_eq!(q.next(Side::Cpu, true, by_three), Some(5));
-        assert_eq!(q.next(Side::Cpu, true, by_three), None);
-        assert_eq!(q.next(Side::Gpu, true, by_three), None);
+        assert_eq!(q.next(Side::Gpu, false, by_three), Some(3));
+        assert_eq!(q.next(Side::Cpu, false, by_three), Some(5));
+        assert_eq!(q.next(Side::Cpu, false, by_three), None);
+        assert_eq!(q.next(Side::Gpu, false, by_three), None);
     }
 
     #[test]
-    fn gpu_producers_take_the_cpus_inputs_and_cpus_the_gpus_only_without_gpu_producers() {
+    fn gpu_producers_take_the_cpus_inputs_and_cpus_the_gpus_only_when_allowed() {
         let mut q = Queue::new(3, true);
-        assert_eq!(q.next(Side::Gpu, true, |_| Side::Cpu), Some(0));
+        assert_eq!(q.next(Side::Gpu, false, |_| Side::Cpu), Some(0));
         let mut q = Queue::new(3, true);
-        assert_eq!(q.next(Side::Cpu, true, |_| Side::Gpu), None);
-        assert_eq!(q.next(Side::Cpu, false, |_| Side::Gpu), Some(0));
+        assert_eq!(q.next(Side::Cpu, false, |_| Side::Gpu), None);
+        assert_eq!(q.next(Side::Cpu, true, |_| Side::Gpu), Some(0));
+    }
+
+    #[test]
+    fn cpu_producers_share_plain_jpegs_only_with_warm_full_gpu_producers() {
+        use GpuState::*;
+        let busy = Running {
+            warm: true,
+            full: true,
+        };
+        // No GPU producer left: the CPU producers take everything, whatever the routing.
+        for r in [Routing::ByKind, Routing::Shared] {
+            assert!(cpu_takes_plain(r, []));
+            assert!(cpu_takes_plain(r, [GaveUp, GaveUp]));
+        }
+        // By kind: never while a GPU producer runs or starts.
+        assert!(!cpu_takes_plain(Routing::ByKind, [busy, busy]));
+        assert!(!cpu_takes_plain(Routing::ByKind, [Starting]));
+        // Shared: once every GPU producer left is warm and full.
+        assert!(cpu_takes_plain(Routing::Shared, [busy, busy]));
+        assert!(cpu_takes_plain(Routing::Shared, [busy, GaveUp]));
+        assert!(!cpu_takes_plain(Routing::Shared, [busy, Starting]));
+        let cold = Running {
+            warm: false,
+            full: true,
+        };
+        let room = Running {
+            warm: true,
+            full: false,
+        };
+        assert!(!cpu_takes_plain(Routing::Shared, [busy, cold]));
+        assert!(!cpu_takes_plain(Routing::Shared, [room, busy]));
     }
 
     #[test]
     fn inputs_put_back_come_first_on_their_side() {
         let mut q = Queue::new(4, true);
-        let a = q.next(Side::Gpu, true, by_three).unwrap();
-        let b = q.next(Side::Cpu, true, by_three).unwrap();
+        let a = q.next(Side::Gpu, false, by_three).unwrap();
+        let b = q.next(Side::Cpu, false, by_three).unwrap();
         q.push_front(b);
         q.push_front(a);
-        assert_eq!(q.next(Side::Cpu, true, by_three), Some(b));
-        assert_eq!(q.next(Side::Gpu, true, by_three), Some(a));
+        assert_eq!(q.next(Side::Cpu, false, by_three), Some(b));
+        assert_eq!(q.next(Side::Gpu, false, by_three), Some(a));
     }
 
     #[test]
     fn without_routing_it_is_one_queue_and_sorts_nothing() {
         let mut q = Queue::new(3, false);
         let never = |_: u64| -> Side { panic!("sorted") };
-        assert_eq!(q.next(Side::Cpu, true, never), Some(0));
+        assert_eq!(q.next(Side::Cpu, false, never), Some(0));
         q.push_front(0);
-        assert_eq!(q.next(Side::Gpu, true, never), Some(0));
-        assert_eq!(q.next(Side::Gpu, true, never), Some(1));
+        assert_eq!(q.next(Side::Gpu, false, never), Some(0));
+        assert_eq!(q.next(Side::Gpu, false, never), Some(1));
     }
 
     #[test]
@@ -198,8 +266,8 @@ mod tests {
             };
             // A CPU producer finding nothing leaves the rest to the GPU producers.
             let Some(i) = q
-                .next(taker, true, sort)
-                .or_else(|| q.next(Side::Gpu, true, sort))
+                .next(taker, false, sort)
+                .or_else(|| q.next(Side::Gpu, false, sort))
             else {
                 break;
             };

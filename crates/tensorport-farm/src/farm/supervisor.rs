@@ -11,7 +11,7 @@ use tensorport_vision::Source;
 
 use super::balance::{pick_move, Load, Window, MIN_RESULTS};
 use super::children::{backoff, describe, unfixable_start, Ev, Farm, State, Worker};
-use super::route::{Queue, Side};
+use super::route::{cpu_takes_plain, GpuState, Queue, Side};
 use super::{ChildRow, ChildState, ResultsFile, Snapshot, Summary};
 use crate::error::{Error, Result};
 use crate::record::{ResultLine, StageTimes};
@@ -235,58 +235,75 @@ impl Supervisor {
         Ok(())
     }
 
-    /// Gives each running producer inputs up to its depth, on its worklist (stdin).
+    /// Gives each running producer inputs up to its depth, on its worklist (stdin): the GPU
+    /// producers first, so that CPU producers sharing plain JPEGs take only what the GPU
+    /// producers have no room for.
     pub(super) fn hand_out(&mut self) {
         if self.stopping.is_some() {
             return;
         }
-        // GPU producers that gave up leave their inputs to the CPU producers.
-        let gpu_running = self
-            .workers
-            .iter()
-            .any(|w| w.gpu && !matches!(w.state, State::GaveUp));
-        for w in self.workers.iter_mut() {
-            let State::Running {
-                stdin: Some(stdin), ..
-            } = &mut w.state
-            else {
-                continue;
-            };
-            let mut batch = String::new();
-            let mut given = Vec::new();
-            let depth = if w.gpu {
-                2 * super::children::GPU_IN_FLIGHT as usize
-            } else {
-                self.depth
-            };
-            while w.assigned.len() + given.len() < depth {
-                let side = if w.gpu { Side::Gpu } else { Side::Cpu };
-                let next = self
-                    .queue
-                    .next(side, gpu_running, |i| suits(&self.inputs[i as usize]));
-                let Some(i) = next else {
-                    break;
-                };
-                if self.done[i as usize] {
-                    continue;
+        let gpu_depth = 2 * super::children::GPU_IN_FLIGHT as usize;
+        for gpu in [true, false] {
+            let gpus = self
+                .workers
+                .iter()
+                .filter(|w| w.gpu)
+                .map(|w| match w.state {
+                    State::Running { .. } => GpuState::Running {
+                        warm: w.warm,
+                        full: w.assigned.len() >= gpu_depth,
+                    },
+                    State::GaveUp => GpuState::GaveUp,
+                    _ => GpuState::Starting,
+                });
+            let cpu_takes_plain = cpu_takes_plain(self.farm.cfg.routing, gpus);
+            for slot in 0..self.workers.len() {
+                if self.workers[slot].gpu == gpu {
+                    let depth = if gpu { gpu_depth } else { self.depth };
+                    self.give(slot, depth, cpu_takes_plain);
                 }
-                batch.push_str(&crate::record::work_line(i, &self.inputs[i as usize]));
-                given.push(i);
             }
-            if given.is_empty() {
+        }
+    }
+
+    /// Gives producer `slot`, if it runs, inputs up to `depth` held.
+    fn give(&mut self, slot: usize, depth: usize, cpu_takes_plain: bool) {
+        let w = &mut self.workers[slot];
+        let State::Running {
+            stdin: Some(stdin), ..
+        } = &mut w.state
+        else {
+            return;
+        };
+        let mut batch = String::new();
+        let mut given = Vec::new();
+        let side = if w.gpu { Side::Gpu } else { Side::Cpu };
+        while w.assigned.len() + given.len() < depth {
+            let next = self
+                .queue
+                .next(side, cpu_takes_plain, |i| suits(&self.inputs[i as usize]));
+            let Some(i) = next else {
+                break;
+            };
+            if self.done[i as usize] {
                 continue;
             }
-            if stdin
-                .write_all(batch.as_bytes())
-                .and_then(|_| stdin.flush())
-                .is_ok()
-            {
-                w.assigned.extend(given);
-            } else {
-                // It is dying; its EOF will come. Keep the inputs for someone else.
-                for i in given.into_iter().rev() {
-                    self.queue.push_front(i);
-                }
+            batch.push_str(&crate::record::work_line(i, &self.inputs[i as usize]));
+            given.push(i);
+        }
+        if given.is_empty() {
+            return;
+        }
+        if stdin
+            .write_all(batch.as_bytes())
+            .and_then(|_| stdin.flush())
+            .is_ok()
+        {
+            w.assigned.extend(given);
+        } else {
+            // It is dying; its EOF will come. Keep the inputs for someone else.
+            for i in given.into_iter().rev() {
+                self.queue.push_front(i);
             }
         }
     }
@@ -347,6 +364,7 @@ impl Supervisor {
             *r += 1;
         }
         w.done += 1;
+        w.warm = true;
         w.failures_in_row = 0;
         w.last_progress = Instant::now();
         if let Some(s) = self.servers.get_mut(w.server) {

@@ -23,11 +23,12 @@ use crate::conn::FrameWriter;
 pub(crate) const MAX_DEVICE_BUFFER_LEN: u64 = 1 << 40;
 use crate::device::DeviceTensor;
 use crate::fast::{IdSet, ServerRing};
+use crate::lock;
 use crate::server::budget::Charge;
 use crate::server::outbox::Outbox;
 use crate::server::request::{Request, Responder};
 use crate::server::session::{DeviceEntry, Session, SessionState};
-use crate::server::shared::{lock, Shared};
+use crate::server::shared::Shared;
 
 /// Releases a reservation in `Shared::producers` when dropped, unless disarmed.
 struct Reservation<'a>(&'a AtomicU32, bool);

@@ -11,10 +11,11 @@ use nix::sys::epoll::{EpollEvent, EpollTimeout};
 use tensorport_shm::ring::{SqEntry, SqReader};
 use tensorport_wire::ErrorCode;
 
+use crate::lock;
 use crate::server::admission::{admit_locked, count_submitted};
 use crate::server::request::Request;
 use crate::server::session::{Session, SessionState};
-use crate::server::shared::{lock, Shared};
+use crate::server::shared::Shared;
 use crate::{Error, Result};
 
 /// A session the consumer polls, with its submission-queue cursor.

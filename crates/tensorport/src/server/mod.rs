@@ -16,6 +16,13 @@
 //! [`outbox`], which never blocks (the socket takes it, or it waits in a bounded queue that the
 //! producer's own thread flushes; a producer that does not read is dropped).
 //!
+//! # Modules that name each other
+//! `shared` (the session table every thread sees), `session` (one producer's state), `pace` (a
+//! session's pacing, which reads the table to share the rate) and `request` (a tensor handed to
+//! the caller, which answers through its session) refer to each other by design: a session
+//! lives in the table and is paced against the others in it. Every other module of the server
+//! depends on them and not back.
+//!
 //! # Lock order
 //! a shard's `Consumer` (one at a time per thread) → `Shared::sessions` → `Session::state` →
 //! `Outbox::queue`. A thread holding
@@ -52,9 +59,10 @@ pub use config::ServerConfig;
 pub use pace::Pace;
 pub use request::{Request, Responder};
 
+use crate::lock;
 use accept::accept_loop;
 use consumer::Consumer;
-use shared::{lock, AtomicCounters, Shard, Shared};
+use shared::{AtomicCounters, Shard, Shared};
 
 /// A running server. Dropping it stops accepting, disconnects every session and removes the
 /// socket file.

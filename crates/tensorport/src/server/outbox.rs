@@ -21,7 +21,7 @@ use serde::Serialize;
 use tensorport_wire::{encode_frame_into, WireError};
 
 use crate::fast::Doorbell;
-use crate::server::shared::lock;
+use crate::lock;
 use crate::{Error, Result};
 
 /// Why a session's output cannot go on; the session is to be dropped.

@@ -24,8 +24,9 @@ use std::time::{Duration, Instant};
 
 use tensorport_wire::SlotRef;
 
+use crate::lock;
 use crate::server::session::Session;
-use crate::server::shared::{lock, Shared};
+use crate::server::shared::Shared;
 
 /// How often the consumers recompute the floor and grant the slots that may go.
 pub(crate) const TICK: Duration = Duration::from_micros(50);

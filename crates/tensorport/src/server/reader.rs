@@ -8,9 +8,10 @@ use std::sync::Arc;
 use tensorport_wire::{ClientMsg, ErrorCode, RawDeviceHandle, ServerMsg, WireError};
 
 use crate::conn::FrameReader;
+use crate::lock;
 use crate::server::admission::{admit, register_device};
 use crate::server::session::Session;
-use crate::server::shared::{lock, Shared};
+use crate::server::shared::Shared;
 
 /// The most descriptors one client message carries (`RegisterDevice` with a VMM handle).
 const MAX_FDS_PER_MESSAGE: usize = 1;

@@ -16,10 +16,11 @@ use tensorport_wire::{
 
 use crate::device::ImportedDevice;
 use crate::fast::{IdSet, ServerRing};
+use crate::lock;
 use crate::server::budget::Charge;
 use crate::server::outbox::Outbox;
 use crate::server::pace::Share;
-use crate::server::shared::{lock, Shared};
+use crate::server::shared::Shared;
 use crate::{Error, Result};
 
 /// Refusals of one session that are all logged; past them, only every power of two.

@@ -12,12 +12,11 @@ use nix::sys::epoll::Epoll;
 use tensorport_wire::{Counters, ServerMsg, SessionStatus, StatusReport};
 
 use crate::fast::Doorbell;
+use crate::lock;
 use crate::server::budget::MemoryBudget;
 use crate::server::request::Request;
 use crate::server::session::Session;
 use crate::server::ServerConfig;
-
-pub(crate) use crate::lock;
 
 #[derive(Default)]
 pub(crate) struct AtomicCounters {
