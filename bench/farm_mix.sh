@@ -11,7 +11,7 @@ bin=$(realpath "$1"); out=$(realpath -m "$2")
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
 "$here/make_sets.sh" "$out" "${3:-1000}" "${4:-150}"
-mixes=("" "-p 15" "-p 0 --gpu-producers 1" "-p 0 --gpu-producers 2" "-p 14 --gpu-producers 1" "-p 12 --gpu-producers 2")
+mixes=("" "-p 15" "-p 0 --gpu-producers 1" "-p 0 --gpu-producers 2" "-p 8 --gpu-producers 2" "-p 12 --gpu-producers 2 --routing by-kind")
 for set in uniform varied; do
   n=$(ls "$out/$set" | grep -c jpg)
   echo "== $set, $n files: images/s after start-up (whole run)"
