@@ -553,8 +553,9 @@ class Loader:
     With `device="cuda"` (or `"cuda:N"`) batches are torch tensors on that GPU: the producers'
     slots are pinned and copied into the batch by DMA, and `gpu_producers` producers
     (`tensorport produce --nvjpeg`) decode and prepare their files on the GPU and hand them
-    over in device memory; with both kinds, plain JPEGs go to the GPU producers and the rest to
-    the CPU producers (docs/operations.md).
+    over in device memory; with both kinds, plain JPEGs go to the GPU producers first (the CPU
+    producers take those the GPU producers have no room for) and the rest to the CPU producers
+    (docs/operations.md).
 
     DataLoader arguments and theirs: `batch_size`, `shuffle` (with `seed`: epoch e uses
     `seed + e`), `drop_last` as there; `num_workers` → `producers`; `pin_memory` as there;

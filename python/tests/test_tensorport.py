@@ -673,6 +673,50 @@ def test_a_killed_python_parent_leaves_no_producer_behind(tmp_path):
     assert eventually(lambda: all(gone(p) for p in pids)), "a process outlived its parent"
 
 
+def test_ctrl_c_stops_the_loader_cleanly_and_leaves_no_producer_behind(tmp_path):
+    """Ctrl-C at a terminal: SIGINT to the whole foreground process group (the Python process,
+    its farm and the producers). The loop gets `KeyboardInterrupt`, the process goes on and ends
+    normally, and no process of the farm outlives the iteration."""
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "8")
+    script = (
+        "import sys, tensorport\n"
+        "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 2000\n"
+        "loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=16,\n"
+        "                           binary=sys.argv[2], in_flight=2)\n"
+        "try:\n"
+        "    for n, _ in enumerate(loader):\n"
+        "        if n == 0:\n"
+        "            print('ready', flush=True)\n"
+        "except KeyboardInterrupt:\n"
+        "    print('interrupted', flush=True)\n"
+        "print('after', loader.producer_pids, flush=True)\n"
+    )
+    child = subprocess.Popen([sys.executable, "-c", script, str(images), BIN],
+                             stdout=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        assert child.stdout.readline().strip() == "ready"
+        pids = _descendants(child.pid, needle="tensorport")
+        assert len(_descendants(child.pid, needle="\x00produce\x00")) == 2, pids
+        os.killpg(child.pid, signal.SIGINT)
+        out, _ = child.communicate(timeout=PATIENCE)
+    finally:
+        if child.poll() is None:
+            os.killpg(child.pid, signal.SIGKILL)
+            child.wait()
+    assert child.returncode == 0, out
+    assert out.splitlines()[:2] == ["interrupted", "after []"], out
+
+    def gone(pid):
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except OSError:
+            return True
+        return state == "Z"
+
+    assert eventually(lambda: all(gone(p) for p in pids)), "a process outlived the iteration"
+
+
 def test_the_package_and_its_examples_type_check(tmp_path):
     """The extension's stubs (`_native.pyi`) and the package's annotations hold for the examples:
     mypy finds no error."""
