@@ -127,10 +127,12 @@ class Loan:
 
     @property
     def nbytes(self) -> int:
+        """The slot's size in bytes: the most a tensor written into it may take."""
         return self._native.len
 
     @property
     def submitted(self) -> bool:
+        """Whether the loan was submitted or given back (its views are revoked then)."""
         return self._native.submitted
 
     def _check_open(self) -> None:
@@ -326,17 +328,21 @@ class Producer:
 
     @property
     def in_flight(self) -> int:
+        """Requests submitted whose result has not been received yet."""
         return self._native.in_flight()
 
     @property
     def slot_size(self) -> int:
+        """Bytes in each of the session's slots (the server's choice, at least what was asked)."""
         return self._native.slot_size()
 
     @property
     def uses_rings(self) -> bool:
+        """Whether tensors and results travel on the shared-memory queues (else on the socket)."""
         return self._native.uses_rings()
 
     def close(self) -> None:
+        """Ends the session cleanly; loans still out are revoked. Closing twice is harmless."""
         self._slots.clear()
         self._native.close()
 
@@ -353,18 +359,22 @@ class Request:
     def __init__(self, native):
         self._native = native
 
-    request_id = property(lambda self: self._native.request_id)
-    producer = property(lambda self: self._native.producer)
-    shape = property(lambda self: tuple(self._native.shape))
-    nbytes = property(lambda self: self._native.nbytes)
-    answered = property(lambda self: self._native.answered)
+    request_id = property(lambda self: self._native.request_id,
+                          doc="The producer's id for this request (unique within its session).")
+    producer = property(lambda self: self._native.producer,
+                        doc="The producer's session name, as it gave it at connection.")
+    shape = property(lambda self: tuple(self._native.shape), doc="The tensor's shape.")
+    nbytes = property(lambda self: self._native.nbytes, doc="The tensor's size in bytes.")
+    answered = property(lambda self: self._native.answered,
+                        doc="Whether `respond` or `fail` was called.")
 
     @property
     def dtype(self) -> str:
         """The numpy name of the tensor's dtype (`bf16` has none and stays `"bf16"`)."""
         return _TO_NUMPY.get(self._native.dtype, self._native.dtype)
 
-    device = property(lambda self: self._native.device)
+    device = property(lambda self: self._native.device,
+                      doc="Whether the tensor is in a GPU producer's device memory (use `tensor()`).")
 
     def array(self):
         """The tensor as a read-only numpy array, in the producer's pool (no copy)."""
@@ -425,6 +435,7 @@ class Request:
         self._native.respond(bytes(data), self._stream())
 
     def fail(self, message: str) -> None:
+        """Answers with an error: the producer's `recv` raises `TensorportError(message)`."""
         self._native.fail(message, self._stream())
 
 
@@ -452,6 +463,7 @@ class Server:
 
     @property
     def socket(self):
+        """The path producers connect to."""
         return self._native.socket
 
     def recv_batch(self, max: int = 32, timeout: float = 1.0, max_wait: float = 0.005):
@@ -469,12 +481,16 @@ class Server:
 
     @property
     def sessions(self) -> int:
+        """Producer sessions open now."""
         return self._native.sessions()
 
     def totals(self) -> dict:
+        """Server-wide counts: `{"submitted": ..., "completed": ..., "protocol_errors": ...}`."""
         return self._native.totals()
 
     def drain(self) -> None:
+        """Refuses new producers and tells the open ones to finish; `requests` then ends once
+        every session has left."""
         self._native.drain()
 
 

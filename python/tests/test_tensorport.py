@@ -717,6 +717,24 @@ def test_ctrl_c_stops_the_loader_cleanly_and_leaves_no_producer_behind(tmp_path)
     assert eventually(lambda: all(gone(p) for p in pids)), "a process outlived the iteration"
 
 
+def test_every_public_name_has_a_docstring():
+    """`help(tensorport.X)` says something for every public class, function, method and
+    property."""
+    import inspect
+
+    missing = []
+    for name in dir(tensorport):
+        obj = getattr(tensorport, name)
+        if name.startswith("_") or inspect.ismodule(obj) or name == "annotations":
+            continue
+        if not getattr(obj, "__doc__", None):
+            missing.append(name)
+        if inspect.isclass(obj) and obj.__module__.startswith("tensorport"):
+            missing += [f"{name}.{m}" for m, v in vars(obj).items()
+                        if not m.startswith("_") and not getattr(v, "__doc__", None)]
+    assert not missing, missing
+
+
 def test_the_package_and_its_examples_type_check(tmp_path):
     """The extension's stubs (`_native.pyi`) and the package's annotations hold for the examples:
     mypy finds no error."""
