@@ -23,6 +23,7 @@
 
 pub mod auth;
 pub mod gateway;
+pub mod nixl;
 pub mod remote;
 pub mod schema;
 pub mod tls;

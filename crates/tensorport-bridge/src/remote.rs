@@ -212,6 +212,17 @@ impl Exchange {
         name: &str,
         queue: usize,
     ) -> Result<Exchange, RemoteError> {
+        Exchange::open_with(client, layout.schema(), name, queue).await
+    }
+
+    /// Opens a stream whose batches have `schema`: a tensor layout's, or a NIXL set-up's
+    /// ([`crate::nixl::Hello::schema`]).
+    pub async fn open_with(
+        client: &mut FlightClient,
+        schema: arrow_schema::SchemaRef,
+        name: &str,
+        queue: usize,
+    ) -> Result<Exchange, RemoteError> {
         let (tx, rx) = mpsc::channel::<RecordBatch>(queue.max(1));
         let batches =
             futures::stream::unfold(
@@ -219,7 +230,7 @@ impl Exchange {
                 |mut rx| async move { rx.recv().await.map(|b| (Ok(b), rx)) },
             );
         let data = FlightDataEncoderBuilder::new()
-            .with_schema(layout.schema())
+            .with_schema(schema)
             .with_flight_descriptor(Some(FlightDescriptor::new_path(vec![name.to_string()])))
             .with_max_flight_data_size(FLIGHT_DATA_BYTES)
             .build(batches);

@@ -63,6 +63,8 @@ struct Fixture {
     gateway: Option<Child>,
     url: String,
     extra: Vec<String>,
+    /// Environment of the gateway and the producers.
+    env: Vec<(String, String)>,
 }
 
 impl Fixture {
@@ -72,6 +74,11 @@ impl Fixture {
 
     /// A fixture whose gateway gets `extra` arguments.
     fn with_gateway_args(extra: &[String]) -> Fixture {
+        Fixture::with(extra, Vec::new())
+    }
+
+    /// A fixture whose gateway gets `extra` arguments, and whose processes `env`.
+    fn with(extra: &[String], env: Vec<(String, String)>) -> Fixture {
         let dir = tempfile::tempdir().unwrap();
         let server = Arc::new(Server::bind(ServerConfig::new(dir.path().join("s.sock"))).unwrap());
         let seen = Arc::new(Mutex::new(Seen::default()));
@@ -117,6 +124,7 @@ impl Fixture {
             gateway: None,
             url: String::new(),
             extra: extra.to_vec(),
+            env,
         };
         f.start_gateway("127.0.0.1:0");
         f
@@ -131,12 +139,13 @@ impl Fixture {
         let mut args = vec!["--in-flight".to_string(), "16".into()];
         args.extend(self.extra.iter().cloned());
         let log = std::fs::File::create(self.dir.path().join("gateway.log")).unwrap();
-        let (child, url) = spawn_gateway(
+        let (child, url) = spawn_gateway_with(
             listen,
             &self.dir.path().join("s.sock"),
             &self.token(),
             &args,
             log.into(),
+            &self.env,
         );
         self.url = url;
         self.gateway = Some(child);
@@ -157,7 +166,8 @@ impl Fixture {
             .args(["--batch", "4", "--in-flight", "16"])
             .arg("-o")
             .arg(self.dir.path().join(format!("{name}.jsonl")))
-            .args(extra);
+            .args(extra)
+            .envs(self.env.iter().map(|(k, v)| (k, v)));
         c
     }
 
@@ -210,7 +220,20 @@ fn spawn_gateway(
     extra: &[String],
     stderr: Stdio,
 ) -> (Child, String) {
+    spawn_gateway_with(listen, socket, token, extra, stderr, &[])
+}
+
+/// As [`spawn_gateway`], with `env` in the gateway's environment.
+fn spawn_gateway_with(
+    listen: &str,
+    socket: &std::path::Path,
+    token: &std::path::Path,
+    extra: &[String],
+    stderr: Stdio,
+    env: &[(String, String)],
+) -> (Child, String) {
     let mut child = Command::new(BIN)
+        .envs(env.iter().map(|(k, v)| (k, v)))
         .args(["gateway", "--listen", listen, "--socket"])
         .arg(socket)
         .arg("--token-file")
@@ -1295,4 +1318,186 @@ fn tensor_schema_message(rt: &tokio::runtime::Runtime) -> arrow_flight::FlightDa
     )
     .unwrap()
     .remove(0)
+}
+
+/// NIXL from PyPI's nixl-cu13 wheel (scripts/fetch-nixl.sh, run here the first time, into the
+/// checkout's target/nixl, where this process's own NIXL calls find it too) and UCX on its TCP
+/// transport, for the gateway and the producers; `None` (the test says so and skips) where it
+/// cannot be fetched.
+fn nixl_env() -> Option<Vec<(String, String)>> {
+    static DIR: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| {
+        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
+        let dest = root.join("target/nixl");
+        let out = Command::new("timeout")
+            .args(["300", "bash"])
+            .arg(root.join("scripts/fetch-nixl.sh"))
+            .arg(&dest)
+            .output()
+            .expect("bash runs");
+        if out.status.success() {
+            Some(dest)
+        } else {
+            eprintln!(
+                "SKIPPED: NIXL could not be fetched (scripts/fetch-nixl.sh: {})",
+                String::from_utf8_lossy(&out.stderr).trim()
+            );
+            None
+        }
+    });
+    let dir = dir.as_ref()?;
+    Some(vec![
+        ("TENSORPORT_NIXL".into(), dir.display().to_string()),
+        ("UCX_TLS".into(), "tcp".into()),
+        ("UCX_WARN_UNUSED_ENV_VARS".into(), "n".into()),
+    ])
+}
+
+#[test]
+fn nixl_producers_every_input_once_and_intact_beside_a_flight_one() {
+    let Some(env) = nixl_env() else { return };
+    let f = Fixture::with(&[], env);
+    let mut a = f
+        .producer("nixl-a", 300, &["--transport", "nixl"])
+        .spawn()
+        .unwrap();
+    let mut b = f
+        .producer(
+            "nixl-b",
+            200,
+            &["--transport", "nixl", "--batch", "16", "--in-flight", "48"],
+        )
+        .spawn()
+        .unwrap();
+    let mut c = f.producer("flight", 100, &[]).spawn().unwrap();
+    for p in [&mut a, &mut b, &mut c] {
+        assert!(p.wait().unwrap().success(), "{}", f.gateway_log());
+    }
+    assert_each_input_once(&f.lines("nixl-a"), 300);
+    assert_each_input_once(&f.lines("nixl-b"), 200);
+    assert_each_input_once(&f.lines("flight"), 100);
+    let mut got = f.received("nixl-a");
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        (0..300).collect::<Vec<_>>(),
+        "the server got each tensor once"
+    );
+    assert_eq!(f.seen.lock().unwrap().torn, 0, "no torn tensor");
+    assert!(
+        f.gateway_log().contains("NIXL stream"),
+        "{}",
+        f.gateway_log()
+    );
+    wait_until("the sessions close", Duration::from_secs(30), || {
+        f.sessions() == 0
+    });
+}
+
+#[test]
+fn a_killed_nixl_producer_is_reclaimed_and_the_next_is_served() {
+    let Some(env) = nixl_env() else { return };
+    let f = Fixture::with(&[], env);
+    let mut victim = f
+        .producer("victim", 10_000_000, &["--transport", "nixl"])
+        .spawn()
+        .unwrap();
+    wait_until(
+        "the victim's tensors arrive",
+        Duration::from_secs(60),
+        || f.received("victim").len() >= 40,
+    );
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim.id() as i32),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    victim.wait().unwrap();
+    wait_until(
+        "the gateway closes the victim's session",
+        Duration::from_secs(60),
+        || f.sessions() == 0,
+    );
+    run_ok(&mut f.producer("next", 64, &["--transport", "nixl"]));
+    assert_each_input_once(&f.lines("next"), 64);
+    assert_eq!(f.seen.lock().unwrap().torn, 0);
+}
+
+/// A producer whose set-up describes slots it never registered, names slots past its set-up,
+/// or sends metadata that is not NIXL's: the gateway ends that stream with an error that says
+/// so, nothing reaches the server, and the next producer is served.
+#[test]
+fn a_nixl_set_up_that_lies_is_refused_and_harms_no_one() {
+    use tensorport_bridge::nixl::{slot_batch, Hello, Outbound};
+    use tensorport_bridge::remote::{connect, Exchange, RemoteConfig};
+    use tensorport_bridge::schema::TensorLayout;
+
+    let Some(env) = nixl_env() else { return };
+    let f = Fixture::with(&[], env);
+    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
+    let out = Outbound::new(&format!("liar-{}", std::process::id()), 4, &layout).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = RemoteConfig {
+        gateway: f.url.clone(),
+        token: tensorport_bridge::auth::Token::read(&f.token()).unwrap(),
+        tls: None,
+        name: "liar".into(),
+        connect_timeout: Duration::from_secs(10),
+        allow_plaintext: false,
+    };
+    let outcome = |hello: Hello, rows: Vec<(u64, u32)>| {
+        rt.block_on(async {
+            let mut client = connect(&cfg).await.unwrap();
+            let schema = hello.schema();
+            let mut ex = Exchange::open_with(&mut client, schema.clone(), "liar", 4)
+                .await
+                .unwrap();
+            ex.send(slot_batch(&schema, &rows).unwrap()).await.unwrap();
+            ex.finish();
+            let mut answered = 0;
+            loop {
+                match tokio::time::timeout(Duration::from_secs(60), ex.results()).await {
+                    Ok(Some(Ok(r))) => answered += r.len(),
+                    Ok(Some(Err(e))) => return (answered, Some(e.to_string())),
+                    Ok(None) => return (answered, None),
+                    Err(_) => panic!("the gateway neither answered nor ended the stream"),
+                }
+            }
+        })
+    };
+    // Slots past what the agent registered: NIXL refuses to prepare reads of them.
+    let mut beyond = out.hello().clone();
+    beyond.slots.base += 1 << 30;
+    let (n, err) = outcome(beyond, vec![(0, 0)]);
+    assert_eq!(n, 0);
+    assert!(
+        err.as_deref().is_some_and(|e| e.contains("NIXL")),
+        "{err:?}"
+    );
+    // A slot past the set-up's count.
+    let (n, err) = outcome(out.hello().clone(), vec![(0, 9)]);
+    assert_eq!(n, 0);
+    assert!(
+        err.as_deref().is_some_and(|e| e.contains("slot 9")),
+        "{err:?}"
+    );
+    // Metadata that is not NIXL's.
+    let mut junk = out.hello().clone();
+    junk.metadata = vec![0x5a; 300];
+    let (n, err) = outcome(junk, vec![(0, 0)]);
+    assert_eq!(n, 0);
+    assert!(err.is_some());
+    assert_eq!(
+        f.received("liar").len(),
+        0,
+        "nothing from a liar reached the server"
+    );
+    run_ok(&mut f.producer("next", 32, &["--transport", "nixl"]));
+    assert_each_input_once(&f.lines("next"), 32);
+    wait_until("the sessions close", Duration::from_secs(30), || {
+        f.sessions() == 0
+    });
 }

@@ -29,6 +29,11 @@ pub struct Reader {
     in_flight: Vec<Option<Handle>>,
 }
 
+// SAFETY: its handles (prepared lists, requests) are NIXL objects of its agent, used only
+// through `&mut self` and with the agent's lock held, so moving the reader to another thread
+// moves their only user; the region and peer it owns are `Send`.
+unsafe impl Send for Reader {}
+
 impl std::fmt::Debug for Reader {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Reader")

@@ -9,8 +9,9 @@ use std::time::{Duration, Instant};
 use arrow_array::{BooleanArray, RecordBatch};
 use tensorport::DType;
 use tensorport_bridge::auth::Token;
+use tensorport_bridge::nixl::{slot_batch, Outbound};
 use tensorport_bridge::remote::{connect, Exchange, RemoteConfig, RemoteError};
-use tensorport_bridge::schema::{ResultRow, TensorLayout};
+use tensorport_bridge::schema::{ResultRow, TensorLayout, TensorRows};
 use tensorport_bridge::tls::ClientTls;
 
 use tensorport_farm::config::{Pixels, TransformKind};
@@ -92,6 +93,22 @@ pub struct Args {
     /// Seconds to wait for a connection.
     #[arg(long, default_value_t = 10)]
     pub connect_timeout: u64,
+    /// How tensors reach the gateway: inside the Flight stream, or read by the gateway from
+    /// this process's NIXL-registered memory (one-sided reads over UCX: RDMA where the network
+    /// has it, TCP otherwise; the stream then carries only which slot holds which request).
+    /// NIXL comes from PyPI's nixl-cu13 wheel (scripts/fetch-nixl.sh) on both hosts; its data
+    /// path is not authenticated, so use it only on a network you trust.
+    #[arg(long, value_enum, default_value_t = Transport::Flight)]
+    pub transport: Transport,
+}
+
+/// How tensors travel.
+#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Transport {
+    /// In the Flight stream (Arrow IPC over gRPC).
+    Flight,
+    /// NIXL one-sided reads of this process's registered slots.
+    Nixl,
 }
 
 /// A request sent and not yet answered.
@@ -109,6 +126,8 @@ struct Run {
     lines: u64,
     errors: u64,
     bytes: u64,
+    /// With `--transport nixl`: the registered slots and which request each holds.
+    nixl: Option<Outbound>,
 }
 
 impl Run {
@@ -148,6 +167,10 @@ impl Run {
             let Some(p) = self.pending.remove(&r.id) else {
                 continue;
             };
+            // Answered: the gateway has read its slot.
+            if let Some(n) = self.nixl.as_mut() {
+                n.release(r.id);
+            }
             let outcome = match r.outcome {
                 Ok(b) if b.len() % 4 == 0 => Ok(b
                     .chunks_exact(4)
@@ -188,6 +211,26 @@ impl Run {
             })
             .collect()
     }
+}
+
+/// A batch of tensors put into NIXL slots: the `(id, slot)` batch that names them.
+fn into_slots(
+    n: &mut Outbound,
+    layout: &TensorLayout,
+    schema: &arrow_schema::SchemaRef,
+    b: &RecordBatch,
+) -> CliResult<RecordBatch> {
+    let rows = TensorRows::new(layout, b).map_err(|e| CliError::new(e.to_string()))?;
+    let mut slots = Vec::with_capacity(rows.len());
+    for i in 0..rows.len() {
+        let (id, bytes) = rows.get(i);
+        // The window never holds more requests than there are slots.
+        let s = n.put(id, bytes).ok_or_else(|| {
+            CliError::new("every NIXL slot is held (a bug: the window is the slots)")
+        })?;
+        slots.push((id, s));
+    }
+    slot_batch(schema, &slots).map_err(|e| CliError::new(e.to_string()))
 }
 
 fn ids(b: &RecordBatch) -> &[u64] {
@@ -261,6 +304,18 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         lines: 0,
         errors: 0,
         bytes: 0,
+        nixl: match a.transport {
+            Transport::Flight => None,
+            Transport::Nixl => {
+                let slots = u32::try_from(a.in_flight.max(batch))
+                    .map_err(|_| CliError::usage("--in-flight is too large"))?;
+                let name = format!("{}-{}", a.name, std::process::id());
+                Some(
+                    Outbound::new(&name, slots, &layout)
+                        .map_err(|e| CliError::new(format!("--transport nixl: {e}")))?,
+                )
+            }
+        },
     };
     let t0 = Instant::now();
     let r = rt.block_on(stream_all(&cfg, &layout, plan, &a, &mut run));
@@ -325,7 +380,12 @@ async fn stream_all(
                 continue 'connect;
             }
         };
-        let mut ex = match Exchange::open(&mut client, layout, &cfg.name, queue).await {
+        let schema = match &run.nixl {
+            Some(n) => n.hello().schema(),
+            None => layout.schema(),
+        };
+        let mut ex = match Exchange::open_with(&mut client, schema.clone(), &cfg.name, queue).await
+        {
             Ok(x) => x,
             Err(e) => {
                 failures += 1;
@@ -356,6 +416,10 @@ async fn stream_all(
             tokio::select! {
                 item = prepared.recv(), if room && !prepared_done => match item {
                     Some(Prepared::Batch { batch: b, items }) => {
+                        let b = match run.nixl.as_mut() {
+                            Some(n) => into_slots(n, layout, &schema, &b)?,
+                            None => b,
+                        };
                         let now = Instant::now();
                         for (i, input) in items {
                             run.pending.insert(i, Pending { input, sent: now });
@@ -432,6 +496,7 @@ mod tests {
             lines: 0,
             errors: 0,
             bytes: 0,
+            nixl: None,
         };
         let mut next = 0u64;
         for round in 0..1000u64 {

@@ -1,5 +1,6 @@
 //! Reading a remote producer's stream of Arrow IPC messages, each looked at before it is decoded:
-//! exactly one schema, which must be the tensor type's, then record batches only. Dictionary
+//! exactly one schema, which must be the tensor type's (or a NIXL stream's set-up), then record
+//! batches only. Dictionary
 //! batches (which a general Arrow reader absorbs and keeps, growing with every delta), a second
 //! schema, tensors over the size limit and any other message end the stream; nothing a peer sends
 //! is kept beyond the batch being read.
@@ -12,6 +13,7 @@ use arrow_flight::FlightData;
 use arrow_ipc::MessageHeader;
 use arrow_schema::SchemaRef;
 
+use crate::nixl::Hello;
 use crate::schema::TensorLayout;
 
 /// One stream's reader.
@@ -53,8 +55,14 @@ impl IpcReader {
                 }))
                 .map_err(|_| "a schema this reader cannot take".to_string())?
                 .map_err(|e| e.to_string())?;
-                TensorLayout::from_schema(&schema, self.max_tensor_bytes)
-                    .map_err(|e| e.to_string())?;
+                // A NIXL stream's set-up, or else a tensor stream's layout.
+                if Hello::from_schema(&schema, self.max_tensor_bytes)
+                    .map_err(|e| e.to_string())?
+                    .is_none()
+                {
+                    TensorLayout::from_schema(&schema, self.max_tensor_bytes)
+                        .map_err(|e| e.to_string())?;
+                }
                 self.schema = Some(std::sync::Arc::new(schema));
                 Ok(None)
             }

@@ -13,6 +13,7 @@ use tokio::sync::mpsc;
 use tonic::Status;
 
 use super::{Counters, GatewayConfig};
+use crate::nixl::{slot_rows, Hello, Inbound, InboundError};
 use crate::schema::{results_batch, ResultRow, TensorLayout, TensorRows};
 
 /// What the reader hands the session thread.
@@ -50,6 +51,8 @@ pub(super) struct Session {
     schema: Option<arrow_schema::SchemaRef>,
     /// Request ids submitted and not yet answered.
     pending: HashSet<u64>,
+    /// A NIXL stream's reader of the producer's slots.
+    nixl: Option<Inbound>,
 }
 
 impl Session {
@@ -71,6 +74,7 @@ impl Session {
             local: None,
             schema: None,
             pending: HashSet::new(),
+            nixl: None,
         }
     }
 
@@ -163,7 +167,8 @@ impl Session {
         Ok(submitted)
     }
 
-    /// The local session for a batch's schema (connected on the first batch).
+    /// The local session for a batch's schema (connected on the first batch), and for a NIXL
+    /// stream the reader of the producer's slots.
     fn local_for(&mut self, batch: &RecordBatch) -> Result<(), End> {
         if let Some((_, layout, _)) = &self.local {
             // The decoder hands every batch of a stream the one schema it read: compare the
@@ -173,9 +178,12 @@ impl Session {
                 .as_ref()
                 .is_some_and(|s| std::sync::Arc::ptr_eq(s, batch.schema_ref()));
             let same = known
-                || TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
-                    .map(|l| &l == layout)
-                    .unwrap_or(false);
+                || match &self.nixl {
+                    Some(_) => self.schema.as_deref() == Some(batch.schema_ref().as_ref()),
+                    None => TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
+                        .map(|l| &l == layout)
+                        .unwrap_or(false),
+                };
             return if same {
                 Ok(())
             } else {
@@ -184,8 +192,15 @@ impl Session {
                 )))
             };
         }
-        let layout = TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
-            .map_err(|e| End::Tell(Status::invalid_argument(e.to_string())))?;
+        let invalid =
+            |e: crate::schema::SchemaError| End::Tell(Status::invalid_argument(e.to_string()));
+        let hello =
+            Hello::from_schema(&batch.schema(), self.cfg.max_tensor_bytes).map_err(invalid)?;
+        let layout = match &hello {
+            Some(h) => h.layout.clone(),
+            None => TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
+                .map_err(invalid)?,
+        };
         let mut c = ProducerConfig::new(local_name(&self.who));
         c.slots = self.cfg.in_flight.max(1);
         c.slot_size = layout.bytes() as u64;
@@ -201,6 +216,16 @@ impl Session {
                 layout.bytes()
             ))));
         }
+        if let Some(h) = &hello {
+            let inbound = Inbound::open(h, &gateway_agent_name(), self.cfg.in_flight.max(1))
+                .map_err(|e| {
+                    End::Tell(Status::failed_precondition(format!(
+                        "the gateway cannot read this stream's tensors with NIXL: {e}"
+                    )))
+                })?;
+            tracing::info!(remote = %self.who, agent = %h.agent, slots = h.slots.slots, "NIXL stream: reading the producer's slots");
+            self.nixl = Some(inbound);
+        }
         let spec = TensorSpec::new(layout.dtype, &layout.shape);
         self.local = Some((p, layout, spec));
         self.schema = Some(batch.schema());
@@ -210,6 +235,9 @@ impl Session {
     /// Leases, fills and submits one slot per tensor of `batch`.
     fn submit(&mut self, batch: &RecordBatch) -> Result<u64, End> {
         self.local_for(batch)?;
+        if self.nixl.is_some() {
+            return self.submit_read(batch);
+        }
         let (p, layout, spec) = self.local.as_mut().expect("connected above");
         let rows = TensorRows::new(layout, batch)
             .map_err(|e| End::Tell(Status::invalid_argument(e.to_string())))?;
@@ -229,6 +257,53 @@ impl Session {
                 .bytes
                 .fetch_add(bytes.len() as u64, Ordering::Relaxed);
         }
+        Ok(rows.len() as u64)
+    }
+
+    /// A NIXL stream's batch: reads each named slot of the producer into a lease and submits it.
+    fn submit_read(&mut self, batch: &RecordBatch) -> Result<u64, End> {
+        let rows =
+            slot_rows(batch).map_err(|e| End::Tell(Status::invalid_argument(e.to_string())))?;
+        let Session {
+            local,
+            nixl,
+            pending,
+            counters,
+            cfg,
+            ..
+        } = self;
+        let (p, layout, spec) = local.as_mut().expect("connected");
+        let inbound = nixl.as_mut().expect("a NIXL stream");
+        for &(id, slot) in &rows {
+            if slot >= inbound.slots() {
+                return Err(End::Tell(Status::invalid_argument(format!(
+                    "slot {slot} is not one of the {} this stream's set-up registered",
+                    inbound.slots()
+                ))));
+            }
+            if !pending.insert(id) {
+                return Err(End::Tell(Status::invalid_argument(format!(
+                    "request id {id} is already in flight on this stream"
+                ))));
+            }
+        }
+        let timeout = cfg.peer_timeout;
+        let n = layout.bytes();
+        inbound
+            .read(&rows, timeout, |id, bytes| {
+                let mut lease = p.lease(timeout).map_err(local_failed)?;
+                lease.bytes_mut()[..n].copy_from_slice(&bytes[..n]);
+                lease.submit_as(id, spec).map_err(local_failed)?;
+                counters.tensors.fetch_add(1, Ordering::Relaxed);
+                counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
+                Ok(())
+            })
+            .map_err(|e| match e {
+                InboundError::Read(why) => End::Tell(Status::unavailable(format!(
+                    "a NIXL read of this stream's slots failed: {why}"
+                ))),
+                InboundError::Deliver(end) => end,
+            })?;
         Ok(rows.len() as u64)
     }
 
@@ -281,6 +356,16 @@ impl Session {
             ))),
         }
     }
+}
+
+/// A name for a gateway session's NIXL agent, unique among this gateway's.
+fn gateway_agent_name() -> String {
+    static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    format!(
+        "tensorport-gateway-{}-{}",
+        std::process::id(),
+        NEXT.fetch_add(1, Ordering::Relaxed)
+    )
 }
 
 /// The local session's name: `bridge: NAME from ADDR`, cut to the protocol's limit on a
