@@ -217,12 +217,15 @@ impl Session {
             ))));
         }
         if let Some(h) = &hello {
-            let inbound = Inbound::open(h, &gateway_agent_name(), self.cfg.in_flight.max(1))
-                .map_err(|e| {
-                    End::Tell(Status::failed_precondition(format!(
-                        "the gateway cannot read this stream's tensors with NIXL: {e}"
-                    )))
-                })?;
+            // Landing slots: a batch's reads in flight at once, within NIXL_LANDING bytes (one
+            // slot at least), so a NIXL stream holds no more than a Flight stream's messages.
+            let fit = (NIXL_LANDING / layout.bytes().max(1) as u64).max(1);
+            let local = u64::from(self.cfg.in_flight.max(1)).min(fit) as u32;
+            let inbound = Inbound::open(h, &gateway_agent_name(), local).map_err(|e| {
+                End::Tell(Status::failed_precondition(format!(
+                    "the gateway cannot read this stream's tensors with NIXL: {e}"
+                )))
+            })?;
             tracing::info!(remote = %self.who, agent = %h.agent, slots = h.slots.slots, "NIXL stream: reading the producer's slots");
             self.nixl = Some(inbound);
         }
@@ -357,6 +360,9 @@ impl Session {
         }
     }
 }
+
+/// The most memory a NIXL stream's landing slots take (one tensor's, if larger).
+const NIXL_LANDING: u64 = 16 << 20;
 
 /// A name for a gateway session's NIXL agent, unique among this gateway's.
 fn gateway_agent_name() -> String {
