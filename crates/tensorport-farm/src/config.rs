@@ -556,7 +556,7 @@ pub const DEFAULT_GPU_PRODUCERS_PER_GPU: usize = 2;
 /// producers per GPU and a CPU producer for every core but two and one per GPU producer (the
 /// server's, and the GPU producers' own threads); with [`Routing::Shared`] the CPU producers
 /// take the progressive files and PNGs and share the plain JPEGs the GPU producers have no
-/// room for, which on the H200 machine beat the GPU producers alone by 13–20% on a folder of
+/// room for, which on the H200 machine beat the GPU producers alone by 9–23% on a folder of
 /// small baseline JPEGs and matched them on a varied photo folder (docs/benchmarks.md).
 /// Without nvJPEG, a CPU producer for every core but the server's.
 pub fn default_producers(gpus: usize, cores: usize, nvjpeg: bool) -> (usize, usize) {
