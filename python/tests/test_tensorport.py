@@ -410,6 +410,15 @@ def _descendants(root=None, needle=""):
     return sorted(p for p in below if needle in cmds.get(p, ""))
 
 
+def _gone(pid):
+    """Whether process `pid` has ended (a zombie waiting for init to reap it counts)."""
+    try:
+        state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return True
+    return state == "Z"
+
+
 def test_loader_restarts_a_killed_producer_every_file_once(tmp_path):
     images = tmp_path / "images"
     run("images", "--out", str(images), "--count", "60")
@@ -663,14 +672,7 @@ def test_a_killed_python_parent_leaves_no_producer_behind(tmp_path):
         parent.kill()
         parent.wait(timeout=PATIENCE)
 
-    def gone(pid):
-        try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        return state == "Z"  # ended, waiting for init to reap it
-
-    assert eventually(lambda: all(gone(p) for p in pids)), "a process outlived its parent"
+    assert eventually(lambda: all(_gone(p) for p in pids)), "a process outlived its parent"
 
 
 def test_ctrl_c_stops_the_loader_cleanly_and_leaves_no_producer_behind(tmp_path):
@@ -707,14 +709,7 @@ def test_ctrl_c_stops_the_loader_cleanly_and_leaves_no_producer_behind(tmp_path)
     assert child.returncode == 0, out
     assert out.splitlines()[:2] == ["interrupted", "after []"], out
 
-    def gone(pid):
-        try:
-            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
-        except OSError:
-            return True
-        return state == "Z"
-
-    assert eventually(lambda: all(gone(p) for p in pids)), "a process outlived the iteration"
+    assert eventually(lambda: all(_gone(p) for p in pids)), "a process outlived the iteration"
 
 
 def test_every_public_name_has_a_docstring():

@@ -196,6 +196,37 @@ impl Fixture {
     fn gateway_log(&self) -> String {
         std::fs::read_to_string(self.dir.path().join("gateway.log")).unwrap_or_default()
     }
+
+    /// A remote producer "victim" of endless inputs, once 40 of its tensors have arrived.
+    fn victim(&self, extra: &[&str]) -> Child {
+        let victim = self.producer("victim", 10_000_000, extra).spawn().unwrap();
+        wait_until(
+            "the victim's tensors arrive",
+            Duration::from_secs(60),
+            || self.received("victim").len() >= 40,
+        );
+        victim
+    }
+
+    /// SIGKILLs `victim` and waits up to `within` for the gateway to close its session.
+    fn kill_victim(&self, mut victim: Child, within: Duration) {
+        nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(victim.id() as i32),
+            nix::sys::signal::Signal::SIGKILL,
+        )
+        .unwrap();
+        victim.wait().unwrap();
+        wait_until("the gateway closes the victim's session", within, || {
+            self.sessions() == 0
+        });
+    }
+
+    /// A producer "next" of 64 inputs, served in full: each once, intact.
+    fn serves_next(&self, extra: &[&str]) {
+        run_ok(&mut self.producer("next", 64, extra));
+        assert_each_input_once(&self.lines("next"), 64);
+        assert_eq!(self.seen.lock().unwrap().torn, 0);
+    }
 }
 
 impl Drop for Fixture {
@@ -328,33 +359,16 @@ fn remote_producers_over_loopback_every_input_once_and_intact() {
 #[test]
 fn a_killed_remote_producer_is_reclaimed_and_others_carry_on() {
     let f = Fixture::new();
-    let mut victim = f.producer("victim", 10_000_000, &[]).spawn().unwrap();
-    wait_until(
-        "the victim's tensors arrive",
-        Duration::from_secs(60),
-        || f.received("victim").len() >= 40,
-    );
+    let victim = f.victim(&[]);
     assert_eq!(f.sessions(), 1);
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(victim.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    victim.wait().unwrap();
-    wait_until(
-        "the gateway closes the victim's session",
-        Duration::from_secs(30),
-        || f.sessions() == 0,
-    );
+    f.kill_victim(victim, Duration::from_secs(30));
     let log = f.gateway_log();
     assert!(
         log.contains("remote producer gone") || log.contains("remote producer left"),
         "{log}"
     );
     // The gateway and the server serve the next producer as before.
-    run_ok(&mut f.producer("next", 64, &[]));
-    assert_each_input_once(&f.lines("next"), 64);
-    assert_eq!(f.seen.lock().unwrap().torn, 0);
+    f.serves_next(&[]);
 }
 
 #[test]
@@ -1326,22 +1340,10 @@ fn tensor_schema_message(rt: &tokio::runtime::Runtime) -> arrow_flight::FlightDa
 /// cannot be fetched.
 fn nixl_env() -> Option<Vec<(String, String)>> {
     static DIR: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
-    let dir = DIR.get_or_init(|| {
-        let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let dest = root.join("target/nixl");
-        let out = Command::new("timeout")
-            .args(["300", "bash"])
-            .arg(root.join("scripts/fetch-nixl.sh"))
-            .arg(&dest)
-            .output()
-            .expect("bash runs");
-        if out.status.success() {
-            Some(dest)
-        } else {
-            eprintln!(
-                "SKIPPED: NIXL could not be fetched (scripts/fetch-nixl.sh: {})",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
+    let dir = DIR.get_or_init(|| match tensorport_nixl::fetch_into_checkout() {
+        Ok(dir) => Some(dir),
+        Err(why) => {
+            eprintln!("SKIPPED: NIXL could not be fetched (scripts/fetch-nixl.sh: {why})");
             None
         }
     });
@@ -1398,29 +1400,9 @@ fn nixl_producers_every_input_once_and_intact_beside_a_flight_one() {
 fn a_killed_nixl_producer_is_reclaimed_and_the_next_is_served() {
     let Some(env) = nixl_env() else { return };
     let f = Fixture::with(&[], env);
-    let mut victim = f
-        .producer("victim", 10_000_000, &["--transport", "nixl"])
-        .spawn()
-        .unwrap();
-    wait_until(
-        "the victim's tensors arrive",
-        Duration::from_secs(60),
-        || f.received("victim").len() >= 40,
-    );
-    nix::sys::signal::kill(
-        nix::unistd::Pid::from_raw(victim.id() as i32),
-        nix::sys::signal::Signal::SIGKILL,
-    )
-    .unwrap();
-    victim.wait().unwrap();
-    wait_until(
-        "the gateway closes the victim's session",
-        Duration::from_secs(60),
-        || f.sessions() == 0,
-    );
-    run_ok(&mut f.producer("next", 64, &["--transport", "nixl"]));
-    assert_each_input_once(&f.lines("next"), 64);
-    assert_eq!(f.seen.lock().unwrap().torn, 0);
+    let victim = f.victim(&["--transport", "nixl"]);
+    f.kill_victim(victim, Duration::from_secs(60));
+    f.serves_next(&["--transport", "nixl"]);
 }
 
 /// A producer whose set-up describes slots it never registered, names slots past its set-up,

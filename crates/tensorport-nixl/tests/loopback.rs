@@ -15,22 +15,10 @@ const BIN: &str = env!("CARGO_BIN_EXE_nixl-bench");
 /// The unpacked wheel, fetched once per test binary (`None`: not available here).
 fn nixl() -> Option<&'static Path> {
     static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let root = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-        let dest = root.join("target/nixl");
-        let out = Command::new("timeout")
-            .args(["300", "bash"])
-            .arg(root.join("scripts/fetch-nixl.sh"))
-            .arg(&dest)
-            .output()
-            .expect("bash runs");
-        if out.status.success() {
-            Some(dest)
-        } else {
-            eprintln!(
-                "SKIPPED: NIXL could not be fetched (scripts/fetch-nixl.sh: {})",
-                String::from_utf8_lossy(&out.stderr).trim()
-            );
+    DIR.get_or_init(|| match tensorport_nixl::fetch_into_checkout() {
+        Ok(dir) => Some(dir),
+        Err(why) => {
+            eprintln!("SKIPPED: NIXL could not be fetched (scripts/fetch-nixl.sh: {why})");
             None
         }
     })

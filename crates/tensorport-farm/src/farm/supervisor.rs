@@ -243,25 +243,28 @@ impl Supervisor {
             return;
         }
         let gpu_depth = 2 * super::children::GPU_IN_FLIGHT as usize;
-        for gpu in [true, false] {
-            let gpus = self
-                .workers
-                .iter()
-                .filter(|w| w.gpu)
-                .map(|w| match w.state {
-                    State::Running { .. } => GpuState::Running {
-                        warm: w.warm,
-                        full: w.assigned.len() >= gpu_depth,
-                    },
-                    State::GaveUp => GpuState::GaveUp,
-                    _ => GpuState::Starting,
-                });
-            let cpu_takes_plain = cpu_takes_plain(self.farm.cfg.routing, gpus);
-            for slot in 0..self.workers.len() {
-                if self.workers[slot].gpu == gpu {
-                    let depth = if gpu { gpu_depth } else { self.depth };
-                    self.give(slot, depth, cpu_takes_plain);
-                }
+        // GPU producers first (the flag matters only to CPU producers).
+        for slot in 0..self.workers.len() {
+            if self.workers[slot].gpu {
+                self.give(slot, gpu_depth, false);
+            }
+        }
+        let gpus = self
+            .workers
+            .iter()
+            .filter(|w| w.gpu)
+            .map(|w| match w.state {
+                State::Running { .. } => GpuState::Running {
+                    warm: w.warm,
+                    full: w.assigned.len() >= gpu_depth,
+                },
+                State::GaveUp => GpuState::GaveUp,
+                _ => GpuState::Starting,
+            });
+        let cpu_takes_plain = cpu_takes_plain(self.farm.cfg.routing, gpus);
+        for slot in 0..self.workers.len() {
+            if !self.workers[slot].gpu {
+                self.give(slot, self.depth, cpu_takes_plain);
             }
         }
     }
