@@ -663,8 +663,12 @@ def test_a_killed_python_parent_leaves_no_producer_behind(tmp_path):
     )
     parent = subprocess.Popen([sys.executable, "-c", script, str(images), BIN],
                               stdout=subprocess.PIPE, text=True)
+    # Watchdog: a parent that never says "ready" is killed, and the readline below ends.
+    watchdog = threading.Timer(PATIENCE, parent.kill)
+    watchdog.start()
     try:
         assert parent.stdout.readline().strip() == "ready"
+        watchdog.cancel()
         # The farm and its two producers, below the Python process.
         pids = _descendants(parent.pid, needle="tensorport")
         assert len(_descendants(parent.pid, needle="\x00produce\x00")) == 2, pids
@@ -696,8 +700,12 @@ def test_ctrl_c_stops_the_loader_cleanly_and_leaves_no_producer_behind(tmp_path)
     )
     child = subprocess.Popen([sys.executable, "-c", script, str(images), BIN],
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
+    # Watchdog: a child that never says "ready" is killed, and the readline below ends.
+    watchdog = threading.Timer(PATIENCE, lambda: os.killpg(child.pid, signal.SIGKILL))
+    watchdog.start()
     try:
         assert child.stdout.readline().strip() == "ready"
+        watchdog.cancel()
         pids = _descendants(child.pid, needle="tensorport")
         assert len(_descendants(child.pid, needle="\x00produce\x00")) == 2, pids
         os.killpg(child.pid, signal.SIGINT)
