@@ -10,11 +10,15 @@
 # server's pool with an answer per tensor.
 #
 #   bench/nixl.sh BIN_DIR [ROUNDS]     (BIN_DIR: target/release, with nixl-bench,
-#                                       tensorport and tensorport-bridge)
+#                                       tensorport and tensorport-bridge; NIXL from
+#                                       scripts/fetch-nixl.sh, or TENSORPORT_NIXL if set)
 set -euo pipefail
 B=$(cd "$1" && pwd); rounds=${2:-2}
 root=$(cd "$(dirname "$0")/.." && pwd)
-export TENSORPORT_NIXL=$(dirname "$("$root/scripts/fetch-nixl.sh")")/.. UCX_WARN_UNUSED_ENV_VARS=n
+if [[ -z "${TENSORPORT_NIXL:-}" ]]; then
+  TENSORPORT_NIXL=$(dirname "$("$root/scripts/fetch-nixl.sh")")/..
+fi
+export TENSORPORT_NIXL UCX_WARN_UNUSED_ENV_VARS=n
 W=$(mktemp -d); chmod 700 "$W"
 trap 'pkill -TERM -P $$ 2>/dev/null || true; rm -rf "$W"' EXIT
 echo "machine: $(nproc) cores, $(date -u +%F); NIXL $(cat "$TENSORPORT_NIXL/VERSION")"
@@ -40,7 +44,8 @@ for r in $(seq 1 "$rounds"); do
   n=$("$B/tensorport-bridge" produce --token-file "$W/tok" --gateway "$url" --ready --synthetic 12000 \
         --in-flight 64 --batch 8 --name r -o - 2> /dev/null | wc -l)
   t1=$(date +%s.%N)
-  printf '%-44s %s results: %.0f tensors/s\n' "Arrow Flight bridge, loopback" "$n" "$(echo "$n / ($t1 - $t0)" | bc -l)"
+  awk -v n="$n" -v t0="$t0" -v t1="$t1" \
+    'BEGIN { printf "%-44s %s results: %.0f tensors/s\n", "Arrow Flight bridge, loopback", n, n / (t1 - t0) }'
   kill "$gpid" "$spid"; wait "$gpid" "$spid" 2> /dev/null || true
   python3 - <<'PY'
 import socket, threading, time

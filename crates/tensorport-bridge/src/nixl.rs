@@ -1,8 +1,8 @@
 //! Tensors that travel by NIXL instead of inside the stream: the remote producer registers its
 //! slots with a NIXL agent and sends, on the authenticated Flight stream, only its agent's
 //! metadata (once, in the stream's schema) and which slot holds which request; the gateway
-//! reads each slot with a one-sided NIXL read and hands it to its local server as any other
-//! tensor. Results go back on the stream as before, and a result is also the producer's sign
+//! reads each slot with a one-sided NIXL read straight into a slot of its local session's pool
+//! and submits it there as any other tensor. Results go back on the stream as before, and a result is also the producer's sign
 //! that its slot has been read and may be written again.
 //!
 //! - **Set-up** (schema metadata [`KEY`], JSON, at most [`MAX_HELLO`] bytes): the producer's
@@ -25,7 +25,8 @@ use arrow_array::{ArrayRef, RecordBatch, UInt32Array, UInt64Array};
 use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use serde::{Deserialize, Serialize};
 use tensorport::DType;
-use tensorport_nixl::{Agent, Capi, Reader, Region, SlotLayout, MAX_METADATA};
+use tensorport::{HostPool, Loan};
+use tensorport_nixl::{Agent, Capi, PoolReader, Region, SlotLayout, MAX_METADATA};
 
 use crate::schema::{SchemaError, TensorLayout, ID};
 
@@ -195,27 +196,24 @@ pub fn capi() -> Result<Arc<Capi>, String> {
         .clone()
 }
 
-/// The gateway's side of a NIXL stream: a reader of the producer's slots into local slots.
+/// The gateway's side of a NIXL stream: a reader of the producer's slots straight into the
+/// slots of the local session's pool.
 pub struct Inbound {
-    reader: Reader,
-    local: u32,
+    reader: PoolReader,
 }
 
 impl Inbound {
-    /// Loads the producer's set-up into an agent of its own (named `name`) with `local` slots
-    /// to read into.
-    pub fn open(hello: &Hello, name: &str, local: u32) -> Result<Inbound, String> {
+    /// Loads the producer's set-up into an agent of its own (named `name`) and registers
+    /// `pool` — the local session's, whose slots hold at least one of the set-up's tensors — to
+    /// read into.
+    pub fn open(hello: &Hello, name: &str, pool: Arc<HostPool>) -> Result<Inbound, String> {
         let capi = capi()?;
         let agent = Agent::new(&capi, name).map_err(|e| e.to_string())?;
         let peer = agent
             .add_peer(&hello.metadata, &hello.agent, hello.slots)
             .map_err(|e| format!("the producer's NIXL metadata: {e}"))?;
-        let local = local.clamp(1, tensorport_nixl::MAX_SLOTS);
-        let region = agent
-            .register(local, hello.slots.slot_len)
-            .map_err(|e| e.to_string())?;
-        let reader = Reader::new(region, peer).map_err(|e| e.to_string())?;
-        Ok(Inbound { reader, local })
+        let reader = PoolReader::new(&agent, pool, peer).map_err(|e| e.to_string())?;
+        Ok(Inbound { reader })
     }
 
     /// The producer's slots.
@@ -223,40 +221,21 @@ impl Inbound {
         self.reader.peer().layout().slots
     }
 
-    /// Reads the slots `rows` name, several at a time, and gives each request's bytes to
-    /// `deliver` in order once its read has finished. A read that fails or takes longer than
-    /// `timeout` (the producer gone, a slot it never registered) is an error.
-    pub fn read<E>(
-        &mut self,
-        rows: &[(u64, u32)],
-        timeout: Duration,
-        mut deliver: impl FnMut(u64, &[u8]) -> Result<(), E>,
-    ) -> Result<(), InboundError<E>> {
-        for chunk in rows.chunks(self.local as usize) {
-            for (k, &(_, slot)) in chunk.iter().enumerate() {
-                self.reader
-                    .start(slot, k as u32)
-                    .map_err(|e| InboundError::Read(e.to_string()))?;
-            }
-            for (k, &(id, _)) in chunk.iter().enumerate() {
-                self.reader
-                    .wait(k as u32, timeout)
-                    .map_err(|e| InboundError::Read(e.to_string()))?;
-                let bytes = self.reader.slot(k as u32).expect("its read finished");
-                deliver(id, bytes).map_err(InboundError::Deliver)?;
-            }
-        }
-        Ok(())
+    /// Starts reading the producer's slot `from` into `loan`'s pool slot; returns that slot.
+    pub fn start(&mut self, from: u32, loan: Loan) -> Result<u32, String> {
+        self.reader.start(from, loan).map_err(|e| e.to_string())
     }
-}
 
-/// Why [`Inbound::read`] stopped.
-#[derive(Debug)]
-pub enum InboundError<E> {
-    /// A read failed or did not finish in time.
-    Read(String),
-    /// `deliver` failed.
-    Deliver(E),
+    /// The loan of pool slot `into` once its read has landed; a failed read is an error.
+    pub fn poll(&mut self, into: u32) -> Result<Option<Loan>, String> {
+        self.reader.poll(into).map_err(|e| e.to_string())
+    }
+
+    /// Waits for the read into pool slot `into`, at most `timeout` (the producer gone, or a
+    /// slot it never registered: an error), and gives its loan back.
+    pub fn wait(&mut self, into: u32, timeout: Duration) -> Result<Loan, String> {
+        self.reader.wait(into, timeout).map_err(|e| e.to_string())
+    }
 }
 
 /// The remote producer's side: registered slots, which request each holds, and the set-up to

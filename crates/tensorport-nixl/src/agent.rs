@@ -153,7 +153,7 @@ impl Agent {
         if ptr.is_null() {
             return Err(Error::Refused("out of memory for the region"));
         }
-        let mem = Mem {
+        let mem = Mem::Owned {
             ptr,
             layout,
             leaked: false,
@@ -177,6 +177,63 @@ impl Agent {
             dlist,
             slots,
             slot_len,
+            stride: slot_len,
+        })
+    }
+
+    /// Registers memory this crate did not allocate — a shared-memory pool, say — as `slots`
+    /// slots `stride` bytes apart from `base`, of which each transfer moves the first
+    /// `slot_len`. The region holds `keep` until it is dropped (or for ever, if a transfer into
+    /// it could not be finished).
+    ///
+    /// # Safety
+    /// `base .. base + stride * slots` must stay mapped, readable and writable for as long as
+    /// `keep` lives, and nothing else may write a slot while a transfer into it runs or read it
+    /// before the transfer has finished (a [`crate::Reader`] into the region says when).
+    pub(crate) unsafe fn register_external(
+        &self,
+        base: *mut u8,
+        stride: u64,
+        slot_len: u64,
+        slots: u32,
+        keep: impl Send + Sync + 'static,
+    ) -> Result<Region> {
+        if slots == 0 || slots > MAX_SLOTS || slot_len == 0 || slot_len > MAX_SLOT_LEN {
+            return Err(Error::Refused("slot count or length out of bounds"));
+        }
+        if stride < slot_len || base.is_null() {
+            return Err(Error::Refused("slots overlap, or no memory"));
+        }
+        let len = stride
+            .checked_mul(u64::from(slots))
+            .and_then(|l| usize::try_from(l).ok())
+            .filter(|&l| (base as usize).checked_add(l).is_some())
+            .ok_or(Error::Refused("region too large"))?;
+        let mem = Mem::Borrowed {
+            ptr: base,
+            keep: Some(Box::new(keep)),
+        };
+        let capi = &self.inner.capi;
+        let dlist = reg_dlist(capi, base as usize, len)?;
+        let (g, raw) = self.inner.locked();
+        // SAFETY: a live agent and a descriptor list of memory the caller keeps mapped while
+        // `keep` (now the region's) lives.
+        let r = Capi::check("register_mem", unsafe {
+            (capi.register_mem)(raw, dlist, std::ptr::null_mut())
+        });
+        drop(g);
+        if let Err(e) = r {
+            // SAFETY: ours, unused after this.
+            unsafe { (capi.destroy_reg_dlist)(dlist) };
+            return Err(e);
+        }
+        Ok(Region {
+            agent: self.inner.clone(),
+            mem,
+            dlist,
+            slots,
+            slot_len,
+            stride,
         })
     }
 
@@ -234,30 +291,60 @@ fn reg_dlist(capi: &Capi, addr: usize, len: usize) -> Result<Handle> {
     Ok(dlist)
 }
 
-struct Mem {
-    ptr: *mut u8,
-    layout: Layout,
-    /// A transfer into it may still run: never free it.
-    leaked: bool,
+/// A region's memory: allocated here, or another owner's kept alive by a guard.
+enum Mem {
+    Owned {
+        ptr: *mut u8,
+        layout: Layout,
+        /// A transfer into it may still run: never free it.
+        leaked: bool,
+    },
+    Borrowed {
+        ptr: *mut u8,
+        /// Keeps the memory mapped; forgotten (never dropped) if a transfer may still run.
+        keep: Option<Box<dyn Send + Sync>>,
+    },
 }
 
-impl Drop for Mem {
-    fn drop(&mut self) {
-        if !self.leaked {
-            // SAFETY: allocated with this layout in `Agent::register`.
-            unsafe { std::alloc::dealloc(self.ptr, self.layout) }
+impl Mem {
+    fn ptr(&self) -> *mut u8 {
+        match self {
+            Mem::Owned { ptr, .. } | Mem::Borrowed { ptr, .. } => *ptr,
+        }
+    }
+
+    fn leak(&mut self) {
+        match self {
+            Mem::Owned { leaked, .. } => *leaked = true,
+            Mem::Borrowed { keep, .. } => std::mem::forget(keep.take()),
         }
     }
 }
 
-/// Host memory registered with an agent: `slots` slots of `slot_len` bytes, each one a tensor's
-/// place. Peers read it (given this agent's metadata); readers write into it.
+impl Drop for Mem {
+    fn drop(&mut self) {
+        if let Mem::Owned {
+            ptr,
+            layout,
+            leaked: false,
+        } = self
+        {
+            // SAFETY: allocated with this layout in `Agent::register`.
+            unsafe { std::alloc::dealloc(*ptr, *layout) }
+        }
+    }
+}
+
+/// Host memory registered with an agent: `slots` slots of `slot_len` bytes, `stride` bytes
+/// apart, each one a tensor's place. Peers read it (given this agent's metadata); readers write
+/// into it.
 pub struct Region {
     pub(crate) agent: Arc<AgentInner>,
     mem: Mem,
     dlist: Handle,
     pub(crate) slots: u32,
     pub(crate) slot_len: u64,
+    stride: u64,
 }
 
 // SAFETY: the memory and the handles belong to the region alone; see `AgentInner`.
@@ -268,15 +355,18 @@ impl std::fmt::Debug for Region {
         f.debug_struct("Region")
             .field("slots", &self.slots)
             .field("slot_len", &self.slot_len)
+            .field("stride", &self.stride)
             .finish()
     }
 }
 
 impl Region {
-    /// What a peer needs besides the metadata to read this region's slots.
+    /// What a peer needs besides the metadata to read this region's slots (of a region made by
+    /// [`Agent::register`], whose slots are back to back).
     pub fn layout(&self) -> SlotLayout {
+        debug_assert_eq!(self.stride, self.slot_len);
         SlotLayout {
-            base: self.mem.ptr as u64,
+            base: self.mem.ptr() as u64,
             slot_len: self.slot_len,
             slots: self.slots,
         }
@@ -285,32 +375,30 @@ impl Region {
     /// Slot `i`'s bytes.
     pub fn slot(&self, i: u32) -> Option<&[u8]> {
         let (off, len) = self.span(i)?;
-        // SAFETY: inside our allocation; `&self` excludes writers through this crate (a reader
-        // owns the region it reads into and hands out only slots with no transfer in flight).
-        Some(unsafe { std::slice::from_raw_parts(self.mem.ptr.add(off), len) })
+        // SAFETY: inside the region's memory; `&self` excludes writers through this crate (a
+        // reader owns the region it reads into and hands out only slots with no transfer in
+        // flight).
+        Some(unsafe { std::slice::from_raw_parts(self.mem.ptr().add(off), len) })
     }
 
     /// Slot `i`'s bytes, to fill.
     pub fn slot_mut(&mut self, i: u32) -> Option<&mut [u8]> {
         let (off, len) = self.span(i)?;
-        // SAFETY: inside our allocation, borrowed uniquely.
-        Some(unsafe { std::slice::from_raw_parts_mut(self.mem.ptr.add(off), len) })
+        // SAFETY: inside the region's memory, borrowed uniquely.
+        Some(unsafe { std::slice::from_raw_parts_mut(self.mem.ptr().add(off), len) })
     }
 
     fn span(&self, i: u32) -> Option<(usize, usize)> {
-        (i < self.slots).then(|| {
-            let len = self.slot_len as usize;
-            (i as usize * len, len)
-        })
+        (i < self.slots).then(|| (i as usize * self.stride as usize, self.slot_len as usize))
     }
 
     pub(crate) fn slot_addr(&self, i: u32) -> u64 {
-        self.mem.ptr as u64 + u64::from(i) * self.slot_len
+        self.mem.ptr() as u64 + u64::from(i) * self.stride
     }
 
-    /// A transfer into the region may outlive it: its memory stays allocated.
+    /// A transfer into the region may outlive it: its memory stays allocated (or mapped).
     pub(crate) fn leak_memory(&mut self) {
-        self.mem.leaked = true;
+        self.mem.leak();
     }
 }
 

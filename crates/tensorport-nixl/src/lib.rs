@@ -30,10 +30,12 @@ mod agent;
 mod capi;
 mod error;
 mod fetch;
+mod pool;
 mod read;
 
 pub use agent::{Agent, Peer, Region, SlotLayout, MAX_METADATA, MAX_SLOTS, MAX_SLOT_LEN};
 pub use capi::Capi;
 pub use error::{Error, Result};
 pub use fetch::fetch_into_checkout;
+pub use pool::PoolReader;
 pub use read::Reader;

@@ -17,6 +17,9 @@ use crate::error::{Error, Result};
 
 /// How long a dropped reader waits for its transfers.
 const DROP_WAIT: Duration = Duration::from_secs(5);
+/// Requests a reader keeps for posting again; past this, the idle ones are released (a peer
+/// with many slots read into many local ones would otherwise make one per pair).
+const MAX_REQUESTS: usize = 1024;
 
 /// Reads from one peer into one region, each local slot holding at most one transfer.
 pub struct Reader {
@@ -43,14 +46,13 @@ impl std::fmt::Debug for Reader {
     }
 }
 
-/// A prepared descriptor list of `slots` spans of `len` bytes from `base`, on `agent_name`'s
-/// side ("" for this agent's own memory).
+/// A prepared descriptor list of spans of `len` bytes at `addrs`, on `agent_name`'s side (""
+/// for this agent's own memory).
 fn prepped(
     region: &Region,
     agent_name: &std::ffi::CStr,
-    base: u64,
+    addrs: impl Iterator<Item = u64>,
     len: u64,
-    slots: u32,
 ) -> Result<Handle> {
     let capi = &region.agent.capi;
     let mut dlist: Handle = std::ptr::null_mut();
@@ -59,8 +61,7 @@ fn prepped(
         (capi.create_xfer_dlist)(MEM_DRAM, &mut dlist)
     })?;
     let mut r = Ok(());
-    for i in 0..slots {
-        let addr = base + u64::from(i) * len;
+    for addr in addrs {
         // SAFETY: a live list; spans are only described here.
         r = Capi::check("xfer_dlist_add_desc", unsafe {
             (capi.xfer_dlist_add_desc)(dlist, addr as usize, len as usize, 0)
@@ -107,17 +108,15 @@ impl Reader {
         let local = prepped(
             &region,
             c"",
-            region.slot_addr(0),
+            (0..region.slots).map(|i| region.slot_addr(i)),
             region.slot_len,
-            region.slots,
         )?;
         let layout = peer.layout;
         let remote = match prepped(
             &region,
             &peer.cname,
-            layout.base,
+            (0..layout.slots).map(|i| layout.base + u64::from(i) * layout.slot_len),
             layout.slot_len,
-            layout.slots,
         ) {
             Ok(h) => h,
             Err(e) => {
@@ -152,6 +151,22 @@ impl Reader {
         let agent = self.region.agent.clone();
         let capi = &agent.capi;
         let (_g, raw) = agent.locked();
+        if self.requests.len() >= MAX_REQUESTS && !self.requests.contains_key(&(from, into)) {
+            let busy: Vec<Handle> = self.in_flight.iter().flatten().copied().collect();
+            self.requests.retain(|_, &mut req| {
+                if busy.contains(&req) {
+                    return true;
+                }
+                // SAFETY: a live agent and its request, idle (not in flight): released and
+                // destroyed, never used again (it has left the map).
+                unsafe {
+                    if (capi.release_xfer_req)(raw, req) == 0 {
+                        (capi.destroy_xfer_req)(req);
+                    }
+                }
+                false
+            });
+        }
         let req = match self.requests.get(&(from, into)) {
             Some(&r) => r,
             None => {

@@ -1,19 +1,19 @@
 //! One remote producer's thread: its batches become leases, copies and submissions of a local
 //! producer session; its results go back as result batches.
 
-use std::collections::HashSet;
+use std::collections::{HashSet, VecDeque};
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow_array::RecordBatch;
-use tensorport::{Completion, Producer, ProducerConfig, TensorSpec};
+use tensorport::{Completion, Loan, Producer, ProducerConfig, TensorSpec};
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tonic::Status;
 
 use super::{Counters, GatewayConfig};
-use crate::nixl::{slot_rows, Hello, Inbound, InboundError};
+use crate::nixl::{slot_rows, Hello, Inbound};
 use crate::schema::{results_batch, ResultRow, TensorLayout, TensorRows};
 
 /// What the reader hands the session thread.
@@ -51,8 +51,11 @@ pub(super) struct Session {
     schema: Option<arrow_schema::SchemaRef>,
     /// Request ids submitted and not yet answered.
     pending: HashSet<u64>,
-    /// A NIXL stream's reader of the producer's slots.
+    /// A NIXL stream's reader of the producer's slots into the local pool.
     nixl: Option<Inbound>,
+    /// A NIXL stream's reads in flight, oldest first: each request and the pool slot its read
+    /// lands in (the reader holds the slot's loan until the read has finished).
+    reads: VecDeque<(u64, u32)>,
 }
 
 impl Session {
@@ -75,6 +78,7 @@ impl Session {
             schema: None,
             pending: HashSet::new(),
             nixl: None,
+            reads: VecDeque::new(),
         }
     }
 
@@ -104,7 +108,11 @@ impl Session {
                 );
             }
         }
-        // Dropping the producer closes the local session; the server reclaims its pool.
+        // Reads still in flight are finished (or given up, their pool kept mapped) before their
+        // slots go back; dropping the producer closes the local session and the server reclaims
+        // its pool.
+        self.nixl = None;
+        self.reads.clear();
         if let Some((p, _, _)) = self.local.take() {
             let _ = p.close();
         }
@@ -135,7 +143,12 @@ impl Session {
                 match self.input.try_recv() {
                     Ok(i) => Some(i),
                     Err(mpsc::error::TryRecvError::Empty) => {
-                        self.collect(Duration::from_millis(1))?;
+                        if self.reads.is_empty() {
+                            self.collect(Duration::from_millis(1))?;
+                        } else if self.submit_landed()? == 0 {
+                            self.collect(Duration::ZERO)?;
+                            std::thread::sleep(Duration::from_micros(50));
+                        }
                         continue;
                     }
                     Err(mpsc::error::TryRecvError::Disconnected) => None,
@@ -144,6 +157,7 @@ impl Session {
             match next {
                 Some(Input::Batch(b)) => {
                     submitted += self.submit(&b)?;
+                    self.submit_landed()?;
                     self.collect(Duration::ZERO)?;
                 }
                 // Nothing in flight: the producer left with everything answered.
@@ -160,7 +174,10 @@ impl Session {
                 None => break,
             }
         }
-        // The producer sent everything: answer what is in flight.
+        // The producer sent everything: land its last reads, answer what is in flight.
+        while !self.reads.is_empty() {
+            self.land_oldest()?;
+        }
         while !self.pending.is_empty() {
             self.collect(self.cfg.peer_timeout)?;
         }
@@ -217,11 +234,8 @@ impl Session {
             ))));
         }
         if let Some(h) = &hello {
-            // Landing slots: a batch's reads in flight at once, within NIXL_LANDING bytes (one
-            // slot at least), so a NIXL stream holds no more than a Flight stream's messages.
-            let fit = (NIXL_LANDING / layout.bytes().max(1) as u64).max(1);
-            let local = u64::from(self.cfg.in_flight.max(1)).min(fit) as u32;
-            let inbound = Inbound::open(h, &gateway_agent_name(), local).map_err(|e| {
+            // The producer's slots are read straight into the local session's pool.
+            let inbound = Inbound::open(h, &gateway_agent_name(), p.pool()).map_err(|e| {
                 End::Tell(Status::failed_precondition(format!(
                     "the gateway cannot read this stream's tensors with NIXL: {e}"
                 )))
@@ -263,51 +277,88 @@ impl Session {
         Ok(rows.len() as u64)
     }
 
-    /// A NIXL stream's batch: reads each named slot of the producer into a lease and submits it.
+    /// A NIXL stream's batch: starts reading each named slot of the producer into a pool slot
+    /// on loan; each is submitted once its read has landed ([`Session::submit_landed`]). Reads
+    /// of later batches run while earlier ones land; when the pool has no free slot the oldest
+    /// read is waited for first.
     fn submit_read(&mut self, batch: &RecordBatch) -> Result<u64, End> {
         let rows =
             slot_rows(batch).map_err(|e| End::Tell(Status::invalid_argument(e.to_string())))?;
-        let Session {
-            local,
-            nixl,
-            pending,
-            counters,
-            cfg,
-            ..
-        } = self;
-        let (p, layout, spec) = local.as_mut().expect("connected");
-        let inbound = nixl.as_mut().expect("a NIXL stream");
+        let slots = self.nixl.as_ref().expect("a NIXL stream").slots();
         for &(id, slot) in &rows {
-            if slot >= inbound.slots() {
+            if slot >= slots {
                 return Err(End::Tell(Status::invalid_argument(format!(
-                    "slot {slot} is not one of the {} this stream's set-up registered",
-                    inbound.slots()
+                    "slot {slot} is not one of the {slots} this stream's set-up registered"
                 ))));
             }
-            if !pending.insert(id) {
+            if !self.pending.insert(id) {
                 return Err(End::Tell(Status::invalid_argument(format!(
                     "request id {id} is already in flight on this stream"
                 ))));
             }
         }
-        let timeout = cfg.peer_timeout;
-        let n = layout.bytes();
-        inbound
-            .read(&rows, timeout, |id, bytes| {
-                let mut lease = p.lease(timeout).map_err(local_failed)?;
-                lease.bytes_mut()[..n].copy_from_slice(&bytes[..n]);
-                lease.submit_as(id, spec).map_err(local_failed)?;
-                counters.tensors.fetch_add(1, Ordering::Relaxed);
-                counters.bytes.fetch_add(n as u64, Ordering::Relaxed);
-                Ok(())
-            })
-            .map_err(|e| match e {
-                InboundError::Read(why) => End::Tell(Status::unavailable(format!(
-                    "a NIXL read of this stream's slots failed: {why}"
-                ))),
-                InboundError::Deliver(end) => end,
-            })?;
+        let timeout = self.cfg.peer_timeout;
+        for &(id, slot) in &rows {
+            while !self.reads.is_empty() && !self.room_for_a_read() {
+                self.land_oldest()?;
+            }
+            let (p, _, _) = self.local.as_mut().expect("connected");
+            let loan = p.loan(timeout).map_err(local_failed)?;
+            let into = self
+                .nixl
+                .as_mut()
+                .expect("a NIXL stream")
+                .start(slot, loan)
+                .map_err(read_failed)?;
+            self.reads.push_back((id, into));
+        }
         Ok(rows.len() as u64)
+    }
+
+    /// Whether a pool slot can be lent now without waiting for a result.
+    fn room_for_a_read(&self) -> bool {
+        let (p, _, _) = self.local.as_ref().expect("connected");
+        let submitted = p.in_flight() - p.ready();
+        p.free_slots() > 0 && submitted + self.reads.len() < p.max_in_flight() as usize
+    }
+
+    /// Submits the reads that have landed, oldest first, up to the first still in flight;
+    /// returns how many.
+    fn submit_landed(&mut self) -> Result<usize, End> {
+        let mut n = 0;
+        while let Some(&(id, into)) = self.reads.front() {
+            let nixl = self.nixl.as_mut().expect("reads only on a NIXL stream");
+            let Some(loan) = nixl.poll(into).map_err(read_failed)? else {
+                break;
+            };
+            self.reads.pop_front();
+            self.submit_loan(id, loan)?;
+            n += 1;
+        }
+        Ok(n)
+    }
+
+    /// Waits for the oldest read to land and submits it.
+    fn land_oldest(&mut self) -> Result<(), End> {
+        let Some((id, into)) = self.reads.pop_front() else {
+            return Ok(());
+        };
+        let nixl = self.nixl.as_mut().expect("reads only on a NIXL stream");
+        let loan = nixl
+            .wait(into, self.cfg.peer_timeout)
+            .map_err(read_failed)?;
+        self.submit_loan(id, loan)
+    }
+
+    /// Submits request `id`, whose read has landed in `loan`'s slot.
+    fn submit_loan(&mut self, id: u64, loan: Loan) -> Result<(), End> {
+        let (p, layout, spec) = self.local.as_mut().expect("connected");
+        p.submit_loan_as(loan, id, spec).map_err(local_failed)?;
+        self.counters.tensors.fetch_add(1, Ordering::Relaxed);
+        self.counters
+            .bytes
+            .fetch_add(layout.bytes() as u64, Ordering::Relaxed);
+        Ok(())
     }
 
     /// Sends back every result that has arrived, waiting up to `wait` for the first.
@@ -361,9 +412,6 @@ impl Session {
     }
 }
 
-/// The most memory a NIXL stream's landing slots take (one tensor's, if larger).
-const NIXL_LANDING: u64 = 16 << 20;
-
 /// A name for a gateway session's NIXL agent, unique among this gateway's.
 fn gateway_agent_name() -> String {
     static NEXT: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
@@ -398,6 +446,14 @@ fn answer(pending: &mut HashSet<u64>, c: Completion) -> Option<ResultRow> {
         id: c.request_id,
         outcome: c.result.map_err(|e| (e.code.as_u16(), e.message)),
     })
+}
+
+/// A NIXL read that failed or did not land in time (the producer gone, a slot it never
+/// registered), told to the remote producer as retryable.
+fn read_failed(why: String) -> End {
+    End::Tell(Status::unavailable(format!(
+        "a NIXL read of this stream's slots failed: {why}"
+    )))
 }
 
 /// A failure of the local session, told to the remote producer as retryable.

@@ -214,6 +214,13 @@ impl Producer {
         self.slots.pool.fd()
     }
 
+    /// The pool, mapped in this process: to register its memory with a transfer engine that
+    /// writes tensors straight into slots this producer holds on [`Producer::loan`]. Holding it
+    /// keeps the mapping alive; writing a slot not on loan tears another request's tensor.
+    pub fn pool(&self) -> Arc<HostPool> {
+        self.slots.pool.clone()
+    }
+
     /// Requests submitted whose result has not been taken (still with the server, or received
     /// and waiting in [`Producer::ready`]).
     pub fn in_flight(&self) -> usize {
