@@ -23,6 +23,9 @@ if [[ -z "${TENSORPORT_NIXL:-}" ]]; then
 fi
 export TENSORPORT_NIXL UCX_WARN_UNUSED_ENV_VARS=n
 W=$(mktemp -d); chmod 700 "$W"
+# NIXL refuses a UCX_TLS without a CUDA transport on a host with NVIDIA GPUs: TCP is then
+# "tcp,cuda_copy" (cuda_copy moves only device memory; host tensors still go over TCP).
+TCP=tcp; [[ -e /dev/nvidia0 ]] && TCP=tcp,cuda_copy
 trap 'pkill -TERM -P $$ 2>/dev/null || true; rm -rf "$W"' EXIT
 echo "machine: $(nproc) cores, $(date -u +%F); NIXL $(cat "$TENSORPORT_NIXL/VERSION" 2>/dev/null || echo '?'); $np producer(s), $total tensors"
 "$B/tensorport-bridge" token "$W/tok" 2> /dev/null
@@ -60,7 +63,7 @@ for r in $(seq 1 "$rounds"); do
   echo "== round $r"
   row "local (shared memory)" X=1 -- "$B/tensorport produce --socket $W/s --ready --synthetic $per --in-flight 64 --name l@ -o -"
   row "gateway, Flight" X=1 -- "$R"
-  row "gateway, NIXL over TCP" UCX_TLS=tcp -- "${R/ #/ --transport nixl #}"
-  row "gateway, NIXL over TCP, 4 MiB segments" UCX_TLS=tcp UCX_TCP_TX_SEG_SIZE=4m UCX_TCP_RX_SEG_SIZE=4m -- "${R/ #/ --transport nixl #}"
+  row "gateway, NIXL over TCP" UCX_TLS=$TCP -- "${R/ #/ --transport nixl #}"
+  row "gateway, NIXL over TCP, 4 MiB segments" UCX_TLS=$TCP UCX_TCP_TX_SEG_SIZE=4m UCX_TCP_RX_SEG_SIZE=4m -- "${R/ #/ --transport nixl #}"
   row "gateway, NIXL, UCX's choice (shared memory)" X=1 -- "${R/ #/ --transport nixl #}"
 done

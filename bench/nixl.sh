@@ -20,6 +20,9 @@ if [[ -z "${TENSORPORT_NIXL:-}" ]]; then
 fi
 export TENSORPORT_NIXL UCX_WARN_UNUSED_ENV_VARS=n
 W=$(mktemp -d); chmod 700 "$W"
+# NIXL refuses a UCX_TLS without a CUDA transport on a host with NVIDIA GPUs: TCP is then
+# "tcp,cuda_copy" (cuda_copy moves only device memory; host tensors still go over TCP).
+TCP=tcp; [[ -e /dev/nvidia0 ]] && TCP=tcp,cuda_copy
 trap 'pkill -TERM -P $$ 2>/dev/null || true; rm -rf "$W"' EXIT
 echo "machine: $(nproc) cores, $(date -u +%F); NIXL $(cat "$TENSORPORT_NIXL/VERSION")"
 "$B/tensorport-bridge" token "$W/tok" 2> /dev/null
@@ -30,8 +33,8 @@ nixl() { # LABEL ENV...: one holder, one reader, 3 s of reads with 16 in flight
 }
 for r in $(seq 1 "$rounds"); do
   echo "== round $r"
-  nixl "NIXL, UCX_TLS=tcp (4 MiB segments)" UCX_TLS=tcp UCX_TCP_TX_SEG_SIZE=4m UCX_TCP_RX_SEG_SIZE=4m
-  nixl "NIXL, UCX_TLS=tcp (UCX's defaults)" UCX_TLS=tcp
+  nixl "NIXL, UCX_TLS=$TCP (4 MiB segments)" UCX_TLS=$TCP UCX_TCP_TX_SEG_SIZE=4m UCX_TCP_RX_SEG_SIZE=4m
+  nixl "NIXL, UCX_TLS=$TCP (UCX's defaults)" UCX_TLS=tcp
   nixl "NIXL, UCX's choice (shared memory)" UCX_DUMMY=
   # The server and gateway run only for their row (the server's threads would share the cores).
   rm -f "$W/s" "$W/gw"

@@ -17,6 +17,7 @@ mod model {
         println!("  skipped: needs the CUDA build (scripts/build-gpu.sh)");
     }
 }
+mod nixl;
 mod pinned;
 mod serve;
 
@@ -28,6 +29,7 @@ use checking::*;
 use device::*;
 use farm::*;
 use model::*;
+use nixl::*;
 use pinned::*;
 use serve::*;
 use support::*;
@@ -60,6 +62,10 @@ fn main() {
             farm_gpu_producers,
         ),
         ("device_tensors_into_the_cuda_model", device_into_model),
+        (
+            "device_tensors_through_a_sink_are_released",
+            sink_releases_device_tensors,
+        ),
         (
             "device_ipc_four_gpu_producers_intact_and_fenced",
             device_four_producers,
@@ -107,6 +113,10 @@ fn main() {
         (
             "device_killed_producer_with_an_unsignalled_tensor_stalls_no_other",
             killed_with_unsignalled_tensor,
+        ),
+        (
+            "nixl_device_tensors_through_the_gateway_intact_and_reclaimed",
+            nixl_device_tensors_through_the_gateway,
         ),
     ];
     if std::env::var(CHILD_ENV).is_err() {

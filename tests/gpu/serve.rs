@@ -106,6 +106,31 @@ pub(crate) fn device_into_model() {
     println!("  8 device images through the CUDA model; max relative difference from the CPU model {worst:.2e}");
 }
 
+/// `serve --device cuda --sink` answers device tensors without reading them, and still signals
+/// each buffer "released" on the GPU: a timeline-fenced producer that reuses its two buffers
+/// eight times sees its stream drain (a sink that skipped the release would leave it waiting
+/// for good).
+pub(crate) fn sink_releases_device_tensors() {
+    let (_dir, sock) = socket_dir();
+    let _server = start_cuda_serve(&sock, &["--sink"]);
+    let gpu = Gpu::open(0).unwrap();
+    let mut p = image_producer(&sock, "gpu-sink", &gpu);
+    for k in 0..8 {
+        submit_image(&mut p, k as f32);
+        let c = p.producer().recv_result(Duration::from_secs(30)).unwrap();
+        assert!(c.result.is_ok(), "{:?}", c.result);
+    }
+    let deadline = std::time::Instant::now() + Duration::from_secs(10);
+    while !p.stream().is_idle().unwrap() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "the producer's stream still waits for a release after 10 s"
+        );
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    println!("  8 device tensors through a sink on 2 buffers; the producer's stream drained");
+}
+
 /// A GPU producer that submits a timeline value it never writes: `serve --device cuda` lets
 /// the wait through after its fence timeout, fails that request (FenceTimeout) and ends that
 /// session only; an honest producer's images, held up meanwhile or sent after, are all

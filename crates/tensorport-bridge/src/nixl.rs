@@ -26,7 +26,10 @@ use arrow_schema::{DataType, Field, Schema, SchemaRef};
 use serde::{Deserialize, Serialize};
 use tensorport::DType;
 use tensorport::{HostPool, Loan};
-use tensorport_nixl::{Agent, Capi, PoolReader, Region, SlotLayout, MAX_METADATA};
+use tensorport_cuda::{Gpu, GpuProducer};
+use tensorport_nixl::{
+    Agent, Capi, GpuReader, Memory, PoolReader, Region, SlotLayout, MAX_METADATA,
+};
 
 use crate::schema::{SchemaError, TensorLayout, ID};
 
@@ -57,6 +60,10 @@ struct HelloJson {
     base: u64,
     slot_len: u64,
     slots: u32,
+    /// The GPU (by ordinal on the producer's host) whose memory holds the slots; absent for
+    /// host memory.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    device: Option<u32>,
     dtype: u8,
     shape: Vec<u64>,
 }
@@ -70,6 +77,10 @@ impl Hello {
             base: self.slots.base,
             slot_len: self.slots.slot_len,
             slots: self.slots.slots,
+            device: match self.slots.memory {
+                Memory::Host => None,
+                Memory::Device(gpu) => Some(gpu),
+            },
             dtype: self.layout.dtype as u8,
             shape: self.layout.shape.clone(),
         })
@@ -126,6 +137,7 @@ impl Hello {
             base: j.base,
             slot_len: j.slot_len,
             slots: j.slots,
+            memory: j.device.map_or(Memory::Host, Memory::Device),
         };
         if slots.slot_len != layout.bytes() as u64 {
             return Err(SchemaError::Shape(format!(
@@ -197,9 +209,19 @@ pub fn capi() -> Result<Arc<Capi>, String> {
 }
 
 /// The gateway's side of a NIXL stream: a reader of the producer's slots straight into the
-/// slots of the local session's pool.
+/// slots of the local session's pool ([`PoolReader`]).
 pub struct Inbound {
     reader: PoolReader,
+}
+
+/// The producer's metadata loaded into an agent of the gateway's own, named `name`.
+fn peer_of(hello: &Hello, name: &str) -> Result<(Agent, tensorport_nixl::Peer), String> {
+    let capi = capi()?;
+    let agent = Agent::new(&capi, name).map_err(|e| e.to_string())?;
+    let peer = agent
+        .add_peer(&hello.metadata, &hello.agent, hello.slots)
+        .map_err(|e| format!("the producer's NIXL metadata: {e}"))?;
+    Ok((agent, peer))
 }
 
 impl Inbound {
@@ -207,11 +229,7 @@ impl Inbound {
     /// `pool` — the local session's, whose slots hold at least one of the set-up's tensors — to
     /// read into.
     pub fn open(hello: &Hello, name: &str, pool: Arc<HostPool>) -> Result<Inbound, String> {
-        let capi = capi()?;
-        let agent = Agent::new(&capi, name).map_err(|e| e.to_string())?;
-        let peer = agent
-            .add_peer(&hello.metadata, &hello.agent, hello.slots)
-            .map_err(|e| format!("the producer's NIXL metadata: {e}"))?;
+        let (agent, peer) = peer_of(hello, name)?;
         let reader = PoolReader::new(&agent, pool, peer).map_err(|e| e.to_string())?;
         Ok(Inbound { reader })
     }
@@ -238,6 +256,37 @@ impl Inbound {
     }
 }
 
+/// The gateway's side of a NIXL stream whose slots are on a GPU: a GPU producer session with
+/// the local server, whose device buffers the producer's slots are read into ([`GpuReader`]).
+pub struct DeviceInbound {
+    reader: GpuReader,
+}
+
+impl DeviceInbound {
+    /// Loads the producer's set-up into an agent of its own (named `name`) and reads into the
+    /// device buffers of `producer` (a session with the local server on the gateway's GPU).
+    pub fn open(hello: &Hello, name: &str, producer: GpuProducer) -> Result<DeviceInbound, String> {
+        let (agent, peer) = peer_of(hello, name)?;
+        let reader = GpuReader::new(&agent, producer, peer).map_err(|e| e.to_string())?;
+        Ok(DeviceInbound { reader })
+    }
+
+    /// The producer's slots.
+    pub fn slots(&self) -> u32 {
+        self.reader.peer().layout().slots
+    }
+
+    /// The reader (its buffers, reads and the session's results).
+    pub fn reader(&mut self) -> &mut GpuReader {
+        &mut self.reader
+    }
+
+    /// Ends the session with the server cleanly.
+    pub fn close(self) -> Result<(), String> {
+        self.reader.close().map_err(|e| e.to_string())
+    }
+}
+
 /// The remote producer's side: registered slots, which request each holds, and the set-up to
 /// send.
 pub struct Outbound {
@@ -245,17 +294,31 @@ pub struct Outbound {
     region: Region,
     free: Vec<u32>,
     held: HashMap<u64, u32>,
+    /// Per slot: it holds the one ready tensor ([`Outbound::put_ready`]).
+    holds_ready: Vec<bool>,
     hello: Hello,
 }
 
 impl Outbound {
-    /// An agent named `name` with `slots` registered slots for tensors of `layout`.
-    pub fn new(name: &str, slots: u32, layout: &TensorLayout) -> Result<Outbound, String> {
+    /// An agent named `name` with `slots` registered slots for tensors of `layout`, in host
+    /// memory or on the GPU `gpu` (ordinal).
+    pub fn new(
+        name: &str,
+        slots: u32,
+        layout: &TensorLayout,
+        gpu: Option<u32>,
+    ) -> Result<Outbound, String> {
         let capi = capi()?;
         let agent = Agent::new(&capi, name).map_err(|e| e.to_string())?;
-        let region = agent
-            .register(slots, layout.bytes() as u64)
-            .map_err(|e| e.to_string())?;
+        let bytes = layout.bytes() as u64;
+        let region = match gpu {
+            None => agent.register(slots, bytes),
+            Some(n) => {
+                let gpu = Gpu::open(n as i32).map_err(|e| format!("GPU {n}: {e}"))?;
+                agent.register_device(&gpu, slots, bytes)
+            }
+        }
+        .map_err(|e| e.to_string())?;
         let metadata = agent.metadata().map_err(|e| e.to_string())?;
         let hello = Hello {
             agent: name.to_string(),
@@ -268,6 +331,7 @@ impl Outbound {
             region,
             free: (0..slots).rev().collect(),
             held: HashMap::new(),
+            holds_ready: vec![false; slots as usize],
             hello,
         })
     }
@@ -282,16 +346,44 @@ impl Outbound {
         self.agent.name()
     }
 
-    /// Puts request `id`'s tensor into a free slot; `None` when every slot is held.
-    pub fn put(&mut self, id: u64, tensor: &[u8]) -> Option<u32> {
+    /// Puts request `id`'s tensor into a free slot (copied to the GPU for slots on one);
+    /// `Ok(None)` when every slot is held.
+    pub fn put(&mut self, id: u64, tensor: &[u8]) -> Result<Option<u32>, String> {
+        self.put_inner(id, tensor, false)
+    }
+
+    /// [`Outbound::put`] of the one ready tensor every request of a `--ready` producer carries:
+    /// a slot that holds it already is not written again.
+    pub fn put_ready(&mut self, id: u64, tensor: &[u8]) -> Result<Option<u32>, String> {
+        self.put_inner(id, tensor, true)
+    }
+
+    fn put_inner(&mut self, id: u64, tensor: &[u8], ready: bool) -> Result<Option<u32>, String> {
         if let Some(&s) = self.held.get(&id) {
-            return Some(s);
+            return Ok(Some(s));
         }
-        let s = self.free.pop()?;
-        let slot = self.region.slot_mut(s).expect("one of ours");
-        slot[..tensor.len()].copy_from_slice(tensor);
+        let Some(s) = self.free.pop() else {
+            return Ok(None);
+        };
+        if ready && self.holds_ready[s as usize] {
+            self.held.insert(id, s);
+            return Ok(Some(s));
+        }
+        self.holds_ready[s as usize] = false;
+        let written = match self.region.slot_mut(s) {
+            Some(slot) => {
+                slot[..tensor.len()].copy_from_slice(tensor);
+                Ok(())
+            }
+            None => self.region.upload(s, tensor).map_err(|e| e.to_string()),
+        };
+        if let Err(e) = written {
+            self.free.push(s);
+            return Err(e);
+        }
+        self.holds_ready[s as usize] = ready;
         self.held.insert(id, s);
-        Some(s)
+        Ok(Some(s))
     }
 
     /// Request `id` is answered: its slot has been read and is free again.
@@ -315,6 +407,7 @@ mod tests {
                 base: 4096,
                 slot_len: layout.bytes() as u64,
                 slots: 8,
+                memory: Memory::Host,
             },
             layout,
         }
@@ -325,6 +418,12 @@ mod tests {
         let h = hello();
         let back = Hello::from_schema(&h.schema(), 1 << 20).unwrap().unwrap();
         assert_eq!(back, h);
+        let mut on_gpu = hello();
+        on_gpu.slots.memory = Memory::Device(3);
+        let back = Hello::from_schema(&on_gpu.schema(), 1 << 20)
+            .unwrap()
+            .unwrap();
+        assert_eq!(back, on_gpu);
         let rows = [(7u64, 3u32), (9, 0)];
         let b = slot_batch(&h.schema(), &rows).unwrap();
         assert_eq!(slot_rows(&b).unwrap(), rows);
@@ -361,6 +460,7 @@ mod tests {
             with(|j| j.slots = tensorport_nixl::MAX_SLOTS + 1),
             with(|j| j.base = u64::MAX - 8),
             with(|j| j.shape = vec![1 << 20]),
+            with(|j| j.device = Some(tensorport_nixl::MAX_GPU + 1)),
         ];
         for (i, s) in bad.iter().enumerate() {
             assert!(Hello::from_schema(s, limit).is_err(), "case {i} accepted");

@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -1350,9 +1350,20 @@ fn nixl_env() -> Option<Vec<(String, String)>> {
     let dir = dir.as_ref()?;
     Some(vec![
         ("TENSORPORT_NIXL".into(), dir.display().to_string()),
-        ("UCX_TLS".into(), "tcp".into()),
+        // On a host with NVIDIA GPUs NIXL wants a CUDA transport beside TCP.
+        ("UCX_TLS".into(), ucx_tcp().into()),
         ("UCX_WARN_UNUSED_ENV_VARS".into(), "n".into()),
     ])
+}
+
+/// UCX's transports for "TCP only": with `cuda_copy` on a host with NVIDIA GPUs, where NIXL
+/// refuses a list without a CUDA transport (it moves only device memory).
+fn ucx_tcp() -> &'static str {
+    if Path::new("/dev/nvidia0").exists() {
+        "tcp,cuda_copy"
+    } else {
+        "tcp"
+    }
 }
 
 #[test]
@@ -1417,7 +1428,7 @@ fn a_nixl_set_up_that_lies_is_refused_and_harms_no_one() {
     let Some(env) = nixl_env() else { return };
     let f = Fixture::with(&[], env);
     let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
-    let out = Outbound::new(&format!("liar-{}", std::process::id()), 4, &layout).unwrap();
+    let out = Outbound::new(&format!("liar-{}", std::process::id()), 4, &layout, None).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
         .enable_all()
         .build()
@@ -1464,6 +1475,16 @@ fn a_nixl_set_up_that_lies_is_refused_and_harms_no_one() {
     assert_eq!(n, 0);
     assert!(
         err.as_deref().is_some_and(|e| e.contains("slot 9")),
+        "{err:?}"
+    );
+    // Slots said to be on a GPU, to a gateway whose server takes no device tensors (and here,
+    // without a GPU, whose GPU does not open).
+    let mut on_gpu = out.hello().clone();
+    on_gpu.slots.memory = tensorport_nixl::Memory::Device(0);
+    let (n, err) = outcome(on_gpu, vec![(0, 0)]);
+    assert_eq!(n, 0);
+    assert!(
+        err.as_deref().is_some_and(|e| e.contains("device tensors")),
         "{err:?}"
     );
     // Metadata that is not NIXL's.

@@ -171,3 +171,22 @@ pub fn gather_on_device(
         }
     }
 }
+
+/// Signals "released" on `stream` for the device tensors among `reqs`, which a sink answers
+/// without reading them: each producer's next write of its buffer waits for that signal on its
+/// GPU, so a sink that skipped it would stall every GPU producer once its buffers were used.
+/// `stream` must belong to `gatherer`'s GPU (checked), the one the server's importer opened the
+/// tensors in.
+pub fn release_unread(
+    stream: &Stream,
+    gatherer: &Gatherer,
+    reqs: &[Request],
+) -> std::result::Result<(), String> {
+    let tensors: Vec<&tensorport::DeviceTensor> = reqs.iter().filter_map(|r| r.device()).collect();
+    if tensors.is_empty() {
+        return Ok(());
+    }
+    // SAFETY: `stream` is of the gatherer's GPU (`release_all` refuses another's), where the
+    // server's importer opened its producers' buffers; the releases read nothing.
+    unsafe { gatherer.release_all(stream, &tensors) }.map_err(|e| e.to_string())
+}

@@ -76,7 +76,7 @@ mod cuda;
 #[cfg(feature = "cuda")]
 mod cudnn_model;
 #[cfg(feature = "cuda")]
-pub use cuda::gather_on_device;
+pub use cuda::{gather_on_device, release_unread};
 #[cfg(feature = "cuda")]
 pub use cudnn_model::CudnnClassifier;
 #[cfg(feature = "cuda")]

@@ -9,7 +9,9 @@ use std::alloc::Layout;
 use std::ffi::{c_char, CString};
 use std::sync::{Arc, Mutex, MutexGuard};
 
-use crate::capi::{Capi, Handle, MEM_DRAM};
+use tensorport_cuda::{DeviceBuffer, Gpu, Stream};
+
+use crate::capi::{Capi, Handle, MEM_DRAM, MEM_VRAM};
 use crate::error::{Error, Result};
 
 /// The largest metadata blob accepted from a peer (a UCX agent's is a few hundred bytes).
@@ -18,6 +20,26 @@ pub const MAX_METADATA: usize = 64 << 10;
 pub const MAX_SLOTS: u32 = 4096;
 /// The largest slot a peer may describe.
 pub const MAX_SLOT_LEN: u64 = 1 << 30;
+/// The highest GPU ordinal a peer may name.
+pub const MAX_GPU: u32 = 63;
+
+/// Where slots live: host memory, or the memory of a GPU (by ordinal on its own host).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Memory {
+    #[default]
+    Host,
+    Device(u32),
+}
+
+impl Memory {
+    /// NIXL's memory type and device id.
+    pub(crate) fn nixl(self) -> (std::ffi::c_int, u64) {
+        match self {
+            Memory::Host => (MEM_DRAM, 0),
+            Memory::Device(gpu) => (MEM_VRAM, u64::from(gpu)),
+        }
+    }
+}
 
 pub(crate) struct AgentInner {
     pub(crate) capi: Arc<Capi>,
@@ -75,23 +97,39 @@ fn c_string(s: &str) -> Result<CString> {
 impl Agent {
     /// An agent named `name` (unique among the agents that will meet) with a UCX backend.
     pub fn new(capi: &Arc<Capi>, name: &str) -> Result<Agent> {
+        Agent::with_params(capi, name, &[])
+    }
+
+    /// [`Agent::new`] with parameters for NIXL's UCX backend beside its defaults, e.g.
+    /// `("ucx_error_handling_mode", "none")`.
+    pub fn with_params(capi: &Arc<Capi>, name: &str, params: &[(&str, &str)]) -> Result<Agent> {
         let cname = c_string(name)?;
         let mut raw: Handle = std::ptr::null_mut();
         // SAFETY: a valid C string and an out-pointer.
         Capi::check("create_agent", unsafe {
             (capi.create_agent)(cname.as_ptr(), &mut raw)
         })?;
-        let (mut mems, mut params): (Handle, Handle) = (std::ptr::null_mut(), std::ptr::null_mut());
+        let (mut mems, mut map): (Handle, Handle) = (std::ptr::null_mut(), std::ptr::null_mut());
         let ucx = c"UCX";
         // SAFETY: a live agent, a C string and two out-pointers.
         let got = Capi::check("get_plugin_params", unsafe {
-            (capi.get_plugin_params)(raw, ucx.as_ptr(), &mut mems, &mut params)
+            (capi.get_plugin_params)(raw, ucx.as_ptr(), &mut mems, &mut map)
         });
         let mut backend: Handle = std::ptr::null_mut();
+        let got = got.and_then(|()| {
+            for (k, v) in params {
+                let (k, v) = (c_string(k)?, c_string(v)?);
+                // SAFETY: the plugin's parameter map (returned above) and two C strings.
+                Capi::check("params_add", unsafe {
+                    (capi.params_add)(map, k.as_ptr(), v.as_ptr())
+                })?;
+            }
+            Ok(())
+        });
         let made = got.and_then(|()| {
-            // SAFETY: a live agent and the plugin's default parameters.
+            // SAFETY: a live agent and the plugin's parameters.
             Capi::check("create_backend", unsafe {
-                (capi.create_backend)(raw, ucx.as_ptr(), params, &mut backend)
+                (capi.create_backend)(raw, ucx.as_ptr(), map, &mut backend)
             })
         });
         // SAFETY: the lists were returned to us (or are null) and are not used again.
@@ -99,14 +137,22 @@ impl Agent {
             if !mems.is_null() {
                 (capi.destroy_mem_list)(mems);
             }
-            if !params.is_null() {
-                (capi.destroy_params)(params);
+            if !map.is_null() {
+                (capi.destroy_params)(map);
             }
         }
         if let Err(e) = made {
             // SAFETY: the agent is ours and unused.
             unsafe { (capi.destroy_agent)(raw) };
-            return Err(e);
+            return Err(match std::env::var("UCX_TLS") {
+                // NIXL refuses a UCX_TLS without a CUDA transport where NVIDIA GPUs are present.
+                Ok(tls)
+                    if !tls.contains("cuda") && std::path::Path::new("/dev/nvidia0").exists() =>
+                {
+                    Error::Transports(tls)
+                }
+                _ => e,
+            });
         }
         Ok(Agent {
             inner: Arc::new(AgentInner {
@@ -158,10 +204,55 @@ impl Agent {
             layout,
             leaked: false,
         };
+        let addrs = (0..u64::from(slots))
+            .map(|i| ptr as u64 + i * slot_len)
+            .collect();
+        // SAFETY: `len` bytes from `ptr` are ours for the region's life.
+        unsafe { self.register_spans(mem, Memory::Host, addrs, slot_len, &[(ptr as u64, len)]) }
+    }
+
+    /// Registers `slots` slots of `slot_len` bytes of fresh memory on `gpu`, back to back in
+    /// one allocation (a GPU producer's tensors, which peers read over UCX's CUDA transports).
+    pub fn register_device(&self, gpu: &Arc<Gpu>, slots: u32, slot_len: u64) -> Result<Region> {
+        if slots == 0 || slots > MAX_SLOTS || slot_len == 0 || slot_len > MAX_SLOT_LEN {
+            return Err(Error::Refused("slot count or length out of bounds"));
+        }
+        let len = slot_len
+            .checked_mul(u64::from(slots))
+            .and_then(|l| usize::try_from(l).ok())
+            .ok_or(Error::Refused("region too large"))?;
+        let cuda = |e: tensorport_cuda::Error| Error::Cuda(e.to_string());
+        let buffer = DeviceBuffer::new(gpu, len).map_err(cuda)?;
+        let stream = Stream::new(gpu).map_err(cuda)?;
+        let base = buffer.ptr();
+        let addrs = (0..u64::from(slots)).map(|i| base + i * slot_len).collect();
+        let memory = Memory::Device(gpu.ordinal() as u32);
+        let mem = Mem::Device {
+            buffer: Some(buffer),
+            stream,
+        };
+        // SAFETY: the buffer is the region's (in `mem`), allocated for its life.
+        unsafe { self.register_spans(mem, memory, addrs, slot_len, &[(base, len)]) }
+    }
+
+    /// Registers `spans` of `memory` with the agent as a region of `slots` at `addrs`, owning
+    /// (or keeping alive) the memory through `mem`.
+    ///
+    /// # Safety
+    /// The spans must stay allocated while `mem` lives, and cover every slot.
+    unsafe fn register_spans(
+        &self,
+        mem: Mem,
+        memory: Memory,
+        addrs: Vec<u64>,
+        slot_len: u64,
+        spans: &[(u64, usize)],
+    ) -> Result<Region> {
         let capi = &self.inner.capi;
-        let dlist = reg_dlist(capi, ptr as usize, len)?;
+        let dlist = reg_dlist(capi, memory, spans)?;
         let (g, raw) = self.inner.locked();
-        // SAFETY: a live agent and a descriptor list of memory we own for the region's life.
+        // SAFETY: a live agent and a descriptor list of memory that `mem` keeps for the
+        // region's life (the caller's contract).
         let r = Capi::check("register_mem", unsafe {
             (capi.register_mem)(raw, dlist, std::ptr::null_mut())
         });
@@ -175,9 +266,10 @@ impl Agent {
             agent: self.inner.clone(),
             mem,
             dlist,
-            slots,
+            slots: addrs.len() as u32,
             slot_len,
-            stride: slot_len,
+            addrs,
+            memory,
         })
     }
 
@@ -210,31 +302,35 @@ impl Agent {
             .filter(|&l| (base as usize).checked_add(l).is_some())
             .ok_or(Error::Refused("region too large"))?;
         let mem = Mem::Borrowed {
-            ptr: base,
             keep: Some(Box::new(keep)),
         };
-        let capi = &self.inner.capi;
-        let dlist = reg_dlist(capi, base as usize, len)?;
-        let (g, raw) = self.inner.locked();
-        // SAFETY: a live agent and a descriptor list of memory the caller keeps mapped while
-        // `keep` (now the region's) lives.
-        let r = Capi::check("register_mem", unsafe {
-            (capi.register_mem)(raw, dlist, std::ptr::null_mut())
-        });
-        drop(g);
-        if let Err(e) = r {
-            // SAFETY: ours, unused after this.
-            unsafe { (capi.destroy_reg_dlist)(dlist) };
-            return Err(e);
+        let addrs = (0..u64::from(slots))
+            .map(|i| base as u64 + i * stride)
+            .collect();
+        // SAFETY: the caller keeps `len` bytes from `base` mapped while `keep` (now `mem`'s)
+        // lives.
+        unsafe { self.register_spans(mem, Memory::Host, addrs, slot_len, &[(base as u64, len)]) }
+    }
+
+    /// Registers the buffers of `gpu`'s device memory at `addrs` (each at least `slot_len`
+    /// bytes), kept allocated by their owner, as a region.
+    ///
+    /// # Safety
+    /// Each buffer must stay allocated while the region lives (and for ever if a transfer into
+    /// it could not be finished: see [`Region::leak_memory`]).
+    pub(crate) unsafe fn register_device_external(
+        &self,
+        gpu: u32,
+        addrs: Vec<u64>,
+        slot_len: u64,
+    ) -> Result<Region> {
+        if addrs.is_empty() || addrs.len() > MAX_SLOTS as usize || slot_len == 0 {
+            return Err(Error::Refused("slot count or length out of bounds"));
         }
-        Ok(Region {
-            agent: self.inner.clone(),
-            mem,
-            dlist,
-            slots,
-            slot_len,
-            stride,
-        })
+        let spans: Vec<(u64, usize)> = addrs.iter().map(|&a| (a, slot_len as usize)).collect();
+        let mem = Mem::Borrowed { keep: None };
+        // SAFETY: the caller's contract.
+        unsafe { self.register_spans(mem, Memory::Device(gpu), addrs, slot_len, &spans) }
     }
 
     /// Loads a peer's metadata (at most [`MAX_METADATA`] bytes), whose registered memory it says
@@ -272,17 +368,24 @@ impl Agent {
     }
 }
 
-/// A descriptor list of one DRAM span.
-fn reg_dlist(capi: &Capi, addr: usize, len: usize) -> Result<Handle> {
+/// A descriptor list of `spans` of `memory`.
+fn reg_dlist(capi: &Capi, memory: Memory, spans: &[(u64, usize)]) -> Result<Handle> {
+    let (kind, dev) = memory.nixl();
     let mut dlist: Handle = std::ptr::null_mut();
     // SAFETY: an out-pointer.
     Capi::check("create_reg_dlist", unsafe {
-        (capi.create_reg_dlist)(MEM_DRAM, &mut dlist)
+        (capi.create_reg_dlist)(kind, &mut dlist)
     })?;
-    // SAFETY: a live list; the span is only described here, not accessed.
-    let r = Capi::check("reg_dlist_add_desc", unsafe {
-        (capi.reg_dlist_add_desc)(dlist, addr, len, 0, std::ptr::null(), 0)
-    });
+    let mut r = Ok(());
+    for &(addr, len) in spans {
+        // SAFETY: a live list; the span is only described here, not accessed.
+        r = Capi::check("reg_dlist_add_desc", unsafe {
+            (capi.reg_dlist_add_desc)(dlist, addr as usize, len, dev, std::ptr::null(), 0)
+        });
+        if r.is_err() {
+            break;
+        }
+    }
     if let Err(e) = r {
         // SAFETY: ours, unused after this.
         unsafe { (capi.destroy_reg_dlist)(dlist) };
@@ -291,7 +394,8 @@ fn reg_dlist(capi: &Capi, addr: usize, len: usize) -> Result<Handle> {
     Ok(dlist)
 }
 
-/// A region's memory: allocated here, or another owner's kept alive by a guard.
+/// A region's memory: host memory allocated here, another owner's kept alive by a guard, or
+/// device buffers allocated here.
 enum Mem {
     Owned {
         ptr: *mut u8,
@@ -300,23 +404,23 @@ enum Mem {
         leaked: bool,
     },
     Borrowed {
-        ptr: *mut u8,
         /// Keeps the memory mapped; forgotten (never dropped) if a transfer may still run.
         keep: Option<Box<dyn Send + Sync>>,
+    },
+    Device {
+        /// Forgotten (never freed) if a transfer may still run.
+        buffer: Option<DeviceBuffer>,
+        /// Uploads into the buffer.
+        stream: Stream,
     },
 }
 
 impl Mem {
-    fn ptr(&self) -> *mut u8 {
-        match self {
-            Mem::Owned { ptr, .. } | Mem::Borrowed { ptr, .. } => *ptr,
-        }
-    }
-
     fn leak(&mut self) {
         match self {
             Mem::Owned { leaked, .. } => *leaked = true,
-            Mem::Borrowed { keep, .. } => std::mem::forget(keep.take()),
+            Mem::Borrowed { keep } => std::mem::forget(keep.take()),
+            Mem::Device { buffer, .. } => std::mem::forget(buffer.take()),
         }
     }
 }
@@ -335,8 +439,8 @@ impl Drop for Mem {
     }
 }
 
-/// Host memory registered with an agent: `slots` slots of `slot_len` bytes, `stride` bytes
-/// apart, each one a tensor's place. Peers read it (given this agent's metadata); readers write
+/// Memory registered with an agent: `slots` slots of `slot_len` bytes, in host memory or on a
+/// GPU, each one a tensor's place. Peers read it (given this agent's metadata); readers write
 /// into it.
 pub struct Region {
     pub(crate) agent: Arc<AgentInner>,
@@ -344,7 +448,9 @@ pub struct Region {
     dlist: Handle,
     pub(crate) slots: u32,
     pub(crate) slot_len: u64,
-    stride: u64,
+    /// Each slot's address (in host memory or the GPU's).
+    addrs: Vec<u64>,
+    pub(crate) memory: Memory,
 }
 
 // SAFETY: the memory and the handles belong to the region alone; see `AgentInner`.
@@ -355,45 +461,85 @@ impl std::fmt::Debug for Region {
         f.debug_struct("Region")
             .field("slots", &self.slots)
             .field("slot_len", &self.slot_len)
-            .field("stride", &self.stride)
+            .field("memory", &self.memory)
             .finish()
     }
 }
 
 impl Region {
     /// What a peer needs besides the metadata to read this region's slots (of a region made by
-    /// [`Agent::register`], whose slots are back to back).
+    /// [`Agent::register`] or [`Agent::register_device`], whose slots are back to back).
     pub fn layout(&self) -> SlotLayout {
-        debug_assert_eq!(self.stride, self.slot_len);
         SlotLayout {
-            base: self.mem.ptr() as u64,
+            base: self.addrs[0],
             slot_len: self.slot_len,
             slots: self.slots,
+            memory: self.memory,
         }
     }
 
-    /// Slot `i`'s bytes.
+    /// Slot `i`'s bytes (of host memory; `None` on a GPU).
     pub fn slot(&self, i: u32) -> Option<&[u8]> {
-        let (off, len) = self.span(i)?;
-        // SAFETY: inside the region's memory; `&self` excludes writers through this crate (a
-        // reader owns the region it reads into and hands out only slots with no transfer in
-        // flight).
-        Some(unsafe { std::slice::from_raw_parts(self.mem.ptr().add(off), len) })
+        let addr = self.host_slot(i)?;
+        // SAFETY: a slot of the region's host memory; `&self` excludes writers through this
+        // crate (a reader owns the region it reads into and hands out only slots with no
+        // transfer in flight).
+        Some(unsafe { std::slice::from_raw_parts(addr as *const u8, self.slot_len as usize) })
     }
 
-    /// Slot `i`'s bytes, to fill.
+    /// Slot `i`'s bytes, to fill (of host memory; `None` on a GPU).
     pub fn slot_mut(&mut self, i: u32) -> Option<&mut [u8]> {
-        let (off, len) = self.span(i)?;
-        // SAFETY: inside the region's memory, borrowed uniquely.
-        Some(unsafe { std::slice::from_raw_parts_mut(self.mem.ptr().add(off), len) })
+        let addr = self.host_slot(i)?;
+        // SAFETY: a slot of the region's host memory, borrowed uniquely.
+        Some(unsafe { std::slice::from_raw_parts_mut(addr as *mut u8, self.slot_len as usize) })
     }
 
-    fn span(&self, i: u32) -> Option<(usize, usize)> {
-        (i < self.slots).then(|| (i as usize * self.stride as usize, self.slot_len as usize))
+    fn host_slot(&self, i: u32) -> Option<u64> {
+        match self.memory {
+            Memory::Host => self.addrs.get(i as usize).copied(),
+            Memory::Device(_) => None,
+        }
+    }
+
+    /// Copies `bytes` (at most a slot) into slot `i` of a region of device memory this crate
+    /// allocated ([`Agent::register_device`]), and waits for the copy.
+    pub fn upload(&mut self, i: u32, bytes: &[u8]) -> Result<()> {
+        let Mem::Device {
+            buffer: Some(_),
+            stream,
+        } = &self.mem
+        else {
+            return Err(Error::Refused("not a region of device buffers"));
+        };
+        if i >= self.slots || bytes.len() as u64 > self.slot_len {
+            return Err(Error::Refused("no such slot, or more bytes than a slot"));
+        }
+        // SAFETY: slot `i` lies inside the region's one allocation, of the stream's context;
+        // `bytes` stays borrowed until the stream has run the copy (synchronised below, also
+        // after an error in enqueueing it).
+        let r = unsafe { stream.copy_host_to_device_async(self.addrs[i as usize], bytes) };
+        let synced = stream.synchronize();
+        r.and(synced).map_err(|e| Error::Cuda(e.to_string()))
+    }
+
+    /// Copies slot `i` of a region of device memory this crate allocated into `out` (at most a
+    /// slot's bytes).
+    pub fn download(&self, i: u32, out: &mut [u8]) -> Result<()> {
+        let Mem::Device {
+            buffer: Some(b), ..
+        } = &self.mem
+        else {
+            return Err(Error::Refused("not a region of device buffers"));
+        };
+        if i >= self.slots || out.len() as u64 > self.slot_len {
+            return Err(Error::Refused("no such slot, or more bytes than a slot"));
+        }
+        b.copy_to_host_at((u64::from(i) * self.slot_len) as usize, out)
+            .map_err(|e| Error::Cuda(e.to_string()))
     }
 
     pub(crate) fn slot_addr(&self, i: u32) -> u64 {
-        self.mem.ptr() as u64 + u64::from(i) * self.stride
+        self.addrs[i as usize]
     }
 
     /// A transfer into the region may outlive it: its memory stays allocated (or mapped).
@@ -423,6 +569,7 @@ pub struct SlotLayout {
     pub base: u64,
     pub slot_len: u64,
     pub slots: u32,
+    pub memory: Memory,
 }
 
 impl SlotLayout {
@@ -433,6 +580,9 @@ impl SlotLayout {
         }
         if self.slot_len == 0 || self.slot_len > MAX_SLOT_LEN {
             return Err(Error::Refused("slot length out of bounds"));
+        }
+        if matches!(self.memory, Memory::Device(gpu) if gpu > MAX_GPU) {
+            return Err(Error::Refused("GPU ordinal out of bounds"));
         }
         self.slot_len
             .checked_mul(u64::from(self.slots))
@@ -489,6 +639,7 @@ mod tests {
             base: 4096,
             slot_len: 602_112,
             slots: 64,
+            memory: Memory::Host,
         };
         assert!(ok.check().is_ok());
         for bad in [
@@ -504,6 +655,10 @@ mod tests {
             },
             SlotLayout {
                 base: u64::MAX - 4096,
+                ..ok
+            },
+            SlotLayout {
+                memory: Memory::Device(MAX_GPU + 1),
                 ..ok
             },
         ] {

@@ -16,6 +16,7 @@ use crate::error::{Error, Result};
 pub(crate) type Handle = *mut c_void;
 
 pub(crate) const MEM_DRAM: c_int = 0;
+pub(crate) const MEM_VRAM: c_int = 1;
 pub(crate) const OP_READ: c_int = 0;
 pub(crate) const IN_PROGRESS: c_int = 1;
 
@@ -26,6 +27,7 @@ type LoadRemoteMd = unsafe extern "C" fn(Handle, *const c_void, usize, *mut *mut
 type InvalidateRemoteMd = unsafe extern "C" fn(Handle, *const c_char) -> c_int;
 type GetPluginParams =
     unsafe extern "C" fn(Handle, *const c_char, *mut Handle, *mut Handle) -> c_int;
+type ParamsAdd = unsafe extern "C" fn(Handle, *const c_char, *const c_char) -> c_int;
 type CreateBackend = unsafe extern "C" fn(Handle, *const c_char, Handle, *mut Handle) -> c_int;
 type CreateDlist = unsafe extern "C" fn(c_int, *mut Handle) -> c_int;
 type RegAddDesc = unsafe extern "C" fn(Handle, usize, usize, u64, *const c_void, usize) -> c_int;
@@ -62,6 +64,7 @@ pub struct Capi {
     pub(crate) get_plugin_params: GetPluginParams,
     pub(crate) destroy_mem_list: Destroy,
     pub(crate) destroy_params: Destroy,
+    pub(crate) params_add: ParamsAdd,
     pub(crate) create_backend: CreateBackend,
     pub(crate) destroy_backend: Destroy,
     pub(crate) create_reg_dlist: CreateDlist,
@@ -150,6 +153,7 @@ impl Capi {
                     get_plugin_params: sym(&lib, "nixl_capi_get_plugin_params")?,
                     destroy_mem_list: sym(&lib, "nixl_capi_destroy_mem_list")?,
                     destroy_params: sym(&lib, "nixl_capi_destroy_params")?,
+                    params_add: sym(&lib, "nixl_capi_params_add")?,
                     create_backend: sym(&lib, "nixl_capi_create_backend")?,
                     destroy_backend: sym(&lib, "nixl_capi_destroy_backend")?,
                     create_reg_dlist: sym(&lib, "nixl_capi_create_reg_dlist")?,

@@ -14,6 +14,13 @@ pub enum Error {
     /// A peer's metadata or memory layout is out of bounds, or a read names memory outside it.
     #[error("refused: {0}")]
     Refused(&'static str),
+    /// UCX_TLS names no CUDA transport on a host with NVIDIA GPUs, where NIXL's UCX backend
+    /// refuses to start.
+    #[error("NIXL's UCX backend refused UCX_TLS={0}: on a host with NVIDIA GPUs add cuda_copy (e.g. UCX_TLS={0},cuda_copy), or leave UCX_TLS unset")]
+    Transports(String),
+    /// The GPU side failed: device memory could not be allocated, copied or handed over.
+    #[error("the GPU: {0}")]
+    Cuda(String),
     /// A transfer did not finish in time.
     #[error("a transfer from {peer} did not finish within {ms} ms")]
     Stalled { peer: String, ms: u128 },

@@ -30,12 +30,16 @@ mod agent;
 mod capi;
 mod error;
 mod fetch;
+mod gpu;
 mod pool;
 mod read;
 
-pub use agent::{Agent, Peer, Region, SlotLayout, MAX_METADATA, MAX_SLOTS, MAX_SLOT_LEN};
+pub use agent::{
+    Agent, Memory, Peer, Region, SlotLayout, MAX_GPU, MAX_METADATA, MAX_SLOTS, MAX_SLOT_LEN,
+};
 pub use capi::Capi;
 pub use error::{Error, Result};
 pub use fetch::fetch_into_checkout;
+pub use gpu::GpuReader;
 pub use pool::PoolReader;
 pub use read::Reader;

@@ -11,8 +11,8 @@ use std::collections::HashMap;
 use std::ffi::c_int;
 use std::time::{Duration, Instant};
 
-use crate::agent::{Peer, Region};
-use crate::capi::{Capi, Handle, IN_PROGRESS, MEM_DRAM, OP_READ};
+use crate::agent::{Memory, Peer, Region};
+use crate::capi::{Capi, Handle, IN_PROGRESS, OP_READ};
 use crate::error::{Error, Result};
 
 /// How long a dropped reader waits for its transfers.
@@ -46,25 +46,27 @@ impl std::fmt::Debug for Reader {
     }
 }
 
-/// A prepared descriptor list of spans of `len` bytes at `addrs`, on `agent_name`'s side (""
-/// for this agent's own memory).
+/// A prepared descriptor list of spans of `len` bytes of `memory` at `addrs`, on
+/// `agent_name`'s side ("" for this agent's own memory).
 fn prepped(
     region: &Region,
     agent_name: &std::ffi::CStr,
+    memory: Memory,
     addrs: impl Iterator<Item = u64>,
     len: u64,
 ) -> Result<Handle> {
     let capi = &region.agent.capi;
+    let (kind, dev) = memory.nixl();
     let mut dlist: Handle = std::ptr::null_mut();
     // SAFETY: an out-pointer.
     Capi::check("create_xfer_dlist", unsafe {
-        (capi.create_xfer_dlist)(MEM_DRAM, &mut dlist)
+        (capi.create_xfer_dlist)(kind, &mut dlist)
     })?;
     let mut r = Ok(());
     for addr in addrs {
         // SAFETY: a live list; spans are only described here.
         r = Capi::check("xfer_dlist_add_desc", unsafe {
-            (capi.xfer_dlist_add_desc)(dlist, addr as usize, len as usize, 0)
+            (capi.xfer_dlist_add_desc)(dlist, addr as usize, len as usize, dev)
         });
         if r.is_err() {
             break;
@@ -108,6 +110,7 @@ impl Reader {
         let local = prepped(
             &region,
             c"",
+            region.memory,
             (0..region.slots).map(|i| region.slot_addr(i)),
             region.slot_len,
         )?;
@@ -115,6 +118,7 @@ impl Reader {
         let remote = match prepped(
             &region,
             &peer.cname,
+            layout.memory,
             (0..layout.slots).map(|i| layout.base + u64::from(i) * layout.slot_len),
             layout.slot_len,
         ) {
@@ -248,6 +252,15 @@ impl Reader {
     /// The peer read from.
     pub fn peer(&self) -> &Peer {
         &self.peer
+    }
+
+    /// Copies local slot `i` of a device region into `out`, if no transfer into it is in
+    /// flight.
+    pub fn download(&self, i: u32, out: &mut [u8]) -> Result<()> {
+        match self.in_flight.get(i as usize) {
+            Some(None) => self.region.download(i, out),
+            _ => Err(Error::Refused("the local slot has a transfer in flight")),
+        }
     }
 
     /// Local slot `i`'s bytes, if no transfer into it is in flight.

@@ -29,7 +29,16 @@ fn command(dir: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(BIN);
     c.args(args)
         .env("TENSORPORT_NIXL", dir)
-        .env("UCX_TLS", "tcp")
+        // On a host with NVIDIA GPUs NIXL wants a CUDA transport beside TCP (it moves only
+        // device memory).
+        .env(
+            "UCX_TLS",
+            if Path::new("/dev/nvidia0").exists() {
+                "tcp,cuda_copy"
+            } else {
+                "tcp"
+            },
+        )
         .env("UCX_WARN_UNUSED_ENV_VARS", "n");
     c
 }
@@ -72,7 +81,7 @@ impl Holder {
         let line = rx
             .recv_timeout(Duration::from_secs(60))
             .expect("the holder prints its line within a minute");
-        assert!(line.split_whitespace().count() == 5, "holder said {line:?}");
+        assert!(line.split_whitespace().count() == 6, "holder said {line:?}");
         Holder { child, line }
     }
 
@@ -122,31 +131,45 @@ fn every_byte_arrives_and_a_lying_peer_is_refused_without_harm() {
     for (what, line) in [
         (
             "slots past the registration",
-            format!("{} {} {} 32 {}\n", f[0], f[1], f[2], f[4]),
+            format!("{} {} {} 32 {} {}\n", f[0], f[1], f[2], f[4], f[5]),
         ),
         (
             "a base below it",
-            format!("{} {} {} {} {}\n", f[0], base - 4096, f[2], f[3], f[4]),
+            format!(
+                "{} {} {} {} {} {}\n",
+                f[0],
+                base - 4096,
+                f[2],
+                f[3],
+                f[4],
+                f[5]
+            ),
         ),
         (
             "another agent's name",
-            format!("someone-else {} {} {} {}\n", f[1], f[2], f[3], f[4]),
+            format!(
+                "someone-else {} {} {} {} {}\n",
+                f[1], f[2], f[3], f[4], f[5]
+            ),
         ),
         (
             "metadata cut short",
             format!(
-                "{} {} {} {} {}\n",
+                "{} {} {} {} {} {}\n",
                 f[0],
                 f[1],
                 f[2],
                 f[3],
-                &f[4][..f[4].len() / 2]
+                &f[4][..f[4].len() / 2],
+                f[5]
             ),
         ),
     ] {
         let (status, out) = Holder::read(dir, &line, "0.2");
         assert!(
-            status.is_some_and(|s| !s.success()) && out.contains("nixl-bench read:"),
+            status.is_some_and(|s| !s.success())
+                && out.contains("nixl-bench read:")
+                && !out.contains("expected `NAME"),
             "{what}: the reader should fail with an error, got {status:?} {out}"
         );
     }

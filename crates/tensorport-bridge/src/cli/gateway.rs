@@ -61,6 +61,11 @@ pub struct Args {
     /// unanswered) before its stream is ended and its session closed.
     #[arg(long, default_value_t = 60)]
     pub peer_timeout: u64,
+    /// The GPU (ordinal) that device tensors of NIXL producers (`produce --transport nixl --gpu`)
+    /// are read into and handed to the server from, as a GPU producer's; the server must run on
+    /// a GPU (`serve --device cuda`).
+    #[arg(long, default_value_t = 0, value_name = "ORDINAL")]
+    pub gpu: u32,
     /// TCP connections open at once; more are closed as they arrive.
     #[arg(long, default_value_t = 256)]
     pub max_connections: usize,
@@ -109,6 +114,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             per_peer: a.max_connections_per_host.max(1),
             auth_deadline: Duration::from_secs(a.auth_timeout.max(1)),
         },
+        gpu: a.gpu,
     };
     let io_threads = a.io_threads.unwrap_or_else(|| {
         std::thread::available_parallelism()

@@ -23,6 +23,10 @@ pub struct Plan {
     pub ready: bool,
     /// The tensors are not images: `ready` copies of zeros.
     pub raw: bool,
+    /// With `ready`: each batch names its inputs and shares one copy of the ready tensor
+    /// ([`Prepared::Ready`]) instead of carrying a copy per input (a NIXL producer's slots hold
+    /// the tensor already).
+    pub shared_ready: bool,
     pub batch: usize,
 }
 
@@ -32,6 +36,11 @@ pub enum Prepared {
     Batch {
         batch: RecordBatch,
         items: Vec<(u64, String)>,
+    },
+    /// Inputs whose tensor is the one ready tensor ([`Plan::shared_ready`]).
+    Ready {
+        items: Vec<(u64, String)>,
+        tensor: std::sync::Arc<Vec<u8>>,
     },
     /// An input that could not be prepared.
     Failed {
@@ -78,6 +87,9 @@ impl Plan {
     }
 
     fn run(self, tx: mpsc::Sender<Prepared>) {
+        if self.ready && self.shared_ready {
+            return self.run_shared(tx);
+        }
         let bytes = self.layout.bytes();
         let mut prep = Preprocessor::new(self.transform);
         let mut ready: Option<Vec<u8>> = None;
@@ -129,6 +141,43 @@ impl Plan {
                 .batch(&ids, buf.into())
                 .expect("a batch of whole tensors of the layout");
             if tx.blocking_send(Prepared::Batch { batch, items }).is_err() {
+                return;
+            }
+        }
+    }
+
+    /// [`Plan::run`] for [`Plan::shared_ready`]: the first input that prepares (or zeros, if
+    /// `raw`) is the tensor of every input.
+    fn run_shared(self, tx: mpsc::Sender<Prepared>) {
+        let bytes = self.layout.bytes();
+        let mut ready = self.raw.then(|| std::sync::Arc::new(vec![0u8; bytes]));
+        let mut prep = Preprocessor::new(self.transform);
+        for chunk in self.inputs.chunks(self.batch.max(1)) {
+            let mut items = Vec::with_capacity(chunk.len());
+            for (index, source) in chunk {
+                if ready.is_none() {
+                    // f32 storage: the planes are cast from it, so it must be 4-byte aligned.
+                    let mut store = vec![0f32; bytes.div_ceil(4)];
+                    let out = &mut bytemuck::cast_slice_mut::<f32, u8>(&mut store)[..bytes];
+                    if let Err(e) = prep.prepare_into(source, self.planes(out)) {
+                        let failed = Prepared::Failed {
+                            index: *index,
+                            input: source.to_string(),
+                            error: e.to_string(),
+                        };
+                        if tx.blocking_send(failed).is_err() {
+                            return;
+                        }
+                        continue;
+                    }
+                    ready = Some(std::sync::Arc::new(out.to_vec()));
+                }
+                items.push((*index, source.to_string()));
+            }
+            let Some(tensor) = ready.clone().filter(|_| !items.is_empty()) else {
+                continue;
+            };
+            if tx.blocking_send(Prepared::Ready { items, tensor }).is_err() {
                 return;
             }
         }

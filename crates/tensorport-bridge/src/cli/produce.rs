@@ -100,6 +100,13 @@ pub struct Args {
     /// path is not authenticated, so use it only on a network you trust.
     #[arg(long, value_enum, default_value_t = Transport::Flight)]
     pub transport: Transport,
+    /// With --transport nixl: keep the slots in this GPU's memory (by ordinal), as a producer
+    /// that prepares its tensors on the GPU does (each tensor is copied there before it is
+    /// named). The gateway then reads them over UCX's CUDA transports (CUDA IPC on one host,
+    /// GPUDirect RDMA where the network has it) into its own GPU's memory and hands them to its
+    /// server as device tensors; its server must run on a GPU (`serve --device cuda`).
+    #[arg(long, value_name = "ORDINAL", requires = "transport")]
+    pub gpu: Option<u32>,
 }
 
 /// How tensors travel.
@@ -225,9 +232,33 @@ fn into_slots(
     for i in 0..rows.len() {
         let (id, bytes) = rows.get(i);
         // The window never holds more requests than there are slots.
-        let s = n.put(id, bytes).ok_or_else(|| {
-            CliError::new("every NIXL slot is held (a bug: the window is the slots)")
-        })?;
+        let s = n
+            .put(id, bytes)
+            .map_err(|e| CliError::new(format!("--transport nixl: {e}")))?
+            .ok_or_else(|| {
+                CliError::new("every NIXL slot is held (a bug: the window is the slots)")
+            })?;
+        slots.push((id, s));
+    }
+    slot_batch(schema, &slots).map_err(|e| CliError::new(e.to_string()))
+}
+
+/// Inputs whose tensor is the one ready tensor, put into NIXL slots (written only into a slot
+/// that does not hold it yet): the `(id, slot)` batch that names them.
+fn ready_into_slots(
+    n: &mut Outbound,
+    schema: &arrow_schema::SchemaRef,
+    items: &[(u64, String)],
+    tensor: &[u8],
+) -> CliResult<RecordBatch> {
+    let mut slots = Vec::with_capacity(items.len());
+    for &(id, _) in items {
+        let s = n
+            .put_ready(id, tensor)
+            .map_err(|e| CliError::new(format!("--transport nixl: {e}")))?
+            .ok_or_else(|| {
+                CliError::new("every NIXL slot is held (a bug: the window is the slots)")
+            })?;
         slots.push((id, s));
     }
     slot_batch(schema, &slots).map_err(|e| CliError::new(e.to_string()))
@@ -242,6 +273,11 @@ fn ids(b: &RecordBatch) -> &[u64] {
 
 pub fn run(a: Args) -> CliResult<ExitCode> {
     let token = Token::read(&a.token.token_file)?;
+    if a.gpu.is_some() && a.transport != Transport::Nixl {
+        return Err(CliError::usage(
+            "--gpu keeps NIXL slots on a GPU: add --transport nixl",
+        ));
+    }
     if a.image_size == 0 || a.in_flight == 0 || a.batch == 0 {
         return Err(CliError::usage(
             "--image-size, --in-flight and --batch must be positive",
@@ -289,6 +325,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         pixels: a.pixels,
         ready: a.ready,
         raw,
+        shared_ready: a.transport == Transport::Nixl,
         batch,
     };
     let rt = tokio::runtime::Builder::new_multi_thread()
@@ -311,7 +348,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
                     .map_err(|_| CliError::usage("--in-flight is too large"))?;
                 let name = format!("{}-{}", a.name, std::process::id());
                 Some(
-                    Outbound::new(&name, slots, &layout)
+                    Outbound::new(&name, slots, &layout, a.gpu)
                         .map_err(|e| CliError::new(format!("--transport nixl: {e}")))?,
                 )
             }
@@ -415,10 +452,16 @@ async fn stream_all(
             let room = run.pending.len() + batch <= window;
             tokio::select! {
                 item = prepared.recv(), if room && !prepared_done => match item {
-                    Some(Prepared::Batch { batch: b, items }) => {
-                        let b = match run.nixl.as_mut() {
-                            Some(n) => into_slots(n, layout, &schema, &b)?,
-                            None => b,
+                    Some(p @ (Prepared::Batch { .. } | Prepared::Ready { .. })) => {
+                        let (b, items) = match (p, run.nixl.as_mut()) {
+                            (Prepared::Batch { batch: b, items }, Some(n)) => {
+                                (into_slots(n, layout, &schema, &b)?, items)
+                            }
+                            (Prepared::Batch { batch: b, items }, None) => (b, items),
+                            (Prepared::Ready { items, tensor }, Some(n)) => {
+                                (ready_into_slots(n, &schema, &items, &tensor)?, items)
+                            }
+                            _ => unreachable!("shared ready tensors only with --transport nixl"),
                         };
                         let now = Instant::now();
                         for (i, input) in items {

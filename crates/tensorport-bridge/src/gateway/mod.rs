@@ -71,6 +71,9 @@ pub struct GatewayConfig {
     /// Connections at once (in all, per peer address) and the time each has to make a call
     /// with the token.
     pub connections: ConnLimits,
+    /// The GPU (ordinal) whose memory a NIXL stream's device tensors are read into, and handed
+    /// to the local server from.
+    pub gpu: u32,
 }
 
 /// What the gateway has done, for its logs and summary.
@@ -276,12 +279,12 @@ impl FlightService for Gateway {
             let reader = ipc::IpcReader::new(cfg.max_tensor_bytes);
             let handle = tokio::runtime::Handle::current();
             let who = format!("{name} from {peer}");
-            let worker = session::Session::new(cfg, who, in_rx, out_tx, handle, counters);
             let held = permit.clone();
             std::thread::Builder::new()
                 .name("tp-bridge-session".into())
                 .spawn(move || {
-                    worker.run();
+                    // Made on its thread: a session of device tensors stays on it.
+                    session::Session::new(cfg, who, in_rx, out_tx, handle, counters).run();
                     drop(held);
                 })
                 .expect("spawn a session thread");

@@ -7,13 +7,16 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use arrow_array::RecordBatch;
+use tensorport::wire::MAX_DEVICE_BUFFERS;
 use tensorport::{Completion, Loan, Producer, ProducerConfig, TensorSpec};
+use tensorport_cuda::{Fence, Gpu, GpuProducer, GpuProducerConfig, Sharing};
+use tensorport_nixl::Memory;
 use tokio::runtime::Handle;
 use tokio::sync::mpsc;
 use tonic::Status;
 
 use super::{Counters, GatewayConfig};
-use crate::nixl::{slot_rows, Hello, Inbound};
+use crate::nixl::{slot_rows, DeviceInbound, Hello, Inbound};
 use crate::schema::{results_batch, ResultRow, TensorLayout, TensorRows};
 
 /// What the reader hands the session thread.
@@ -37,6 +40,26 @@ enum End {
 
 type Out = mpsc::Sender<Result<RecordBatch, Status>>;
 
+/// The gateway's session with its local server for one stream (one per stream, for its life:
+/// its size does not matter).
+#[allow(clippy::large_enum_variant)]
+enum Local {
+    /// A session with a pool: a stream of tensors, or a NIXL stream of host tensors (read
+    /// into the pool by [`Session::nixl`]).
+    Host(Producer),
+    /// A GPU producer session: a NIXL stream of device tensors, read into its device buffers.
+    Device(DeviceInbound),
+}
+
+impl Local {
+    fn producer(&mut self) -> &mut Producer {
+        match self {
+            Local::Host(p) => p,
+            Local::Device(d) => d.reader().producer(),
+        }
+    }
+}
+
 /// The session thread's state.
 pub(super) struct Session {
     cfg: Arc<GatewayConfig>,
@@ -46,16 +69,18 @@ pub(super) struct Session {
     rt: Handle,
     counters: Arc<Counters>,
     /// The local session, once the first batch gave the layout.
-    local: Option<(Producer, TensorLayout, TensorSpec)>,
+    local: Option<(Local, TensorLayout, TensorSpec)>,
     /// The schema the layout was read from: later batches that share it are not parsed again.
     schema: Option<arrow_schema::SchemaRef>,
     /// Request ids submitted and not yet answered.
     pending: HashSet<u64>,
     /// A NIXL stream's reader of the producer's slots into the local pool.
     nixl: Option<Inbound>,
-    /// A NIXL stream's reads in flight, oldest first: each request and the pool slot its read
-    /// lands in (the reader holds the slot's loan until the read has finished).
+    /// A NIXL stream's reads in flight, oldest first: each request and the pool slot (or device
+    /// buffer) its read lands in (the reader holds it until the read has finished).
     reads: VecDeque<(u64, u32)>,
+    /// The loan of the host read that has just landed, on its way to being submitted.
+    landed_loan: Option<Loan>,
 }
 
 impl Session {
@@ -79,6 +104,7 @@ impl Session {
             pending: HashSet::new(),
             nixl: None,
             reads: VecDeque::new(),
+            landed_loan: None,
         }
     }
 
@@ -113,8 +139,14 @@ impl Session {
         // its pool.
         self.nixl = None;
         self.reads.clear();
-        if let Some((p, _, _)) = self.local.take() {
-            let _ = p.close();
+        match self.local.take() {
+            Some((Local::Host(p), _, _)) => {
+                let _ = p.close();
+            }
+            Some((Local::Device(d), _, _)) => {
+                let _ = d.close();
+            }
+            None => {}
         }
     }
 
@@ -146,8 +178,10 @@ impl Session {
                         if self.reads.is_empty() {
                             self.collect(Duration::from_millis(1))?;
                         } else if self.submit_landed()? == 0 {
+                            // Each poll of a read drives UCX's progress (over TCP, a segment
+                            // at a time): keep polling while reads are in flight.
                             self.collect(Duration::ZERO)?;
-                            std::thread::sleep(Duration::from_micros(50));
+                            std::thread::yield_now();
                         }
                         continue;
                     }
@@ -187,19 +221,21 @@ impl Session {
     /// The local session for a batch's schema (connected on the first batch), and for a NIXL
     /// stream the reader of the producer's slots.
     fn local_for(&mut self, batch: &RecordBatch) -> Result<(), End> {
-        if let Some((_, layout, _)) = &self.local {
+        if let Some((local, layout, _)) = &self.local {
             // The decoder hands every batch of a stream the one schema it read: compare the
             // pointer, and parse only a schema that is not that one.
             let known = self
                 .schema
                 .as_ref()
                 .is_some_and(|s| std::sync::Arc::ptr_eq(s, batch.schema_ref()));
+            let nixl = self.nixl.is_some() || matches!(local, Local::Device(_));
             let same = known
-                || match &self.nixl {
-                    Some(_) => self.schema.as_deref() == Some(batch.schema_ref().as_ref()),
-                    None => TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
+                || if nixl {
+                    self.schema.as_deref() == Some(batch.schema_ref().as_ref())
+                } else {
+                    TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
                         .map(|l| &l == layout)
-                        .unwrap_or(false),
+                        .unwrap_or(false)
                 };
             return if same {
                 Ok(())
@@ -218,6 +254,14 @@ impl Session {
             None => TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
                 .map_err(invalid)?,
         };
+        let spec = TensorSpec::new(layout.dtype, &layout.shape);
+        if let Some(h) = hello.as_ref().filter(|h| h.slots.memory != Memory::Host) {
+            let inbound = self.device_inbound(h, &layout)?;
+            tracing::info!(remote = %self.who, agent = %h.agent, slots = h.slots.slots, gpu = self.cfg.gpu, "NIXL stream: reading the producer's GPU slots into device memory");
+            self.local = Some((Local::Device(inbound), layout, spec));
+            self.schema = Some(batch.schema());
+            return Ok(());
+        }
         let mut c = ProducerConfig::new(local_name(&self.who));
         c.slots = self.cfg.in_flight.max(1);
         c.slot_size = layout.bytes() as u64;
@@ -243,19 +287,41 @@ impl Session {
             tracing::info!(remote = %self.who, agent = %h.agent, slots = h.slots.slots, "NIXL stream: reading the producer's slots");
             self.nixl = Some(inbound);
         }
-        let spec = TensorSpec::new(layout.dtype, &layout.shape);
-        self.local = Some((p, layout, spec));
+        self.local = Some((Local::Host(p), layout, spec));
         self.schema = Some(batch.schema());
         Ok(())
+    }
+
+    /// A GPU producer session with the local server on the gateway's GPU, reading the
+    /// producer's device slots (`h`) into its buffers.
+    fn device_inbound(&self, h: &Hello, layout: &TensorLayout) -> Result<DeviceInbound, End> {
+        let unable = |e: String| {
+            End::Tell(Status::failed_precondition(format!(
+                "the gateway cannot take this stream's device tensors: {e}"
+            )))
+        };
+        let gpu = Gpu::open(self.cfg.gpu as i32)
+            .map_err(|e| unable(format!("its GPU {}: {e}", self.cfg.gpu)))?;
+        let buffers = (self.cfg.in_flight.max(1) as usize).min(MAX_DEVICE_BUFFERS as usize);
+        let c = GpuProducerConfig::new(local_name(&self.who), buffers, layout.bytes())
+            .sharing(Sharing::Ipc(Fence::Timeline));
+        let producer = GpuProducer::connect(&self.cfg.socket, &gpu, &c).map_err(|e| {
+            End::Tell(Status::unavailable(format!(
+                "the gateway cannot hand device tensors to its tensorport server (is it `serve --device cuda`?): {e}"
+            )))
+        })?;
+        DeviceInbound::open(h, &gateway_agent_name(), producer).map_err(unable)
     }
 
     /// Leases, fills and submits one slot per tensor of `batch`.
     fn submit(&mut self, batch: &RecordBatch) -> Result<u64, End> {
         self.local_for(batch)?;
-        if self.nixl.is_some() {
+        if self.nixl.is_some() || matches!(self.local, Some((Local::Device(_), _, _))) {
             return self.submit_read(batch);
         }
-        let (p, layout, spec) = self.local.as_mut().expect("connected above");
+        let Some((Local::Host(p), layout, spec)) = self.local.as_mut() else {
+            unreachable!("a tensor stream has a host session")
+        };
         let rows = TensorRows::new(layout, batch)
             .map_err(|e| End::Tell(Status::invalid_argument(e.to_string())))?;
         let timeout = self.cfg.peer_timeout;
@@ -284,7 +350,11 @@ impl Session {
     fn submit_read(&mut self, batch: &RecordBatch) -> Result<u64, End> {
         let rows =
             slot_rows(batch).map_err(|e| End::Tell(Status::invalid_argument(e.to_string())))?;
-        let slots = self.nixl.as_ref().expect("a NIXL stream").slots();
+        let slots = match (&self.nixl, &self.local) {
+            (Some(n), _) => n.slots(),
+            (None, Some((Local::Device(d), _, _))) => d.slots(),
+            _ => unreachable!("a NIXL stream"),
+        };
         for &(id, slot) in &rows {
             if slot >= slots {
                 return Err(End::Tell(Status::invalid_argument(format!(
@@ -302,24 +372,33 @@ impl Session {
             while !self.reads.is_empty() && !self.room_for_a_read() {
                 self.land_oldest()?;
             }
-            let (p, _, _) = self.local.as_mut().expect("connected");
-            let loan = p.loan(timeout).map_err(local_failed)?;
-            let into = self
-                .nixl
-                .as_mut()
-                .expect("a NIXL stream")
-                .start(slot, loan)
-                .map_err(read_failed)?;
+            let into = match (&mut self.nixl, self.local.as_mut().expect("connected")) {
+                (Some(n), (Local::Host(p), _, _)) => {
+                    let loan = p.loan(timeout).map_err(local_failed)?;
+                    n.start(slot, loan).map_err(read_failed)?
+                }
+                (None, (Local::Device(d), _, _)) => {
+                    d.reader()
+                        .start(slot, timeout)
+                        .map_err(|e| read_failed(e.to_string()))? as u32
+                }
+                _ => unreachable!("a NIXL stream"),
+            };
             self.reads.push_back((id, into));
         }
         Ok(rows.len() as u64)
     }
 
-    /// Whether a pool slot can be lent now without waiting for a result.
-    fn room_for_a_read(&self) -> bool {
-        let (p, _, _) = self.local.as_ref().expect("connected");
-        let submitted = p.in_flight() - p.ready();
-        p.free_slots() > 0 && submitted + self.reads.len() < p.max_in_flight() as usize
+    /// Whether another read can start without waiting for one to land (a pool slot can be
+    /// lent without waiting for a result, or a device buffer holds no read).
+    fn room_for_a_read(&mut self) -> bool {
+        match self.local.as_mut().expect("connected") {
+            (Local::Host(p), _, _) => {
+                let submitted = p.in_flight() - p.ready();
+                p.free_slots() > 0 && submitted + self.reads.len() < p.max_in_flight() as usize
+            }
+            (Local::Device(d), _, _) => d.reader().has_room(),
+        }
     }
 
     /// Submits the reads that have landed, oldest first, up to the first still in flight;
@@ -327,12 +406,11 @@ impl Session {
     fn submit_landed(&mut self) -> Result<usize, End> {
         let mut n = 0;
         while let Some(&(id, into)) = self.reads.front() {
-            let nixl = self.nixl.as_mut().expect("reads only on a NIXL stream");
-            let Some(loan) = nixl.poll(into).map_err(read_failed)? else {
+            if !self.landed(into, None)? {
                 break;
-            };
+            }
             self.reads.pop_front();
-            self.submit_loan(id, loan)?;
+            self.submit_landing(id, into)?;
             n += 1;
         }
         Ok(n)
@@ -343,17 +421,49 @@ impl Session {
         let Some((id, into)) = self.reads.pop_front() else {
             return Ok(());
         };
-        let nixl = self.nixl.as_mut().expect("reads only on a NIXL stream");
-        let loan = nixl
-            .wait(into, self.cfg.peer_timeout)
-            .map_err(read_failed)?;
-        self.submit_loan(id, loan)
+        self.landed(into, Some(self.cfg.peer_timeout))?;
+        self.submit_landing(id, into)
     }
 
-    /// Submits request `id`, whose read has landed in `loan`'s slot.
-    fn submit_loan(&mut self, id: u64, loan: Loan) -> Result<(), End> {
-        let (p, layout, spec) = self.local.as_mut().expect("connected");
-        p.submit_loan_as(loan, id, spec).map_err(local_failed)?;
+    /// Whether the read into `into` has landed, waiting up to `wait` if given (then always
+    /// true, or an error). A host read that has landed leaves its loan in `self.landed_loan`.
+    fn landed(&mut self, into: u32, wait: Option<Duration>) -> Result<bool, End> {
+        match (&mut self.nixl, self.local.as_mut().expect("connected")) {
+            (Some(n), _) => {
+                let loan = match wait {
+                    Some(t) => Some(n.wait(into, t).map_err(read_failed)?),
+                    None => n.poll(into).map_err(read_failed)?,
+                };
+                let done = loan.is_some();
+                self.landed_loan = loan;
+                Ok(done)
+            }
+            (None, (Local::Device(d), _, _)) => {
+                let r = d.reader();
+                match wait {
+                    Some(t) => r.wait(into as usize, t).map(|()| true),
+                    None => r.poll(into as usize),
+                }
+                .map_err(|e| read_failed(e.to_string()))
+            }
+            _ => unreachable!("a NIXL stream"),
+        }
+    }
+
+    /// Submits request `id`, whose read into `into` has landed.
+    fn submit_landing(&mut self, id: u64, into: u32) -> Result<(), End> {
+        let (local, layout, spec) = self.local.as_mut().expect("connected");
+        match local {
+            Local::Host(p) => {
+                let loan = self.landed_loan.take().expect("the landed read's loan");
+                p.submit_loan_as(loan, id, spec).map_err(local_failed)?;
+            }
+            Local::Device(d) => d.reader().submit_as(into as usize, spec, id).map_err(|e| {
+                End::Tell(Status::unavailable(format!(
+                    "the gateway's tensorport server failed this stream: {e}"
+                )))
+            })?,
+        }
         self.counters.tensors.fetch_add(1, Ordering::Relaxed);
         self.counters
             .bytes
@@ -363,9 +473,10 @@ impl Session {
 
     /// Sends back every result that has arrived, waiting up to `wait` for the first.
     fn collect(&mut self, wait: Duration) -> Result<(), End> {
-        let Some((p, _, _)) = self.local.as_mut() else {
+        let Some((local, _, _)) = self.local.as_mut() else {
             return Ok(());
         };
+        let p = local.producer();
         let mut rows = Vec::new();
         let first = if wait.is_zero() {
             p.try_recv_result().map_err(local_failed)?

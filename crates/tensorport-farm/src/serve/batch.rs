@@ -19,6 +19,10 @@ use crate::error::Result;
 /// read them), leaving the batch empty.
 pub type StackFn<D> = dyn Fn(&D, &mut Vec<Request>, [usize; 3]) -> Stacked<D>;
 
+/// Signals "released" for the device tensors a sink answers without reading (on the GPU: each
+/// producer's next write of its buffer waits for it); nothing on the CPU.
+pub type ReleaseFn = dyn Fn(&[Request]) -> Result<(), String>;
+
 /// A worker's model.
 pub type Model<D> = Box<dyn Classify<D>>;
 
@@ -55,6 +59,7 @@ impl BatchLoop<'_> {
         &self,
         dev: &D,
         stack: &StackFn<D>,
+        release: &ReleaseFn,
         mut model: Option<&mut Model<D>>,
     ) -> Result<()> {
         let mut draining = false;
@@ -91,6 +96,18 @@ impl BatchLoop<'_> {
             let taken = Instant::now();
             let size = batch.len();
             if self.sink {
+                if let Err(e) = release(&batch) {
+                    // The producers' buffers are not released on the GPU: their requests fail
+                    // (their next writes would wait for good).
+                    tracing::error!("a sink could not release device tensors: {e}");
+                    for r in batch {
+                        let _ = r.fail_and_end_session(
+                            tensorport::wire::ErrorCode::Internal,
+                            format!("the server could not release this device tensor: {e}"),
+                        );
+                    }
+                    continue;
+                }
                 let mut answers: Vec<_> = batch.into_iter().map(|r| (r, [0u8; 0])).collect();
                 let _ = self.server.respond_all(&mut answers);
                 self.images.fetch_add(size as u64, Ordering::Relaxed);

@@ -19,7 +19,7 @@ use tensorport::{DeviceImporter, PinHook, Server, ServerConfig};
 use tensorport_dfdx::dfdx::prelude::{Cpu, Device as DfdxDevice};
 use tensorport_dfdx::{stack_images, ImageClassifier};
 
-pub use batch::{BatchLoop, Model, StackFn};
+pub use batch::{BatchLoop, Model, ReleaseFn, StackFn};
 
 use crate::config::{Device, ModelKind, ModelOptions, ServeConfig};
 use crate::error::{ConfigError, Error, Result};
@@ -46,7 +46,9 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         &|| {
             let stack: Box<StackFn<Cpu>> =
                 Box::new(|dev, reqs, shape| stack_images(dev, reqs, shape));
-            Ok((Cpu::default(), stack))
+            // A CPU server takes no device tensors.
+            let release: Box<ReleaseFn> = Box::new(|_| Ok(()));
+            Ok((Cpu::default(), stack, release))
         },
         &move |dev: &Cpu| load_dfdx(dev, &model),
     )
@@ -95,6 +97,10 @@ fn run_cuda(cfg: &ServeConfig, ordinal: u32) -> Result<()> {
                 tensorport_cuda::GpuNormaliser::new(&gpu, tensorport_dfdx::normaliser().table())?;
             let norm = std::sync::Mutex::new(norm);
             let gatherer = gatherer.clone();
+            let release: Box<ReleaseFn> = {
+                let (stream, gatherer) = (tensorport_cuda::Stream::new(&gpu)?, gatherer.clone());
+                Box::new(move |reqs| tensorport_dfdx::release_unread(&stream, &gatherer, reqs))
+            };
             let stack: Box<StackFn<Cuda>> = Box::new(move |dev: &Cuda, reqs, shape| {
                 let mut norm = norm.lock().unwrap_or_else(|p| p.into_inner());
                 tensorport_dfdx::gather_on_device(
@@ -107,7 +113,7 @@ fn run_cuda(cfg: &ServeConfig, ordinal: u32) -> Result<()> {
                     fence_timeout,
                 )
             });
-            Ok((dev, stack))
+            Ok((dev, stack, release))
         },
         &load,
     )
@@ -121,7 +127,7 @@ struct Hooks {
 }
 
 /// Makes one worker's device and batch stacker (called on the worker's own thread).
-type WorkerFn<D> = dyn Fn() -> Result<(D, Box<StackFn<D>>)> + Sync;
+type WorkerFn<D> = dyn Fn() -> Result<(D, Box<StackFn<D>>, Box<ReleaseFn>)> + Sync;
 
 /// Loads one worker's model on its device (on the worker's own thread).
 type LoadFn<D> = dyn Fn(&D) -> Result<Model<D>> + Sync;
@@ -211,20 +217,21 @@ fn serve_on<D: DfdxDevice<f32>>(
         metrics: metrics.as_ref(),
         images: &images,
     };
-    let work = |dev: D, stack: Box<StackFn<D>>, mut model: Option<Model<D>>| {
-        shared.run(&dev, &*stack, model.as_mut())
+    let work = |(dev, stack, release): (D, Box<StackFn<D>>, Box<ReleaseFn>),
+                mut model: Option<Model<D>>| {
+        shared.run(&dev, &*stack, &*release, model.as_mut())
     };
     std::thread::scope(|s| -> Result<()> {
         let others: Vec<_> = (1..workers)
             .map(|_| {
                 s.spawn(|| -> Result<()> {
-                    let (dev, stack) = make()?;
-                    let model = load(&dev)?;
-                    work(dev, stack, model)
+                    let worker = make()?;
+                    let model = load(&worker.0)?;
+                    work(worker, model)
                 })
             })
             .collect();
-        let mine = work(first.0, first.1, first_model);
+        let mine = work(first, first_model);
         for t in others {
             t.join()
                 .map_err(|_| Error::Other("a model worker panicked".into()))??;

@@ -1,7 +1,8 @@
 //! Two processes, one NIXL read path: `hold` registers slots of host memory and prints what a
 //! reader needs on one line; `read` takes that line on standard input, reads the slots over and
 //! over with several transfers in flight, checks every byte of the first round, and prints the
-//! rate. `UCX_TLS=tcp` forces UCX's TCP transport (over loopback on one host).
+//! rate. `--gpu N` puts either side's slots on a GPU. `UCX_TLS=tcp` forces UCX's TCP transport
+//! (over loopback on one host; `tcp,cuda_copy` where NVIDIA GPUs are present).
 //!
 //! ```sh
 //! nixl-bench hold --slots 64 --slot-len 602112 | nixl-bench read --seconds 3 --in-flight 16
@@ -14,15 +15,20 @@ use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tensorport_nixl::{Agent, Capi, Reader, SlotLayout};
+use tensorport_cuda::Gpu;
+use tensorport_nixl::{Agent, Capi, Memory, Reader, Region, SlotLayout};
 
 const USAGE: &str = "usage:
-  nixl-bench hold [--slots N] [--slot-len BYTES] [--name NAME]
-      register N slots (64) of BYTES (602112: a [3,224,224] f32 tensor), fill slot i with its
-      pattern, print `NAME BASE SLOT_LEN SLOTS METADATA_HEX`, and wait for standard input to end
-  nixl-bench read [--seconds S] [--in-flight K] [--name NAME]
+  nixl-bench hold [--slots N] [--slot-len BYTES] [--name NAME] [--gpu ORDINAL]
+                  [--ucx-param KEY=VALUE]...
+      register N slots (64) of BYTES (602112: a [3,224,224] f32 tensor), in host memory or on
+      the GPU, fill slot i with its pattern, print `NAME BASE SLOT_LEN SLOTS METADATA_HEX
+      MEMORY`, and wait for standard input to end
+  nixl-bench read [--seconds S] [--in-flight K] [--name NAME] [--gpu ORDINAL]
+                  [--ucx-param KEY=VALUE]...
       read the line `hold` printed from standard input; read its slots for S seconds (3), K
-      transfers in flight (16); check the first round's bytes; print the rate
+      transfers in flight (16), into host memory or the GPU's; check the first round's bytes;
+      print the rate
 The NIXL library: scripts/fetch-nixl.sh, or TENSORPORT_NIXL.";
 
 /// Slot `i`'s byte at `k`.
@@ -50,6 +56,18 @@ struct Opts {
     seconds: f64,
     in_flight: u32,
     name: Option<String>,
+    gpu: Option<u32>,
+    /// Parameters of NIXL's UCX backend.
+    params: Vec<(String, String)>,
+}
+
+impl Opts {
+    fn ucx_params(&self) -> Vec<(&str, &str)> {
+        self.params
+            .iter()
+            .map(|(k, v)| (k.as_str(), v.as_str()))
+            .collect()
+    }
 }
 
 fn parse(args: &[String]) -> Result<Opts, String> {
@@ -59,6 +77,8 @@ fn parse(args: &[String]) -> Result<Opts, String> {
         seconds: 3.0,
         in_flight: 16,
         name: None,
+        gpu: None,
+        params: Vec::new(),
     };
     let mut it = args.iter();
     while let Some(flag) = it.next() {
@@ -70,23 +90,41 @@ fn parse(args: &[String]) -> Result<Opts, String> {
             "--seconds" => o.seconds = v.parse().map_err(|_| bad())?,
             "--in-flight" => o.in_flight = v.parse().map_err(|_| bad())?,
             "--name" => o.name = Some(v.clone()),
+            "--gpu" => o.gpu = Some(v.parse().map_err(|_| bad())?),
+            "--ucx-param" => {
+                let (k, val) = v
+                    .split_once('=')
+                    .ok_or(format!("{flag}: not KEY=VALUE: {v}"))?;
+                o.params.push((k.to_string(), val.to_string()));
+            }
             _ => return Err(format!("unknown flag {flag}")),
         }
     }
     Ok(o)
 }
 
+/// `slots` slots of `len` bytes, in host memory or on GPU `gpu`.
+fn register(agent: &Agent, gpu: Option<u32>, slots: u32, len: u64) -> Result<Region, String> {
+    match gpu {
+        None => agent.register(slots, len),
+        Some(n) => {
+            let gpu = Gpu::open(n as i32).map_err(|e| format!("GPU {n}: {e}"))?;
+            agent.register_device(&gpu, slots, len)
+        }
+    }
+    .map_err(|e| e.to_string())
+}
+
 fn hold(o: &Opts) -> Result<(), String> {
     let capi = Arc::new(Capi::load().map_err(|e| e.to_string())?);
     let name = o.name.clone().unwrap_or_else(|| "holder".into());
-    let agent = Agent::new(&capi, &name).map_err(|e| e.to_string())?;
-    let mut region = agent
-        .register(o.slots, o.slot_len)
-        .map_err(|e| e.to_string())?;
+    let agent = Agent::with_params(&capi, &name, &o.ucx_params()).map_err(|e| e.to_string())?;
+    let mut region = register(&agent, o.gpu, o.slots, o.slot_len)?;
     for i in 0..o.slots {
-        let s = region.slot_mut(i).expect("in range");
-        for (k, b) in s.iter_mut().enumerate() {
-            *b = pattern(i, k);
+        let bytes: Vec<u8> = (0..o.slot_len as usize).map(|k| pattern(i, k)).collect();
+        match region.slot_mut(i) {
+            Some(s) => s.copy_from_slice(&bytes),
+            None => region.upload(i, &bytes).map_err(|e| e.to_string())?,
         }
     }
     let md = agent.metadata().map_err(|e| e.to_string())?;
@@ -94,11 +132,15 @@ fn hold(o: &Opts) -> Result<(), String> {
     let mut out = std::io::stdout();
     writeln!(
         out,
-        "{name} {} {} {} {}",
+        "{name} {} {} {} {} {}",
         l.base,
         l.slot_len,
         l.slots,
-        hex(&md)
+        hex(&md),
+        match l.memory {
+            Memory::Host => "host".to_string(),
+            Memory::Device(n) => n.to_string(),
+        }
     )
     .and_then(|()| out.flush())
     .map_err(|e| format!("stdout: {e}"))?;
@@ -117,26 +159,34 @@ fn read(o: &Opts) -> Result<(), String> {
         .read_line(&mut line)
         .map_err(|e| format!("stdin: {e}"))?;
     let f: Vec<&str> = line.split_whitespace().collect();
-    let [peer_name, base, slot_len, slots, md] = f[..] else {
-        return Err("standard input: expected `NAME BASE SLOT_LEN SLOTS METADATA_HEX`".into());
+    let [peer_name, base, slot_len, slots, md, memory] = f[..] else {
+        return Err(
+            "standard input: expected `NAME BASE SLOT_LEN SLOTS METADATA_HEX MEMORY`".into(),
+        );
     };
     let num = |s: &str| s.parse::<u64>().map_err(|_| format!("not a number: {s}"));
     let layout = SlotLayout {
         base: num(base)?,
         slot_len: num(slot_len)?,
         slots: u32::try_from(num(slots)?).map_err(|_| "too many slots")?,
+        memory: match memory {
+            "host" => Memory::Host,
+            n => Memory::Device(num(n)? as u32),
+        },
     };
     let md = unhex(md).ok_or("the metadata is not hex")?;
     let capi = Arc::new(Capi::load().map_err(|e| e.to_string())?);
-    let agent =
-        Agent::new(&capi, o.name.as_deref().unwrap_or("reader")).map_err(|e| e.to_string())?;
+    let agent = Agent::with_params(
+        &capi,
+        o.name.as_deref().unwrap_or("reader"),
+        &o.ucx_params(),
+    )
+    .map_err(|e| e.to_string())?;
     let peer = agent
         .add_peer(&md, peer_name, layout)
         .map_err(|e| e.to_string())?;
     let k = o.in_flight.clamp(1, layout.slots);
-    let region = agent
-        .register(k, layout.slot_len)
-        .map_err(|e| e.to_string())?;
+    let region = register(&agent, o.gpu, k, layout.slot_len)?;
     let mut reader = Reader::new(region, peer).map_err(|e| e.to_string())?;
     let timeout = Duration::from_secs(10);
     // First round: every slot once, each checked byte for byte.
@@ -144,7 +194,17 @@ fn read(o: &Opts) -> Result<(), String> {
         let into = from % k;
         reader.start(from, into).map_err(|e| e.to_string())?;
         reader.wait(into, timeout).map_err(|e| e.to_string())?;
-        let got = reader.slot(into).expect("idle");
+        let mut copy = Vec::new();
+        let got = match reader.slot(into) {
+            Some(bytes) => bytes,
+            None => {
+                copy.resize(layout.slot_len as usize, 0);
+                reader
+                    .download(into, &mut copy)
+                    .map_err(|e| e.to_string())?;
+                &copy
+            }
+        };
         if let Some(at) = got
             .iter()
             .enumerate()

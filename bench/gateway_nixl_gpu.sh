@@ -1,0 +1,63 @@
+#!/usr/bin/env bash
+# Device tensors from a remote GPU producer through the gateway with NIXL, against the local
+# device path and NIXL's own reads, on one GPU host, in one run. [32,3,224,224] f32 tensors
+# (19,267,584 bytes), ready (written once into the producer's GPU slots):
+#   - local device path: `tensorport gpu bench-ipc` (a GPU producer process hands ready device
+#     tensors to a server process, which fences and copies each: no gateway);
+#   - NIXL's reads alone: `nixl-bench hold --gpu 0 | nixl-bench read --gpu 0` (GPU memory to GPU
+#     memory, 8 in flight), with UCX's choice (CUDA IPC) and with UCX_TLS=tcp,cuda_copy;
+#   - the gateway: `tensorport-bridge produce --ready --shape 32,3,224,224 --transport nixl
+#     --gpu 0` → `tensorport-bridge gateway` (device buffers of a GPU producer session) →
+#     `tensorport serve --device cuda --sink`, an answer per tensor, both UCX settings;
+#   - Flight beside it: the same tensors from host memory inside the stream.
+#
+#   bench/gateway_nixl_gpu.sh BIN_DIR [TENSORS] [ROUNDS]
+#
+# BIN_DIR holds the CUDA `tensorport` (scripts/build-gpu.sh), `tensorport-bridge` and
+# `nixl-bench`; NIXL from TENSORPORT_NIXL (scripts/fetch-nixl.sh). TENSORS (4000) per gateway
+# row, ROUNDS (2) of the gateway rows; SKIP_NIXL_BENCH=1 leaves out NIXL's own reads. Rates
+# are tensors per second over each row's wall time, start-up included.
+set -euo pipefail
+B=$(cd "$1" && pwd); total=${2:-4000}; rounds=${3:-2}
+: "${TENSORPORT_NIXL:?set TENSORPORT_NIXL to the folder scripts/fetch-nixl.sh makes}"
+export TENSORPORT_NIXL UCX_WARN_UNUSED_ENV_VARS=n
+W=$(mktemp -d); chmod 700 "$W"
+trap 'pkill -TERM -P $$ 2>/dev/null || true; rm -rf "$W"' EXIT
+bytes=19267584
+echo "machine: $(nproc) cores, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F); NIXL $(cat "$TENSORPORT_NIXL/VERSION")"
+echo "== local device path (tensorport gpu bench-ipc, ready tensors, timeline fences)"
+"$B/tensorport" --log warn gpu bench-ipc --handoffs 20000 --producer-work none --fence timeline \
+  --server-sync none --bytes $bytes 2>&1 | grep -vE "^\s*$" | tail -4
+echo "== NIXL's reads alone, GPU to GPU, 16 slots, 8 in flight, 3 s"
+choice="(UCX's choice)"
+[[ -n "${SKIP_NIXL_BENCH:-}" ]] || for tls in "" tcp,cuda_copy; do
+  printf '%-32s ' "UCX_TLS=${tls:-$choice}"
+  env ${tls:+UCX_TLS=$tls} timeout 30 bash -c "sleep 8 | '$B/nixl-bench' hold --gpu 0 --slots 16 --slot-len $bytes | '$B/nixl-bench' read --gpu 0 --in-flight 8 --seconds 3" 2>&1 | tail -1
+done
+"$B/tensorport-bridge" token "$W/tok" 2> /dev/null
+"$B/tensorport" serve --device cuda --sink --socket "$W/s" --slot-size $bytes --log warn > "$W/s.log" 2>&1 &
+for _ in $(seq 300); do [[ -S "$W/s" ]] && break; sleep 0.1; done
+"$B/tensorport-bridge" gateway --listen 127.0.0.1:0 --socket "$W/s" --token-file "$W/tok" --in-flight 16 \
+  --max-tensor-mib 32 > "$W/gw" 2> "$W/gwlog" &
+for _ in $(seq 100); do grep -q listening "$W/gw" 2> /dev/null && break; sleep 0.1; done
+url=$(sed -n 's/^listening on \([^ ]*\) .*/\1/p' "$W/gw")
+row() { # LABEL ENV... -- ARGS
+  local label=$1; shift
+  local envs=(X=1)
+  while [[ $1 != -- ]]; do envs+=("$1"); shift; done
+  shift
+  local t0 t1 n
+  t0=$(date +%s.%N)
+  n=$(env "${envs[@]}" "$B/tensorport-bridge" produce --token-file "$W/tok" --gateway "$url" --ready \
+        --shape 32,3,224,224 --synthetic "$total" --in-flight 16 --batch 4 -o - "$@" 2> "$W/err" | grep -vc '"error"' || true)
+  t1=$(date +%s.%N)
+  awk -v l="$label" -v n="$n" -v t0="$t0" -v t1="$t1" \
+    'BEGIN { printf "%-52s %6d answered in %6.2f s: %8.0f tensors/s\n", l, n, t1 - t0, n / (t1 - t0) }'
+  [[ $n == "$total" ]] || tail -3 "$W/err" "$W/gwlog"
+}
+echo "== through the gateway into serve --device cuda --sink, 16 in flight, 4 per batch"
+for r in $(seq 1 "$rounds"); do
+  row "NIXL from GPU slots, UCX's choice (CUDA IPC)" -- --transport nixl --gpu 0
+  row "NIXL from GPU slots, UCX_TLS=tcp,cuda_copy" UCX_TLS=tcp,cuda_copy -- --transport nixl --gpu 0
+  row "Flight, from host memory" --
+done
