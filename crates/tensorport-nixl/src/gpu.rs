@@ -10,7 +10,7 @@ use tensorport_cuda::GpuProducer;
 
 use crate::agent::{Agent, Peer};
 use crate::error::{Error, Result};
-use crate::read::Reader;
+use crate::read::{wait_for, Reader};
 
 /// How long a dropped reader waits for its transfers before it gives up on their buffers.
 const DROP_WAIT: Duration = Duration::from_secs(5);
@@ -139,21 +139,8 @@ impl GpuReader {
 
     /// Waits at most `timeout` for the read into buffer `i`.
     pub fn wait(&mut self, i: usize, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        let mut spins = 0u32;
-        while !self.poll(i)? {
-            if start.elapsed() > timeout {
-                return Err(Error::Stalled {
-                    peer: self.peer().name().to_owned(),
-                    ms: timeout.as_millis(),
-                });
-            }
-            spins += 1;
-            if spins > 64 {
-                std::thread::yield_now();
-            }
-        }
-        Ok(())
+        let peer = self.peer().name().to_owned();
+        wait_for(&peer, timeout, || Ok(self.poll(i)?.then_some(())))
     }
 
     /// Submits buffer `i`, whose read has landed, as `spec` under request `id`.

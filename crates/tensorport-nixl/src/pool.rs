@@ -10,7 +10,7 @@ use tensorport::{HostPool, Loan};
 
 use crate::agent::{Agent, Peer};
 use crate::error::{Error, Result};
-use crate::read::Reader;
+use crate::read::{wait_for, Reader};
 
 /// How long a dropped reader waits for its transfers before it gives up on their slots.
 const DROP_WAIT: Duration = Duration::from_secs(5);
@@ -99,23 +99,8 @@ impl PoolReader {
     /// Waits at most `timeout` for the read into pool slot `into` and gives its loan back. A
     /// read that does not finish in time keeps its loan (it may still write the slot).
     pub fn wait(&mut self, into: u32, timeout: Duration) -> Result<Loan> {
-        let start = Instant::now();
-        let mut spins = 0u32;
-        loop {
-            if let Some(loan) = self.poll(into)? {
-                return Ok(loan);
-            }
-            if start.elapsed() > timeout {
-                return Err(Error::Stalled {
-                    peer: self.reader.peer().name().to_owned(),
-                    ms: timeout.as_millis(),
-                });
-            }
-            spins += 1;
-            if spins > 64 {
-                std::thread::yield_now();
-            }
-        }
+        let peer = self.reader.peer().name().to_owned();
+        wait_for(&peer, timeout, || self.poll(into))
     }
 }
 

@@ -232,21 +232,8 @@ impl Reader {
 
     /// Waits for local slot `into`'s transfer, at most `timeout`.
     pub fn wait(&mut self, into: u32, timeout: Duration) -> Result<()> {
-        let start = Instant::now();
-        let mut spins = 0u32;
-        while !self.poll(into)? {
-            if start.elapsed() > timeout {
-                return Err(Error::Stalled {
-                    peer: self.peer.name().to_owned(),
-                    ms: timeout.as_millis(),
-                });
-            }
-            spins += 1;
-            if spins > 64 {
-                std::thread::yield_now();
-            }
-        }
-        Ok(())
+        let peer = self.peer.name().to_owned();
+        wait_for(&peer, timeout, || Ok(self.poll(into)?.then_some(())))
     }
 
     /// The peer read from.
@@ -268,6 +255,33 @@ impl Reader {
         match self.in_flight.get(i as usize) {
             Some(None) => self.region.slot(i),
             _ => None,
+        }
+    }
+}
+
+/// Polls `poll` until it gives a value, spinning a little and then yielding the core between
+/// polls (each poll drives the transfers); a transfer from `peer` that takes over `timeout` is
+/// [`Error::Stalled`].
+pub(crate) fn wait_for<T>(
+    peer: &str,
+    timeout: Duration,
+    mut poll: impl FnMut() -> Result<Option<T>>,
+) -> Result<T> {
+    let start = Instant::now();
+    let mut spins = 0u32;
+    loop {
+        if let Some(v) = poll()? {
+            return Ok(v);
+        }
+        if start.elapsed() > timeout {
+            return Err(Error::Stalled {
+                peer: peer.to_owned(),
+                ms: timeout.as_millis(),
+            });
+        }
+        spins += 1;
+        if spins > 64 {
+            std::thread::yield_now();
         }
     }
 }
