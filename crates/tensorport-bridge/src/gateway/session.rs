@@ -265,6 +265,10 @@ impl Session {
         let mut c = ProducerConfig::new(local_name(&self.who));
         c.slots = self.cfg.in_flight.max(1);
         c.slot_size = layout.bytes() as u64;
+        if hello.is_some() {
+            // NIXL fills the slots, not this core: nothing to gain from waiting for a warm one.
+            c.warm_wait = Duration::ZERO;
+        }
         let p = Producer::connect(&self.cfg.socket, c).map_err(|e| {
             End::Tell(Status::unavailable(format!(
                 "the gateway cannot reach its tensorport server: {e}"
