@@ -5,10 +5,11 @@
 #   - local device path: `tensorport gpu bench-ipc` (a GPU producer process hands ready device
 #     tensors to a server process, which fences and copies each: no gateway);
 #   - NIXL's reads alone: `nixl-bench hold --gpu 0 | nixl-bench read --gpu 0` (GPU memory to GPU
-#     memory, 8 in flight), with UCX's choice (CUDA IPC) and with UCX_TLS=tcp,cuda_copy;
+#     memory, 8 in flight), with UCX's choice, with CUDA IPC reads turned on where UCX turns them
+#     off for want of NVLink (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y), and with UCX_TLS=tcp,cuda_copy;
 #   - the gateway: `tensorport-bridge produce --ready --shape 32,3,224,224 --transport nixl
 #     --gpu 0` → `tensorport-bridge gateway` (device buffers of a GPU producer session) →
-#     `tensorport serve --device cuda --sink`, an answer per tensor, both UCX settings;
+#     `tensorport serve --device cuda --sink`, an answer per tensor, the three UCX settings;
 #   - Flight beside it: the same tensors from host memory inside the stream.
 #
 #   bench/gateway_nixl_gpu.sh BIN_DIR [TENSORS] [ROUNDS]
@@ -16,7 +17,8 @@
 # BIN_DIR holds the CUDA `tensorport` (scripts/build-gpu.sh), `tensorport-bridge` and
 # `nixl-bench`; NIXL from TENSORPORT_NIXL (scripts/fetch-nixl.sh). TENSORS (4000) per gateway
 # row, ROUNDS (2) of the gateway rows; SKIP_NIXL_BENCH=1 leaves out NIXL's own reads. Rates
-# are tensors per second over each row's wall time, start-up included.
+# are tensors per second over each row's wall time, start-up included; a producer that has not
+# finished in 60 s is stopped and its row shows what was answered.
 set -euo pipefail
 B=$(cd "$1" && pwd); total=${2:-4000}; rounds=${3:-2}
 : "${TENSORPORT_NIXL:?set TENSORPORT_NIXL to the folder scripts/fetch-nixl.sh makes}"
@@ -30,34 +32,42 @@ echo "== local device path (tensorport gpu bench-ipc, ready tensors, timeline fe
   --server-sync none --bytes $bytes 2>&1 | grep -vE "^\s*$" | tail -4
 echo "== NIXL's reads alone, GPU to GPU, 16 slots, 8 in flight, 3 s"
 choice="(UCX's choice)"
-[[ -n "${SKIP_NIXL_BENCH:-}" ]] || for tls in "" tcp,cuda_copy; do
-  printf '%-32s ' "UCX_TLS=${tls:-$choice}"
-  env ${tls:+UCX_TLS=$tls} timeout 30 bash -c "sleep 8 | '$B/nixl-bench' hold --gpu 0 --slots 16 --slot-len $bytes | '$B/nixl-bench' read --gpu 0 --in-flight 8 --seconds 3" 2>&1 | tail -1
+GET=UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
+[[ -n "${SKIP_NIXL_BENCH:-}" ]] || for tls in "" get tcp,cuda_copy; do
+  case $tls in
+    "") printf '%-44s ' "$choice"; set -- X=1 ;;
+    get) printf '%-44s ' "$GET"; set -- "$GET" ;;
+    *) printf '%-44s ' "UCX_TLS=$tls"; set -- "UCX_TLS=$tls" ;;
+  esac
+  env "$@" timeout 30 bash -c "sleep 8 | '$B/nixl-bench' hold --gpu 0 --slots 16 --slot-len $bytes | '$B/nixl-bench' read --gpu 0 --in-flight 8 --seconds 3" 2>&1 | tail -1
 done
 "$B/tensorport-bridge" token "$W/tok" 2> /dev/null
 "$B/tensorport" serve --device cuda --sink --socket "$W/s" --slot-size $bytes --log warn > "$W/s.log" 2>&1 &
 for _ in $(seq 300); do [[ -S "$W/s" ]] && break; sleep 0.1; done
-"$B/tensorport-bridge" gateway --listen 127.0.0.1:0 --socket "$W/s" --token-file "$W/tok" --in-flight 16 \
-  --max-tensor-mib 32 > "$W/gw" 2> "$W/gwlog" &
-for _ in $(seq 100); do grep -q listening "$W/gw" 2> /dev/null && break; sleep 0.1; done
-url=$(sed -n 's/^listening on \([^ ]*\) .*/\1/p' "$W/gw")
-row() { # LABEL ENV... -- ARGS
+row() { # LABEL ENV... -- ARGS: a gateway and a producer with ENV (the gateway does the reads)
   local label=$1; shift
   local envs=(X=1)
   while [[ $1 != -- ]]; do envs+=("$1"); shift; done
   shift
-  local t0 t1 n
+  rm -f "$W/gw"
+  env "${envs[@]}" "$B/tensorport-bridge" gateway --listen 127.0.0.1:0 --socket "$W/s" --token-file "$W/tok" \
+    --in-flight 16 --max-tensor-mib 32 > "$W/gw" 2> "$W/gwlog" &
+  local gpid=$! t0 t1 n url
+  for _ in $(seq 100); do grep -q listening "$W/gw" 2> /dev/null && break; sleep 0.1; done
+  url=$(sed -n 's/^listening on \([^ ]*\) .*/\1/p' "$W/gw")
   t0=$(date +%s.%N)
-  n=$(env "${envs[@]}" "$B/tensorport-bridge" produce --token-file "$W/tok" --gateway "$url" --ready \
+  n=$(env "${envs[@]}" timeout 60 "$B/tensorport-bridge" produce --token-file "$W/tok" --gateway "$url" --ready \
         --shape 32,3,224,224 --synthetic "$total" --in-flight 16 --batch 4 -o - "$@" 2> "$W/err" | grep -vc '"error"' || true)
   t1=$(date +%s.%N)
+  kill "$gpid"; wait "$gpid" 2> /dev/null || true
   awk -v l="$label" -v n="$n" -v t0="$t0" -v t1="$t1" \
     'BEGIN { printf "%-52s %6d answered in %6.2f s: %8.0f tensors/s\n", l, n, t1 - t0, n / (t1 - t0) }'
   [[ $n == "$total" ]] || tail -3 "$W/err" "$W/gwlog"
 }
 echo "== through the gateway into serve --device cuda --sink, 16 in flight, 4 per batch"
 for r in $(seq 1 "$rounds"); do
-  row "NIXL from GPU slots, UCX's choice (CUDA IPC)" -- --transport nixl --gpu 0
+  row "NIXL from GPU slots, UCX's choice" -- --transport nixl --gpu 0
+  row "NIXL from GPU slots, $GET" "$GET" -- --transport nixl --gpu 0
   row "NIXL from GPU slots, UCX_TLS=tcp,cuda_copy" UCX_TLS=tcp,cuda_copy -- --transport nixl --gpu 0
   row "Flight, from host memory" --
 done
