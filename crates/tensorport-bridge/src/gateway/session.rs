@@ -40,6 +40,12 @@ enum End {
 
 type Out = mpsc::Sender<Result<RecordBatch, Status>>;
 
+/// A NIXL read that has landed, ready to submit: the pool slot on loan, or the device buffer.
+enum Landed {
+    Slot(Loan),
+    Buffer(usize),
+}
+
 /// The gateway's session with its local server for one stream (one per stream, for its life:
 /// its size does not matter).
 #[allow(clippy::large_enum_variant)]
@@ -79,8 +85,6 @@ pub(super) struct Session {
     /// A NIXL stream's reads in flight, oldest first: each request and the pool slot (or device
     /// buffer) its read lands in (the reader holds it until the read has finished).
     reads: VecDeque<(u64, u32)>,
-    /// The loan of the host read that has just landed, on its way to being submitted.
-    landed_loan: Option<Loan>,
 }
 
 impl Session {
@@ -104,7 +108,6 @@ impl Session {
             pending: HashSet::new(),
             nixl: None,
             reads: VecDeque::new(),
-            landed_loan: None,
         }
     }
 
@@ -410,11 +413,11 @@ impl Session {
     fn submit_landed(&mut self) -> Result<usize, End> {
         let mut n = 0;
         while let Some(&(id, into)) = self.reads.front() {
-            if !self.landed(into, None)? {
+            let Some(landed) = self.landed(into, None)? else {
                 break;
-            }
+            };
             self.reads.pop_front();
-            self.submit_landing(id, into)?;
+            self.submit_landing(id, landed)?;
             n += 1;
         }
         Ok(n)
@@ -425,48 +428,49 @@ impl Session {
         let Some((id, into)) = self.reads.pop_front() else {
             return Ok(());
         };
-        self.landed(into, Some(self.cfg.peer_timeout))?;
-        self.submit_landing(id, into)
+        let landed = self
+            .landed(into, Some(self.cfg.peer_timeout))?
+            .expect("a wait that returns has landed");
+        self.submit_landing(id, landed)
     }
 
-    /// Whether the read into `into` has landed, waiting up to `wait` if given (then always
-    /// true, or an error). A host read that has landed leaves its loan in `self.landed_loan`.
-    fn landed(&mut self, into: u32, wait: Option<Duration>) -> Result<bool, End> {
+    /// The read into `into`, if it has landed, waiting up to `wait` if given (then it has, or
+    /// it is an error).
+    fn landed(&mut self, into: u32, wait: Option<Duration>) -> Result<Option<Landed>, End> {
         match (&mut self.nixl, self.local.as_mut().expect("connected")) {
-            (Some(n), _) => {
-                let loan = match wait {
-                    Some(t) => Some(n.wait(into, t).map_err(read_failed)?),
-                    None => n.poll(into).map_err(read_failed)?,
-                };
-                let done = loan.is_some();
-                self.landed_loan = loan;
-                Ok(done)
+            (Some(n), _) => Ok(match wait {
+                Some(t) => Some(n.wait(into, t).map_err(read_failed)?),
+                None => n.poll(into).map_err(read_failed)?,
             }
+            .map(Landed::Slot)),
             (None, (Local::Device(d), _, _)) => {
                 let r = d.reader();
-                match wait {
+                let done = match wait {
                     Some(t) => r.wait(into as usize, t).map(|()| true),
                     None => r.poll(into as usize),
                 }
-                .map_err(|e| read_failed(e.to_string()))
+                .map_err(|e| read_failed(e.to_string()))?;
+                Ok(done.then_some(Landed::Buffer(into as usize)))
             }
             _ => unreachable!("a NIXL stream"),
         }
     }
 
-    /// Submits request `id`, whose read into `into` has landed.
-    fn submit_landing(&mut self, id: u64, into: u32) -> Result<(), End> {
+    /// Submits request `id`, whose read has landed.
+    fn submit_landing(&mut self, id: u64, landed: Landed) -> Result<(), End> {
         let (local, layout, spec) = self.local.as_mut().expect("connected");
-        match local {
-            Local::Host(p) => {
-                let loan = self.landed_loan.take().expect("the landed read's loan");
-                p.submit_loan_as(loan, id, spec).map_err(local_failed)?;
+        match (local, landed) {
+            (Local::Host(p), Landed::Slot(loan)) => {
+                p.submit_loan_as(loan, id, spec).map_err(local_failed)?
             }
-            Local::Device(d) => d.reader().submit_as(into as usize, spec, id).map_err(|e| {
-                End::Tell(Status::unavailable(format!(
-                    "the gateway's tensorport server failed this stream: {e}"
-                )))
-            })?,
+            (Local::Device(d), Landed::Buffer(i)) => {
+                d.reader().submit_as(i, spec, id).map_err(|e| {
+                    End::Tell(Status::unavailable(format!(
+                        "the gateway's tensorport server failed this stream: {e}"
+                    )))
+                })?
+            }
+            _ => unreachable!("a stream's reads land where its session is"),
         }
         self.counters.tensors.fetch_add(1, Ordering::Relaxed);
         self.counters
