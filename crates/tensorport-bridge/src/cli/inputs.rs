@@ -120,12 +120,7 @@ impl Plan {
                 match r {
                     Ok(()) => items.push((*index, source.to_string())),
                     Err(e) => {
-                        let failed = Prepared::Failed {
-                            index: *index,
-                            input: source.to_string(),
-                            error: e.to_string(),
-                        };
-                        if tx.blocking_send(failed).is_err() {
+                        if !send_failed(&tx, *index, source, &e) {
                             return;
                         }
                     }
@@ -160,12 +155,7 @@ impl Plan {
                     let mut store = vec![0f32; bytes.div_ceil(4)];
                     let out = &mut bytemuck::cast_slice_mut::<f32, u8>(&mut store)[..bytes];
                     if let Err(e) = prep.prepare_into(source, self.planes(out)) {
-                        let failed = Prepared::Failed {
-                            index: *index,
-                            input: source.to_string(),
-                            error: e.to_string(),
-                        };
-                        if tx.blocking_send(failed).is_err() {
+                        if !send_failed(&tx, *index, source, &e) {
                             return;
                         }
                         continue;
@@ -182,4 +172,19 @@ impl Plan {
             }
         }
     }
+}
+
+/// Sends the line of an input that could not be prepared; false once nobody receives.
+fn send_failed(
+    tx: &mpsc::Sender<Prepared>,
+    index: u64,
+    source: &Source,
+    e: &dyn std::fmt::Display,
+) -> bool {
+    let failed = Prepared::Failed {
+        index,
+        input: source.to_string(),
+        error: e.to_string(),
+    };
+    tx.blocking_send(failed).is_ok()
 }

@@ -231,16 +231,16 @@ fn into_slots(
     let mut slots = Vec::with_capacity(rows.len());
     for i in 0..rows.len() {
         let (id, bytes) = rows.get(i);
-        // The window never holds more requests than there are slots.
-        let s = n
-            .put(id, bytes)
-            .map_err(|e| CliError::new(format!("--transport nixl: {e}")))?
-            .ok_or_else(|| {
-                CliError::new("every NIXL slot is held (a bug: the window is the slots)")
-            })?;
-        slots.push((id, s));
+        slots.push((id, placed(n.put(id, bytes))?));
     }
     slot_batch(schema, &slots).map_err(|e| CliError::new(e.to_string()))
+}
+
+/// The slot a tensor was put into. The window never holds more requests than there are slots,
+/// so a full set of slots is a bug.
+fn placed(put: Result<Option<u32>, String>) -> CliResult<u32> {
+    put.map_err(|e| CliError::new(format!("--transport nixl: {e}")))?
+        .ok_or_else(|| CliError::new("every NIXL slot is held (a bug: the window is the slots)"))
 }
 
 /// Inputs whose tensor is the one ready tensor, put into NIXL slots (written only into a slot
@@ -253,13 +253,7 @@ fn ready_into_slots(
 ) -> CliResult<RecordBatch> {
     let mut slots = Vec::with_capacity(items.len());
     for &(id, _) in items {
-        let s = n
-            .put_ready(id, tensor)
-            .map_err(|e| CliError::new(format!("--transport nixl: {e}")))?
-            .ok_or_else(|| {
-                CliError::new("every NIXL slot is held (a bug: the window is the slots)")
-            })?;
-        slots.push((id, s));
+        slots.push((id, placed(n.put_ready(id, tensor))?));
     }
     slot_batch(schema, &slots).map_err(|e| CliError::new(e.to_string()))
 }
