@@ -14,15 +14,9 @@
 #                                       scripts/fetch-nixl.sh, or TENSORPORT_NIXL if set)
 set -euo pipefail
 B=$(cd "$1" && pwd); rounds=${2:-2}
-root=$(cd "$(dirname "$0")/.." && pwd)
-if [[ -z "${TENSORPORT_NIXL:-}" ]]; then
-  TENSORPORT_NIXL=$(dirname "$("$root/scripts/fetch-nixl.sh")")/..
-fi
-export TENSORPORT_NIXL UCX_WARN_UNUSED_ENV_VARS=n
+# shellcheck source=bench/nixl_env.sh
+source "$(dirname "$0")/nixl_env.sh"
 W=$(mktemp -d); chmod 700 "$W"
-# NIXL refuses a UCX_TLS without a CUDA transport on a host with NVIDIA GPUs: TCP is then
-# "tcp,cuda_copy" (cuda_copy moves only device memory; host tensors still go over TCP).
-TCP=tcp; [[ -e /dev/nvidia0 ]] && TCP=tcp,cuda_copy
 trap 'pkill -TERM -P $$ 2>/dev/null || true; rm -rf "$W"' EXIT
 echo "machine: $(nproc) cores, $(date -u +%F); NIXL $(cat "$TENSORPORT_NIXL/VERSION")"
 "$B/tensorport-bridge" token "$W/tok" 2> /dev/null

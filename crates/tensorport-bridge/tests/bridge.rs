@@ -5,7 +5,7 @@
 
 use std::collections::{HashMap, HashSet};
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 use std::process::{Child, Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
@@ -1350,20 +1350,9 @@ fn nixl_env() -> Option<Vec<(String, String)>> {
     let dir = dir.as_ref()?;
     Some(vec![
         ("TENSORPORT_NIXL".into(), dir.display().to_string()),
-        // On a host with NVIDIA GPUs NIXL wants a CUDA transport beside TCP.
-        ("UCX_TLS".into(), ucx_tcp().into()),
+        ("UCX_TLS".into(), tensorport_nixl::tcp_transports().into()),
         ("UCX_WARN_UNUSED_ENV_VARS".into(), "n".into()),
     ])
-}
-
-/// UCX's transports for "TCP only": with `cuda_copy` on a host with NVIDIA GPUs, where NIXL
-/// refuses a list without a CUDA transport (it moves only device memory).
-fn ucx_tcp() -> &'static str {
-    if Path::new("/dev/nvidia0").exists() {
-        "tcp,cuda_copy"
-    } else {
-        "tcp"
-    }
 }
 
 #[test]

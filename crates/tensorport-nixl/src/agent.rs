@@ -23,6 +23,22 @@ pub const MAX_SLOT_LEN: u64 = 1 << 30;
 /// The highest GPU ordinal a peer may name.
 pub const MAX_GPU: u32 = 63;
 
+/// `UCX_TLS` for "TCP only" on this host: `tcp`, or `tcp,cuda_copy` where NVIDIA GPUs are
+/// present, since NIXL's UCX backend refuses a list without a CUDA transport there
+/// (`cuda_copy` moves only device memory; host memory still goes over TCP).
+pub fn tcp_transports() -> &'static str {
+    if gpus_present() {
+        "tcp,cuda_copy"
+    } else {
+        "tcp"
+    }
+}
+
+/// Whether this host has an NVIDIA GPU device node.
+fn gpus_present() -> bool {
+    std::path::Path::new("/dev/nvidia0").exists()
+}
+
 /// Where slots live: host memory, or the memory of a GPU (by ordinal on its own host).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum Memory {
@@ -146,11 +162,7 @@ impl Agent {
             unsafe { (capi.destroy_agent)(raw) };
             return Err(match std::env::var("UCX_TLS") {
                 // NIXL refuses a UCX_TLS without a CUDA transport where NVIDIA GPUs are present.
-                Ok(tls)
-                    if !tls.contains("cuda") && std::path::Path::new("/dev/nvidia0").exists() =>
-                {
-                    Error::Transports(tls)
-                }
+                Ok(tls) if !tls.contains("cuda") && gpus_present() => Error::Transports(tls),
                 _ => e,
             });
         }

@@ -10,10 +10,7 @@ use tensorport_cuda::GpuProducer;
 
 use crate::agent::{Agent, Peer};
 use crate::error::{Error, Result};
-use crate::read::{wait_for, Reader};
-
-/// How long a dropped reader waits for its transfers before it gives up on their buffers.
-const DROP_WAIT: Duration = Duration::from_secs(5);
+use crate::read::{wait_for, Reader, DROP_WAIT};
 
 /// Reads a peer's slots into a GPU producer's device buffers, one read per buffer at a time.
 pub struct GpuReader {
@@ -172,20 +169,7 @@ impl GpuReader {
     /// Waits (a bounded time) for the reads in flight; the buffers of any that do not finish
     /// are never freed.
     fn finish_reads(&mut self) {
-        let deadline = Instant::now() + DROP_WAIT;
-        let mut stuck = false;
-        for i in 0..self.landing.len() {
-            while self.landing[i] == Some(false) {
-                match self.poll(i) {
-                    Ok(false) if Instant::now() < deadline => std::thread::yield_now(),
-                    Ok(false) => {
-                        stuck = true;
-                        break;
-                    }
-                    _ => {}
-                }
-            }
-        }
+        let stuck = !self.reader().settle(DROP_WAIT).is_empty();
         if stuck || self.stalled {
             // The reader leaks its region (it cannot release a transfer in flight), and the
             // buffers stay allocated with it; or the producer's stream would wait for good.

@@ -4,16 +4,13 @@
 //! once the caller submits the loan.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use tensorport::{HostPool, Loan};
 
 use crate::agent::{Agent, Peer};
 use crate::error::{Error, Result};
-use crate::read::{wait_for, Reader};
-
-/// How long a dropped reader waits for its transfers before it gives up on their slots.
-const DROP_WAIT: Duration = Duration::from_secs(5);
+use crate::read::{wait_for, Reader, DROP_WAIT};
 
 /// Reads a peer's slots into the slots of one pool, one read per slot at a time.
 pub struct PoolReader {
@@ -106,16 +103,10 @@ impl PoolReader {
 
 impl Drop for PoolReader {
     fn drop(&mut self) {
-        let deadline = Instant::now() + DROP_WAIT;
-        for into in 0..self.landing.len() as u32 {
-            while self.landing[into as usize].is_some() {
-                match self.poll(into) {
-                    Ok(None) if Instant::now() < deadline => std::thread::yield_now(),
-                    // Still running: the slot is never given back to its producer.
-                    Ok(None) => std::mem::forget(self.landing[into as usize].take()),
-                    _ => {}
-                }
-            }
+        // A slot whose read still runs is never given back to its producer; the others' loans
+        // go back as they drop.
+        for into in self.reader.settle(DROP_WAIT) {
+            std::mem::forget(self.landing[into as usize].take());
         }
     }
 }

@@ -16,7 +16,7 @@ use crate::capi::{Capi, Handle, IN_PROGRESS, OP_READ};
 use crate::error::{Error, Result};
 
 /// How long a dropped reader waits for its transfers.
-const DROP_WAIT: Duration = Duration::from_secs(5);
+pub(crate) const DROP_WAIT: Duration = Duration::from_secs(5);
 /// Requests a reader keeps for posting again; past this, the idle ones are released (a peer
 /// with many slots read into many local ones would otherwise make one per pair).
 const MAX_REQUESTS: usize = 1024;
@@ -236,6 +236,26 @@ impl Reader {
         wait_for(&peer, timeout, || Ok(self.poll(into)?.then_some(())))
     }
 
+    /// Waits at most `within` for every transfer in flight to finish (or fail); returns the
+    /// local slots whose transfers still run.
+    pub(crate) fn settle(&mut self, within: Duration) -> Vec<u32> {
+        let deadline = Instant::now() + within;
+        let mut running = Vec::new();
+        for i in 0..self.in_flight.len() as u32 {
+            while self.in_flight[i as usize].is_some() {
+                match self.poll(i) {
+                    Ok(false) if Instant::now() < deadline => std::thread::yield_now(),
+                    Ok(false) => {
+                        running.push(i);
+                        break;
+                    }
+                    _ => {}
+                }
+            }
+        }
+        running
+    }
+
     /// The peer read from.
     pub fn peer(&self) -> &Peer {
         &self.peer
@@ -288,20 +308,7 @@ pub(crate) fn wait_for<T>(
 
 impl Drop for Reader {
     fn drop(&mut self) {
-        let deadline = Instant::now() + DROP_WAIT;
-        let mut stuck = false;
-        for i in 0..self.in_flight.len() as u32 {
-            while self.in_flight[i as usize].is_some() {
-                match self.poll(i) {
-                    Ok(false) if Instant::now() < deadline => std::thread::yield_now(),
-                    Ok(false) => {
-                        stuck = true;
-                        break;
-                    }
-                    _ => {}
-                }
-            }
-        }
+        let mut stuck = !self.settle(DROP_WAIT).is_empty();
         let agent = self.region.agent.clone();
         let capi = &agent.capi;
         let (_g, raw) = agent.locked();

@@ -29,16 +29,7 @@ fn command(dir: &Path, args: &[&str]) -> Command {
     let mut c = Command::new(BIN);
     c.args(args)
         .env("TENSORPORT_NIXL", dir)
-        // On a host with NVIDIA GPUs NIXL wants a CUDA transport beside TCP (it moves only
-        // device memory).
-        .env(
-            "UCX_TLS",
-            if Path::new("/dev/nvidia0").exists() {
-                "tcp,cuda_copy"
-            } else {
-                "tcp"
-            },
-        )
+        .env("UCX_TLS", tensorport_nixl::tcp_transports())
         .env("UCX_WARN_UNUSED_ENV_VARS", "n");
     c
 }

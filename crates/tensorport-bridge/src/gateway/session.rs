@@ -50,9 +50,11 @@ enum Landed {
 /// its size does not matter).
 #[allow(clippy::large_enum_variant)]
 enum Local {
-    /// A session with a pool: a stream of tensors, or a NIXL stream of host tensors (read
-    /// into the pool by [`Session::nixl`]).
+    /// A session with a pool, for a stream of tensors.
     Host(Producer),
+    /// A session with a pool that a NIXL stream's host tensors are read into. (Fields drop in
+    /// order: the reader, which finishes its reads, before the session.)
+    Pool { inbound: Inbound, p: Producer },
     /// A GPU producer session: a NIXL stream of device tensors, read into its device buffers.
     Device(DeviceInbound),
 }
@@ -60,8 +62,26 @@ enum Local {
 impl Local {
     fn producer(&mut self) -> &mut Producer {
         match self {
-            Local::Host(p) => p,
+            Local::Host(p) | Local::Pool { p, .. } => p,
             Local::Device(d) => d.reader().producer(),
+        }
+    }
+
+    /// Whether the stream's tensors travel by NIXL.
+    fn is_nixl(&self) -> bool {
+        !matches!(self, Local::Host(_))
+    }
+
+    /// Ends the session with the server cleanly, once NIXL's reads have finished (or been
+    /// given up, their memory kept).
+    fn close(self) {
+        match self {
+            Local::Host(p) => drop(p.close()),
+            Local::Pool { inbound, p } => {
+                drop(inbound);
+                drop(p.close());
+            }
+            Local::Device(d) => drop(d.close()),
         }
     }
 }
@@ -80,8 +100,6 @@ pub(super) struct Session {
     schema: Option<arrow_schema::SchemaRef>,
     /// Request ids submitted and not yet answered.
     pending: HashSet<u64>,
-    /// A NIXL stream's reader of the producer's slots into the local pool.
-    nixl: Option<Inbound>,
     /// A NIXL stream's reads in flight, oldest first: each request and the pool slot (or device
     /// buffer) its read lands in (the reader holds it until the read has finished).
     reads: VecDeque<(u64, u32)>,
@@ -106,7 +124,6 @@ impl Session {
             local: None,
             schema: None,
             pending: HashSet::new(),
-            nixl: None,
             reads: VecDeque::new(),
         }
     }
@@ -137,19 +154,10 @@ impl Session {
                 );
             }
         }
-        // Reads still in flight are finished (or given up, their pool kept mapped) before their
-        // slots go back; dropping the producer closes the local session and the server reclaims
-        // its pool.
-        self.nixl = None;
+        // Closing the local session finishes NIXL's reads first; the server reclaims its pool.
         self.reads.clear();
-        match self.local.take() {
-            Some((Local::Host(p), _, _)) => {
-                let _ = p.close();
-            }
-            Some((Local::Device(d), _, _)) => {
-                let _ = d.close();
-            }
-            None => {}
+        if let Some((local, _, _)) = self.local.take() {
+            local.close();
         }
     }
 
@@ -231,9 +239,8 @@ impl Session {
                 .schema
                 .as_ref()
                 .is_some_and(|s| std::sync::Arc::ptr_eq(s, batch.schema_ref()));
-            let nixl = self.nixl.is_some() || matches!(local, Local::Device(_));
             let same = known
-                || if nixl {
+                || if local.is_nixl() {
                     self.schema.as_deref() == Some(batch.schema_ref().as_ref())
                 } else {
                     TensorLayout::from_schema(&batch.schema(), self.cfg.max_tensor_bytes)
@@ -284,17 +291,20 @@ impl Session {
                 layout.bytes()
             ))));
         }
-        if let Some(h) = &hello {
-            // The producer's slots are read straight into the local session's pool.
-            let inbound = Inbound::open(h, &gateway_agent_name(), p.pool()).map_err(|e| {
-                End::Tell(Status::failed_precondition(format!(
-                    "the gateway cannot read this stream's tensors with NIXL: {e}"
-                )))
-            })?;
-            tracing::info!(remote = %self.who, agent = %h.agent, slots = h.slots.slots, "NIXL stream: reading the producer's slots");
-            self.nixl = Some(inbound);
-        }
-        self.local = Some((Local::Host(p), layout, spec));
+        let local = match &hello {
+            Some(h) => {
+                // The producer's slots are read straight into the local session's pool.
+                let inbound = Inbound::open(h, &gateway_agent_name(), p.pool()).map_err(|e| {
+                    End::Tell(Status::failed_precondition(format!(
+                        "the gateway cannot read this stream's tensors with NIXL: {e}"
+                    )))
+                })?;
+                tracing::info!(remote = %self.who, agent = %h.agent, slots = h.slots.slots, "NIXL stream: reading the producer's slots");
+                Local::Pool { inbound, p }
+            }
+            None => Local::Host(p),
+        };
+        self.local = Some((local, layout, spec));
         self.schema = Some(batch.schema());
         Ok(())
     }
@@ -323,7 +333,7 @@ impl Session {
     /// Leases, fills and submits one slot per tensor of `batch`.
     fn submit(&mut self, batch: &RecordBatch) -> Result<u64, End> {
         self.local_for(batch)?;
-        if self.nixl.is_some() || matches!(self.local, Some((Local::Device(_), _, _))) {
+        if self.local.as_ref().is_some_and(|(l, _, _)| l.is_nixl()) {
             return self.submit_read(batch);
         }
         let Some((Local::Host(p), layout, spec)) = self.local.as_mut() else {
@@ -357,9 +367,9 @@ impl Session {
     fn submit_read(&mut self, batch: &RecordBatch) -> Result<u64, End> {
         let rows =
             slot_rows(batch).map_err(|e| End::Tell(Status::invalid_argument(e.to_string())))?;
-        let slots = match (&self.nixl, &self.local) {
-            (Some(n), _) => n.slots(),
-            (None, Some((Local::Device(d), _, _))) => d.slots(),
+        let slots = match &self.local {
+            Some((Local::Pool { inbound, .. }, _, _)) => inbound.slots(),
+            Some((Local::Device(d), _, _)) => d.slots(),
             _ => unreachable!("a NIXL stream"),
         };
         for &(id, slot) in &rows {
@@ -379,12 +389,12 @@ impl Session {
             while !self.reads.is_empty() && !self.room_for_a_read() {
                 self.land_oldest()?;
             }
-            let into = match (&mut self.nixl, self.local.as_mut().expect("connected")) {
-                (Some(n), (Local::Host(p), _, _)) => {
+            let into = match self.local.as_mut().expect("connected") {
+                (Local::Pool { inbound, p }, _, _) => {
                     let loan = p.loan(timeout).map_err(local_failed)?;
-                    n.start(slot, loan).map_err(read_failed)?
+                    inbound.start(slot, loan).map_err(read_failed)?
                 }
-                (None, (Local::Device(d), _, _)) => {
+                (Local::Device(d), _, _) => {
                     d.reader()
                         .start(slot, timeout)
                         .map_err(|e| read_failed(e.to_string()))? as u32
@@ -400,7 +410,7 @@ impl Session {
     /// lent without waiting for a result, or a device buffer holds no read).
     fn room_for_a_read(&mut self) -> bool {
         match self.local.as_mut().expect("connected") {
-            (Local::Host(p), _, _) => {
+            (Local::Host(p) | Local::Pool { p, .. }, _, _) => {
                 let submitted = p.in_flight() - p.ready();
                 p.free_slots() > 0 && submitted + self.reads.len() < p.max_in_flight() as usize
             }
@@ -437,13 +447,13 @@ impl Session {
     /// The read into `into`, if it has landed, waiting up to `wait` if given (then it has, or
     /// it is an error).
     fn landed(&mut self, into: u32, wait: Option<Duration>) -> Result<Option<Landed>, End> {
-        match (&mut self.nixl, self.local.as_mut().expect("connected")) {
-            (Some(n), _) => Ok(match wait {
-                Some(t) => Some(n.wait(into, t).map_err(read_failed)?),
-                None => n.poll(into).map_err(read_failed)?,
+        match self.local.as_mut().expect("connected") {
+            (Local::Pool { inbound, .. }, _, _) => Ok(match wait {
+                Some(t) => Some(inbound.wait(into, t).map_err(read_failed)?),
+                None => inbound.poll(into).map_err(read_failed)?,
             }
             .map(Landed::Slot)),
-            (None, (Local::Device(d), _, _)) => {
+            (Local::Device(d), _, _) => {
                 let r = d.reader();
                 let done = match wait {
                     Some(t) => r.wait(into as usize, t).map(|()| true),
@@ -460,7 +470,7 @@ impl Session {
     fn submit_landing(&mut self, id: u64, landed: Landed) -> Result<(), End> {
         let (local, layout, spec) = self.local.as_mut().expect("connected");
         match (local, landed) {
-            (Local::Host(p), Landed::Slot(loan)) => {
+            (Local::Pool { p, .. }, Landed::Slot(loan)) => {
                 p.submit_loan_as(loan, id, spec).map_err(local_failed)?
             }
             (Local::Device(d), Landed::Buffer(i)) => {
