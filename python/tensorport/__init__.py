@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ctypes
 import json
+import signal
 from typing import Iterator, List, Optional, Sequence, Tuple
 
 from . import _native
@@ -890,6 +891,11 @@ class Loader:
                 got = self._fill(server, images, start, min(want - start, n - len(done)))
                 if not got:
                     if farm.poll() is not None and len(done) < n and failures.empty():
+                        if farm.returncode in (130, -signal.SIGINT):
+                            # Ctrl-C reached the farm, which drained and quit, and this
+                            # process, whose KeyboardInterrupt may not be raised yet: the
+                            # iteration was interrupted, not broken.
+                            raise KeyboardInterrupt
                         time.sleep(0.2)  # its last lines may still be on their way
                         if failures.empty():
                             raise TensorportError(
