@@ -323,6 +323,18 @@ pub struct PrepArgs {
     /// by more than the default's bound (docs/operations.md), so it is off unless asked for.
     #[arg(long, value_enum, default_value_t = Switch::Off)]
     pub dct_scaling: Switch,
+    /// How GPU producers (`--nvjpeg`, `--gpu-producers`) upsample the chroma of 4:2:2 and
+    /// 4:2:0 JPEGs on the JPEG engines: interpolate (as libjpeg-turbo, and so torchvision's
+    /// CPU decode, does) or replicate (faster on 4:2:2 photos, further from torchvision's
+    /// tensors: docs/operations.md). 4:4:4 JPEGs have nothing to upsample either way.
+    #[arg(long, value_parser = parse_upsampling, value_name = "interpolate|replicate",
+          default_value = "interpolate")]
+    pub gpu_upsampling: tensorport_cuda::Upsampling,
+}
+
+fn parse_upsampling(s: &str) -> Result<tensorport_cuda::Upsampling, String> {
+    tensorport_cuda::Upsampling::parse(s)
+        .ok_or_else(|| format!("{s:?}: expected interpolate or replicate"))
 }
 
 impl PrepArgs {
@@ -334,6 +346,7 @@ impl PrepArgs {
             max_pixels: pixels_of(self.max_megapixels),
             dct_scaling: self.dct_scaling.on(),
             pixels,
+            gpu_upsampling: self.gpu_upsampling,
         }
     }
 }

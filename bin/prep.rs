@@ -39,7 +39,9 @@ pub struct Args {
     #[arg(long, value_name = "FILE")]
     pub dump: Option<PathBuf>,
     /// Prepare on the GPU as `produce --nvjpeg` does (nvJPEG batches and the resize/normalise
-    /// kernel) and report images per second for this one process instead of per-step costs.
+    /// kernel) and report images per second for this one process, and the GPU's time per image
+    /// in the decode and in the kernel, instead of per-step costs. Files nvJPEG does not decode
+    /// in batches (progressive JPEGs on the JPEG engines, PNGs) are left out, saying how many.
     #[arg(long)]
     pub nvjpeg: bool,
     /// The GPU for --nvjpeg.
@@ -66,18 +68,29 @@ pub fn run(a: Args) -> CliResult<u8> {
         .collect::<Result<_, _>>()
         .map_err(|e| CliError::usage(format!("reading {}: {e}", a.input.display())))?;
     if a.nvjpeg {
-        let (wall, dumped) = on_gpu(&a, &encoded)?;
+        let (wall, dumped, n, times) = on_gpu(&a, &encoded)?;
         println!(
             "{} images, {} transform to 3x{}x{} f32, nvJPEG batches of {} on GPU {}, best of {} passes: {:.0} images/s",
-            encoded.len(),
+            n,
             a.prep.transform.name(),
             a.image_size,
             a.image_size,
             a.batch.max(1),
             a.gpu,
             a.repeat,
-            encoded.len() as f64 / wall.as_secs_f64()
+            n as f64 / wall.as_secs_f64()
         );
+        if let Some(t) = times.filter(|t| t.images > 0) {
+            let per = |ms: f64| ms * 1e3 / t.images as f64;
+            println!(
+                "per image, all passes ({:.2} megapixels on average): nvJPEG's host calls {:.0} us, \
+                 GPU decode {:.0} us, resize+crop+normalise kernel {:.0} us",
+                t.pixels as f64 / t.images as f64 / 1e6,
+                per(t.host_ms),
+                per(t.decode_ms),
+                per(t.kernel_ms)
+            );
+        }
         return dump(&a, dumped);
     }
     let mut prep = a
@@ -177,9 +190,13 @@ fn file_name(path: &std::path::Path) -> String {
     )
 }
 
-/// `--nvjpeg`: every file through the GPU pipeline, a batch at a time, waiting for each batch;
-/// the best pass's time and the first pass's tensors.
-fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<(Duration, Dumped)> {
+/// What `--nvjpeg` measured: the best pass's time, the first pass's tensors, the images
+/// decoded, and where the GPU's time went.
+type GpuRun = (Duration, Dumped, usize, Option<tensorport_cuda::JpegTimes>);
+
+/// `--nvjpeg`: every file nvJPEG decodes in batches through the GPU pipeline, a batch at a
+/// time, waiting for each batch (the others are left out, saying how many).
+fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
     use tensorport_cuda::{DeviceBuffer, Gpu, GpuJpeg, JpegJob, Stream};
     let cuda = |e: tensorport_cuda::Error| CliError::new(e.to_string());
     let gpu = Gpu::open(a.gpu as i32).map_err(cuda)?;
@@ -189,20 +206,32 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<(Duration, Dump
         tensorport_vision::IMAGENET_STD,
     )
     .map_err(cuda)?;
-    println!("{} (from {})", jpeg.backend(), jpeg.library());
+    jpeg.set_upsampling(a.prep.gpu_upsampling);
+    println!(
+        "{} (from {}), chroma upsampling: {}",
+        jpeg.backend(),
+        jpeg.library(),
+        a.prep.gpu_upsampling.name()
+    );
     let transform = a.prep.transform.for_size(a.image_size);
-    let mut sized = Vec::with_capacity(encoded.len());
-    for (path, bytes) in encoded {
-        match jpeg.probe(bytes) {
-            Some(wh) => sized.push((path, bytes, wh)),
-            None => {
-                return Err(CliError::new(format!(
-                    "{}: not a JPEG nvJPEG decodes in batches here (produce --nvjpeg prepares such files on the CPU)",
-                    path.display()
-                )))
-            }
-        }
+    let sized: Vec<_> = encoded
+        .iter()
+        .filter_map(|(path, bytes)| jpeg.probe(bytes).map(|wh| (path, bytes, wh)))
+        .collect();
+    if sized.len() < encoded.len() {
+        println!(
+            "left out {} of {} files that nvJPEG does not decode in batches here (progressive \
+             JPEGs on the JPEG engines, PNGs, ...: produce --nvjpeg prepares those on the CPU)",
+            encoded.len() - sized.len(),
+            encoded.len()
+        );
     }
+    if sized.is_empty() {
+        return Err(CliError::usage(
+            "none of the files is one nvJPEG decodes in batches here",
+        ));
+    }
+    jpeg.set_timing(true);
     let batch = a.batch.max(1);
     let image_bytes = 3 * (a.image_size as usize).pow(2) * 4;
     let out = DeviceBuffer::new(&gpu, batch * image_bytes).map_err(cuda)?;
@@ -244,5 +273,11 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<(Duration, Dump
             best = Some(wall);
         }
     }
-    Ok((best.expect("at least one pass"), dumped))
+    jpeg.wait_idle().map_err(cuda)?;
+    Ok((
+        best.expect("at least one pass"),
+        dumped,
+        sized.len(),
+        jpeg.times(),
+    ))
 }

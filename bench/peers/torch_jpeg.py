@@ -16,7 +16,7 @@ Workers run one thread each; DataLoader batches are pinned and copied with non_b
 Before the pipelines it times the torchvision path's stages on one core.
 
     python3 bench/peers/torch_jpeg.py DIR [--workers 1,8,15] [--pipelines cpu-tv,cpu-pil,gpu-nvjpeg]
-                                     [--limit N] [--json OUT] [--dump K OUT.pt]
+                                     [--limit N] [--repeat K] [--json OUT] [--dump K OUT.pt]
 
 --dump K OUT.pt saves torchvision's tensors for the first K files (by name) as
 {file name: float32 [3,224,224]}, to check another implementation against.
@@ -128,6 +128,8 @@ def main():
     ap.add_argument("--pipelines", default="cpu-tv,cpu-pil,gpu-nvjpeg",
                     help="comma-separated, or none (just the one-core stages and --dump)")
     ap.add_argument("--limit", type=int, default=0, help="use only the first N files")
+    ap.add_argument("--repeat", type=int, default=1,
+                    help="list the files K times, as `farm --input-list` of a folder listed K times [1]")
     ap.add_argument("--json", help="also write the figures to this file")
     ap.add_argument("--dump", nargs=2, metavar=("K", "OUT"), help="save reference tensors")
     a = ap.parse_args()
@@ -135,6 +137,7 @@ def main():
                    if f.lower().endswith((".jpg", ".jpeg")))
     if a.limit:
         files = files[:a.limit]
+    files = files * max(1, a.repeat)
     if len(files) < 2 * BATCH:
         ap.error(f"{a.dir} has {len(files)} JPEG files; give at least {2 * BATCH}")
     print(f"torch {torch.__version__}, torchvision {torchvision.__version__}, "

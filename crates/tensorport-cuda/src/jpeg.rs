@@ -189,12 +189,47 @@ impl std::fmt::Display for JpegBackend {
     }
 }
 
+/// How the GPU's JPEG decoder upsamples subsampled chroma (4:2:2, 4:2:0).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Upsampling {
+    /// Interpolated, as libjpeg-turbo's decode (torchvision's and PIL's on the CPU) does.
+    #[default]
+    Interpolate,
+    /// Replicated: the JPEG engines decode 4:2:2 faster so, but the tensors lie further from
+    /// torchvision's (docs/benchmarks.md gives both).
+    Replicate,
+}
+
+impl Upsampling {
+    /// The name the command line uses.
+    pub fn name(self) -> &'static str {
+        match self {
+            Upsampling::Interpolate => "interpolate",
+            Upsampling::Replicate => "replicate",
+        }
+    }
+
+    /// The value named `s` ([`Upsampling::name`]).
+    pub fn parse(s: &str) -> Option<Upsampling> {
+        match s {
+            "interpolate" => Some(Upsampling::Interpolate),
+            "replicate" => Some(Upsampling::Replicate),
+            _ => None,
+        }
+    }
+}
+
 /// The decoder and the kernel, with scratch memory kept between batches.
 pub struct GpuJpeg {
     gpu: Arc<Gpu>,
     lib: Nvjpeg,
     handle: nvjpeg::Handle,
     state: nvjpeg::State,
+    /// A second hardware decoder without interpolated upsampling, for the images with no
+    /// chroma to upsample (4:4:4; all of them with [`Upsampling::Replicate`]): the engines
+    /// decode those several times faster without the flag, to the same pixels.
+    plain: Option<(nvjpeg::Handle, nvjpeg::State)>,
+    upsampling: Upsampling,
     parsed: nvjpeg::JpegStream,
     backend: JpegBackend,
     kernel: Option<Kernel>,
@@ -211,6 +246,50 @@ pub struct GpuJpeg {
     last: Option<crate::Event>,
     /// The bytes of the last batch [`GpuJpeg::decode_into`] enqueued: read until `last`.
     held: Vec<Vec<u8>>,
+    /// Where the time goes, once [`GpuJpeg::set_timing`] asked.
+    timing: Option<Timing>,
+}
+
+/// Where a decoder's time went, summed over its batches since [`GpuJpeg::set_timing`].
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct JpegTimes {
+    /// Batches run.
+    pub batches: u64,
+    /// Images decoded.
+    pub images: u64,
+    /// Their source pixels.
+    pub pixels: u64,
+    /// Host time inside nvJPEG's batched calls (parsing, and whatever it waits for).
+    pub host_ms: f64,
+    /// GPU time from a batch's start on the stream to its decode's end.
+    pub decode_ms: f64,
+    /// GPU time of the resize / crop / normalise kernel (with its job table's copy).
+    pub kernel_ms: f64,
+}
+
+/// The timing of the batch in flight, and the sums of those that ran.
+#[derive(Debug, Default)]
+struct Timing {
+    /// Start, decoded and done events of the batch in flight.
+    marks: Vec<crate::Event>,
+    /// Its images and pixels.
+    pending: (u64, u64),
+    totals: JpegTimes,
+}
+
+impl Timing {
+    /// Adds the batch in flight to the sums (its last event has been waited on).
+    fn settle(&mut self) -> Result<()> {
+        if let [start, decoded, done] = self.marks.as_slice() {
+            self.totals.decode_ms += f64::from(decoded.elapsed_since(start)?);
+            self.totals.kernel_ms += f64::from(done.elapsed_since(decoded)?);
+            self.totals.batches += 1;
+            self.totals.images += self.pending.0;
+            self.totals.pixels += self.pending.1;
+        }
+        self.marks.clear();
+        Ok(())
+    }
 }
 
 impl std::fmt::Debug for GpuJpeg {
@@ -250,6 +329,8 @@ impl GpuJpeg {
             lib,
             handle,
             state: std::ptr::null_mut(),
+            plain: None,
+            upsampling: Upsampling::default(),
             parsed: std::ptr::null_mut(),
             backend,
             kernel: None,
@@ -261,11 +342,27 @@ impl GpuJpeg {
             jobs_dev: None,
             last: None,
             held: Vec::new(),
+            timing: None,
         };
         // SAFETY: `handle` is live.
         me.state = unsafe { me.lib.state_create(me.handle)? };
         // SAFETY: as above.
         me.parsed = unsafe { me.lib.stream_create(me.handle)? };
+        if matches!(me.backend, JpegBackend::Hardware { .. }) {
+            if let Ok(h) = me
+                .lib
+                .create(nvjpeg::BACKEND_HARDWARE, nvjpeg::FLAGS_DEFAULT)
+            {
+                // SAFETY: `h` is live; on failure it is destroyed here, unused.
+                match unsafe { me.lib.state_create(h) } {
+                    Ok(st) => me.plain = Some((h, st)),
+                    Err(_) => {
+                        // SAFETY: as above.
+                        let _ = unsafe { me.lib.destroy(h) };
+                    }
+                }
+            }
+        }
         me.kernel = Some(Kernel::compile(
             gpu,
             KERNEL,
@@ -275,19 +372,50 @@ impl GpuJpeg {
         Ok(me)
     }
 
+    /// How subsampled chroma is upsampled ([`Upsampling::Interpolate`] unless set).
+    pub fn set_upsampling(&mut self, upsampling: Upsampling) {
+        self.upsampling = upsampling;
+    }
+
     /// Write each image as `[3, out, out]` bytes (planar RGB, not normalised: the server
     /// normalises them) instead of normalised `f32`.
     pub fn set_u8_output(&mut self, as_u8: bool) {
         self.as_u8 = as_u8;
     }
 
+    /// Times every batch from now on (GPU events around the decode and the kernel, which cost
+    /// a little): [`GpuJpeg::times`] gives the sums.
+    pub fn set_timing(&mut self, on: bool) {
+        self.timing = on.then(Timing::default);
+    }
+
+    /// The sums of the timed batches that have run (after [`GpuJpeg::wait_idle`], all of them).
+    pub fn times(&self) -> Option<JpegTimes> {
+        self.timing.as_ref().map(|t| t.totals)
+    }
+
     /// Waits until the last batch's decode and kernel have run (after which its JPEG bytes
     /// and output buffers are no longer read or written by this decoder).
     pub fn wait_idle(&mut self) -> Result<()> {
-        match self.last.take() {
-            Some(e) => e.wait(),
+        if let Some(e) = self.last.take() {
+            e.wait()?;
+        }
+        self.settle_timing()
+    }
+
+    fn settle_timing(&mut self) -> Result<()> {
+        match self.timing.as_mut() {
+            Some(t) => t.settle(),
             None => Ok(()),
         }
+    }
+
+    /// Records a timing event on `stream`, if timing.
+    fn mark(&mut self, stream: &Stream) -> Result<()> {
+        if let Some(t) = self.timing.as_mut() {
+            t.marks.push(stream.record()?);
+        }
+        Ok(())
     }
 
     /// Decodes `jobs` as one batch into `producer`'s buffers on its stream (as
@@ -359,27 +487,31 @@ impl GpuJpeg {
     /// in a batch on this backend, e.g. baseline for the hardware engines), `None` otherwise
     /// (prepare it on the CPU instead).
     pub fn probe(&mut self, data: &[u8]) -> Option<(u32, u32)> {
-        let size = self.header_size(data)?;
+        let info = self.header_info(data)?;
+        let size = (info.width, info.height);
         // SAFETY: `handle` and `parsed` are live and used only through `&mut self`.
         let taken = !matches!(self.backend, JpegBackend::Hardware { .. })
             || unsafe { self.lib.batched_supported(self.handle, self.parsed, data) };
         taken.then_some(size)
     }
 
-    /// The size the header of `data` declares, if it is one the decoder may be given: one or
-    /// three components, within the side and pixel limits (beyond them the CPU path, which
-    /// refuses such a file saying so, is the one to answer: a small file can declare
-    /// gigabytes). What `run` checks each job against: cheaper than [`GpuJpeg::probe`].
-    fn header_size(&mut self, data: &[u8]) -> Option<(u32, u32)> {
+    /// What the header of `data` declares, if it is an image the decoder may be given: three
+    /// components (the batched decode of a grayscale JPEG into RGB planes does not give its
+    /// gray in all three: the CPU prepares those), within the side and pixel limits (beyond
+    /// them the CPU path, which refuses such a file saying so, is the one to answer: a small
+    /// file can declare gigabytes). What `run` checks each job against: cheaper than
+    /// [`GpuJpeg::probe`].
+    fn header_info(&mut self, data: &[u8]) -> Option<nvjpeg::ImageInfo> {
         // SAFETY: `handle` is live and used only through `&mut self`.
-        let (components, w, h) = unsafe { self.lib.image_info(self.handle, data) }.ok()?;
-        let fits = (components == 1 || components == 3)
+        let info = unsafe { self.lib.image_info(self.handle, data) }.ok()?;
+        let (w, h) = (info.width, info.height);
+        let fits = info.components == 3
             && w > 0
             && h > 0
             && w <= Self::MAX_SIDE
             && h <= Self::MAX_SIDE
             && u64::from(w) * u64::from(h) <= Self::MAX_PIXELS;
-        fits.then_some((w, h))
+        fits.then_some(info)
     }
 
     /// Decodes `jobs` as one batch and writes each one's normalised `[3, out, out]` tensor into
@@ -402,19 +534,27 @@ impl GpuJpeg {
         if let Some(e) = self.last.take() {
             e.wait()?;
         }
+        self.settle_timing()?;
         let out = jobs[0].window.out;
         if jobs.iter().any(|j| j.window.out != out) {
             return Err(Error::BadAnswer("jobs of one batch with different sizes"));
         }
         // Planar RGB for every image, each image 256-byte aligned.
         let mut offsets = Vec::with_capacity(jobs.len());
+        let mut plain = Vec::with_capacity(jobs.len());
         let mut total = 0usize;
         for j in jobs {
-            if self.header_size(j.data) != Some(j.size) {
+            let info = self.header_info(j.data);
+            if info.map(|i| (i.width, i.height)) != Some(j.size) {
                 return Err(Error::BadAnswer(
                     "a job's size is not its JPEG's (or the JPEG is not one this decodes)",
                 ));
             }
+            plain.push(
+                self.plain.is_some()
+                    && (self.upsampling == Upsampling::Replicate
+                        || info.is_some_and(|i| i.subsampling == nvjpeg::CSS_444)),
+            );
             let (w, h) = (j.size.0 as usize, j.size.1 as usize);
             let need = (j.window.out as usize).pow(2) * 3 * if self.as_u8 { 1 } else { 4 };
             if j.dst
@@ -443,23 +583,45 @@ impl GpuJpeg {
         if self.jobs_host.as_ref().is_none_or(|b| b.len() < bytes) {
             self.jobs_host = Some(PinnedBuffer::new(&self.gpu, bytes.max(4096) * 2)?);
         }
+        if let Some(t) = self.timing.as_mut() {
+            let pixels = jobs
+                .iter()
+                .map(|j| u64::from(j.size.0) * u64::from(j.size.1));
+            t.pending = (jobs.len() as u64, pixels.sum());
+        }
+        self.mark(stream)?;
         // From here work is enqueued: whatever happens, the next batch waits for it.
-        let r = self.enqueue(jobs, &offsets, stream);
-        self.last = Some(stream.record()?);
+        let r = self.enqueue(jobs, &offsets, &plain, stream);
+        let last = stream.record()?;
+        if let Some(t) = self.timing.as_mut() {
+            if r.is_ok() {
+                t.marks.push(stream.record()?);
+            } else {
+                t.marks.clear();
+            }
+        }
+        self.last = Some(last);
         r
     }
 
     /// The part of [`GpuJpeg::run`] that enqueues work (the buffers are sized).
-    fn enqueue(&mut self, jobs: &[JpegJob<'_>], offsets: &[usize], stream: &Stream) -> Result<()> {
-        let scratch = self.scratch.as_ref().expect("sized by run");
-        let mut images: Vec<nvjpeg::Image> = jobs
+    /// `plain[i]`: job `i` goes to the decoder without interpolated upsampling.
+    fn enqueue(
+        &mut self,
+        jobs: &[JpegJob<'_>],
+        offsets: &[usize],
+        plain: &[bool],
+        stream: &Stream,
+    ) -> Result<()> {
+        let base = self.scratch.as_ref().expect("sized by run").ptr();
+        let images: Vec<nvjpeg::Image> = jobs
             .iter()
             .zip(offsets)
             .map(|(j, &off)| {
                 let (w, h) = (j.size.0 as usize, j.size.1 as usize);
                 let mut im = nvjpeg::Image::default();
                 for c in 0..3 {
-                    im.channel[c] = (scratch.ptr() as usize + off + c * w * h) as *mut u8;
+                    im.channel[c] = (base as usize + off + c * w * h) as *mut u8;
                     im.pitch[c] = w;
                 }
                 im
@@ -467,21 +629,41 @@ impl GpuJpeg {
             .collect();
         let data: Vec<*const u8> = jobs.iter().map(|j| j.data.as_ptr()).collect();
         let lengths: Vec<usize> = jobs.iter().map(|j| j.data.len()).collect();
-        // SAFETY: handle and state are live and ours alone; each image's planes lie inside the
-        // scratch buffer (sized above from the same widths and heights nvJPEG reported), which
-        // lives until after `self.last` is waited on.
-        unsafe {
-            self.lib
-                .batched_initialize(self.handle, self.state, jobs.len(), nvjpeg::OUTPUT_RGB)?;
-            self.lib.decode_batched(
-                self.handle,
-                self.state,
-                &data,
-                &lengths,
-                &mut images,
-                stream.raw(),
-            )?;
+        let host = std::time::Instant::now();
+        for which in [false, true] {
+            let (handle, state) = match (which, self.plain) {
+                (false, _) => (self.handle, self.state),
+                (true, Some(p)) => p,
+                (true, None) => continue,
+            };
+            let (data, lengths, mut images) = (
+                pick(&data, plain, which),
+                pick(&lengths, plain, which),
+                pick(&images, plain, which),
+            );
+            if data.is_empty() {
+                continue;
+            }
+            // SAFETY: handle and state are live and ours alone; each image's planes lie inside
+            // the scratch buffer (sized above from the same widths and heights nvJPEG
+            // reported), which lives until after `self.last` is waited on.
+            unsafe {
+                self.lib
+                    .batched_initialize(handle, state, data.len(), nvjpeg::OUTPUT_RGB)?;
+                self.lib.decode_batched(
+                    handle,
+                    state,
+                    &data,
+                    &lengths,
+                    &mut images,
+                    stream.raw(),
+                )?;
+            }
         }
+        if let Some(t) = self.timing.as_mut() {
+            t.totals.host_ms += host.elapsed().as_secs_f64() * 1e3;
+        }
+        self.mark(stream)?;
         let raw: Vec<RawJob> = jobs
             .iter()
             .zip(offsets)
@@ -489,7 +671,7 @@ impl GpuJpeg {
                 let (w, h) = (j.size.0 as usize, j.size.1 as usize);
                 let out = f64::from(j.window.out);
                 RawJob {
-                    src: scratch.ptr() + off as u64,
+                    src: base + off as u64,
                     pitch: w as u64,
                     plane: (w * h) as u64,
                     w: w as i32,
@@ -561,6 +743,15 @@ fn grow<'a>(
     Ok(slot.as_ref().expect("just set"))
 }
 
+/// The items of `v` whose `plain` flag is `which`, in order.
+fn pick<T: Copy>(v: &[T], plain: &[bool], which: bool) -> Vec<T> {
+    v.iter()
+        .zip(plain)
+        .filter(|(_, &p)| p == which)
+        .map(|(x, _)| *x)
+        .collect()
+}
+
 fn job_bytes(r: &RawJob) -> &[u8] {
     // SAFETY: RawJob is plain old data (integers and floats, `repr(C)`, no padding: 56 bytes
     // of 8-, 4- and 8-byte fields in that order), so its bytes may be read.
@@ -585,6 +776,10 @@ impl Drop for GpuJpeg {
             }
             if !self.state.is_null() {
                 let _ = self.lib.state_destroy(self.state);
+            }
+            if let Some((h, st)) = self.plain.take() {
+                let _ = self.lib.state_destroy(st);
+                let _ = self.lib.destroy(h);
             }
             let _ = self.lib.destroy(self.handle);
         }

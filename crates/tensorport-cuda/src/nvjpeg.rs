@@ -29,6 +29,24 @@ pub const OUTPUT_RGB: c_int = 3;
 pub const BACKEND_DEFAULT: c_int = 0;
 /// `NVJPEG_BACKEND_HARDWARE`: the GPU's JPEG engines (A100, H100, H200…).
 pub const BACKEND_HARDWARE: c_int = 3;
+/// `NVJPEG_FLAGS_DEFAULT`.
+pub const FLAGS_DEFAULT: c_uint = 0;
+/// `NVJPEG_CSS_444`: chroma at full resolution (nothing to upsample).
+pub const CSS_444: c_int = 0;
+
+/// What `nvjpegGetImageInfo` tells of a JPEG.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct ImageInfo {
+    /// Colour components.
+    pub components: c_int,
+    /// `nvjpegChromaSubsampling_t`.
+    pub subsampling: c_int,
+    /// The first component's width.
+    pub width: u32,
+    /// The first component's height.
+    pub height: u32,
+}
+
 /// `NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION`: chroma upsampled by interpolation, as
 /// libjpeg-turbo's default ("fancy") upsampling does.
 pub const FLAGS_UPSAMPLING_WITH_INTERPOLATION: c_uint = 1 << 5;
@@ -271,11 +289,12 @@ impl Nvjpeg {
         })
     }
 
-    /// `nvjpegGetImageInfo`: (components, width, height) of a JPEG, from its header.
+    /// `nvjpegGetImageInfo`: components, chroma subsampling, width and height of a JPEG, from
+    /// its header.
     ///
     /// # Safety
     /// `h` live.
-    pub unsafe fn image_info(&self, h: Handle, data: &[u8]) -> Result<(i32, u32, u32)> {
+    pub unsafe fn image_info(&self, h: Handle, data: &[u8]) -> Result<ImageInfo> {
         let (mut n, mut css) = (0, 0);
         let (mut w, mut ht) = ([0 as c_int; MAX_COMPONENT], [0 as c_int; MAX_COMPONENT]);
         // SAFETY: reads `data`; writes two ints and two arrays of MAX_COMPONENT ints.
@@ -291,7 +310,12 @@ impl Nvjpeg {
             )
         };
         self.check("nvjpegGetImageInfo", s)?;
-        Ok((n, w[0].max(0) as u32, ht[0].max(0) as u32))
+        Ok(ImageInfo {
+            components: n,
+            subsampling: css,
+            width: w[0].max(0) as u32,
+            height: ht[0].max(0) as u32,
+        })
     }
 
     /// `nvjpegDecodeBatchedInitialize`.

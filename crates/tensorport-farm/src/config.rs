@@ -269,6 +269,8 @@ pub struct PrepOptions {
     /// pixel for each output pixel.
     pub dct_scaling: bool,
     pub pixels: Pixels,
+    /// How GPU producers' JPEG engines upsample subsampled chroma.
+    pub gpu_upsampling: tensorport_cuda::Upsampling,
 }
 
 impl Default for PrepOptions {
@@ -279,6 +281,7 @@ impl Default for PrepOptions {
             max_pixels: 64_000_000,
             dct_scaling: false,
             pixels: Pixels::F32,
+            gpu_upsampling: tensorport_cuda::Upsampling::default(),
         }
     }
 }
@@ -313,6 +316,8 @@ impl PrepOptions {
             if self.dct_scaling { "on" } else { "off" }.into(),
             "--pixels".into(),
             self.pixels.name().into(),
+            "--gpu-upsampling".into(),
+            self.gpu_upsampling.name().into(),
         ]
     }
 }

@@ -32,11 +32,11 @@ pub struct JpegFrame {
 }
 
 impl JpegFrame {
-    /// 8-bit sequential with one or three components: what JPEG engines decode.
+    /// 8-bit sequential colour (three components): what the GPU producers decode on the JPEG
+    /// engines. Grayscale is not plain: nvJPEG's batched decode into RGB planes does not give
+    /// the image's gray in all three, so the CPU prepares those.
     pub fn is_plain(&self) -> bool {
-        self.coding == Coding::Sequential
-            && self.precision == 8
-            && (self.components == 1 || self.components == 3)
+        self.coding == Coding::Sequential && self.precision == 8 && self.components == 3
     }
 }
 
@@ -174,6 +174,11 @@ mod tests {
         assert!(!jpeg_frame(Cursor::new(jpeg(&[(0xC0, &cmyk)])))
             .unwrap()
             .is_plain());
+        let mut gray = SOF;
+        gray[5] = 1;
+        let g = jpeg_frame(Cursor::new(jpeg(&[(0xC0, &gray)]))).unwrap();
+        assert_eq!(g.components, 1);
+        assert!(!g.is_plain());
         assert_eq!(
             jpeg_frame(Cursor::new(jpeg(&[(0xC3, &SOF)])))
                 .unwrap()

@@ -98,6 +98,7 @@ pub(super) fn run(
     let gpu: Arc<Gpu> = Gpu::open(g.ordinal as i32)?;
     let mut jpeg = GpuJpeg::new(&gpu, IMAGENET_MEAN, IMAGENET_STD)?;
     jpeg.set_u8_output(cfg.prep.pixels == Pixels::U8);
+    jpeg.set_upsampling(cfg.prep.gpu_upsampling);
     tracing::info!(backend = %jpeg.backend(), library = jpeg.library(), gpu = g.ordinal, "decoding on the GPU");
     // One device buffer per request in flight; a session may register at most 64.
     let depth = (cfg.in_flight.max(1) as usize).min(tensorport_wire::MAX_DEVICE_BUFFERS as usize);
