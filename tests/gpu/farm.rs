@@ -373,6 +373,9 @@ pub(crate) fn farm_gpu_producers() {
     assert_eq!(errors, 1);
     assert!(by_gpu >= 24, "the GPU producers did only {by_gpu}");
     assert!(same + 10 >= good, "only {same}/{good} classes agree");
-    assert!(gray_worst <= 1e-4, "grayscale JPEGs' scores differ by {gray_worst}");
+    assert!(
+        gray_worst <= 1e-4,
+        "grayscale JPEGs' scores differ by {gray_worst}"
+    );
     assert!(worst <= 0.1, "scores differ by {worst}");
 }

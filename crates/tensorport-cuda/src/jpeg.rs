@@ -791,6 +791,24 @@ mod tests {
     use super::*;
 
     #[test]
+    fn upsampling_names_round_trip() {
+        for u in [Upsampling::Interpolate, Upsampling::Replicate] {
+            assert_eq!(Upsampling::parse(u.name()), Some(u));
+        }
+        assert_eq!(Upsampling::default(), Upsampling::Interpolate);
+        assert_eq!(Upsampling::parse("bilinear"), None);
+    }
+
+    #[test]
+    fn a_batch_splits_between_the_decoders_in_order() {
+        let v = [10, 11, 12, 13, 14];
+        let plain = [false, true, true, false, true];
+        assert_eq!(pick(&v, &plain, false), vec![10, 13]);
+        assert_eq!(pick(&v, &plain, true), vec![11, 12, 14]);
+        assert!(pick(&v, &[false; 5], true).is_empty());
+    }
+
+    #[test]
     fn the_job_table_matches_the_kernels_struct() {
         // struct Job: 3 × 8-byte fields, 2 ints, 4 floats, 1 pointer = 56 bytes, no padding.
         assert_eq!(std::mem::size_of::<RawJob>(), 56);
