@@ -6,10 +6,11 @@
 #     tensors to a server process, which fences and copies each: no gateway);
 #   - NIXL's reads alone: `nixl-bench hold --gpu 0 | nixl-bench read --gpu 0` (GPU memory to GPU
 #     memory, 8 in flight), with UCX's choice, with CUDA IPC reads turned on where UCX turns them
-#     off for want of NVLink (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y), and with UCX_TLS=tcp,cuda_copy;
+#     off for want of NVLink (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y), with UCX's pipelined RMA
+#     protocols forced on (UCX_RMA_PPLN_ENABLE=y), and with UCX_TLS=tcp,cuda_copy;
 #   - the gateway: `tensorport-bridge produce --ready --shape 32,3,224,224 --transport nixl
 #     --gpu 0` → `tensorport-bridge gateway` (device buffers of a GPU producer session) →
-#     `tensorport serve --device cuda --sink`, an answer per tensor, the three UCX settings;
+#     `tensorport serve --device cuda --sink`, an answer per tensor, the four UCX settings;
 #   - Flight beside it: the same tensors from host memory inside the stream.
 #
 #   bench/gateway_nixl_gpu.sh BIN_DIR [TENSORS] [ROUNDS]
@@ -33,10 +34,12 @@ echo "== local device path (tensorport gpu bench-ipc, ready tensors, timeline fe
 echo "== NIXL's reads alone, GPU to GPU, 16 slots, 8 in flight, 3 s"
 choice="(UCX's choice)"
 GET=UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
-[[ -n "${SKIP_NIXL_BENCH:-}" ]] || for tls in "" get tcp,cuda_copy; do
+PPLN=UCX_RMA_PPLN_ENABLE=y
+[[ -n "${SKIP_NIXL_BENCH:-}" ]] || for tls in "" get ppln tcp,cuda_copy; do
   case $tls in
     "") printf '%-44s ' "$choice"; set -- X=1 ;;
     get) printf '%-44s ' "$GET"; set -- "$GET" ;;
+    ppln) printf '%-44s ' "$PPLN"; set -- "$PPLN" ;;
     *) printf '%-44s ' "UCX_TLS=$tls"; set -- "UCX_TLS=$tls" ;;
   esac
   env "$@" timeout 30 bash -c "sleep 8 | '$B/nixl-bench' hold --gpu 0 --slots 16 --slot-len $bytes | '$B/nixl-bench' read --gpu 0 --in-flight 8 --seconds 3" 2>&1 | tail -1
@@ -68,6 +71,7 @@ echo "== through the gateway into serve --device cuda --sink, 16 in flight, 4 pe
 for r in $(seq 1 "$rounds"); do
   row "NIXL from GPU slots, UCX's choice" -- --transport nixl --gpu 0
   row "NIXL from GPU slots, $GET" "$GET" -- --transport nixl --gpu 0
+  row "NIXL from GPU slots, $PPLN" "$PPLN" -- --transport nixl --gpu 0
   row "NIXL from GPU slots, UCX_TLS=tcp,cuda_copy" UCX_TLS=tcp,cuda_copy -- --transport nixl --gpu 0
   row "Flight, from host memory" --
 done
