@@ -325,8 +325,9 @@ pub struct PrepArgs {
     pub dct_scaling: Switch,
     /// How GPU producers (`--nvjpeg`, `--gpu-producers`) upsample the chroma of 4:2:2 and
     /// 4:2:0 JPEGs on the JPEG engines: interpolate (as libjpeg-turbo, and so torchvision's
-    /// CPU decode, does) or replicate (faster on 4:2:2 photos, further from torchvision's
-    /// tensors: docs/operations.md). 4:4:4 JPEGs have nothing to upsample either way.
+    /// CPU decode, does) or replicate (one decoder for every file, faster where a folder mixes
+    /// 4:4:4 with subsampled JPEGs, further from torchvision's tensors: docs/operations.md).
+    /// 4:4:4 JPEGs have nothing to upsample either way.
     #[arg(long, value_parser = parse_upsampling, value_name = "interpolate|replicate",
           default_value = "interpolate")]
     pub gpu_upsampling: tensorport_cuda::Upsampling,

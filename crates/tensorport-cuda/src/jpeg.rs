@@ -195,8 +195,9 @@ pub enum Upsampling {
     /// Interpolated, as libjpeg-turbo's decode (torchvision's and PIL's on the CPU) does.
     #[default]
     Interpolate,
-    /// Replicated: the JPEG engines decode 4:2:2 faster so, but the tensors lie further from
-    /// torchvision's (docs/benchmarks.md gives both).
+    /// Replicated: one decoder (one batched call) for every file, faster where a batch mixes
+    /// 4:4:4 with subsampled JPEGs, but the tensors lie further from torchvision's
+    /// (docs/benchmarks.md gives both).
     Replicate,
 }
 
