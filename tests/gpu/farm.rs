@@ -77,12 +77,7 @@ pub(crate) fn farm_on_cuda_with(pixels: &str, precision: &str, bound: f32) {
         let src: tensorport_vision::Source = v["input"].as_str().unwrap().parse().unwrap();
         tensorport_vision::prepare(&src, size as u32, &mut px).unwrap();
         let want = &model.forward_flat(px.clone(), 1)[0];
-        let got: Vec<f32> = v["scores"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
+        let got = line_scores(&v);
         for (g, w) in got.iter().zip(want) {
             worst = worst.max((g - w).abs() / (1.0 + w.abs()));
         }

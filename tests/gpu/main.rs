@@ -193,6 +193,16 @@ fn tp(args: &[&str]) -> String {
 
 /// Sample images: `tensorport images` (half PNG, half JPEG) and a file that only looks like a
 /// JPEG; returns the folder and a folder with only the JPEGs.
+/// A result line's scores.
+fn line_scores(v: &serde_json::Value) -> Vec<f32> {
+    v["scores"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|x| x.as_f64().unwrap() as f32)
+        .collect()
+}
+
 fn sample_images(dir: &std::path::Path, count: u32) -> (String, String) {
     let all = dir.join("images");
     tp(&[

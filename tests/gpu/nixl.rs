@@ -118,12 +118,7 @@ fn scores(dir: &Path, name: &str, n: u64) -> BTreeMap<u64, Vec<f32>> {
         let v: serde_json::Value = serde_json::from_str(line).unwrap();
         assert!(v.get("error").is_none(), "{name}: {line}");
         let i = v["index"].as_u64().unwrap();
-        let s: Vec<f32> = v["scores"]
-            .as_array()
-            .unwrap()
-            .iter()
-            .map(|x| x.as_f64().unwrap() as f32)
-            .collect();
+        let s = line_scores(&v);
         assert!(got.insert(i, s).is_none(), "{name}: input {i} twice");
     }
     assert_eq!(
