@@ -28,10 +28,10 @@ echo "== one process, batches of 32, best of 2 passes; torchvision's nvJPEG pipe
 for d in "$out/uniform" "$by"/{colour,444,422,420,large,small}; do
   echo "-- $(basename "$d"): $(find "$d" -name '*.jpg' | wc -l) files"
   for u in interpolate replicate; do
-    "$bin" --log warn prep --input "$d" --nvjpeg --repeat 2 --batch 32 --gpu-upsampling $u 2>&1 \
-      | grep -E "images/s|per image" | tr '\n' ' ' | sed "s/^/   $u: /"; echo
+    { "$bin" --log warn prep --input "$d" --nvjpeg --repeat 2 --batch 32 --gpu-upsampling $u 2>&1 || true; } \
+      | grep -E "images/s|per image|error" | tr '\n' ' ' | sed "s/^/   $u: /" || true; echo
   done
-  python3 "$here/peers/torch_jpeg.py" "$d" --pipelines gpu-nvjpeg 2>&1 | grep gpu-nvjpeg | sed 's/^/   torchvision /'
+  python3 "$here/peers/torch_jpeg.py" "$d" --pipelines gpu-nvjpeg 2>&1 | grep -E "gpu-nvjpeg|error" | sed 's/^/   torchvision /' || true
 done
 echo "== against torchvision's CPU decode, the first 200 colour baseline files"
 python3 "$here/peers/torch_jpeg.py" "$by/colour" --pipelines none --dump 200 "$out/ref.pt" > /dev/null
