@@ -158,9 +158,6 @@ pub(crate) fn nvjpeg_tensors() {
 /// Grayscale JPEGs among `farm_gpu_producers`' inputs.
 const GRAY: u64 = 8;
 
-/// A farm whose producers decode on the GPU (and one on the CPU) over JPEGs (grayscale ones
-/// among them), PNGs and a broken file: every input gets exactly one line, the GPU producers did
-/// most of them, the broken file an error, and the scores agree with a CPU-producer farm's.
 /// A farm over two GPUs (a server on each) with the server on GPU 1 SIGKILLed mid-run: its
 /// producers redo their inputs through the other server while it restarts, and every input gets
 /// exactly one line.
@@ -251,6 +248,9 @@ pub(crate) fn farm_two_gpus_server_killed() {
     );
 }
 
+/// A farm whose producers decode on the GPU (and one on the CPU) over JPEGs (grayscale ones
+/// among them), PNGs and a broken file: every input gets exactly one line, the GPU producers did
+/// most of them, the broken file an error, and the scores agree with a CPU-producer farm's.
 pub(crate) fn farm_gpu_producers() {
     let dir = tempfile::tempdir().unwrap();
     let (all, _) = sample_images(dir.path(), 96);
