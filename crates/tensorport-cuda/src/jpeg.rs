@@ -518,22 +518,30 @@ impl GpuJpeg {
     }
 
     /// What the header of `data` declares, if it is an image the decoder may be given: three
-    /// components (the batched decode of a grayscale JPEG into RGB planes does not give its
-    /// gray in all three: the CPU prepares those), within the side and pixel limits (beyond
-    /// them the CPU path, which refuses such a file saying so, is the one to answer: a small
-    /// file can declare gigabytes). What `run` checks each job against: cheaper than
-    /// [`GpuJpeg::probe`].
+    /// components, or one where the engines give the stored planes (the batched decode of a
+    /// grayscale JPEG into RGB planes does not give its gray in all three: without planes the
+    /// CPU prepares those), within the side and pixel limits (beyond them the CPU path, which
+    /// refuses such a file saying so, is the one to answer: a small file can declare
+    /// gigabytes). What `run` checks each job against: cheaper than [`GpuJpeg::probe`].
     fn header_info(&mut self, data: &[u8]) -> Option<nvjpeg::ImageInfo> {
         // SAFETY: `handle` is live and used only through `&mut self`.
         let info = unsafe { self.lib.image_info(self.handle, data) }.ok()?;
         let (w, h) = (info.width, info.height);
-        let fits = info.components == 3
+        let fits = (info.components == 3 || (info.components == 1 && self.gray_as_planes()))
             && w > 0
             && h > 0
             && w <= Self::MAX_SIDE
             && h <= Self::MAX_SIDE
             && u64::from(w) * u64::from(h) <= Self::MAX_PIXELS;
         fits.then_some(info)
+    }
+
+    /// Whether grayscale JPEGs are decoded here: as their stored plane, which the YCbCr kernel
+    /// copies into all three (so only while the engines give planes, or have not been tried).
+    fn gray_as_planes(&self) -> bool {
+        self.plain.is_some()
+            && self.upsampling == Upsampling::Interpolate
+            && self.planes_format != Some(None)
     }
 
     /// Decodes `jobs` as one batch and writes each one's normalised `[3, out, out]` tensor into
@@ -628,14 +636,17 @@ impl GpuJpeg {
                 "nvJPEG's JPEG engines give no stored planes here: chroma is interpolated by \
                  the engines (slower on files that are not 4:2:0)"
             );
-            routes = jobs
+            // Grayscale JPEGs are decoded only as planes: without, the batch goes to the CPU.
+            let again: Option<Vec<Route>> = jobs
                 .iter()
-                .map(|j| {
-                    self.header_info(j.data)
-                        .map_or(Route::Interp, |i| self.route(&i, j.data))
-                })
+                .map(|j| self.header_info(j.data).map(|i| self.route(&i, j.data)))
                 .collect();
-            r = self.enqueue(jobs, &layout, &routes, stream);
+            r = match again {
+                Some(routes) => self.enqueue(jobs, &layout, &routes, stream),
+                None => Err(Error::Refused(
+                    "grayscale JPEGs need the engines' stored planes, which they do not give here",
+                )),
+            };
         }
         let r = r.map(|_| ());
         let last = stream.record()?;
@@ -657,6 +668,9 @@ impl GpuJpeg {
         }
         match self.upsampling {
             Upsampling::Replicate => return Route::Plain,
+            Upsampling::Interpolate if info.components == 1 => {
+                return Route::Planes(Chroma::gray((info.width, info.height)));
+            }
             Upsampling::Interpolate if self.planes_format != Some(None) => {
                 let chroma = Chroma::of(info.subsampling, (info.width, info.height), info.chroma);
                 if let (Some(c), Some(true)) = (chroma, crate::ycc::stores_ycc(data)) {

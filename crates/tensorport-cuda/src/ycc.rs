@@ -19,7 +19,8 @@ struct Ycc {
 
 // The chroma sample of output pixel (x, y) from a plane of cw x ch samples.
 // mode 0: full resolution; 1: 2x1 fancy (4:2:2); 2: 2x2 fancy (4:2:0);
-// 3: 2x1 replicated; 4: 2x2 replicated (libjpeg replicates where the plane is 2 samples wide or less).
+// 3: 2x1 replicated; 4: 2x2 replicated (libjpeg replicates where the plane is 2 samples wide or less);
+// 5: grayscale (no chroma: the gray in all three planes, as libjpeg's gray to RGB).
 __device__ __forceinline__ int chroma(const unsigned char* c, int cw, int ch, int x, int y, int mode) {
     const int odd = x & 1;
     const int i = x >> 1;
@@ -51,6 +52,10 @@ extern "C" __global__ void tp_ycc_rgb(const Ycc* jobs) {
         for (int x = blockIdx.x * blockDim.x + threadIdx.x; x < j.w; x += gridDim.x * blockDim.x) {
             const long long at = (long long)y * j.w + x;
             const int l = j.y[at];
+            if (j.mode == 5) {
+                j.dst[at] = j.dst[plane + at] = j.dst[2 * plane + at] = (unsigned char)l;
+                continue;
+            }
             const int cb = chroma(j.cb, j.cw, j.ch, x, y, j.mode) - 128;
             const int cr = chroma(j.cr, j.cw, j.ch, x, y, j.mode) - 128;
             // libjpeg's YCbCr -> RGB: FIX(1.402) = 91881, FIX(0.34414) = 22554,
@@ -100,6 +105,16 @@ pub(crate) struct Chroma {
 }
 
 impl Chroma {
+    /// A grayscale image of `w`×`h`: its gray in all three planes. Room is laid out for two
+    /// more planes of its size, which the kernel does not read (whichever output format the
+    /// engines give, they write inside the image's room).
+    pub fn gray((w, h): (u32, u32)) -> Chroma {
+        Chroma {
+            mode: 5,
+            size: (w, h),
+        }
+    }
+
     /// The layout for a `w`×`h` image whose chroma planes are `cw`×`ch` with nvJPEG's
     /// subsampling `css` (0 4:4:4, 1 4:2:2, 2 4:2:0), if the kernel converts it: the planes
     /// must be the sizes that subsampling gives (libjpeg's rounding up).
@@ -247,6 +262,17 @@ mod tests {
         assert_eq!(Chroma::of(2, (5, 3), (2, 2)), None);
         assert_eq!(Chroma::of(3, (4, 4), (4, 2)), None);
         assert_eq!(Chroma::of(6, (4, 4), (0, 0)), None);
+    }
+
+    #[test]
+    fn gray_images_have_a_mode_of_their_own() {
+        assert_eq!(
+            Chroma::gray((7, 5)),
+            Chroma {
+                mode: 5,
+                size: (7, 5)
+            }
+        );
     }
 
     #[test]
