@@ -324,18 +324,18 @@ pub struct PrepArgs {
     #[arg(long, value_enum, default_value_t = Switch::Off)]
     pub dct_scaling: Switch,
     /// How GPU producers (`--nvjpeg`, `--gpu-producers`) upsample the chroma of 4:2:2 and
-    /// 4:2:0 JPEGs: interpolate (as libjpeg-turbo, and so torchvision's CPU decode, does it:
-    /// the JPEG engines decode the stored planes and a kernel interpolates), engines (the
-    /// engines interpolate, several times slower on files that are not 4:2:0) or replicate
-    /// (faster on the engines, further from torchvision's tensors: docs/operations.md).
-    #[arg(long, value_parser = parse_upsampling, value_name = "interpolate|engines|replicate",
+    /// 4:2:0 JPEGs on the JPEG engines: interpolate (as libjpeg-turbo, and so torchvision's
+    /// CPU decode, does) or replicate (one decoder for every file, faster where a folder mixes
+    /// 4:4:4 with subsampled JPEGs, further from torchvision's tensors: docs/operations.md).
+    /// 4:4:4 JPEGs have nothing to upsample either way.
+    #[arg(long, value_parser = parse_upsampling, value_name = "interpolate|replicate",
           default_value = "interpolate")]
     pub gpu_upsampling: tensorport_cuda::Upsampling,
 }
 
 fn parse_upsampling(s: &str) -> Result<tensorport_cuda::Upsampling, String> {
     tensorport_cuda::Upsampling::parse(s)
-        .ok_or_else(|| format!("{s:?}: expected interpolate, engines or replicate"))
+        .ok_or_else(|| format!("{s:?}: expected interpolate or replicate"))
 }
 
 impl PrepArgs {

@@ -84,7 +84,7 @@ pub fn run(a: Args) -> CliResult<u8> {
             let per = |ms: f64| ms * 1e3 / t.images as f64;
             println!(
                 "per image, all passes ({:.2} megapixels on average): nvJPEG's host calls {:.0} us, \
-                 GPU decode {:.0} us, kernels (YCbCr to RGB, resize+crop+normalise) {:.0} us",
+                 GPU decode {:.0} us, resize+crop+normalise kernel {:.0} us",
                 t.pixels as f64 / t.images as f64 / 1e6,
                 per(t.host_ms),
                 per(t.decode_ms),
@@ -274,11 +274,6 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
         }
     }
     jpeg.wait_idle().map_err(cuda)?;
-    if a.prep.gpu_upsampling == tensorport_cuda::Upsampling::Interpolate
-        && jpeg.kernel_upsampling() == Some(false)
-    {
-        println!("the JPEG engines gave no stored planes: they interpolated the chroma");
-    }
     Ok((
         best.expect("at least one pass"),
         dumped,

@@ -11,7 +11,6 @@ use std::sync::Arc;
 
 use crate::kernel::Kernel;
 use crate::nvjpeg::{self, Nvjpeg};
-use crate::ycc::{Chroma, YccJob};
 use crate::{DeviceBuffer, Error, Gpu, GpuProducer, PinnedBuffer, Result, Stream};
 
 /// The resize / crop / normalise kernel. One thread per output pixel (x), one block row per
@@ -193,40 +192,31 @@ impl std::fmt::Display for JpegBackend {
 /// How the GPU's JPEG decoder upsamples subsampled chroma (4:2:2, 4:2:0).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum Upsampling {
-    /// Interpolated as libjpeg-turbo's decode (torchvision's and PIL's on the CPU) does it, by
-    /// a kernel of ours: the JPEG engines decode the stored planes of every file in one batched
-    /// call, at their fastest. Where the engines do not give planes, as [`Upsampling::Engines`].
+    /// Interpolated, as libjpeg-turbo's decode (torchvision's and PIL's on the CPU) does.
     #[default]
     Interpolate,
-    /// Interpolated by the JPEG engines themselves (`NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION`),
-    /// which makes them several times slower on files that are not 4:2:0; 4:4:4 files, which
-    /// have nothing to upsample, go to a second decoder without the flag, in a second call.
-    Engines,
-    /// Replicated by the engines: one decoder for every file, further from torchvision's
-    /// tensors (docs/benchmarks.md gives both).
+    /// Replicated: one decoder (one batched call) for every file, faster where a batch mixes
+    /// 4:4:4 with subsampled JPEGs, but the tensors lie further from torchvision's
+    /// (docs/benchmarks.md gives both).
     Replicate,
 }
 
 impl Upsampling {
-    /// Every setting, in the order `--help` lists them.
-    pub const ALL: [Upsampling; 3] = [
-        Upsampling::Interpolate,
-        Upsampling::Engines,
-        Upsampling::Replicate,
-    ];
-
     /// The name the command line uses.
     pub fn name(self) -> &'static str {
         match self {
             Upsampling::Interpolate => "interpolate",
-            Upsampling::Engines => "engines",
             Upsampling::Replicate => "replicate",
         }
     }
 
     /// The value named `s` ([`Upsampling::name`]).
     pub fn parse(s: &str) -> Option<Upsampling> {
-        Upsampling::ALL.into_iter().find(|u| u.name() == s)
+        match s {
+            "interpolate" => Some(Upsampling::Interpolate),
+            "replicate" => Some(Upsampling::Replicate),
+            _ => None,
+        }
     }
 }
 
@@ -236,20 +226,14 @@ pub struct GpuJpeg {
     lib: Nvjpeg,
     handle: nvjpeg::Handle,
     state: nvjpeg::State,
-    /// A second hardware decoder without interpolated upsampling: for the stored planes
-    /// ([`Upsampling::Interpolate`]), the images with no chroma to upsample (4:4:4), and all
-    /// of them with [`Upsampling::Replicate`]. The engines decode several times faster without
-    /// the flag.
+    /// A second hardware decoder without interpolated upsampling, for the images with no
+    /// chroma to upsample (4:4:4; all of them with [`Upsampling::Replicate`]): the engines
+    /// decode those several times faster without the flag, to the same pixels.
     plain: Option<(nvjpeg::Handle, nvjpeg::State)>,
     upsampling: Upsampling,
     parsed: nvjpeg::JpegStream,
     backend: JpegBackend,
     kernel: Option<Kernel>,
-    /// The YCbCr → RGB kernel ([`Upsampling::Interpolate`]).
-    ycc: Option<Kernel>,
-    /// The output format that gives the stored planes on these engines, once one has
-    /// (`None`: none tried yet; `Some(None)`: none does, interpolate on the engines).
-    planes_format: Option<Option<std::ffi::c_int>>,
     mean: [f32; 3],
     std: [f32; 3],
     /// Write 8-bit planes instead of normalised floats.
@@ -280,8 +264,7 @@ pub struct JpegTimes {
     pub host_ms: f64,
     /// GPU time from a batch's start on the stream to its decode's end.
     pub decode_ms: f64,
-    /// GPU time of the kernels (YCbCr to RGB where the engines gave planes, then resize / crop
-    /// / normalise, with their job tables' copy).
+    /// GPU time of the resize / crop / normalise kernel (with its job table's copy).
     pub kernel_ms: f64,
 }
 
@@ -352,8 +335,6 @@ impl GpuJpeg {
             parsed: std::ptr::null_mut(),
             backend,
             kernel: None,
-            ycc: None,
-            planes_format: None,
             mean,
             std,
             as_u8: false,
@@ -383,14 +364,12 @@ impl GpuJpeg {
                 }
             }
         }
-        let [resize, ycc] = Kernel::compile_all(
+        me.kernel = Some(Kernel::compile(
             gpu,
-            &format!("{KERNEL}\n{}", crate::ycc::KERNEL),
+            KERNEL,
             "tensorport_jpeg.cu",
-            [c"tp_resize_normalise", c"tp_ycc_rgb"],
-        )?;
-        me.kernel = Some(resize);
-        me.ycc = Some(ycc);
+            c"tp_resize_normalise",
+        )?);
         Ok(me)
     }
 
@@ -518,30 +497,22 @@ impl GpuJpeg {
     }
 
     /// What the header of `data` declares, if it is an image the decoder may be given: three
-    /// components, or one where the engines give the stored planes (the batched decode of a
-    /// grayscale JPEG into RGB planes does not give its gray in all three: without planes the
-    /// CPU prepares those), within the side and pixel limits (beyond them the CPU path, which
-    /// refuses such a file saying so, is the one to answer: a small file can declare
-    /// gigabytes). What `run` checks each job against: cheaper than [`GpuJpeg::probe`].
+    /// components (the batched decode of a grayscale JPEG into RGB planes does not give its
+    /// gray in all three: the CPU prepares those), within the side and pixel limits (beyond
+    /// them the CPU path, which refuses such a file saying so, is the one to answer: a small
+    /// file can declare gigabytes). What `run` checks each job against: cheaper than
+    /// [`GpuJpeg::probe`].
     fn header_info(&mut self, data: &[u8]) -> Option<nvjpeg::ImageInfo> {
         // SAFETY: `handle` is live and used only through `&mut self`.
         let info = unsafe { self.lib.image_info(self.handle, data) }.ok()?;
         let (w, h) = (info.width, info.height);
-        let fits = (info.components == 3 || (info.components == 1 && self.gray_as_planes()))
+        let fits = info.components == 3
             && w > 0
             && h > 0
             && w <= Self::MAX_SIDE
             && h <= Self::MAX_SIDE
             && u64::from(w) * u64::from(h) <= Self::MAX_PIXELS;
         fits.then_some(info)
-    }
-
-    /// Whether grayscale JPEGs are decoded here: as their stored plane, which the YCbCr kernel
-    /// copies into all three (so only while the engines give planes, or have not been tried).
-    fn gray_as_planes(&self) -> bool {
-        self.plain.is_some()
-            && self.upsampling == Upsampling::Interpolate
-            && self.planes_format != Some(None)
     }
 
     /// Decodes `jobs` as one batch and writes each one's normalised `[3, out, out]` tensor into
@@ -560,7 +531,7 @@ impl GpuJpeg {
             return Ok(());
         }
         self.gpu.bind()?;
-        // The previous batch's kernel must be done with the scratch and the job tables.
+        // The previous batch's kernel must be done with the scratch and the job table.
         if let Some(e) = self.last.take() {
             e.wait()?;
         }
@@ -569,19 +540,23 @@ impl GpuJpeg {
         if jobs.iter().any(|j| j.window.out != out) {
             return Err(Error::BadAnswer("jobs of one batch with different sizes"));
         }
-        // Each image's planar RGB in the scratch buffer, 256-byte aligned; then, for those whose
-        // stored planes the engines give, the Y, Cb and Cr planes.
-        let mut routes = Vec::with_capacity(jobs.len());
-        let mut layout = Vec::with_capacity(jobs.len());
+        // Planar RGB for every image, each image 256-byte aligned.
+        let mut offsets = Vec::with_capacity(jobs.len());
+        let mut plain = Vec::with_capacity(jobs.len());
         let mut total = 0usize;
         for j in jobs {
             let info = self.header_info(j.data);
-            let Some(info) = info.filter(|i| (i.width, i.height) == j.size) else {
+            if info.map(|i| (i.width, i.height)) != Some(j.size) {
                 return Err(Error::BadAnswer(
                     "a job's size is not its JPEG's (or the JPEG is not one this decodes)",
                 ));
-            };
-            let route = self.route(&info, j.data);
+            }
+            plain.push(
+                self.plain.is_some()
+                    && (self.upsampling == Upsampling::Replicate
+                        || info.is_some_and(|i| i.subsampling == nvjpeg::CSS_444)),
+            );
+            let (w, h) = (j.size.0 as usize, j.size.1 as usize);
             let need = (j.window.out as usize).pow(2) * 3 * if self.as_u8 { 1 } else { 4 };
             if j.dst
                 .1
@@ -592,20 +567,8 @@ impl GpuJpeg {
                     "an output buffer too small for its tensor",
                 ));
             }
-            let (w, h) = (j.size.0 as usize, j.size.1 as usize);
-            let rgb = total;
+            offsets.push(total);
             total += (3 * w * h).next_multiple_of(256);
-            let planes = match route {
-                Route::Planes(c) => {
-                    let at = total;
-                    total +=
-                        (w * h + 2 * c.size.0 as usize * c.size.1 as usize).next_multiple_of(256);
-                    at
-                }
-                _ => rgb,
-            };
-            routes.push(route);
-            layout.push((rgb, planes));
         }
         // An outsized batch's scratch is given back rather than kept for small ones.
         if self
@@ -616,7 +579,7 @@ impl GpuJpeg {
             self.scratch = None;
         }
         grow(&self.gpu, &mut self.scratch, total)?;
-        let bytes = (std::mem::size_of::<RawJob>() + std::mem::size_of::<YccJob>()) * jobs.len();
+        let bytes = std::mem::size_of::<RawJob>() * jobs.len();
         grow(&self.gpu, &mut self.jobs_dev, bytes)?;
         if self.jobs_host.as_ref().is_none_or(|b| b.len() < bytes) {
             self.jobs_host = Some(PinnedBuffer::new(&self.gpu, bytes.max(4096) * 2)?);
@@ -629,26 +592,7 @@ impl GpuJpeg {
         }
         self.mark(stream)?;
         // From here work is enqueued: whatever happens, the next batch waits for it.
-        let mut r = self.enqueue(jobs, &layout, &routes, stream);
-        if matches!(r, Ok(false)) {
-            // The engines would not give planes: they interpolate from now on.
-            tracing::warn!(
-                "nvJPEG's JPEG engines give no stored planes here: chroma is interpolated by \
-                 the engines (slower on files that are not 4:2:0)"
-            );
-            // Grayscale JPEGs are decoded only as planes: without, the batch goes to the CPU.
-            let again: Option<Vec<Route>> = jobs
-                .iter()
-                .map(|j| self.header_info(j.data).map(|i| self.route(&i, j.data)))
-                .collect();
-            r = match again {
-                Some(routes) => self.enqueue(jobs, &layout, &routes, stream),
-                None => Err(Error::Refused(
-                    "grayscale JPEGs need the engines' stored planes, which they do not give here",
-                )),
-            };
-        }
-        let r = r.map(|_| ());
+        let r = self.enqueue(jobs, &offsets, &plain, stream);
         let last = stream.record()?;
         if let Some(t) = self.timing.as_mut() {
             if r.is_ok() {
@@ -661,124 +605,60 @@ impl GpuJpeg {
         r
     }
 
-    /// Which decoder, and which output, an image with header `info` goes to.
-    fn route(&self, info: &nvjpeg::ImageInfo, data: &[u8]) -> Route {
-        if self.plain.is_none() {
-            return Route::Interp;
-        }
-        match self.upsampling {
-            Upsampling::Replicate => return Route::Plain,
-            Upsampling::Interpolate if info.components == 1 => {
-                return Route::Planes(Chroma::gray((info.width, info.height)));
-            }
-            Upsampling::Interpolate if self.planes_format != Some(None) => {
-                let chroma = Chroma::of(info.subsampling, (info.width, info.height), info.chroma);
-                if let (Some(c), Some(true)) = (chroma, crate::ycc::stores_ycc(data)) {
-                    return Route::Planes(c);
-                }
-            }
-            _ => {}
-        }
-        if info.subsampling == nvjpeg::CSS_444 {
-            Route::Plain
-        } else {
-            Route::Interp
-        }
-    }
-
-    /// The part of [`GpuJpeg::run`] that enqueues work (the buffers are sized): the decoders'
-    /// batched calls, then the YCbCr kernel for the images decoded as planes, then the resize
-    /// kernel. `layout[i]`: where image `i`'s RGB planes and stored planes lie in the scratch.
-    /// `Ok(false)`: the engines gave no planes in any format (nothing was converted; route
-    /// again and retry).
+    /// The part of [`GpuJpeg::run`] that enqueues work (the buffers are sized).
+    /// `plain[i]`: job `i` goes to the decoder without interpolated upsampling.
     fn enqueue(
         &mut self,
         jobs: &[JpegJob<'_>],
-        layout: &[(usize, usize)],
-        routes: &[Route],
+        offsets: &[usize],
+        plain: &[bool],
         stream: &Stream,
-    ) -> Result<bool> {
+    ) -> Result<()> {
         let base = self.scratch.as_ref().expect("sized by run").ptr();
-        let at = |off: usize| (base as usize + off) as *mut u8;
+        let images: Vec<nvjpeg::Image> = jobs
+            .iter()
+            .zip(offsets)
+            .map(|(j, &off)| {
+                let (w, h) = (j.size.0 as usize, j.size.1 as usize);
+                let mut im = nvjpeg::Image::default();
+                for c in 0..3 {
+                    im.channel[c] = (base as usize + off + c * w * h) as *mut u8;
+                    im.pitch[c] = w;
+                }
+                im
+            })
+            .collect();
+        let data: Vec<*const u8> = jobs.iter().map(|j| j.data.as_ptr()).collect();
+        let lengths: Vec<usize> = jobs.iter().map(|j| j.data.len()).collect();
         let host = std::time::Instant::now();
-        for kind in [RouteKind::Planes, RouteKind::Plain, RouteKind::Interp] {
-            let mine: Vec<usize> = (0..jobs.len())
-                .filter(|&i| routes[i].kind() == kind)
-                .collect();
-            if mine.is_empty() {
+        for which in [false, true] {
+            let (handle, state) = match (which, self.plain) {
+                (false, _) => (self.handle, self.state),
+                (true, Some(p)) => p,
+                (true, None) => continue,
+            };
+            let (data, lengths, mut images) = (
+                pick(&data, plain, which),
+                pick(&lengths, plain, which),
+                pick(&images, plain, which),
+            );
+            if data.is_empty() {
                 continue;
             }
-            let data: Vec<*const u8> = mine.iter().map(|&i| jobs[i].data.as_ptr()).collect();
-            let lengths: Vec<usize> = mine.iter().map(|&i| jobs[i].data.len()).collect();
-            let mut images: Vec<nvjpeg::Image> = mine
-                .iter()
-                .map(|&i| {
-                    let (w, h) = (jobs[i].size.0 as usize, jobs[i].size.1 as usize);
-                    let mut im = nvjpeg::Image::default();
-                    let (rgb, planes) = layout[i];
-                    match routes[i] {
-                        Route::Planes(c) => {
-                            let (cw, ch) = (c.size.0 as usize, c.size.1 as usize);
-                            im.channel[0] = at(planes);
-                            im.pitch[0] = w;
-                            for k in 1..3 {
-                                im.channel[k] = at(planes + w * h + (k - 1) * cw * ch);
-                                im.pitch[k] = cw;
-                            }
-                        }
-                        _ => {
-                            for c in 0..3 {
-                                im.channel[c] = at(rgb + c * w * h);
-                                im.pitch[c] = w;
-                            }
-                        }
-                    }
-                    im
-                })
-                .collect();
-            let (handle, state) = match kind {
-                RouteKind::Interp => (self.handle, self.state),
-                _ => self.plain.expect("routed to it only where it exists"),
-            };
-            let formats: Vec<std::ffi::c_int> = match (kind, self.planes_format) {
-                (RouteKind::Planes, Some(Some(f))) => vec![f],
-                (RouteKind::Planes, _) => vec![nvjpeg::OUTPUT_UNCHANGED, nvjpeg::OUTPUT_YUV],
-                _ => vec![nvjpeg::OUTPUT_RGB],
-            };
-            let mut done = Err(Error::BadAnswer("no output format tried"));
-            for format in formats {
-                // SAFETY: handle and state are live and ours alone; each image's planes lie
-                // inside the scratch buffer (sized by `run` from the same widths and heights
-                // nvJPEG reported, chroma planes included), which lives until after
-                // `self.last` is waited on; the three vectors have the same length.
-                done = unsafe {
-                    self.lib
-                        .batched_initialize(handle, state, data.len(), format)
-                        .and_then(|()| {
-                            self.lib.decode_batched(
-                                handle,
-                                state,
-                                &data,
-                                &lengths,
-                                &mut images,
-                                stream.raw(),
-                            )
-                        })
-                };
-                if done.is_ok() {
-                    if kind == RouteKind::Planes {
-                        self.planes_format = Some(Some(format));
-                    }
-                    break;
-                }
-            }
-            if let Err(e) = done {
-                if kind == RouteKind::Planes && self.planes_format.is_none() {
-                    tracing::debug!("nvJPEG's planes: {e}");
-                    self.planes_format = Some(None);
-                    return Ok(false);
-                }
-                return Err(e);
+            // SAFETY: handle and state are live and ours alone; each image's planes lie inside
+            // the scratch buffer (sized above from the same widths and heights nvJPEG
+            // reported), which lives until after `self.last` is waited on.
+            unsafe {
+                self.lib
+                    .batched_initialize(handle, state, data.len(), nvjpeg::OUTPUT_RGB)?;
+                self.lib.decode_batched(
+                    handle,
+                    state,
+                    &data,
+                    &lengths,
+                    &mut images,
+                    stream.raw(),
+                )?;
             }
         }
         if let Some(t) = self.timing.as_mut() {
@@ -787,12 +667,12 @@ impl GpuJpeg {
         self.mark(stream)?;
         let raw: Vec<RawJob> = jobs
             .iter()
-            .zip(layout)
-            .map(|(j, &(rgb, _))| {
+            .zip(offsets)
+            .map(|(j, &off)| {
                 let (w, h) = (j.size.0 as usize, j.size.1 as usize);
                 let out = f64::from(j.window.out);
                 RawJob {
-                    src: base + rgb as u64,
+                    src: base + off as u64,
                     pitch: w as u64,
                     plane: (w * h) as u64,
                     w: w as i32,
@@ -805,69 +685,23 @@ impl GpuJpeg {
                 }
             })
             .collect();
-        let ycc: Vec<YccJob> = jobs
-            .iter()
-            .zip(layout)
-            .zip(routes)
-            .filter_map(|((j, &(rgb, planes)), r)| match r {
-                Route::Planes(c) => {
-                    let (w, h) = (u64::from(j.size.0), u64::from(j.size.1));
-                    let (cw, ch) = (u64::from(c.size.0), u64::from(c.size.1));
-                    let y = base + planes as u64;
-                    Some(YccJob {
-                        y,
-                        cb: y + w * h,
-                        cr: y + w * h + cw * ch,
-                        dst: base + rgb as u64,
-                        w: j.size.0 as i32,
-                        h: j.size.1 as i32,
-                        cw: c.size.0 as i32,
-                        ch: c.size.1 as i32,
-                        mode: c.mode,
-                        pad: 0,
-                    })
-                }
-                _ => None,
-            })
-            .collect();
-        let raw_bytes = std::mem::size_of_val(raw.as_slice());
-        let bytes = raw_bytes + std::mem::size_of_val(ycc.as_slice());
+        let bytes = std::mem::size_of_val(raw.as_slice());
         let host = self.jobs_host.as_mut().expect("sized by run");
         let table = &mut host.as_mut_slice()[..bytes];
-        let records = raw
-            .iter()
-            .map(job_bytes)
-            .chain(ycc.iter().map(YccJob::bytes));
-        let mut at_byte = 0;
-        for r in records {
-            table[at_byte..at_byte + r.len()].copy_from_slice(r);
-            at_byte += r.len();
+        for (chunk, r) in table
+            .chunks_exact_mut(std::mem::size_of::<RawJob>())
+            .zip(&raw)
+        {
+            chunk.copy_from_slice(job_bytes(r));
         }
         let dev = self.jobs_dev.as_ref().expect("sized by run");
         let out = jobs[0].window.out;
-        // SAFETY: the tables are pinned and unchanged until `self.last` is waited on; `dev`
-        // holds `bytes`; each kernel's parameters match its signature (the YCbCr kernel: a
-        // pointer; the resize kernel: a pointer, two ints, six floats); every pointer in the
-        // tables is inside the scratch buffer (laid out by `run` from the sizes nvJPEG
-        // reported) or an output buffer checked above to hold its tensor.
+        // SAFETY: the table is pinned and unchanged until `self.last` is waited on; `dev` holds
+        // `bytes`; the kernel's parameters match its signature (a pointer, two ints, six floats);
+        // every pointer in the table is inside the scratch buffer or an output buffer checked
+        // above to hold its tensor.
         unsafe {
             stream.copy_host_to_device_async(dev.ptr(), table)?;
-            if !ycc.is_empty() {
-                let mut ycc_ptr = dev.ptr() + raw_bytes as u64;
-                let mut params: [*mut std::ffi::c_void; 1] = [(&mut ycc_ptr as *mut u64).cast()];
-                let widest = ycc.iter().map(|j| j.w as u32).max().unwrap_or(1);
-                let tallest = ycc.iter().map(|j| j.h as u32).max().unwrap_or(1);
-                self.ycc.as_ref().expect("made in new").launch(
-                    (
-                        widest.div_ceil(256).min(8),
-                        tallest.min(1024),
-                        ycc.len() as u32,
-                    ),
-                    (256, 1, 1),
-                    stream,
-                    &mut params,
-                )?;
-            }
             let mut table_ptr = dev.ptr();
             let mut out_i = out as i32;
             let mut as_u8 = i32::from(self.as_u8);
@@ -892,43 +726,7 @@ impl GpuJpeg {
                 &mut params,
             )?;
         }
-        Ok(true)
-    }
-
-    /// Whether the engines give the stored planes, so that chroma is interpolated by the
-    /// kernel: `None` until a batch has tried.
-    pub fn kernel_upsampling(&self) -> Option<bool> {
-        self.planes_format.map(|f| f.is_some())
-    }
-}
-
-/// Which decoder, and which output, an image of a batch goes to.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Route {
-    /// The stored planes, from the decoder without interpolation; converted by the YCbCr
-    /// kernel.
-    Planes(Chroma),
-    /// RGB from the decoder without interpolation.
-    Plain,
-    /// RGB from the interpolating decoder.
-    Interp,
-}
-
-/// A [`Route`] without its layout: one batched call each.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum RouteKind {
-    Planes,
-    Plain,
-    Interp,
-}
-
-impl Route {
-    fn kind(self) -> RouteKind {
-        match self {
-            Route::Planes(_) => RouteKind::Planes,
-            Route::Plain => RouteKind::Plain,
-            Route::Interp => RouteKind::Interp,
-        }
+        Ok(())
     }
 }
 
@@ -944,6 +742,15 @@ fn grow<'a>(
         *slot = Some(DeviceBuffer::new(gpu, len + len / 2)?);
     }
     Ok(slot.as_ref().expect("just set"))
+}
+
+/// The items of `v` whose `plain` flag is `which`, in order.
+fn pick<T: Copy>(v: &[T], plain: &[bool], which: bool) -> Vec<T> {
+    v.iter()
+        .zip(plain)
+        .filter(|(_, &p)| p == which)
+        .map(|(x, _)| *x)
+        .collect()
 }
 
 fn job_bytes(r: &RawJob) -> &[u8] {
@@ -986,11 +793,20 @@ mod tests {
 
     #[test]
     fn upsampling_names_round_trip() {
-        for u in Upsampling::ALL {
+        for u in [Upsampling::Interpolate, Upsampling::Replicate] {
             assert_eq!(Upsampling::parse(u.name()), Some(u));
         }
         assert_eq!(Upsampling::default(), Upsampling::Interpolate);
         assert_eq!(Upsampling::parse("bilinear"), None);
+    }
+
+    #[test]
+    fn a_batch_splits_between_the_decoders_in_order() {
+        let v = [10, 11, 12, 13, 14];
+        let plain = [false, true, true, false, true];
+        assert_eq!(pick(&v, &plain, false), vec![10, 13]);
+        assert_eq!(pick(&v, &plain, true), vec![11, 12, 14]);
+        assert!(pick(&v, &[false; 5], true).is_empty());
     }
 
     #[test]

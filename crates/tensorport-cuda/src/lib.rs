@@ -48,7 +48,6 @@ mod probe;
 mod rows;
 mod stall;
 mod stream;
-mod ycc;
 
 pub use buffer::{DeviceBuffer, PinnedBuffer};
 pub use convnet::{ConvLayer, ConvNet, Layout, Precision};

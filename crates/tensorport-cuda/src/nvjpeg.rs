@@ -23,11 +23,6 @@ pub type JpegStream = *mut c_void;
 
 /// `NVJPEG_MAX_COMPONENT`.
 pub const MAX_COMPONENT: usize = 4;
-/// `NVJPEG_OUTPUT_UNCHANGED`: the components as stored, one plane each (subsampled chroma at
-/// its own size).
-pub const OUTPUT_UNCHANGED: c_int = 0;
-/// `NVJPEG_OUTPUT_YUV`: planar Y, Cb, Cr.
-pub const OUTPUT_YUV: c_int = 1;
 /// `NVJPEG_OUTPUT_RGB`: planar RGB, one plane per `channel`.
 pub const OUTPUT_RGB: c_int = 3;
 /// `NVJPEG_BACKEND_DEFAULT`.
@@ -50,8 +45,6 @@ pub struct ImageInfo {
     pub width: u32,
     /// The first component's height.
     pub height: u32,
-    /// The second component's width and height (a chroma plane's, in a YCbCr JPEG).
-    pub chroma: (u32, u32),
 }
 
 /// `NVJPEG_FLAGS_UPSAMPLING_WITH_INTERPOLATION`: chroma upsampled by interpolation, as
@@ -322,7 +315,6 @@ impl Nvjpeg {
             subsampling: css,
             width: w[0].max(0) as u32,
             height: ht[0].max(0) as u32,
-            chroma: (w[1].max(0) as u32, ht[1].max(0) as u32),
         })
     }
 

@@ -32,11 +32,11 @@ pub struct JpegFrame {
 }
 
 impl JpegFrame {
-    /// 8-bit sequential colour or grayscale (three components or one): what the GPU producers
-    /// decode on the JPEG engines (grayscale as its stored plane, where the engines give
-    /// planes; a GPU producer sends it to its CPU lane where they do not).
+    /// 8-bit sequential colour (three components): what the GPU producers decode on the JPEG
+    /// engines. Grayscale is not plain: nvJPEG's batched decode into RGB planes does not give
+    /// the image's gray in all three, so the CPU prepares those.
     pub fn is_plain(&self) -> bool {
-        self.coding == Coding::Sequential && self.precision == 8 && matches!(self.components, 1 | 3)
+        self.coding == Coding::Sequential && self.precision == 8 && self.components == 3
     }
 }
 
@@ -178,7 +178,7 @@ mod tests {
         gray[5] = 1;
         let g = jpeg_frame(Cursor::new(jpeg(&[(0xC0, &gray)]))).unwrap();
         assert_eq!(g.components, 1);
-        assert!(g.is_plain());
+        assert!(!g.is_plain());
         assert_eq!(
             jpeg_frame(Cursor::new(jpeg(&[(0xC3, &SOF)])))
                 .unwrap()
