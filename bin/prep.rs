@@ -50,12 +50,6 @@ pub struct Args {
     /// Images per nvJPEG batch.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
-    /// With --nvjpeg, batches in file order, each mixing images for both of the GPU's decoders
-    /// (4:4:4 JPEGs for the one without interpolation, the others for the interpolating one),
-    /// decoded in two batched calls each. Without it, as GPU producers do: each batch's images
-    /// for one decoder.
-    #[arg(long)]
-    pub mixed_batches: bool,
 }
 
 pub fn run(a: Args) -> CliResult<u8> {
@@ -220,18 +214,10 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
         a.prep.gpu_upsampling.name()
     );
     let transform = a.prep.transform.for_size(a.image_size);
-    let mut probed: Vec<_> = encoded
+    let sized: Vec<_> = encoded
         .iter()
-        .filter_map(|(path, bytes)| {
-            jpeg.probe_decoder(bytes)
-                .map(|(wh, decoder)| (path, bytes, wh, decoder))
-        })
+        .filter_map(|(path, bytes)| jpeg.probe(bytes).map(|wh| (path, bytes, wh)))
         .collect();
-    if !a.mixed_batches {
-        // As GPU producers form batches: each batch's images for one of the two decoders.
-        probed.sort_by_key(|p| p.3 == tensorport_cuda::JpegDecoder::Plain);
-    }
-    let sized: Vec<_> = probed.into_iter().map(|(p, b, wh, _)| (p, b, wh)).collect();
     if sized.len() < encoded.len() {
         println!(
             "left out {} of {} files that nvJPEG does not decode in batches here (progressive \

@@ -220,16 +220,6 @@ impl Upsampling {
     }
 }
 
-/// Which of a [`GpuJpeg`]'s two decoders an image goes to ([`GpuJpeg::probe_decoder`]).
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub enum JpegDecoder {
-    /// The decoder that interpolates subsampled chroma.
-    Interpolating,
-    /// The decoder without interpolation: images with no chroma to upsample (4:4:4), and
-    /// every image with [`Upsampling::Replicate`].
-    Plain,
-}
-
 /// The decoder and the kernel, with scratch memory kept between batches.
 pub struct GpuJpeg {
     gpu: Arc<Gpu>,
@@ -498,31 +488,12 @@ impl GpuJpeg {
     /// in a batch on this backend, e.g. baseline for the hardware engines), `None` otherwise
     /// (prepare it on the CPU instead).
     pub fn probe(&mut self, data: &[u8]) -> Option<(u32, u32)> {
-        self.probe_decoder(data).map(|(size, _)| size)
-    }
-
-    /// As [`GpuJpeg::probe`], with the decoder the image goes to ([`JpegDecoder`]): a batch
-    /// of one decoder's images is decoded in one batched call, a mixed batch in two, one after
-    /// the other (each returning only once its part is decoded), which on varied photos costs
-    /// more than a third of the rate. Callers that can choose form batches of one decoder.
-    pub fn probe_decoder(&mut self, data: &[u8]) -> Option<((u32, u32), JpegDecoder)> {
         let info = self.header_info(data)?;
         let size = (info.width, info.height);
         // SAFETY: `handle` and `parsed` are live and used only through `&mut self`.
         let taken = !matches!(self.backend, JpegBackend::Hardware { .. })
             || unsafe { self.lib.batched_supported(self.handle, self.parsed, data) };
-        taken.then_some((size, self.decoder_for(&info)))
-    }
-
-    /// The decoder an image with header `info` goes to.
-    fn decoder_for(&self, info: &nvjpeg::ImageInfo) -> JpegDecoder {
-        let plain = self.plain.is_some()
-            && (self.upsampling == Upsampling::Replicate || info.subsampling == nvjpeg::CSS_444);
-        if plain {
-            JpegDecoder::Plain
-        } else {
-            JpegDecoder::Interpolating
-        }
+        taken.then_some(size)
     }
 
     /// What the header of `data` declares, if it is an image the decoder may be given: three
@@ -580,7 +551,11 @@ impl GpuJpeg {
                     "a job's size is not its JPEG's (or the JPEG is not one this decodes)",
                 ));
             }
-            plain.push(info.is_some_and(|i| self.decoder_for(&i) == JpegDecoder::Plain));
+            plain.push(
+                self.plain.is_some()
+                    && (self.upsampling == Upsampling::Replicate
+                        || info.is_some_and(|i| i.subsampling == nvjpeg::CSS_444)),
+            );
             let (w, h) = (j.size.0 as usize, j.size.1 as usize);
             let need = (j.window.out as usize).pow(2) * 3 * if self.as_u8 { 1 } else { 4 };
             if j.dst

@@ -59,8 +59,7 @@ pub use gpu::Gpu;
 pub use gpu_producer::{GpuProducer, GpuProducerConfig, Sharing};
 pub use ipc::{live_imports, CudaImporter, Fence};
 pub use jpeg::{
-    GpuJpeg, JpegBackend, JpegDecoder, JpegJob, JpegRefused, JpegTimes, JpegWindow, ProducerJpeg,
-    Upsampling,
+    GpuJpeg, JpegBackend, JpegJob, JpegRefused, JpegTimes, JpegWindow, ProducerJpeg, Upsampling,
 };
 pub use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};

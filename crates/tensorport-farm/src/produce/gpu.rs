@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use tensorport::TensorSpec;
 use tensorport_cuda::{
-    DeviceBuffer, Gpu, GpuJpeg, GpuProducer, GpuProducerConfig, JpegDecoder, JpegJob, JpegRefused,
-    JpegWindow, PinnedBuffer, ProducerJpeg,
+    DeviceBuffer, Gpu, GpuJpeg, GpuProducer, GpuProducerConfig, JpegJob, JpegRefused, JpegWindow,
+    PinnedBuffer, ProducerJpeg,
 };
 use tensorport_vision::{Source, Transform, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -55,31 +55,6 @@ pub fn jpeg_window(transform: &Transform, size: (u32, u32)) -> JpegWindow {
     }
 }
 
-/// Decoded bytes `t` needs on the GPU.
-fn scratch_of(t: &Taken) -> u64 {
-    t.gpu.map_or(0, |(w, h)| 3 * u64::from(w) * u64::from(h))
-}
-
-/// Takes from `waiting` up to `limit` inputs for one decoder (the first waiting input's), in
-/// order, and says which decoder that is.
-fn batch_of_one_decoder(
-    waiting: &mut Vec<Taken>,
-    limit: usize,
-) -> (Vec<Taken>, Option<JpegDecoder>) {
-    let decoder = waiting.first().and_then(|t| t.decoder);
-    let mut taken = Vec::new();
-    let mut kept = Vec::with_capacity(waiting.len());
-    for t in waiting.drain(..) {
-        if taken.len() < limit && (t.decoder.is_none() || t.decoder == decoder) {
-            taken.push(t);
-        } else {
-            kept.push(t);
-        }
-    }
-    *waiting = kept;
-    (taken, decoder)
-}
-
 /// An input of the batch being prepared, and where it goes.
 struct Taken {
     index: u64,
@@ -88,8 +63,6 @@ struct Taken {
     st: StageTimes,
     /// Size, if nvJPEG's batched decoder takes it.
     gpu: Option<(u32, u32)>,
-    /// Which of the GPU's decoders takes it (with `gpu`).
-    decoder: Option<JpegDecoder>,
     /// Its device buffer, once acquired.
     buffer: Option<usize>,
     /// It could not be prepared (its line is written).
@@ -113,8 +86,6 @@ struct GpuLoop<'a> {
     timeout: Duration,
     out: Outstanding,
     eof: bool,
-    /// Inputs for the GPU's other decoder, read while a batch was formed: the next batch's.
-    waiting: Vec<Taken>,
 }
 
 pub(super) fn run(
@@ -162,7 +133,6 @@ pub(super) fn run(
         timeout,
         out: Outstanding::new(timeout),
         eof: false,
-        waiting: Vec::new(),
     };
     loop {
         let taken = l.take(lines)?;
@@ -190,7 +160,7 @@ pub(super) fn run(
         if l.out.is_empty() {
             if l.lane.len() > 0 {
                 l.take_from_lane(Duration::from_millis(100), lines)?;
-            } else if l.eof && l.waiting.is_empty() {
+            } else if l.eof {
                 break;
             }
             continue;
@@ -205,21 +175,12 @@ impl GpuLoop<'_> {
     /// Takes up to a batch, as much as there are free buffers for: waits for the first only
     /// when nothing is in flight, then takes what is already read. A batch ends early past the
     /// scratch budget, so a few huge images cannot make the decoder's scratch buffer huge.
-    /// A batch's GPU images are all for one of the GPU's decoders (one batched call: a mixed
-    /// batch is decoded in two, one after the other, at a third less of the rate on varied
-    /// photos): images for the other decoder wait for the next batch, which takes them first,
-    /// and a batch ends once a batch's worth of them wait.
     fn take(&mut self, lines: &mut LineWriter) -> Result<Vec<Taken>> {
+        let mut taken: Vec<Taken> = Vec::new();
         let room = self.depth - self.out.len();
-        let limit = self.batch.min(room);
-        let (mut taken, mut decoder) = batch_of_one_decoder(&mut self.waiting, limit);
-        let mut scratch: u64 = taken.iter().map(scratch_of).sum();
-        while !self.eof
-            && taken.len() < limit
-            && scratch < SCRATCH_BUDGET
-            && self.waiting.len() < self.batch
-        {
-            let wait = if taken.is_empty() && self.out.is_empty() && self.waiting.is_empty() {
+        let mut scratch = 0u64;
+        while !self.eof && taken.len() < self.batch.min(room) && scratch < SCRATCH_BUDGET {
+            let wait = if taken.is_empty() && self.out.is_empty() {
                 Duration::from_millis(200)
             } else {
                 Duration::ZERO
@@ -233,7 +194,6 @@ impl GpuLoop<'_> {
                 }
             };
             let held = taken.iter().any(|t| t.index == input.index)
-                || self.waiting.iter().any(|t| t.index == input.index)
                 || self.out.holds(input.index)
                 || self.lane.holds(input.index);
             if refuse_again(&mut input, held, self.feed, lines)? {
@@ -251,25 +211,19 @@ impl GpuLoop<'_> {
                 }
                 None => None,
             };
-            let probed = bytes.as_deref().and_then(|b| self.jpeg.probe_decoder(b));
-            let t = Taken {
+            let gpu_size = bytes.as_deref().and_then(|b| self.jpeg.probe(b));
+            if let Some((w, h)) = gpu_size {
+                scratch += 3 * u64::from(w) * u64::from(h);
+            }
+            taken.push(Taken {
                 index: input.index,
                 source: input.source,
                 bytes,
                 st,
-                gpu: probed.map(|(size, _)| size),
-                decoder: probed.map(|(_, d)| d),
+                gpu: gpu_size,
                 buffer: None,
                 failed: false,
-            };
-            match (t.decoder, decoder) {
-                (Some(d), Some(batch)) if d != batch => self.waiting.push(t),
-                (d, _) => {
-                    decoder = decoder.or(d);
-                    scratch += scratch_of(&t);
-                    taken.push(t);
-                }
-            }
+            });
         }
         Ok(taken)
     }
@@ -374,7 +328,6 @@ impl GpuLoop<'_> {
                 bytes: None,
                 st,
                 gpu: None,
-                decoder: None,
                 buffer: Some(buffer),
                 failed: false,
             });
@@ -421,57 +374,5 @@ impl GpuLoop<'_> {
             self.out.check_overdue()?;
         }
         Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    fn taken(index: u64, decoder: Option<JpegDecoder>) -> Taken {
-        Taken {
-            index,
-            source: Source::Synthetic(index),
-            bytes: None,
-            st: StageTimes::default(),
-            gpu: decoder.map(|_| (640, 480)),
-            decoder,
-            buffer: None,
-            failed: false,
-        }
-    }
-
-    fn indices(v: &[Taken]) -> Vec<u64> {
-        v.iter().map(|t| t.index).collect()
-    }
-
-    #[test]
-    fn a_batch_takes_the_first_waiting_decoders_inputs_in_order() {
-        use JpegDecoder::{Interpolating as I, Plain as P};
-        let mut waiting = vec![
-            taken(1, Some(P)),
-            taken(2, Some(I)),
-            taken(3, Some(P)),
-            taken(4, Some(P)),
-            taken(5, Some(I)),
-        ];
-        let (batch, decoder) = batch_of_one_decoder(&mut waiting, 2);
-        assert_eq!(decoder, Some(P));
-        assert_eq!(indices(&batch), [1, 3]);
-        assert_eq!(indices(&waiting), [2, 4, 5]);
-        let (batch, decoder) = batch_of_one_decoder(&mut waiting, 8);
-        assert_eq!(decoder, Some(I));
-        assert_eq!(indices(&batch), [2, 5]);
-        assert_eq!(indices(&waiting), [4]);
-        let (batch, _) = batch_of_one_decoder(&mut waiting, 8);
-        assert_eq!(indices(&batch), [4]);
-        assert!(waiting.is_empty());
-        let (batch, decoder) = batch_of_one_decoder(&mut waiting, 8);
-        assert!(batch.is_empty() && decoder.is_none());
-        // No room: nothing taken, nothing lost.
-        let mut waiting = vec![taken(7, Some(I))];
-        let (batch, _) = batch_of_one_decoder(&mut waiting, 0);
-        assert!(batch.is_empty());
-        assert_eq!(indices(&waiting), [7]);
     }
 }
