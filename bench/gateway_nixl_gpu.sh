@@ -17,9 +17,10 @@
 #
 # BIN_DIR holds the CUDA `tensorport` (scripts/build-gpu.sh), `tensorport-bridge` and
 # `nixl-bench`; NIXL from TENSORPORT_NIXL (scripts/fetch-nixl.sh). TENSORS (4000) per gateway
-# row, ROUNDS (2) of the gateway rows; SKIP_NIXL_BENCH=1 leaves out NIXL's own reads. Rates
-# are tensors per second over each row's wall time, start-up included; a producer that has not
-# finished in 60 s is stopped and its row shows what was answered.
+# row, ROUNDS (2) of the gateway rows; SKIP_NIXL_BENCH=1 leaves out NIXL's own reads. A gateway
+# row gives tensors per second over its wall time, start-up included (the gateway's and the
+# producer's agents, UCX's connection: seconds), and from its first answer to its last; a
+# producer that has not finished in 60 s is stopped and its row shows what was answered.
 set -euo pipefail
 B=$(cd "$1" && pwd); total=${2:-4000}; rounds=${3:-2}
 : "${TENSORPORT_NIXL:?set TENSORPORT_NIXL to the folder scripts/fetch-nixl.sh makes}"
@@ -58,13 +59,23 @@ row() { # LABEL ENV... -- ARGS: a gateway and a producer with ENV (the gateway d
   local gpid=$! t0 t1 n url
   for _ in $(seq 100); do grep -q listening "$W/gw" 2> /dev/null && break; sleep 0.1; done
   url=$(sed -n 's/^listening on \([^ ]*\) .*/\1/p' "$W/gw")
-  t0=$(date +%s.%N)
-  n=$(env "${envs[@]}" timeout 60 "$B/tensorport-bridge" produce --token-file "$W/tok" --gateway "$url" --ready \
-        --shape 32,3,224,224 --synthetic "$total" --in-flight 16 --batch 4 -o - "$@" 2> "$W/err" | grep -vc '"error"' || true)
-  t1=$(date +%s.%N)
+  t0=$EPOCHREALTIME
+  # The answers as they arrive: how many, and when the first and the last came.
+  read -r n first last < <(env "${envs[@]}" timeout 60 "$B/tensorport-bridge" produce --token-file "$W/tok" \
+      --gateway "$url" --ready --shape 32,3,224,224 --synthetic "$total" --in-flight 16 --batch 4 -o - "$@" \
+      2> "$W/err" | {
+    n=0 first=0 last=0
+    while IFS= read -r l; do
+      [[ $l == *'"error"'* ]] && continue
+      n=$((n + 1)); last=$EPOCHREALTIME; [[ $first == 0 ]] && first=$last
+    done
+    echo "$n $first $last"
+  })
+  t1=$EPOCHREALTIME
   kill "$gpid"; wait "$gpid" 2> /dev/null || true
-  awk -v l="$label" -v n="$n" -v t0="$t0" -v t1="$t1" \
-    'BEGIN { printf "%-52s %6d answered in %6.2f s: %8.0f tensors/s\n", l, n, t1 - t0, n / (t1 - t0) }'
+  awk -v l="$label" -v n="$n" -v t0="$t0" -v t1="$t1" -v f="$first" -v z="$last" 'BEGIN {
+    after = (n > 1 && z > f) ? sprintf("%8.0f", (n - 1) / (z - f)) : "       -"
+    printf "%-52s %6d answered in %6.2f s: %8.0f tensors/s; %s after the first answer\n", l, n, t1 - t0, n / (t1 - t0), after }'
   [[ $n == "$total" ]] || tail -3 "$W/err" "$W/gwlog"
 }
 echo "== through the gateway into serve --device cuda --sink, 16 in flight, 4 per batch"
