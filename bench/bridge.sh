@@ -9,8 +9,15 @@
 # dist/gpu with the bridge copied beside it); JPEG_DIR (optional) a folder of JPEGs, linked into
 # 8 folders of 2,400 for the real-JPEG round; DEVICE: cpu (default) or cuda. Figures are
 # aggregate tensors per second over each group's wall time, start-up included.
+# NIXL=1 adds a row to the real-JPEG round: the same producers with `--transport nixl` (UCX's
+# choice of transport; NIXL from scripts/fetch-nixl.sh or TENSORPORT_NIXL). JPEG_ONLY=1 runs
+# only the real-JPEG rounds; ROUNDS (2) sets how many rounds.
 set -euo pipefail
 B=$(cd "$1" && pwd); J=${2:+$(cd "$2" && pwd)}; DEV=${3:-cpu}
+if [[ -n "${NIXL:-}" ]]; then
+  # shellcheck source=bench/nixl_env.sh
+  source "$(dirname "$0")/nixl_env.sh"
+fi
 W=$(mktemp -d); chmod 700 "$W"; cd "$W"
 trap 'pkill -TERM -P $$ 2>/dev/null || true; rm -rf "$W"' EXIT
 "$B/tensorport-bridge" token tok 2> /dev/null
@@ -41,17 +48,19 @@ PY
 start 224 s224; U=$(url s224)
 start 32 s32; U32=$(url s32)
 L="$B/tensorport produce"; R="$B/tensorport-bridge produce --token-file tok"
-for rep in 1 2; do
-  echo "== round $rep: ready [3,224,224] f32 (602 KB), 24,000 tensors, 64 in flight per producer"
-  for n in 1 8; do
-    group "local  x$n --in-flight 64" $n "$L --socket $W/s224 --ready --synthetic $((24000 / n)) --in-flight 64 --name l@ -o -"
-    group "bridge x$n --in-flight 64 --batch 8" $n "$R --gateway $U --ready --synthetic $((24000 / n)) --in-flight 64 --batch 8 --name r@ -o -"
-  done
-  echo "== round $rep: ready [3,32,32] f32 (12 KiB), 200,000 tensors, 256 in flight per producer"
-  for n in 1 8; do
-    group "local  x$n --in-flight 256" $n "$L --socket $W/s32 --image-size 32 --ready --synthetic $((200000 / n)) --in-flight 256 --name l@ -o -"
-    group "bridge x$n --in-flight 256 --batch 64" $n "$R --gateway $U32 --image-size 32 --ready --synthetic $((200000 / n)) --in-flight 256 --batch 64 --name r@ -o -"
-  done
+for rep in $(seq 1 "${ROUNDS:-2}"); do
+  if [[ -z "${JPEG_ONLY:-}" ]]; then
+    echo "== round $rep: ready [3,224,224] f32 (602 KB), 24,000 tensors, 64 in flight per producer"
+    for n in 1 8; do
+      group "local  x$n --in-flight 64" $n "$L --socket $W/s224 --ready --synthetic $((24000 / n)) --in-flight 64 --name l@ -o -"
+      group "bridge x$n --in-flight 64 --batch 8" $n "$R --gateway $U --ready --synthetic $((24000 / n)) --in-flight 64 --batch 8 --name r@ -o -"
+    done
+    echo "== round $rep: ready [3,32,32] f32 (12 KiB), 200,000 tensors, 256 in flight per producer"
+    for n in 1 8; do
+      group "local  x$n --in-flight 256" $n "$L --socket $W/s32 --image-size 32 --ready --synthetic $((200000 / n)) --in-flight 256 --name l@ -o -"
+      group "bridge x$n --in-flight 256 --batch 64" $n "$R --gateway $U32 --image-size 32 --ready --synthetic $((200000 / n)) --in-flight 256 --batch 64 --name r@ -o -"
+    done
+  fi
   if [[ -n "$J" ]]; then
     if [[ ! -d j0 ]]; then
       for k in 0 1 2 3 4 5 6 7; do
@@ -62,5 +71,8 @@ for rep in 1 2; do
     echo "== round $rep: real JPEGs, 8 producers x 2,400 files, the standard transform"
     group "local  x8 --in-flight 64" 8 "$L --socket $W/s224 --input $W/j@ --in-flight 64 --name l@ -o -"
     group "bridge x8 --in-flight 64 --batch 8" 8 "$R --gateway $U --input $W/j@ --in-flight 64 --batch 8 --name r@ -o -"
+    if [[ -n "${NIXL:-}" ]]; then
+      group "bridge x8 --transport nixl" 8 "$R --gateway $U --input $W/j@ --in-flight 64 --batch 8 --transport nixl --name n@ -o -"
+    fi
   fi
 done

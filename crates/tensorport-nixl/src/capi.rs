@@ -21,6 +21,27 @@ pub(crate) const OP_READ: c_int = 0;
 pub(crate) const IN_PROGRESS: c_int = 1;
 
 type CreateAgent = unsafe extern "C" fn(*const c_char, *mut Handle) -> c_int;
+type CreateConfiguredAgent =
+    unsafe extern "C" fn(*const c_char, *const AgentConfig, *mut Handle) -> c_int;
+
+/// `nixl_capi_agent_config_t` (NIXL 1.5), then zeroes: a library whose struct has grown reads
+/// defaults, never past ours.
+#[repr(C)]
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AgentConfig {
+    pub enable_prog_thread: bool,
+    pub enable_listen_thread: bool,
+    pub listen_port: c_int,
+    /// `nixl_capi_thread_sync_t`: 0, NIXL's default (none).
+    pub thread_sync: c_int,
+    pub num_workers: std::ffi::c_uint,
+    /// How long the progress thread waits for an event before progressing every worker anyway
+    /// (0: it never waits, and spins a core).
+    pub pthr_delay_us: u64,
+    pub lthr_delay_us: u64,
+    pub capture_telemetry: bool,
+    pub zeroes: [u64; 8],
+}
 type Destroy = unsafe extern "C" fn(Handle) -> c_int;
 type GetLocalMd = unsafe extern "C" fn(Handle, *mut *mut c_void, *mut usize) -> c_int;
 type LoadRemoteMd = unsafe extern "C" fn(Handle, *const c_void, usize, *mut *mut c_char) -> c_int;
@@ -57,6 +78,8 @@ extern "C" {
 pub struct Capi {
     path: PathBuf,
     pub(crate) create_agent: CreateAgent,
+    /// Where the library has it (NIXL 1.5 does).
+    pub(crate) create_configured_agent: Option<CreateConfiguredAgent>,
     pub(crate) destroy_agent: Destroy,
     pub(crate) get_local_md: GetLocalMd,
     pub(crate) load_remote_md: LoadRemoteMd,
@@ -146,6 +169,7 @@ impl Capi {
             return unsafe {
                 Ok(Capi {
                     create_agent: sym(&lib, "nixl_capi_create_agent")?,
+                    create_configured_agent: sym(&lib, "nixl_capi_create_configured_agent").ok(),
                     destroy_agent: sym(&lib, "nixl_capi_destroy_agent")?,
                     get_local_md: sym(&lib, "nixl_capi_get_local_md")?,
                     load_remote_md: sym(&lib, "nixl_capi_load_remote_md")?,

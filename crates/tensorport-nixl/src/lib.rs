@@ -35,8 +35,8 @@ mod pool;
 mod read;
 
 pub use agent::{
-    tcp_transports, Agent, Memory, Peer, Region, SlotLayout, MAX_GPU, MAX_METADATA, MAX_SLOTS,
-    MAX_SLOT_LEN,
+    progress_wait_us, tcp_transports, Agent, Memory, Peer, Region, SlotLayout, MAX_GPU,
+    MAX_METADATA, MAX_SLOTS, MAX_SLOT_LEN, PROGRESS_WAIT_US,
 };
 pub use capi::Capi;
 pub use error::{Error, Result};
