@@ -120,6 +120,7 @@ impl Agent {
     /// `("ucx_error_handling_mode", "none")`.
     pub fn with_params(capi: &Arc<Capi>, name: &str, params: &[(&str, &str)]) -> Result<Agent> {
         let cname = c_string(name)?;
+        let wait = progress_wait_us()?;
         let mut raw: Handle = std::ptr::null_mut();
         match capi.create_configured_agent {
             Some(create) => {
@@ -129,7 +130,7 @@ impl Agent {
                     listen_port: 0,
                     thread_sync: 0,
                     num_workers: 1,
-                    pthr_delay_us: progress_wait_us(),
+                    pthr_delay_us: wait,
                     lthr_delay_us: 100_000,
                     capture_telemetry: false,
                     zeroes: [0; 8],
@@ -664,21 +665,51 @@ impl Drop for Peer {
 /// anyway, in microseconds: `$TENSORPORT_NIXL_PROGRESS_WAIT_US`, else [`PROGRESS_WAIT_US`].
 /// NIXL's own default, 0, never waits: the thread then spins a core in every process with an
 /// agent, which on a busy host takes that core from the producers' preprocessing.
-pub fn progress_wait_us() -> u64 {
-    std::env::var("TENSORPORT_NIXL_PROGRESS_WAIT_US")
-        .ok()
-        .and_then(|v| v.trim().parse().ok())
-        .unwrap_or(PROGRESS_WAIT_US)
+fn progress_wait_us() -> Result<u64> {
+    parse_progress_wait(std::env::var(PROGRESS_WAIT_VAR).ok().as_deref())
 }
 
-/// The progress thread's wait where the environment does not set one: 1 ms (on the 2-core
-/// build machine, eight NIXL producers of JPEGs ran at 2.3× the rate they had with NIXL's 0, and
-/// ready tensors over TCP as fast: docs/benchmarks.md).
-pub const PROGRESS_WAIT_US: u64 = 1_000;
+/// The environment variable that sets the progress thread's wait.
+const PROGRESS_WAIT_VAR: &str = "TENSORPORT_NIXL_PROGRESS_WAIT_US";
+
+/// The progress thread's wait where the environment does not set one: 1 ms
+/// (docs/benchmarks.md measures it against NIXL's 0).
+const PROGRESS_WAIT_US: u64 = 1_000;
+
+/// The longest wait the variable may set: 1 s.
+const MAX_PROGRESS_WAIT_US: u64 = 1_000_000;
+
+/// The wait `value` (the variable's, if set) asks for.
+fn parse_progress_wait(value: Option<&str>) -> Result<u64> {
+    let Some(v) = value else {
+        return Ok(PROGRESS_WAIT_US);
+    };
+    match v.trim().parse::<u64>() {
+        Ok(us) if us <= MAX_PROGRESS_WAIT_US => Ok(us),
+        _ => Err(Error::Setting(format!(
+            "{PROGRESS_WAIT_VAR}={v:?}: expected microseconds from 0 to {MAX_PROGRESS_WAIT_US} \
+             (unset it for {PROGRESS_WAIT_US})"
+        ))),
+    }
+}
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_progress_wait_is_bounded_and_a_bad_one_is_named() {
+        assert_eq!(parse_progress_wait(None).unwrap(), PROGRESS_WAIT_US);
+        assert_eq!(parse_progress_wait(Some(" 0 ")).unwrap(), 0);
+        assert_eq!(parse_progress_wait(Some("1000000")).unwrap(), 1_000_000);
+        for bad in ["", "-1", "1ms", "1000001", "99999999999999999999999"] {
+            let e = parse_progress_wait(Some(bad)).unwrap_err().to_string();
+            assert!(
+                e.contains(PROGRESS_WAIT_VAR) && e.contains("microseconds"),
+                "{e}"
+            );
+        }
+    }
 
     #[test]
     fn layouts_out_of_bounds_are_refused() {

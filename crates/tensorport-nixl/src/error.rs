@@ -21,6 +21,9 @@ pub enum Error {
     /// The GPU side failed: device memory could not be allocated, copied or handed over.
     #[error("the GPU: {0}")]
     Cuda(String),
+    /// A setting in the environment does not parse (the message names it and what it takes).
+    #[error("{0}")]
+    Setting(String),
     /// A transfer did not finish in time.
     #[error("a transfer from {peer} did not finish within {ms} ms")]
     Stalled { peer: String, ms: u128 },

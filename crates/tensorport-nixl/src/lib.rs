@@ -35,8 +35,8 @@ mod pool;
 mod read;
 
 pub use agent::{
-    progress_wait_us, tcp_transports, Agent, Memory, Peer, Region, SlotLayout, MAX_GPU,
-    MAX_METADATA, MAX_SLOTS, MAX_SLOT_LEN, PROGRESS_WAIT_US,
+    tcp_transports, Agent, Memory, Peer, Region, SlotLayout, MAX_GPU, MAX_METADATA, MAX_SLOTS,
+    MAX_SLOT_LEN,
 };
 pub use capi::Capi;
 pub use error::{Error, Result};
