@@ -5,8 +5,9 @@
 #   - local device path: `tensorport gpu bench-ipc` (a GPU producer process hands ready device
 #     tensors to a server process, which fences and copies each: no gateway);
 #   - NIXL's reads alone: `nixl-bench hold --gpu 0 | nixl-bench read --gpu 0` (GPU memory to GPU
-#     memory, 8 in flight), with UCX's choice, with CUDA IPC reads turned on where UCX turns them
-#     off for want of NVLink (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y), with UCX's pipelined RMA
+#     memory, 8 in flight), and its writes (`read --op write`: UCX picks its protocols for
+#     writes apart from reads), with UCX's choice, with CUDA IPC reads turned on where UCX turns
+#     them off for want of NVLink (UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y), with UCX's pipelined RMA
 #     protocols forced on (UCX_RMA_PPLN_ENABLE=y), and with UCX_TLS=tcp,cuda_copy;
 #   - the gateway: `tensorport-bridge produce --ready --shape 32,3,224,224 --transport nixl
 #     --gpu 0` → `tensorport-bridge gateway` (device buffers of a GPU producer session) →
@@ -32,19 +33,19 @@ echo "machine: $(nproc) cores, $(nvidia-smi --query-gpu=name --format=csv,nohead
 echo "== local device path (tensorport gpu bench-ipc, ready tensors, timeline fences)"
 "$B/tensorport" --log warn gpu bench-ipc --handoffs 20000 --producer-work none --fence timeline \
   --server-sync none --bytes $bytes 2>&1 | grep -vE "^\s*$" | tail -4
-echo "== NIXL's reads alone, GPU to GPU, 16 slots, 8 in flight, 3 s"
+echo "== NIXL's reads and writes alone, GPU to GPU, 16 slots, 8 in flight, 3 s"
 choice="(UCX's choice)"
 GET=UCX_CUDA_IPC_ENABLE_GET_ZCOPY=y
 PPLN=UCX_RMA_PPLN_ENABLE=y
-[[ -n "${SKIP_NIXL_BENCH:-}" ]] || for tls in "" get ppln tcp,cuda_copy; do
+[[ -n "${SKIP_NIXL_BENCH:-}" ]] || for op in read write; do for tls in "" get ppln tcp,cuda_copy; do
   case $tls in
-    "") printf '%-44s ' "$choice"; set -- X=1 ;;
-    get) printf '%-44s ' "$GET"; set -- "$GET" ;;
-    ppln) printf '%-44s ' "$PPLN"; set -- "$PPLN" ;;
-    *) printf '%-44s ' "UCX_TLS=$tls"; set -- "UCX_TLS=$tls" ;;
+    "") printf '%-6s %-44s ' "$op" "$choice"; set -- X=1 ;;
+    get) printf '%-6s %-44s ' "$op" "$GET"; set -- "$GET" ;;
+    ppln) printf '%-6s %-44s ' "$op" "$PPLN"; set -- "$PPLN" ;;
+    *) printf '%-6s %-44s ' "$op" "UCX_TLS=$tls"; set -- "UCX_TLS=$tls" ;;
   esac
-  env "$@" timeout 30 bash -c "sleep 8 | '$B/nixl-bench' hold --gpu 0 --slots 16 --slot-len $bytes | '$B/nixl-bench' read --gpu 0 --in-flight 8 --seconds 3" 2>&1 | tail -1
-done
+  env "$@" timeout 30 bash -c "sleep 8 | '$B/nixl-bench' hold --gpu 0 --slots 16 --slot-len $bytes | '$B/nixl-bench' read --gpu 0 --in-flight 8 --seconds 3 --op $op" 2>&1 | tail -1
+done; done
 "$B/tensorport-bridge" token "$W/tok" 2> /dev/null
 "$B/tensorport" serve --device cuda --sink --socket "$W/s" --slot-size $bytes --log warn > "$W/s.log" 2>&1 &
 for _ in $(seq 300); do [[ -S "$W/s" ]] && break; sleep 0.1; done

@@ -18,6 +18,8 @@ pub(crate) type Handle = *mut c_void;
 pub(crate) const MEM_DRAM: c_int = 0;
 pub(crate) const MEM_VRAM: c_int = 1;
 pub(crate) const OP_READ: c_int = 0;
+/// `NIXL_WRITE`: local memory into the peer's.
+pub(crate) const OP_WRITE: c_int = 1;
 pub(crate) const IN_PROGRESS: c_int = 1;
 
 type CreateAgent = unsafe extern "C" fn(*const c_char, *mut Handle) -> c_int;

@@ -12,7 +12,7 @@ use std::ffi::c_int;
 use std::time::{Duration, Instant};
 
 use crate::agent::{Memory, Peer, Region};
-use crate::capi::{Capi, Handle, IN_PROGRESS, OP_READ};
+use crate::capi::{Capi, Handle, IN_PROGRESS, OP_READ, OP_WRITE};
 use crate::error::{Error, Result};
 
 /// How long a dropped reader waits for its transfers.
@@ -30,6 +30,9 @@ pub struct Reader {
     requests: HashMap<(u32, u32), Handle>,
     /// Per local slot: the request of its transfer in flight.
     in_flight: Vec<Option<Handle>>,
+    /// NIXL's operation for its transfers: reads, or writes where [`Reader::write_instead`]
+    /// was called.
+    op: std::ffi::c_int,
 }
 
 // SAFETY: its handles (prepared lists, requests) are NIXL objects of its agent, used only
@@ -138,10 +141,23 @@ impl Reader {
             remote,
             requests: HashMap::new(),
             in_flight: vec![None; slots],
+            op: OP_READ,
         })
     }
 
-    /// Starts reading the peer's slot `from` into local slot `into`, which must be idle.
+    /// Makes the transfers write local slot `into` into the peer's slot `from` instead of
+    /// reading it, to measure the engine's writes beside its reads (`nixl-bench read --op
+    /// write`); the gateway only reads. Refused once a transfer has been made.
+    pub fn write_instead(&mut self) -> Result<()> {
+        if !self.requests.is_empty() {
+            return Err(Error::Refused("the reader has made transfers already"));
+        }
+        self.op = OP_WRITE;
+        Ok(())
+    }
+
+    /// Starts reading the peer's slot `from` into local slot `into`, which must be idle (or,
+    /// after [`Reader::write_instead`], writing `into` into `from`).
     pub fn start(&mut self, from: u32, into: u32) -> Result<()> {
         if from >= self.peer.layout.slots {
             return Err(Error::Refused("no such slot at the peer"));
@@ -181,7 +197,7 @@ impl Reader {
                 Capi::check("make_xfer_req", unsafe {
                     (capi.make_xfer_req)(
                         raw,
-                        OP_READ,
+                        self.op,
                         self.local,
                         &l,
                         1,

@@ -25,10 +25,11 @@ const USAGE: &str = "usage:
       the GPU, fill slot i with its pattern, print `NAME BASE SLOT_LEN SLOTS METADATA_HEX
       MEMORY`, and wait for standard input to end
   nixl-bench read [--seconds S] [--in-flight K] [--name NAME] [--gpu ORDINAL]
-                  [--ucx-param KEY=VALUE]...
+                  [--op read|write] [--ucx-param KEY=VALUE]...
       read the line `hold` printed from standard input; read its slots for S seconds (3), K
       transfers in flight (16), into host memory or the GPU's; check the first round's bytes;
-      print the rate
+      print the rate. With --op write, write K local slots into the holder's instead (UCX may
+      choose another protocol for writes than for reads); the holder's bytes are not checked
 The NIXL library: scripts/fetch-nixl.sh, or TENSORPORT_NIXL.";
 
 /// Slot `i`'s byte at `k`.
@@ -57,6 +58,8 @@ struct Opts {
     in_flight: u32,
     name: Option<String>,
     gpu: Option<u32>,
+    /// Write into the holder's slots instead of reading them.
+    write: bool,
     /// Parameters of NIXL's UCX backend.
     params: Vec<(String, String)>,
 }
@@ -78,6 +81,7 @@ fn parse(args: &[String]) -> Result<Opts, String> {
         in_flight: 16,
         name: None,
         gpu: None,
+        write: false,
         params: Vec::new(),
     };
     let mut it = args.iter();
@@ -91,6 +95,13 @@ fn parse(args: &[String]) -> Result<Opts, String> {
             "--in-flight" => o.in_flight = v.parse().map_err(|_| bad())?,
             "--name" => o.name = Some(v.clone()),
             "--gpu" => o.gpu = Some(v.parse().map_err(|_| bad())?),
+            "--op" => {
+                o.write = match v.as_str() {
+                    "read" => false,
+                    "write" => true,
+                    _ => return Err(format!("{flag}: expected read or write, not {v}")),
+                }
+            }
             "--ucx-param" => {
                 let (k, val) = v
                     .split_once('=')
@@ -189,8 +200,12 @@ fn read(o: &Opts) -> Result<(), String> {
     let region = register(&agent, o.gpu, k, layout.slot_len)?;
     let mut reader = Reader::new(region, peer).map_err(|e| e.to_string())?;
     let timeout = Duration::from_secs(10);
-    // First round: every slot once, each checked byte for byte.
-    for from in 0..layout.slots {
+    if o.write {
+        reader.write_instead().map_err(|e| e.to_string())?;
+    }
+    // First round: every slot once, each checked byte for byte (read back, where writing).
+    let checked_slots = if o.write { 0 } else { layout.slots };
+    for from in 0..checked_slots {
         let into = from % k;
         reader.start(from, into).map_err(|e| e.to_string())?;
         reader.wait(into, timeout).map_err(|e| e.to_string())?;
@@ -238,14 +253,17 @@ fn read(o: &Opts) -> Result<(), String> {
         reader.wait(into, timeout).map_err(|e| e.to_string())?;
     }
     drop(reader);
+    let (op, dir, checked) = if o.write {
+        ("write", "into", 0)
+    } else {
+        ("read", "from", layout.slots)
+    };
     println!(
-        "{} reads of {} B from {} slots, {k} in flight: {:.0} reads/s, {:.2} GB/s ({} checked)",
-        done,
+        "{done} {op}s of {} B {dir} {} slots, {k} in flight: {:.0} {op}s/s, {:.2} GB/s ({checked} checked)",
         layout.slot_len,
         layout.slots,
         done as f64 / secs,
         done as f64 * layout.slot_len as f64 / secs / 1e9,
-        layout.slots
     );
     Ok(())
 }
