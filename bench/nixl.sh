@@ -2,7 +2,8 @@
 # NIXL's one-sided reads of a producer's host memory (tensorport-nixl's nixl-bench) beside the
 # Arrow Flight bridge (tensorport-bridge produce → gateway → tensorport serve --model none), one
 # process on each side, [3,224,224] f32 tensors (602,112 bytes), on one host, in one run:
-#   - NIXL over UCX's TCP transport (UCX_TLS=tcp, 4 MiB segments) on loopback;
+#   - NIXL over UCX's TCP transport (UCX_TLS=tcp: 4 MiB segments, with 8 MiB socket buffers,
+#     NIXL's writes beside its reads, and UCX's defaults) on loopback;
 #   - NIXL with UCX's own choice (shared memory between two processes of one host);
 #   - the bridge, ready tensors, 64 in flight, 8 per Arrow batch (as bench/bridge.sh);
 #   - one TCP stream over loopback, the kernel's bound for the TCP rows (python3 sockets).
@@ -20,14 +21,17 @@ W=$(mktemp -d); chmod 700 "$W"
 trap 'pkill -TERM -P $$ 2>/dev/null || true; rm -rf "$W"' EXIT
 echo "machine: $(nproc) cores, $(date -u +%F); NIXL $(cat "$TENSORPORT_NIXL/VERSION")"
 "$B/tensorport-bridge" token "$W/tok" 2> /dev/null
-nixl() { # LABEL ENV...: one holder, one reader, 3 s of reads with 16 in flight
+nixl() { # LABEL ENV...: one holder, one reader, 3 s of reads (OP=write: writes) with 16 in flight
   local label=$1; shift
-  printf '%-44s ' "$label"
-  env "$@" bash -c "sleep 12 | '$B/nixl-bench' hold --slots 64 | '$B/nixl-bench' read --seconds 3 --in-flight 16" 2>&1 | tail -1
+  printf '%-52s ' "$label"
+  env "$@" bash -c "sleep 12 | '$B/nixl-bench' hold --slots 64 | '$B/nixl-bench' read --seconds 3 --in-flight 16 --op ${OP:-read}" 2>&1 | tail -1
 }
 for r in $(seq 1 "$rounds"); do
   echo "== round $r"
   nixl "NIXL, UCX_TLS=$TCP (4 MiB segments)" UCX_TLS=$TCP UCX_TCP_TX_SEG_SIZE=4m UCX_TCP_RX_SEG_SIZE=4m
+  nixl "NIXL, UCX_TLS=$TCP (4 MiB segments, 8 MiB socket buffers)" UCX_TLS=$TCP UCX_TCP_TX_SEG_SIZE=4m \
+    UCX_TCP_RX_SEG_SIZE=4m UCX_TCP_SNDBUF=8m UCX_TCP_RCVBUF=8m
+  OP=write nixl "NIXL writes, UCX_TLS=$TCP (4 MiB segments)" UCX_TLS=$TCP UCX_TCP_TX_SEG_SIZE=4m UCX_TCP_RX_SEG_SIZE=4m
   nixl "NIXL, UCX_TLS=$TCP (UCX's defaults)" UCX_TLS=tcp
   nixl "NIXL, UCX's choice (shared memory)" UCX_DUMMY=
   # The server and gateway run only for their row (the server's threads would share the cores).
@@ -42,7 +46,7 @@ for r in $(seq 1 "$rounds"); do
         --in-flight 64 --batch 8 --name r -o - 2> /dev/null | wc -l)
   t1=$(date +%s.%N)
   awk -v n="$n" -v t0="$t0" -v t1="$t1" \
-    'BEGIN { printf "%-44s %s results: %.0f tensors/s\n", "Arrow Flight bridge, loopback", n, n / (t1 - t0) }'
+    'BEGIN { printf "%-52s %s results: %.0f tensors/s\n", "Arrow Flight bridge, loopback", n, n / (t1 - t0) }'
   kill "$gpid" "$spid"; wait "$gpid" "$spid" 2> /dev/null || true
   python3 - <<'PY'
 import socket, threading, time
@@ -57,6 +61,6 @@ c = socket.create_connection(s.getsockname()); t0 = time.time(); sent = 0
 while sent < n:
     sent += c.send(buf)
 t.join(); dt = time.time() - t0
-print(f"{'one TCP stream on loopback (python3)':44s} {n / dt / 1e9:.2f} GB/s = {n / dt / 602112:.0f} tensors/s")
+print(f"{'one TCP stream on loopback (python3)':52s} {n / dt / 1e9:.2f} GB/s = {n / dt / 602112:.0f} tensors/s")
 PY
 done
