@@ -323,6 +323,13 @@ pub struct PrepArgs {
     /// by more than the default's bound (docs/operations.md), so it is off unless asked for.
     #[arg(long, value_enum, default_value_t = Switch::Off)]
     pub dct_scaling: Switch,
+    /// Decode a progressive JPEG without its AC refinement scans (the low bits of its AC
+    /// coefficients: most of its bytes and of libjpeg-turbo's work on it) when the transform
+    /// shrinks it 8 times or more across and down, e.g. a 12-megapixel photo to 224 pixels:
+    /// half the decoding of such a file, with the tensors within the bounds on their
+    /// difference from torchvision's full decode (docs/operations.md); off decodes every scan.
+    #[arg(long, value_enum, default_value_t = Switch::On)]
+    pub coarse_progressive: Switch,
     /// How GPU producers (`--nvjpeg`, `--gpu-producers`) upsample the chroma of 4:2:2 and
     /// 4:2:0 JPEGs on the JPEG engines: interpolate (as libjpeg-turbo, and so torchvision's
     /// CPU decode, does) or replicate (one decoder for every file, faster where a folder mixes
@@ -346,6 +353,7 @@ impl PrepArgs {
             jpeg_decoder: self.jpeg_decoder,
             max_pixels: pixels_of(self.max_megapixels),
             dct_scaling: self.dct_scaling.on(),
+            coarse_progressive: self.coarse_progressive.on(),
             pixels,
             gpu_upsampling: self.gpu_upsampling,
         }

@@ -268,6 +268,9 @@ pub struct PrepOptions {
     /// Decode large JPEGs at 1/2, 1/4 or 1/8 of their size where that still leaves a source
     /// pixel for each output pixel.
     pub dct_scaling: bool,
+    /// Decode progressive JPEGs that the transform shrinks 8 times or more without their AC
+    /// refinement scans (on by default).
+    pub coarse_progressive: bool,
     pub pixels: Pixels,
     /// How GPU producers' JPEG engines upsample subsampled chroma.
     pub gpu_upsampling: tensorport_cuda::Upsampling,
@@ -280,6 +283,7 @@ impl Default for PrepOptions {
             jpeg_decoder: JpegDecoder::default(),
             max_pixels: 64_000_000,
             dct_scaling: false,
+            coarse_progressive: true,
             pixels: Pixels::F32,
             gpu_upsampling: tensorport_cuda::Upsampling::default(),
         }
@@ -300,6 +304,7 @@ impl PrepOptions {
         let mut p = tensorport_vision::Preprocessor::new(self.transform.for_size(size));
         p.set_max_pixels(self.max_pixels);
         p.set_dct_scaling(self.dct_scaling);
+        p.set_coarse_progressive(self.coarse_progressive);
         p
     }
 
@@ -314,6 +319,8 @@ impl PrepOptions {
             (self.max_pixels as f64 / 1e6).to_string(),
             "--dct-scaling".into(),
             if self.dct_scaling { "on" } else { "off" }.into(),
+            "--coarse-progressive".into(),
+            if self.coarse_progressive { "on" } else { "off" }.into(),
             "--pixels".into(),
             self.pixels.name().into(),
             "--gpu-upsampling".into(),

@@ -15,6 +15,7 @@ mod decode;
 mod libjpeg;
 mod normalise;
 mod preprocess;
+mod scans;
 pub mod sniff;
 pub mod transform;
 
