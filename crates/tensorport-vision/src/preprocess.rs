@@ -83,6 +83,10 @@ pub struct Preprocessor {
     libjpeg: Option<crate::libjpeg::LibJpeg>,
 }
 
+/// The largest copy of a progressive file without its refinement scans kept for the next file.
+#[cfg_attr(not(tp_libjpeg), allow(dead_code))]
+const KEEP_COARSE_BYTES: usize = 16 << 20;
+
 impl Preprocessor {
     /// A preprocessor for `transform` with the ImageNet normalisation.
     pub fn new(transform: Transform) -> Preprocessor {
@@ -170,6 +174,11 @@ impl Preprocessor {
                     self.dct_scaling,
                     self.coarse_progressive.then_some(&mut self.coarse),
                 );
+                // The copy without refinement scans is needed only while decoding: an outsized
+                // file's is not kept.
+                if self.coarse.capacity() > KEEP_COARSE_BYTES {
+                    self.coarse = Vec::new();
+                }
                 match r {
                     Ok(()) => return Ok(()),
                     // Too large for one decoder is too large for any: no other decoder tries.
