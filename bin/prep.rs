@@ -142,7 +142,12 @@ pub fn run(a: Args) -> CliResult<u8> {
             .filter(|(_, b)| b.starts_with(&[0xFF, 0xD8, 0xFF]))
             .map(|(_, b)| b.as_slice())
             .collect();
-        match tensorport_vision::jpeg_entropy_floor(&jpegs, prep.transform(), a.repeat) {
+        match tensorport_vision::jpeg_entropy_floor(
+            &jpegs,
+            prep.transform(),
+            a.repeat,
+            a.prep.coarse_progressive.on(),
+        ) {
             None => return Err(CliError::usage(
                 "--entropy-floor needs libjpeg-turbo, which this build does not have",
             )),

@@ -243,16 +243,9 @@ pub(crate) fn decode_jpeg_window(
     dct_scaling: bool,
     coarse: Option<&mut Vec<u8>>,
 ) -> std::result::Result<(), crate::libjpeg::JpegError> {
-    // A progressive photo the transform shrinks many times over: without its AC refinement
-    // scans (`coarse` holds that copy of the file).
     let bytes = match coarse {
-        Some(copy) if shrinks_enough(bytes, &transform) => {
-            match crate::scans::without_ac_refinement(bytes, copy) {
-                0 => bytes,
-                _ => &copy[..],
-            }
-        }
-        _ => bytes,
+        Some(copy) => coarse_bytes(bytes, &transform, copy),
+        None => bytes,
     };
     let mut header = dec.header(bytes, MAX_SIDE as u32)?;
     let (w, h) = (header.width, header.height);
@@ -295,6 +288,22 @@ pub(crate) fn decode_jpeg_window(
 /// decode's by 0.003–0.007 on average and 0.035–0.070 at most; one shrunk 2.8 times, by 0.013
 /// and 0.105 (over the bounds), and smaller shrinks by more.
 pub(crate) const COARSE_MIN_SHRINK: f64 = 8.0;
+
+/// The bytes to decode `jpeg` from for `transform`: a progressive photo the transform shrinks
+/// [`COARSE_MIN_SHRINK`] times or more, without its AC refinement scans (the copy made in
+/// `copy`); any other file as it is.
+#[cfg_attr(not(tp_libjpeg), allow(dead_code))]
+pub(crate) fn coarse_bytes<'a>(
+    jpeg: &'a [u8],
+    transform: &crate::transform::Transform,
+    copy: &'a mut Vec<u8>,
+) -> &'a [u8] {
+    if shrinks_enough(jpeg, transform) && crate::scans::without_ac_refinement(jpeg, copy) > 0 {
+        copy
+    } else {
+        jpeg
+    }
+}
 
 /// Whether `jpeg` is a progressive JPEG whose window `transform` shrinks by
 /// [`COARSE_MIN_SHRINK`] or more, across and down.

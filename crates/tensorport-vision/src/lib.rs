@@ -146,12 +146,15 @@ pub fn decode(path: &Path) -> Result<RgbImage> {
 
 /// Times the least work libjpeg-turbo can do to decode each JPEG file of `files` for
 /// `transform`: entropy-decode every row down to the last one the transform needs, turn only a
-/// 16×16 corner into pixels (`tensorport prep --entropy-floor`). The mean per file (the best of
-/// `passes` passes), or `None` where libjpeg-turbo was not built in.
+/// 16×16 corner into pixels (`tensorport prep --entropy-floor`); with `coarse_progressive`, a
+/// progressive file the transform shrinks enough without its AC refinement scans, as
+/// [`Preprocessor::set_coarse_progressive`] decodes it. The mean per file (the best of `passes`
+/// passes), or `None` where libjpeg-turbo was not built in.
 pub fn jpeg_entropy_floor(
     files: &[&[u8]],
     transform: Transform,
     passes: u32,
+    coarse_progressive: bool,
 ) -> Option<Result<std::time::Duration>> {
     #[cfg(tp_libjpeg)]
     {
@@ -161,10 +164,16 @@ pub fn jpeg_entropy_floor(
             )));
         };
         let mut scratch = Vec::new();
+        let mut copy = Vec::new();
         let mut best: Option<std::time::Duration> = None;
         for _ in 0..passes.max(1) {
             let t = std::time::Instant::now();
             for (i, f) in files.iter().enumerate() {
+                let f = if coarse_progressive {
+                    decode::coarse_bytes(f, &transform, &mut copy)
+                } else {
+                    f
+                };
                 if let Err(e) = decode::entropy_floor(&mut dec, f, transform, &mut scratch) {
                     return Some(Err(Error::Input(format!("file {i}: {e:?}"))));
                 }
@@ -176,7 +185,7 @@ pub fn jpeg_entropy_floor(
     }
     #[cfg(not(tp_libjpeg))]
     {
-        let _ = (files, transform, passes);
+        let _ = (files, transform, passes, coarse_progressive);
         None
     }
 }
@@ -311,12 +320,12 @@ mod tests {
     fn entropy_floor_is_timed_where_libjpeg_is_built_in_and_refuses_broken_files() {
         let jpeg = jpeg_of(synthetic(1, 320, 240));
         let t = Transform::standard(224);
-        match jpeg_entropy_floor(&[&jpeg, &jpeg], t, 2) {
+        match jpeg_entropy_floor(&[&jpeg, &jpeg], t, 2, true) {
             Some(r) => {
                 assert_eq!(JpegDecoder::default(), JpegDecoder::LibjpegTurbo);
                 assert!(r.unwrap() > std::time::Duration::ZERO);
                 let broken: &[u8] = &[0xFF, 0xD8, 0xFF, 0, 1];
-                let e = jpeg_entropy_floor(&[&jpeg, broken], t, 1).unwrap();
+                let e = jpeg_entropy_floor(&[&jpeg, broken], t, 1, true).unwrap();
                 assert!(e.unwrap_err().to_string().contains("file 1"));
             }
             None => assert_eq!(JpegDecoder::default(), JpegDecoder::ZuneJpeg),
