@@ -283,10 +283,9 @@ pub(crate) fn decode_jpeg_window(
 
 /// Source pixels per output pixel, across and down, that the transform's window must shrink
 /// by before a progressive JPEG's AC refinement scans are left out
-/// ([`crate::Preprocessor::set_coarse_progressive`]). On a varied photo set (decoded by PIL,
-/// the same transform) the tensors of photos shrunk 11 to 12 times differed from a full
-/// decode's by 0.003–0.007 on average and 0.035–0.070 at most; one shrunk 2.8 times, by 0.013
-/// and 0.105 (over the bounds), and smaller shrinks by more.
+/// ([`crate::Preprocessor::set_coarse_progressive`]). Photos shrunk less keep too much of what
+/// the scans add: their tensors go over the bounds on the difference from torchvision's
+/// (docs/benchmarks.md measures both sides of the threshold).
 pub(crate) const COARSE_MIN_SHRINK: f64 = 8.0;
 
 /// The bytes to decode `jpeg` from for `transform`: a progressive photo the transform shrinks
