@@ -24,8 +24,9 @@ pub struct Args {
     /// How long to measure each row, in seconds (after three warm-up batches).
     #[arg(long, default_value_t = 3.0)]
     pub seconds: f64,
-    /// On a GPU, also measure cuDNN's convolutions run apart from their bias, residual and
-    /// ReLU (a kernel of ours after each) rather than fused in one cuDNN call.
+    /// On a GPU, also measure every convolution run by cuDNN apart from its bias, residual
+    /// and ReLU (a kernel of ours after each): no fused cuDNN call, and the first layer on
+    /// cuDNN too (after converting the input) rather than the patch kernel of ours.
     #[arg(long)]
     pub unfused: bool,
 }

@@ -1,8 +1,11 @@
 //! A small convolutional network run with cuDNN: a chain of convolutions, each followed by its
 //! bias, an optional residual (an earlier activation added) and a ReLU, then the last
 //! activation averaged over its height and width. The convolutions are cuDNN's (the algorithm
-//! measured fastest for each layer and batch size); the bias, residual and ReLU are one small
-//! kernel per layer, and so is the average.
+//! measured fastest for each layer and batch size), with the bias, residual and ReLU in the
+//! same cuDNN call or in one small kernel of ours after it; the average is a kernel of ours.
+//! A first layer that cuts the image into patches (kernel side = stride, no padding, as the
+//! bundled classifier's stem) is a kernel of ours too: it reads the producers' NCHW floats
+//! directly and writes the network's type and layout, so the input is never converted apart.
 //!
 //! Precision: `F32` keeps every multiply in fp32 (no TF32), as PyTorch does with TF32 off;
 //! `Tf32` lets the convolutions use TF32 tensor cores; `F16` and `Bf16` keep the activations
@@ -162,46 +165,146 @@ impl std::fmt::Display for Layout {
     }
 }
 
-/// The kernels, for one element type `T`.
+/// The kernels, for one element type `T`. The stem kernel's shape (`STEM_K` output channels,
+/// `STEM_C` input channels, `STEM_S` the kernel side and stride) is defined before this.
 const KERNELS: &str = r#"
 typedef unsigned long long u64;
-// y (n elements) from NCHW floats x: the same order, or channels last (`nhwc`), for `channels`
-// planes of `plane` values each per image.
-extern "C" __global__ void tp_net_convert(const float* x, T* y, u64 n, u64 channels, u64 plane,
+typedef unsigned int u32;
+// Images of `channels` planes of `plane` NCHW floats at x into y in the element type: the same
+// order, or channels last (`nhwc`). Grid: (ceil(plane / 256), images).
+extern "C" __global__ void tp_net_convert(const float* x, T* y, u32 channels, u32 plane,
                                           int nhwc) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    u64 src = i;
-    if (nhwc) {
-        u64 c = i % channels, t = i / channels;
-        src = ((t / plane) * channels + c) * plane + t % plane;
-    }
-    st(y, i, x[src]);
+    u32 p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= plane) return;
+    u64 base = (u64)blockIdx.y * channels * plane;
+    const float* src = x + base + p;
+    for (u32 c = 0; c < channels; c++)
+        st(y, base + (nhwc ? (u64)p * channels + c : (u64)c * plane + p), src[(u64)c * plane]);
 }
-// y = relu(y + bias[channel] + z), z optional (0).
-extern "C" __global__ void tp_net_epilogue(T* y, const float* bias, const T* z, u64 plane,
-                                           u64 channels, u64 n, int nhwc) {
-    u64 i = (u64)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    float v = ld(y, i) + bias[nhwc ? i % channels : (i / plane) % channels];
-    if (z) v += ld(z, i);
-    st(y, i, v > 0.0f ? v : 0.0f);
+// y = relu(y + bias[channel] + z), z optional (0), for images of `channels` x `plane` values.
+// Grid: (ceil(channels * plane / 256), images).
+extern "C" __global__ void tp_net_epilogue(T* y, const float* bias, const T* z, u32 plane,
+                                           u32 channels, int nhwc) {
+    u32 i = blockIdx.x * blockDim.x + threadIdx.x;
+    if (i >= channels * plane) return;
+    u64 at = (u64)blockIdx.y * channels * plane + i;
+    float v = ld(y, at) + bias[nhwc ? i % channels : i / plane];
+    if (z) v += ld(z, at);
+    st(y, at, v > 0.0f ? v : 0.0f);
 }
-// One block of 256 threads per (image, channel): the mean of its `plane` values.
-extern "C" __global__ void tp_net_mean(const T* x, float* out, u64 plane, u64 channels,
-                                       int nhwc) {
+// NCHW: one block of 256 threads per (image, channel) plane of `plane` values: its mean.
+extern "C" __global__ void tp_net_mean(const T* x, float* out, u32 plane) {
     __shared__ float part[256];
-    u64 b = blockIdx.x / channels, c = blockIdx.x % channels;
+    const T* row = x + (u64)blockIdx.x * plane;
     float s = 0.0f;
-    for (u64 j = threadIdx.x; j < plane; j += blockDim.x)
-        s += ld(x, nhwc ? (b * plane + j) * channels + c : blockIdx.x * plane + j);
+    for (u32 j = threadIdx.x; j < plane; j += blockDim.x) s += ld(row, j);
     part[threadIdx.x] = s;
     __syncthreads();
-    for (unsigned k = blockDim.x / 2; k > 0; k >>= 1) {
+    for (u32 k = blockDim.x / 2; k > 0; k >>= 1) {
         if (threadIdx.x < k) part[threadIdx.x] += part[threadIdx.x + k];
         __syncthreads();
     }
     if (threadIdx.x == 0) out[blockIdx.x] = part[0] / (float)plane;
+}
+// NHWC, first pass: block (b, image) sums pixels [b * 64, b * 64 + 64) of the image, for
+// every channel, into part[image][b][channel]. With at most 256 channels, thread t sums
+// channel t % channels over every (256 / channels)-th of those pixels (neighbouring threads
+// read neighbouring values); with more, thread t sums channels t, t + 256, ... Grid:
+// (ceil(plane / 64), images), 256 threads.
+extern "C" __global__ void tp_net_mean_nhwc(const T* x, float* part, u32 plane, u32 channels) {
+    __shared__ float acc[256];
+    const T* img = x + (u64)blockIdx.y * plane * channels;
+    float* o = part + ((u64)blockIdx.y * gridDim.x + blockIdx.x) * channels;
+    u32 first = blockIdx.x * 64, last = min(first + 64, plane);
+    u32 t = threadIdx.x;
+    if (channels > blockDim.x) {
+        for (u32 c = t; c < channels; c += blockDim.x) {
+            float s = 0.0f;
+            for (u32 j = first; j < last; j++) s += ld(img, (u64)j * channels + c);
+            o[c] = s;
+        }
+        return;
+    }
+    u32 groups = blockDim.x / channels;
+    float s = 0.0f;
+    if (t < groups * channels)
+        for (u32 j = first + t / channels; j < last; j += groups)
+            s += ld(img, (u64)j * channels + t % channels);
+    acc[t] = s;
+    __syncthreads();
+    if (t < channels) {
+        float a = 0.0f;
+        for (u32 g = 0; g < groups; g++) a += acc[g * channels + t];
+        o[t] = a;
+    }
+}
+// NHWC, second pass: out[image][c] = the image's `chunks` partial sums of channel c, over
+// `plane`. Grid: (ceil(channels / 256), images), 256 threads.
+extern "C" __global__ void tp_net_mean_sum(const float* part, float* out, u32 chunks,
+                                           u32 channels, u32 plane) {
+    u32 c = blockIdx.x * blockDim.x + threadIdx.x;
+    if (c >= channels) return;
+    const float* p = part + (u64)blockIdx.y * chunks * channels + c;
+    float s = 0.0f;
+    for (u32 b = 0; b < chunks; b++) s += p[(u64)b * channels];
+    out[(u64)blockIdx.y * channels + c] = s / (float)plane;
+}
+// The first layer when it cuts the image into patches (kernel side = stride, no padding): from
+// the NCHW floats x straight to y in the element type and layout, with the bias and ReLU,
+// accumulating in fp32. w: [STEM_K][STEM_C][STEM_S][STEM_S] floats, bias: [STEM_K] floats.
+// One thread per output pixel. Grid: (ceil(oh * ow / 128), images), 128 threads.
+#define STEM_W (STEM_K * STEM_C * STEM_S * STEM_S)
+extern "C" __global__ void tp_net_stem(const float* x, const float* w, const float* bias, T* y,
+                                       u32 h, u32 wd, u32 oh, u32 ow, int nhwc) {
+    // Weights as [c][r][s][k]: one input value meets its STEM_K weights side by side.
+    __shared__ __align__(16) float ws[STEM_W];
+    __shared__ float bs[STEM_K];
+    for (u32 i = threadIdx.x; i < STEM_W; i += blockDim.x) {
+        u32 k = i / (STEM_C * STEM_S * STEM_S), crs = i % (STEM_C * STEM_S * STEM_S);
+        ws[crs * STEM_K + k] = w[i];
+    }
+    for (u32 i = threadIdx.x; i < STEM_K; i += blockDim.x) bs[i] = bias[i];
+    __syncthreads();
+    u32 npix = oh * ow;
+    u32 p = blockIdx.x * blockDim.x + threadIdx.x;
+    if (p >= npix) return;
+    u32 r0 = (p / ow) * STEM_S, c0 = (p % ow) * STEM_S;
+    const float* img = x + (u64)blockIdx.y * STEM_C * h * wd;
+    float acc[STEM_K];
+#pragma unroll
+    for (int k = 0; k < STEM_K; k++) acc[k] = bs[k];
+    for (int c = 0; c < STEM_C; c++) {
+#pragma unroll
+        for (int r = 0; r < STEM_S; r++) {
+            const float* row = img + ((u64)c * h + r0 + r) * wd + c0;
+#pragma unroll
+            for (int s = 0; s < STEM_S; s++) {
+                float v = row[s];
+                const float* wk = ws + ((c * STEM_S + r) * STEM_S + s) * STEM_K;
+#pragma unroll
+                for (int k = 0; k < STEM_K; k++) acc[k] = fmaf(v, wk[k], acc[k]);
+            }
+        }
+    }
+    u64 out = (u64)blockIdx.y * STEM_K * npix;
+    if (nhwc) {
+        T* dst = y + out + (u64)p * STEM_K;
+        if ((STEM_K * sizeof(T)) % 16 == 0) {
+            __align__(16) T tmp[STEM_K];
+#pragma unroll
+            for (int k = 0; k < STEM_K; k++) st(tmp, k, acc[k] > 0.0f ? acc[k] : 0.0f);
+#pragma unroll
+            for (int q = 0; q < (int)(STEM_K * sizeof(T) / 16); q++)
+                ((uint4*)dst)[q] = ((const uint4*)tmp)[q];
+        } else {
+#pragma unroll
+            for (int k = 0; k < STEM_K; k++) st(dst, k, acc[k] > 0.0f ? acc[k] : 0.0f);
+        }
+    } else {
+#pragma unroll
+        for (int k = 0; k < STEM_K; k++)
+            st(y, out + (u64)k * npix + p, acc[k] > 0.0f ? acc[k] : 0.0f);
+    }
 }
 "#;
 
@@ -267,6 +370,13 @@ pub struct ConvNet {
     convert: Kernel,
     epilogue: Kernel,
     mean: Kernel,
+    mean_nhwc: Kernel,
+    mean_sum: Kernel,
+    /// The first layer as a kernel of ours, where it cuts the image into patches: its fp32
+    /// weights and the kernel.
+    stem: Option<(DeviceBuffer, Kernel)>,
+    /// Whether `stem` runs the first layer (else cuDNN does, after the input is converted).
+    own_stem: bool,
     relu: Relu,
     plans: HashMap<usize, Plan>,
     /// The fastest algorithms, per layer, measured for a power-of-two batch size.
@@ -277,6 +387,8 @@ pub struct ConvNet {
     capacity: usize,
     workspace: Option<DeviceBuffer>,
     pooled: Option<DeviceBuffer>,
+    /// NHWC: the mean's partial sums (`MEAN_CHUNK` pixels each) for `capacity` images.
+    partial: Option<DeviceBuffer>,
     /// Page-locked host memory the pooled rows are copied into (so the copy is asynchronous).
     pooled_host: Option<PinnedBuffer>,
     /// A launched batch not yet collected: its rows, and the layers cuDNN refused to fuse.
@@ -351,16 +463,50 @@ impl ConvNet {
             }
             shapes.push(out);
         }
+        if shapes
+            .iter()
+            .any(|s| u32::try_from(s.iter().product::<usize>()).is_err())
+        {
+            return Err(bad("an activation too large for one image".into()));
+        }
+        let stem_shape = stem_shape(&layers[0]);
         let stream = Stream::new(gpu)?;
         let handle = Handle::new(gpu, &stream)?;
-        let src = format!("{}{KERNELS}", precision.kernel_prelude());
+        let (k, c, s) = stem_shape.unwrap_or((1, 1, 1));
+        let src = format!(
+            "{}#define STEM_K {k}\n#define STEM_C {c}\n#define STEM_S {s}\n{KERNELS}",
+            precision.kernel_prelude()
+        );
         let file = format!("tensorport_net_{}.cu", precision.name());
-        let [convert, epilogue, mean] = Kernel::compile_all(
+        let [convert, epilogue, mean, mean_nhwc, mean_sum, stem_kernel] = Kernel::compile_all(
             gpu,
             &src,
             &file,
-            [c"tp_net_convert", c"tp_net_epilogue", c"tp_net_mean"],
+            [
+                c"tp_net_convert",
+                c"tp_net_epilogue",
+                c"tp_net_mean",
+                c"tp_net_mean_nhwc",
+                c"tp_net_mean_sum",
+                c"tp_net_stem",
+            ],
         )?;
+        let stem = match stem_shape {
+            Some(_) => {
+                let w: Vec<u8> = layers[0]
+                    .weight
+                    .iter()
+                    .flat_map(|x| x.to_ne_bytes())
+                    .collect();
+                let buf = DeviceBuffer::new(gpu, w.len())?;
+                // SAFETY: `buf` holds exactly `w`'s bytes; the stream is synchronised below
+                // (after the layers' uploads), before `w` goes.
+                unsafe { stream.copy_host_to_device_async(buf.ptr(), &w)? };
+                stream.synchronize()?;
+                Some((buf, stem_kernel))
+            }
+            None => None,
+        };
         let dtype = precision.data_type();
         let mut on_device = Vec::with_capacity(layers.len());
         for (i, spec) in layers.into_iter().enumerate() {
@@ -386,7 +532,7 @@ impl ConvNet {
                             &convert,
                             &stream,
                             (f.ptr(), weight.ptr()),
-                            spec.weight.len(),
+                            spec.out_channels,
                             (spec.in_channels, spec.kernel * spec.kernel),
                             layout,
                         )?;
@@ -453,6 +599,10 @@ impl ConvNet {
             convert,
             epilogue,
             mean,
+            mean_nhwc,
+            mean_sum,
+            stem,
+            own_stem: true,
             relu: Relu::new()?,
             plans: HashMap::new(),
             found: HashMap::new(),
@@ -460,6 +610,7 @@ impl ConvNet {
             capacity: 0,
             workspace: None,
             pooled: None,
+            partial: None,
             pooled_host: None,
             in_flight: None,
         })
@@ -482,12 +633,32 @@ impl ConvNet {
         self.layers.iter().filter(|l| l.fused).count()
     }
 
-    /// Whether to try cuDNN's fused call (the default) or always run the convolution and the
-    /// epilogue kernel apart (to compare the two).
+    /// Whether to fuse (the default): cuDNN's fused call where it is the faster, and a first
+    /// layer that cuts the image into patches run by a kernel of ours straight from the input;
+    /// or to run every convolution with cuDNN and the epilogue kernel apart (to compare).
     pub fn set_fused(&mut self, fused: bool) {
         for l in &mut self.layers {
             l.fused = fused;
         }
+        self.own_stem = fused;
+    }
+
+    /// Whether a kernel of ours runs the first layer (see [`ConvNet::set_fused`]).
+    pub fn stem_kernel(&self) -> bool {
+        self.own_stem && self.stem.is_some()
+    }
+
+    /// Whether the input is converted into the network's type and layout before the first
+    /// layer (into `acts[0]`).
+    fn converts_input(&self) -> bool {
+        !as_given(self.precision, self.layout) && !self.stem_kernel()
+    }
+
+    /// How many `MEAN_CHUNK`-pixel parts the NHWC mean sums each image's last activation in.
+    fn mean_chunks(&self) -> usize {
+        self.layers
+            .last()
+            .map_or(1, |l| (l.out[1] * l.out[2]).div_ceil(MEAN_CHUNK))
     }
 
     /// Channels of the last activation (the length of each image's pooled row).
@@ -512,23 +683,26 @@ impl ConvNet {
 
     /// Makes room for `batch` images.
     fn grow(&mut self, batch: usize) -> Result<()> {
-        if batch <= self.capacity && !self.acts.is_empty() {
+        let input: usize = self.input.iter().product();
+        let elem = self.precision.bytes();
+        let input_copy = |n: usize| {
+            if self.converts_input() {
+                n * input * elem
+            } else {
+                1
+            }
+        };
+        if batch <= self.capacity
+            && !self.acts.is_empty()
+            && self.acts[0].len() >= input_copy(self.capacity)
+        {
             return Ok(());
         }
         // The stream may still read the old buffers.
         self.stream.synchronize()?;
         let n = batch.max(self.capacity).max(1);
-        let elem = self.precision.bytes();
         let mut acts = Vec::with_capacity(self.layers.len() + 1);
-        let input: usize = self.input.iter().product();
-        acts.push(DeviceBuffer::new(
-            &self.gpu,
-            if as_given(self.precision, self.layout) {
-                1
-            } else {
-                n * input * elem
-            },
-        )?);
+        acts.push(DeviceBuffer::new(&self.gpu, input_copy(n))?);
         for l in &self.layers {
             acts.push(DeviceBuffer::new(
                 &self.gpu,
@@ -536,6 +710,13 @@ impl ConvNet {
             )?);
         }
         self.pooled = Some(DeviceBuffer::new(&self.gpu, n * self.out_channels() * 4)?);
+        self.partial = match self.layout {
+            Layout::Nhwc => Some(DeviceBuffer::new(
+                &self.gpu,
+                n * self.mean_chunks() * self.out_channels() * 4,
+            )?),
+            Layout::Nchw => None,
+        };
         self.pooled_host = Some(PinnedBuffer::new(&self.gpu, n * self.out_channels() * 4)?);
         self.acts = acts;
         self.capacity = n;
@@ -704,25 +885,25 @@ impl ConvNet {
         self.grow(batch)?;
         self.plan(batch)?;
         let plan = &self.plans[&batch];
-        let input: usize = self.input.iter().product();
         let acts: Vec<u64> = self.acts.iter().map(|b| b.ptr()).collect();
         // Activation 0: the caller's floats, or their copy in the network's type and layout.
-        let given = as_given(self.precision, self.layout);
-        let act = |i: usize| if i == 0 && given { x } else { acts[i] };
-        if !given {
+        let converts = self.converts_input();
+        let act = |i: usize| if i == 0 && !converts { x } else { acts[i] };
+        if converts {
             // SAFETY: `x` holds batch × input floats (the caller's contract); acts[0] was
-            // sized for `capacity` ≥ batch inputs in the element type.
+            // sized for `capacity` ≥ batch inputs in the element type (`grow`).
             unsafe {
                 launch_convert(
                     &self.convert,
                     &self.stream,
                     (x, acts[0]),
-                    batch * input,
+                    batch,
                     (self.input[0], self.input[1] * self.input[2]),
                     self.layout,
                 )?
             };
         }
+        let stem = self.stem.as_ref().filter(|_| self.own_stem);
         let mut nhwc = i32::from(self.layout == Layout::Nhwc);
         let workspace = self
             .workspace
@@ -730,6 +911,30 @@ impl ConvNet {
             .map_or((0, 0), |w| (w.ptr(), w.len()));
         let mut refused = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
+            if let (0, Some((weight, kernel))) = (i, stem) {
+                let (mut src, mut w, mut b, mut y) = (x, weight.ptr(), l.bias.ptr(), act(1));
+                let (mut h, mut wd) = (self.input[1] as u32, self.input[2] as u32);
+                let (mut oh, mut ow) = (l.out[1] as u32, l.out[2] as u32);
+                let mut params: [*mut std::ffi::c_void; 9] = [
+                    (&mut src as *mut u64).cast(),
+                    (&mut w as *mut u64).cast(),
+                    (&mut b as *mut u64).cast(),
+                    (&mut y as *mut u64).cast(),
+                    (&mut h as *mut u32).cast(),
+                    (&mut wd as *mut u32).cast(),
+                    (&mut oh as *mut u32).cast(),
+                    (&mut ow as *mut u32).cast(),
+                    (&mut nhwc as *mut i32).cast(),
+                ];
+                let grid = ((oh * ow).div_ceil(128), images(batch)?, 1);
+                // SAFETY: the parameters match `tp_net_stem`'s, compiled for this layer's
+                // shape (`stem_shape`); `x` holds batch inputs of [C, h, wd] floats (the
+                // caller's contract), activation 1 was sized for batch outputs of [K, oh, ow],
+                // the weights and bias are the layer's fp32 values; the shapes fit in u32
+                // (checked in `new`).
+                unsafe { kernel.launch(grid, (128, 1, 1), &self.stream, &mut params)? };
+                continue;
+            }
             let (algo, ws) = plan.algos[i];
             let x_i = (&plan.descs[i], act(i));
             let y_i = (&plan.descs[i + 1], act(i + 1));
@@ -765,48 +970,91 @@ impl ConvNet {
                     .forward(x_i, (&l.filter, l.weight.ptr()), &l.conv, algo, work, y_i)?
             };
             let plane = l.out[1] * l.out[2];
-            let n = batch * l.out[0] * plane;
+            let per_image = l.out[0] * plane;
             let (mut y, mut b, mut z) = (act(i + 1), l.bias.ptr(), l.spec.residual.map_or(0, act));
-            let (mut p, mut c, mut count) = (plane as u64, l.out[0] as u64, n as u64);
-            let mut params: [*mut std::ffi::c_void; 7] = [
+            let (mut p, mut c) = (plane as u32, l.out[0] as u32);
+            let mut params: [*mut std::ffi::c_void; 6] = [
                 (&mut y as *mut u64).cast(),
                 (&mut b as *mut u64).cast(),
                 (&mut z as *mut u64).cast(),
-                (&mut p as *mut u64).cast(),
-                (&mut c as *mut u64).cast(),
-                (&mut count as *mut u64).cast(),
+                (&mut p as *mut u32).cast(),
+                (&mut c as *mut u32).cast(),
                 (&mut nhwc as *mut i32).cast(),
             ];
-            // SAFETY: the parameters match `tp_net_epilogue`'s; `y` and `z` hold `n` elements
-            // (checked shapes), `b` the layer's channels.
+            let grid = (blocks(per_image)?.0, images(batch)?, 1);
+            // SAFETY: the parameters match `tp_net_epilogue`'s; `y` and `z` hold batch images
+            // of `per_image` elements (checked shapes, which fit in u32), `b` the layer's
+            // channels.
             unsafe {
                 self.epilogue
-                    .launch(blocks(n)?, (256, 1, 1), &self.stream, &mut params)?
+                    .launch(grid, (256, 1, 1), &self.stream, &mut params)?
             };
         }
         let last = self.layers.last().expect("at least one layer");
         let rows = batch * last.out[0];
         let pooled = self.pooled.as_ref().expect("made by grow");
-        let (mut src, mut dst, mut plane, mut channels) = (
-            act(self.layers.len()),
-            pooled.ptr(),
-            (last.out[1] * last.out[2]) as u64,
-            last.out[0] as u64,
-        );
-        let mut params: [*mut std::ffi::c_void; 5] = [
-            (&mut src as *mut u64).cast(),
-            (&mut dst as *mut u64).cast(),
-            (&mut plane as *mut u64).cast(),
-            (&mut channels as *mut u64).cast(),
-            (&mut nhwc as *mut i32).cast(),
-        ];
-        let grid = u32::try_from(rows).map_err(|_| Error::BadAnswer("a batch too large"))?;
-        // SAFETY: the parameters match `tp_net_mean`'s; the last activation holds `rows`
-        // planes and `pooled` `rows` floats.
-        unsafe {
-            self.mean
-                .launch((grid, 1, 1), (256, 1, 1), &self.stream, &mut params)?
-        };
+        let plane = (last.out[1] * last.out[2]) as u32;
+        let channels = last.out[0] as u32;
+        let too_large = |_| Error::BadAnswer("a batch too large");
+        match self.layout {
+            Layout::Nchw => {
+                let (mut src, mut dst, mut plane) = (act(self.layers.len()), pooled.ptr(), plane);
+                let mut params: [*mut std::ffi::c_void; 3] = [
+                    (&mut src as *mut u64).cast(),
+                    (&mut dst as *mut u64).cast(),
+                    (&mut plane as *mut u32).cast(),
+                ];
+                let grid = (u32::try_from(rows).map_err(too_large)?, 1, 1);
+                // SAFETY: the parameters match `tp_net_mean`'s; the last activation holds
+                // `rows` planes of `plane` values and `pooled` `rows` floats.
+                unsafe {
+                    self.mean
+                        .launch(grid, (256, 1, 1), &self.stream, &mut params)?
+                };
+            }
+            Layout::Nhwc => {
+                let partial = self.partial.as_ref().expect("made by grow for NHWC");
+                let chunks = self.mean_chunks() as u32;
+                let (mut src, mut part, mut plane_, mut channels_) =
+                    (act(self.layers.len()), partial.ptr(), plane, channels);
+                let mut params: [*mut std::ffi::c_void; 4] = [
+                    (&mut src as *mut u64).cast(),
+                    (&mut part as *mut u64).cast(),
+                    (&mut plane_ as *mut u32).cast(),
+                    (&mut channels_ as *mut u32).cast(),
+                ];
+                // SAFETY: the parameters match `tp_net_mean_nhwc`'s; the last activation
+                // holds batch images of `plane` × `channels` values, and `partial` was sized
+                // for `capacity` ≥ batch images of `chunks` × `channels` floats (`grow`).
+                unsafe {
+                    self.mean_nhwc.launch(
+                        (chunks, images(batch)?, 1),
+                        (256, 1, 1),
+                        &self.stream,
+                        &mut params,
+                    )?
+                };
+                let (mut part, mut dst, mut chunks_, mut channels_, mut plane_) =
+                    (partial.ptr(), pooled.ptr(), chunks, channels, plane);
+                let mut params: [*mut std::ffi::c_void; 5] = [
+                    (&mut part as *mut u64).cast(),
+                    (&mut dst as *mut u64).cast(),
+                    (&mut chunks_ as *mut u32).cast(),
+                    (&mut channels_ as *mut u32).cast(),
+                    (&mut plane_ as *mut u32).cast(),
+                ];
+                // SAFETY: the parameters match `tp_net_mean_sum`'s; `partial` holds what the
+                // first pass wrote, `pooled` `rows` = batch × `channels` floats.
+                unsafe {
+                    self.mean_sum.launch(
+                        (blocks(channels as usize)?.0, images(batch)?, 1),
+                        (256, 1, 1),
+                        &self.stream,
+                        &mut params,
+                    )?
+                };
+            }
+        }
         self.gpu.bind()?;
         let host = self.pooled_host.as_mut().expect("made by grow");
         // SAFETY: `host` is page-locked memory of `capacity` rows ≥ `rows` floats, owned by
@@ -860,35 +1108,63 @@ fn as_given(precision: Precision, layout: Layout) -> bool {
     precision.bytes() == 4 && layout == Layout::Nchw
 }
 
-/// Enqueues `n` NCHW floats at `src` (`(channels, plane)` per image) converted into the
-/// element type and `layout` at `dst`.
+/// Enqueues `images` × `(channels, plane)` NCHW floats at `src` converted into the element
+/// type and `layout` at `dst`.
 ///
 /// # Safety
-/// `src` and `dst` must hold `n` elements each, valid until `stream` has run the kernel.
+/// `src` and `dst` must hold `images × channels × plane` elements each, valid until `stream`
+/// has run the kernel.
 unsafe fn launch_convert(
     convert: &Kernel,
     stream: &Stream,
     (src, dst): (u64, u64),
-    n: usize,
+    images_: usize,
     (channels, plane): (usize, usize),
     layout: Layout,
 ) -> Result<()> {
-    let (mut s, mut d, mut count) = (src, dst, n as u64);
+    let too_large = |_| Error::BadAnswer("a tensor too large for one launch");
+    let (mut s, mut d) = (src, dst);
     let (mut c, mut p, mut nhwc) = (
-        channels as u64,
-        plane as u64,
+        u32::try_from(channels).map_err(too_large)?,
+        u32::try_from(plane).map_err(too_large)?,
         i32::from(layout == Layout::Nhwc),
     );
-    let mut params: [*mut std::ffi::c_void; 6] = [
+    let mut params: [*mut std::ffi::c_void; 5] = [
         (&mut s as *mut u64).cast(),
         (&mut d as *mut u64).cast(),
-        (&mut count as *mut u64).cast(),
-        (&mut c as *mut u64).cast(),
-        (&mut p as *mut u64).cast(),
+        (&mut c as *mut u32).cast(),
+        (&mut p as *mut u32).cast(),
         (&mut nhwc as *mut i32).cast(),
     ];
+    let grid = (blocks(plane)?.0, images(images_)?, 1);
     // SAFETY: the parameters match `tp_net_convert`'s; the caller's contract covers the memory.
-    unsafe { convert.launch(blocks(n)?, (256, 1, 1), stream, &mut params) }
+    unsafe { convert.launch(grid, (256, 1, 1), stream, &mut params) }
+}
+
+/// Pixels of the last activation each block of the NHWC mean sums (`tp_net_mean_nhwc`'s 64).
+const MEAN_CHUNK: usize = 64;
+
+/// The most images one launch takes (a grid's second dimension).
+const MAX_IMAGES: usize = 65_535;
+
+/// `n` images as a grid's second dimension.
+fn images(n: usize) -> Result<u32> {
+    if n > MAX_IMAGES {
+        return Err(Error::BadAnswer("a batch of more than 65,535 images"));
+    }
+    Ok(n as u32)
+}
+
+/// The stem kernel's `(STEM_K, STEM_C, STEM_S)` for `l`, where a kernel of ours runs it: a
+/// convolution that cuts the image into patches (kernel side = stride, no padding, no
+/// residual), with few enough output channels and weights for registers and shared memory.
+fn stem_shape(l: &ConvLayer) -> Option<(usize, usize, usize)> {
+    let fits = l.kernel == l.stride
+        && l.padding == 0
+        && l.residual.is_none()
+        && (1..=64).contains(&l.out_channels)
+        && l.out_channels * l.in_channels * l.kernel * l.kernel <= 4096;
+    fits.then_some((l.out_channels, l.in_channels, l.kernel))
 }
 
 impl Drop for ConvNet {

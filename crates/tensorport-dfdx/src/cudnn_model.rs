@@ -139,10 +139,16 @@ impl CudnnClassifier {
         self.net.layout()
     }
 
-    /// Whether cuDNN runs each convolution fused with its bias, residual and ReLU (the default,
-    /// where cuDNN accepts it) or apart from them (to compare).
+    /// Whether to fuse (the default): each convolution with its bias, residual and ReLU in one
+    /// cuDNN call where that is the faster, and the stem in a kernel of ours that reads the
+    /// input as it comes; or to run every convolution on cuDNN apart from them (to compare).
     pub fn set_fused(&mut self, fused: bool) {
         self.net.set_fused(fused)
+    }
+
+    /// Whether a kernel of ours runs the stem (see [`CudnnClassifier::set_fused`]).
+    pub fn stem_kernel(&self) -> bool {
+        self.net.stem_kernel()
     }
 
     /// How many of the model's convolutions cuDNN runs fused.
