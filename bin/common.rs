@@ -104,7 +104,10 @@ impl From<tensorport_farm::Error> for CliError {
             E::Inputs(e) => format!("{e} (or --synthetic N for made-up images)"),
             E::Config(c) => match c {
                 C::ImageSize => "--image-size must be positive".into(),
-                C::MaxBatch => "--max-batch must be at least 1".into(),
+                C::MaxBatch => format!(
+                    "--max-batch must be 1 to {} images",
+                    tensorport_farm::MAX_BATCH
+                ),
                 C::PrecisionNeedsGpu(p) => format!(
                     "--precision {p}: reduced precision is for the GPU model; add --device cuda, \
                      or leave --precision out"

@@ -184,7 +184,7 @@ impl ModelOptions {
     /// Refuses options that contradict each other.
     pub fn check(&self) -> Result<(), ConfigError> {
         self.config.check()?;
-        if self.max_batch == 0 {
+        if !(1..=crate::MAX_BATCH).contains(&self.max_batch) {
             return Err(ConfigError::MaxBatch);
         }
         if let Some(p) = self.precision.filter(|&p| p != Precision::F32) {
@@ -635,5 +635,20 @@ mod tests {
         // No nvJPEG: the cores, on the CPU.
         assert_eq!(default_producers(1, 16, false), (15, 0));
         assert_eq!(default_producers(1, 1, false), (1, 0));
+    }
+
+    #[test]
+    fn the_largest_batch_is_bounded_both_ways() {
+        let with = |max_batch| ModelOptions {
+            max_batch,
+            ..ModelOptions::default()
+        };
+        assert!(with(1).check().is_ok());
+        assert!(with(crate::MAX_BATCH).check().is_ok());
+        for bad in [0, crate::MAX_BATCH + 1] {
+            let e = with(bad).check().unwrap_err();
+            assert!(matches!(e, ConfigError::MaxBatch), "{bad}: {e}");
+            assert_eq!(e.to_string(), "the largest batch must be 1 to 65535");
+        }
     }
 }

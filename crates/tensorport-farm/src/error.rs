@@ -13,8 +13,8 @@ pub enum ConfigError {
     /// The image side is zero.
     #[error("the image size must be positive")]
     ImageSize,
-    /// The largest batch is zero.
-    #[error("the largest batch must be at least 1")]
+    /// The largest batch is zero or over [`crate::MAX_BATCH`].
+    #[error("the largest batch must be 1 to {}", crate::MAX_BATCH)]
     MaxBatch,
     /// A reduced precision was asked of a model on the CPU.
     #[error("precision {0}: reduced precision is for the GPU model")]

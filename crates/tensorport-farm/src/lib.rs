@@ -31,3 +31,7 @@ pub mod serve;
 
 pub use config::{FarmConfig, ModelOptions, PrepOptions, ProduceConfig, ServeConfig};
 pub use error::{ConfigError, Error, Result};
+
+/// The largest `--max-batch` a server takes: the most images one batch of the GPU model's
+/// kernels covers (a grid's second dimension), far above what any batch needs.
+pub const MAX_BATCH: usize = 65_535;
