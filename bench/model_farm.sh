@@ -1,24 +1,44 @@
 #!/usr/bin/env bash
 # The farm with and without the bundled model, on the GPU: what the model costs end to end.
-# A uniform JPEG set and a varied one, CPU producers and GPU producers, each with --model none,
-# the model at fp32 and the model at a reduced precision, one after the other in one run.
+# For each round, each producer mix and each model (--model none first), one farm run over the
+# uniform set listed REPEAT times; rounds alternate, so the machine's drift touches every row.
+# Prints one table row per run (images/s after start-up), then each model's rate over the same
+# round's --model none.
 #
-#   bench/model_farm.sh TENSORPORT_BINARY OUT_DIR [CPU_PRODUCERS] [GPU_PRODUCERS] [PRECISION]
-# (defaults 15, 2, f16; OUT_DIR keeps the generated images between runs)
+#   bench/model_farm.sh TENSORPORT_BINARY OUT_DIR [ROUNDS] [REPEAT]
+# (defaults 2 rounds, the set listed 20 times: 40,000 inputs; OUT_DIR keeps the generated
+# images between runs). Mixes: 2 GPU producers alone, the default mix, 15 CPU producers.
+# Models: none, f32 (the default), f16, tf32.
 set -euo pipefail
 bin=$(realpath "$1"); out=$(realpath -m "$2")
-cpu=${3:-15}; gpu=${4:-2}; precision=${5:-f16}
+rounds=${3:-2}; repeat=${4:-20}
 here=$(cd "$(dirname "$0")" && pwd)
 mkdir -p "$out"
-"$here/make_sets.sh" "$out" 1000
-for set in uniform varied; do
-  n=$(find "$out/$set" -name '*.jpg' | wc -l)
-  for producers in "--producers $cpu" "--producers 0 --gpu-producers $gpu"; do
-    for model in "--model none" "--precision f32" "--precision $precision"; do
-      printf '%s (%s files), %s, %s: ' "$set" "$n" "$producers" "$model"
+"$here/make_sets.sh" "$out" 250 150
+list="$out/uniform-x$repeat.list"
+ls -d "$out"/uniform/*.jpg > "$out/uniform.list"
+for _ in $(seq "$repeat"); do cat "$out/uniform.list"; done > "$list"
+mixes=("-p 0 --gpu-producers 2" "" "-p 15")
+names=("2 GPU" "default mix" "15 CPU")
+models=("--model none" "--precision f32" "--precision f16" "--precision tf32")
+echo "uniform set: $(wc -l < "$out/uniform.list") files, $(wc -l < "$list") inputs"
+echo "| round | producers | model | images/s after start-up | ÷ none |"
+echo "| ---: | --- | --- | ---: | ---: |"
+for r in $(seq "$rounds"); do
+  for m in "${!mixes[@]}"; do
+    none=""
+    for model in "${models[@]}"; do
       # shellcheck disable=SC2086
-      "$bin" --log warn farm --device cuda --input "$out/$set" $producers $model \
-        --progress never --output "$out/out.jsonl" 2>&1 | grep throughput | sed 's/^ *//'
+      summary=$("$bin" --log warn farm --device cuda --input-list "$list" ${mixes[$m]} $model \
+        --progress never --output "$out/out.jsonl" 2>&1 || true)
+      rate=$(sed -n 's/.*; \([0-9.]*\) after start-up.*/\1/p' <<<"$summary")
+      if [[ -z "$rate" ]]; then
+        echo "| $r | ${names[$m]} | $model | failed: $(tail -1 <<<"$summary") | |"
+        continue
+      fi
+      [[ "$model" == "--model none" ]] && none=$rate
+      ratio=$([[ -n "$none" ]] && awk -v a="$rate" -v b="$none" 'BEGIN { printf "%.2f", a / b }')
+      echo "| $r | ${names[$m]} | $model | $rate | $ratio |"
     done
   done
 done
