@@ -108,6 +108,10 @@ impl From<tensorport_farm::Error> for CliError {
                     "--max-batch must be 1 to {} images",
                     tensorport_farm::MAX_BATCH
                 ),
+                C::GpuInFlight => format!(
+                    "--gpu-in-flight must be 1 to {}, and --gpu-batch 1 to --gpu-in-flight",
+                    tensorport::wire::MAX_DEVICE_BUFFERS
+                ),
                 C::PrecisionNeedsGpu(p) => format!(
                     "--precision {p}: reduced precision is for the GPU model; add --device cuda, \
                      or leave --precision out"

@@ -93,6 +93,13 @@ pub struct Args {
     /// inputs, so the next ones are ready; progress shows them as "handed out".
     #[arg(long, default_value_t = 8)]
     pub in_flight: u32,
+    /// Requests each GPU producer keeps in flight: its device buffers on the GPU, 1 to 256
+    /// (each buffer holds one image). The farm hands it up to twice as many inputs.
+    #[arg(long, default_value_t = tensorport_farm::farm::DEFAULT_GPU_IN_FLIGHT)]
+    pub gpu_in_flight: u32,
+    /// Images each GPU producer decodes per nvJPEG batch, 1 to --gpu-in-flight.
+    #[arg(long, default_value_t = tensorport_farm::farm::DEFAULT_GPU_BATCH)]
+    pub gpu_batch: u32,
     /// Model workers per server (`serve --workers`): threads that each run their own copy of
     /// the model on their share of the producers.
     #[arg(long, default_value_t = 1)]
@@ -164,6 +171,8 @@ impl Args {
             output: self.output.clone(),
             model: self.model.options(),
             in_flight: self.in_flight,
+            gpu_in_flight: self.gpu_in_flight,
+            gpu_batch: self.gpu_batch,
             workers: self.workers,
             threads: self.threads,
             socket: self.socket.clone(),

@@ -46,6 +46,8 @@ fn help_explains_every_subcommand() {
                 "--max-restarts",
                 "--in-flight",
                 "--gpu-producers",
+                "--gpu-in-flight",
+                "--gpu-batch",
                 "--pixels",
             ],
         ),
@@ -109,6 +111,22 @@ fn errors_are_one_line_and_say_what_to_do() {
     assert_one_line_error(
         &["farm", "--synthetic", "4", "--gpu-producers", "1"],
         "run the servers on a GPU",
+    );
+    for bad in [
+        &["--gpu-batch", "0"][..],
+        &["--gpu-in-flight", "257"],
+        &["--gpu-in-flight", "16", "--gpu-batch", "32"],
+    ] {
+        let args: Vec<&str> = ["farm", "--synthetic", "4"]
+            .iter()
+            .chain(bad)
+            .copied()
+            .collect();
+        assert_one_line_error(&args, "--gpu-in-flight must be 1 to 256");
+    }
+    assert_one_line_error(
+        &["farm", "--synthetic", "4", "--max-batch", "65536"],
+        "--max-batch must be 1 to 65535",
     );
     // A GPU producer with no GPU (CI) says so; with one, it names what is missing (nvJPEG,
     // NVRTC) or goes on to find no server.

@@ -79,7 +79,8 @@ pub enum Sharing {
 pub struct GpuProducerConfig {
     /// The producer's name (the server's logs and status show it).
     pub name: String,
-    /// Device buffers, one per request in flight (a session may register at most 64).
+    /// Device buffers, one per request in flight (a session may register at most
+    /// [`tensorport::wire::MAX_DEVICE_BUFFERS`]).
     pub buffers: usize,
     /// Bytes of tensor data each buffer holds at least.
     pub len: usize,

@@ -520,6 +520,11 @@ pub struct FarmConfig {
     pub model: ModelOptions,
     /// Requests each CPU producer keeps in flight (each holds up to twice as many inputs).
     pub in_flight: u32,
+    /// Requests each GPU producer keeps in flight: its device buffers, 1 to
+    /// [`tensorport::wire::MAX_DEVICE_BUFFERS`] (each holds up to twice as many inputs).
+    pub gpu_in_flight: u32,
+    /// Images each GPU producer decodes per nvJPEG batch, 1 to `gpu_in_flight`.
+    pub gpu_batch: u32,
     /// Model workers per server.
     pub workers: usize,
     /// Threads for each server's model [default: all cores].
@@ -602,6 +607,11 @@ impl FarmConfig {
         let on_gpu = self.model.device.is_cuda() || matches!(self.servers, Servers::Gpus(_));
         if self.gpu_producers > 0 && !on_gpu && !attached {
             return Err(ConfigError::GpuProducersNeedGpu);
+        }
+        if !(1..=tensorport::wire::MAX_DEVICE_BUFFERS).contains(&self.gpu_in_flight)
+            || !(1..=self.gpu_in_flight).contains(&self.gpu_batch)
+        {
+            return Err(ConfigError::GpuInFlight);
         }
         self.model.check()?;
         // An attached server's model and device are its own business.

@@ -25,6 +25,12 @@ pub enum ConfigError {
     /// A GPU device was asked of a build without CUDA.
     #[error("this tensorport was built without CUDA")]
     NoCudaBuild,
+    /// A GPU producer's requests in flight or its batch out of range.
+    #[error(
+        "a GPU producer keeps 1 to {} requests in flight and decodes 1 to that many per batch",
+        tensorport::wire::MAX_DEVICE_BUFFERS
+    )]
+    GpuInFlight,
     /// A farm without producers.
     #[error("a farm needs at least one producer")]
     NoProducers,

@@ -55,4 +55,4 @@ pub const MAX_MESSAGE_LEN: usize = 1024;
 /// Most slot references one `Grant` may carry.
 pub const MAX_GRANT: usize = 4096;
 /// Most device buffers one session may register.
-pub const MAX_DEVICE_BUFFERS: u32 = 64;
+pub const MAX_DEVICE_BUFFERS: u32 = 256;

@@ -59,10 +59,10 @@ pub(super) struct Worker {
     pub(super) warm: bool,
 }
 
-/// A GPU producer's requests in flight (its device buffers; the protocol allows 64 per
-/// session) and the images it decodes per batch.
-pub(super) const GPU_IN_FLIGHT: u32 = 64;
-pub(super) const GPU_BATCH: u32 = 32;
+/// A GPU producer's requests in flight (its device buffers) and the images it decodes per
+/// batch, unless the farm is told otherwise (`FarmConfig::gpu_in_flight`, `gpu_batch`).
+pub const DEFAULT_GPU_IN_FLIGHT: u32 = 64;
+pub const DEFAULT_GPU_BATCH: u32 = 32;
 /// A GPU producer's threads for the images nvJPEG does not take, where CPU producers take most
 /// of those (see `route.rs`).
 pub(super) const GPU_CPU_THREADS: usize = 4;
@@ -264,7 +264,7 @@ impl Farm {
                 Device::Cuda(n) => n,
                 Device::Cpu => 0,
             },
-            batch: GPU_BATCH as usize,
+            batch: cfg.gpu_batch as usize,
             cpu_threads: gpu_cpu_threads(
                 cfg.producers,
                 cfg.gpu_producers,
@@ -277,7 +277,7 @@ impl Farm {
             output: Output::Stdout,
             image_size: cfg.model.config.image_size,
             in_flight: if gpu.is_some() {
-                GPU_IN_FLIGHT
+                cfg.gpu_in_flight
             } else {
                 cfg.in_flight
             },

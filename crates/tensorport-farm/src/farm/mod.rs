@@ -24,6 +24,7 @@ use crate::config::{Device, FarmConfig, Servers};
 use crate::error::{Error, Result};
 use crate::record::StageTimes;
 use children::{Ev, Farm};
+pub use children::{DEFAULT_GPU_BATCH, DEFAULT_GPU_IN_FLIGHT};
 pub use results::ResultsFile;
 use supervisor::Supervisor;
 

@@ -242,7 +242,7 @@ impl Supervisor {
         if self.stopping.is_some() {
             return;
         }
-        let gpu_depth = 2 * super::children::GPU_IN_FLIGHT as usize;
+        let gpu_depth = 2 * self.farm.cfg.gpu_in_flight as usize;
         // GPU producers first (the flag matters only to CPU producers).
         for slot in 0..self.workers.len() {
             if self.workers[slot].gpu {

@@ -100,7 +100,7 @@ pub(super) fn run(
     jpeg.set_u8_output(cfg.prep.pixels == Pixels::U8);
     jpeg.set_upsampling(cfg.prep.gpu_upsampling);
     tracing::info!(backend = %jpeg.backend(), library = jpeg.library(), gpu = g.ordinal, "decoding on the GPU");
-    // One device buffer per request in flight; a session may register at most 64.
+    // One device buffer per request in flight, up to what a session may register.
     let depth = (cfg.in_flight.max(1) as usize).min(tensorport_wire::MAX_DEVICE_BUFFERS as usize);
     let image_bytes = 3 * size * size * cfg.prep.pixels.bytes();
     let p = GpuProducer::connect(
