@@ -499,8 +499,8 @@ impl ConvNet {
                     .flat_map(|x| x.to_ne_bytes())
                     .collect();
                 let buf = DeviceBuffer::new(gpu, w.len())?;
-                // SAFETY: `buf` holds exactly `w`'s bytes; the stream is synchronised below
-                // (after the layers' uploads), before `w` goes.
+                // SAFETY: `buf` holds exactly `w`'s bytes; the stream is synchronised right
+                // after, before `w` goes.
                 unsafe { stream.copy_host_to_device_async(buf.ptr(), &w)? };
                 stream.synchronize()?;
                 Some((buf, stem_kernel))
@@ -649,9 +649,11 @@ impl ConvNet {
     }
 
     /// Whether the input is converted into the network's type and layout before the first
-    /// layer (into `acts[0]`).
+    /// layer (into `acts[0]`): unless it is taken as given, or the stem kernel reads it and no
+    /// later layer adds it as its residual.
     fn converts_input(&self) -> bool {
-        !as_given(self.precision, self.layout) && !self.stem_kernel()
+        !as_given(self.precision, self.layout)
+            && (!self.stem_kernel() || self.layers.iter().any(|l| l.spec.residual == Some(0)))
     }
 
     /// How many `MEAN_CHUNK`-pixel parts the NHWC mean sums each image's last activation in.
