@@ -40,11 +40,14 @@ fn serve_metrics_endpoint_is_scraped() {
     ]);
     assert!(ok && out.lines().count() == 5, "{out}{err}");
     // The serving loop records a batch's histograms after it has answered the batch, so the
-    // last batch may land a moment after the producer has its results: scrape until it has.
+    // last batch may land a moment after the producer has its results; and a scrape reads one
+    // histogram after another while the loop records, so one may show the last batch and an
+    // earlier one not yet: scrape until both the batches and the requests add up to five.
     let t = Instant::now();
     let page = loop {
         let page = http_get(&addr, "/metrics");
-        if page.contains("tensorport_request_service_seconds_count 5")
+        if (page.contains("tensorport_request_service_seconds_count 5")
+            && page.contains("tensorport_batch_size_sum 5"))
             || t.elapsed() > Duration::from_secs(60)
         {
             break page;
