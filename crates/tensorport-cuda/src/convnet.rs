@@ -616,6 +616,10 @@ impl ConvNet {
         })
     }
 
+    /// The most images a batch may hold: the kernels take the images as a grid's second
+    /// dimension.
+    pub const MAX_BATCH: usize = 65_535;
+
     /// The network's precision.
     pub fn precision(&self) -> Precision {
         self.precision
@@ -1146,12 +1150,9 @@ unsafe fn launch_convert(
 /// Pixels of the last activation each block of the NHWC mean sums (`tp_net_mean_nhwc`'s 64).
 const MEAN_CHUNK: usize = 64;
 
-/// The most images one launch takes (a grid's second dimension).
-const MAX_IMAGES: usize = 65_535;
-
 /// `n` images as a grid's second dimension.
 fn images(n: usize) -> Result<u32> {
-    if n > MAX_IMAGES {
+    if n > ConvNet::MAX_BATCH {
         return Err(Error::BadAnswer("a batch of more than 65,535 images"));
     }
     Ok(n as u32)

@@ -32,6 +32,6 @@ pub mod serve;
 pub use config::{FarmConfig, ModelOptions, PrepOptions, ProduceConfig, ServeConfig};
 pub use error::{ConfigError, Error, Result};
 
-/// The largest `--max-batch` a server takes: the most images one batch of the GPU model's
-/// kernels covers (a grid's second dimension), far above what any batch needs.
-pub const MAX_BATCH: usize = 65_535;
+/// The largest `--max-batch` a server takes: the most images one batch of the GPU model
+/// covers ([`tensorport_cuda::ConvNet::MAX_BATCH`]), far above what any batch needs.
+pub const MAX_BATCH: usize = tensorport_cuda::ConvNet::MAX_BATCH;
