@@ -89,8 +89,9 @@ pub(crate) fn cudnn_model_matches_the_cpu_model() {
                 "the stem cuts the image into patches: a kernel of ours"
             );
             format!(
-                "{} of 6 convolutions may fuse, the stem a kernel of ours",
-                m.fused_layers()
+                "{} of 6 convolutions may fuse, {} on graph plans, the stem a kernel of ours",
+                m.fused_layers(),
+                m.graph_layers()
             )
         } else {
             assert!(!m.stem_kernel());

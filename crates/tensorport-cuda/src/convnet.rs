@@ -18,6 +18,7 @@ use std::sync::Arc;
 use crate::cudnn::{
     self, Algo, ConvDesc, DataType, FilterDesc, Format, Handle, MathType, Relu, TensorDesc,
 };
+use crate::cudnn_graph::{ConvShape, GraphConv};
 use crate::kernel::Kernel;
 use crate::{DeviceBuffer, Error, Gpu, PinnedBuffer, Result, Stream};
 
@@ -354,6 +355,8 @@ struct Plan {
     /// `descs[i]` is activation `i`'s (`0`: the input).
     descs: Vec<TensorDesc>,
     algos: Vec<(Algo, usize)>,
+    /// Layer `i`'s convolution as a graph-API plan, where that was measured the faster.
+    graphs: Vec<Option<GraphConv>>,
 }
 
 /// A convolutional network on one GPU, run with cuDNN on its own stream (see the module docs).
@@ -379,6 +382,8 @@ pub struct ConvNet {
     own_stem: bool,
     relu: Relu,
     plans: HashMap<usize, Plan>,
+    /// Which layers run on graph-API plans, decided by timing at the first batch size planned.
+    graph_chosen: Option<Vec<bool>>,
     /// The fastest algorithms, per layer, measured for a power-of-two batch size.
     found: HashMap<usize, Vec<Algo>>,
     /// `acts[0]` is the input in the network's type and layout (unused for NCHW fp32), `acts[i]` the
@@ -606,6 +611,7 @@ impl ConvNet {
             relu: Relu::new()?,
             plans: HashMap::new(),
             found: HashMap::new(),
+            graph_chosen: None,
             acts: Vec::new(),
             capacity: 0,
             workspace: None,
@@ -645,6 +651,14 @@ impl ConvNet {
             l.fused = fused;
         }
         self.own_stem = fused;
+    }
+
+    /// How many layers run on cuDNN graph-API plans (chosen by timing when the first batch
+    /// size is planned; 0 before).
+    pub fn graph_layers(&self) -> usize {
+        self.graph_chosen
+            .as_ref()
+            .map_or(0, |c| c.iter().filter(|&&g| g).count())
     }
 
     /// Whether a kernel of ours runs the first layer (see [`ConvNet::set_fused`]).
@@ -786,15 +800,163 @@ impl ConvNet {
                 };
                 algos.push(ws);
             }
-            let need = algos.iter().map(|a| a.1).max().unwrap_or(0);
+            let started = std::time::Instant::now();
+            let candidates = self.graph_candidates(batch);
+            if candidates.iter().any(|c| !c.is_empty()) {
+                tracing::debug!(
+                    batch,
+                    plans = candidates.iter().map(Vec::len).sum::<usize>(),
+                    ms = started.elapsed().as_secs_f64() * 1e3,
+                    "cuDNN graph plans made"
+                );
+            }
+            let need = algos
+                .iter()
+                .map(|a| a.1)
+                .chain(candidates.iter().flatten().map(GraphConv::workspace))
+                .max()
+                .unwrap_or(0);
             if self.workspace.as_ref().is_none_or(|w| w.len() < need) {
                 self.stream.synchronize()?;
                 self.workspace = None;
                 self.workspace = Some(DeviceBuffer::new(&self.gpu, need.max(1))?);
             }
-            self.plans.insert(batch, Plan { descs, algos });
+            let graphs = self.choose_graphs(batch, &descs, &algos, candidates)?;
+            self.plans.insert(
+                batch,
+                Plan {
+                    descs,
+                    algos,
+                    graphs,
+                },
+            );
         }
         Ok(&self.plans[&batch])
+    }
+
+    /// Each layer's graph-API plans for `batch` images (cuDNN's heuristics' order), where the
+    /// graph API may run it: 16-bit layers cuDNN runs (not the stem kernel's), and once the
+    /// first batch size has been measured, only the layers it found faster that way. Empty
+    /// where none (a failure of the graph API leaves the layer to the legacy calls).
+    fn graph_candidates(&self, batch: usize) -> Vec<Vec<GraphConv>> {
+        let converts = self.converts_input();
+        (0..self.layers.len())
+            .map(|i| {
+                let l = &self.layers[i];
+                let eligible = self.precision.bytes() == 2
+                    && l.fused
+                    && (i > 0 || converts)
+                    && self.graph_chosen.as_ref().is_none_or(|c| c[i]);
+                if !eligible {
+                    return Vec::new();
+                }
+                let [c, h, w] = if i == 0 {
+                    self.input
+                } else {
+                    self.layers[i - 1].out
+                };
+                let shape = ConvShape {
+                    x: [batch, c, h, w],
+                    w: [l.spec.out_channels, c, l.spec.kernel, l.spec.kernel],
+                    y: [batch, l.out[0], l.out[1], l.out[2]],
+                    stride: l.spec.stride,
+                    padding: l.spec.padding,
+                    dtype: self.precision.data_type(),
+                    nhwc: self.layout == Layout::Nhwc,
+                };
+                GraphConv::candidates(&self.handle, &shape).unwrap_or_else(|e| {
+                    tracing::debug!(layer = i, "no cuDNN graph plans: {e}");
+                    Vec::new()
+                })
+            })
+            .collect()
+    }
+
+    /// Each layer's graph plan for `batch` images, if any. The first time, each candidate is
+    /// timed against the legacy calls on this network's buffers, and a layer takes a graph
+    /// plan only if it is at least 5% faster; later batch sizes take those layers' first
+    /// candidate (the heuristics' choice) without timing.
+    fn choose_graphs(
+        &mut self,
+        batch: usize,
+        descs: &[TensorDesc],
+        algos: &[(Algo, usize)],
+        candidates: Vec<Vec<GraphConv>>,
+    ) -> Result<Vec<Option<GraphConv>>> {
+        if self.graph_chosen.is_some() || candidates.iter().all(Vec::is_empty) {
+            return Ok(candidates
+                .into_iter()
+                .map(|c| c.into_iter().next())
+                .collect());
+        }
+        let mut chosen = Vec::with_capacity(candidates.len());
+        for (i, cands) in candidates.into_iter().enumerate() {
+            if cands.is_empty() {
+                chosen.push(None);
+                continue;
+            }
+            let descs = (&descs[i], &descs[i + 1]);
+            let legacy = self.time_layer(i, batch, descs, algos[i], None)?;
+            let mut best: Option<(f32, GraphConv)> = None;
+            for g in cands {
+                // A plan that fails to run is passed over.
+                let Ok(t) = self.time_layer(i, batch, descs, algos[i], Some(&g)) else {
+                    continue;
+                };
+                if best.as_ref().is_none_or(|b| t < b.0) {
+                    best = Some((t, g));
+                }
+            }
+            tracing::debug!(
+                layer = i,
+                batch,
+                legacy_ms = legacy,
+                graph_ms = best.as_ref().map(|b| b.0),
+                "cuDNN's legacy call against its graph API's best plan"
+            );
+            chosen.push(best.filter(|b| b.0 < 0.95 * legacy).map(|b| b.1));
+        }
+        let layers: Vec<usize> = (0..chosen.len()).filter(|&i| chosen[i].is_some()).collect();
+        tracing::info!(?layers, batch, "convolutions on cuDNN's graph API plans");
+        self.graph_chosen = Some(chosen.iter().map(Option::is_some).collect());
+        Ok(chosen)
+    }
+
+    /// Milliseconds layer `i` takes on `batch` images with `graph` (or the legacy calls),
+    /// after a run to warm up, over [`TIMING_RUNS`] runs on the network's own buffers.
+    fn time_layer(
+        &self,
+        i: usize,
+        batch: usize,
+        descs: (&TensorDesc, &TensorDesc),
+        algo: (Algo, usize),
+        graph: Option<&GraphConv>,
+    ) -> Result<f32> {
+        let acts: Vec<u64> = self.acts.iter().map(|b| b.ptr()).collect();
+        let l = &self.layers[i];
+        let ptrs = (acts[i], acts[i + 1], l.spec.residual.map_or(0, |r| acts[r]));
+        let workspace = self
+            .workspace
+            .as_ref()
+            .map_or((0, 0), |w| (w.ptr(), w.len()));
+        // SAFETY: the network's own activations, sized by `grow` for at least `batch` images
+        // (activation i is layer i's input: `graph_candidates` leaves out a layer 0 that would
+        // read the caller's input); the workspace was sized for every candidate; the stream
+        // is waited for before this returns. What the runs compute is thrown away.
+        let run = || unsafe { self.run_layer(i, batch, ptrs, descs, algo, graph, workspace) };
+        let result = (|| {
+            run()?;
+            let start = self.stream.record()?;
+            for _ in 0..TIMING_RUNS {
+                run()?;
+            }
+            let end = self.stream.record()?;
+            end.wait()?;
+            end.elapsed_since(&start)
+        })();
+        // Whatever failed, nothing may still be running on the buffers.
+        self.stream.synchronize()?;
+        Ok(result? / TIMING_RUNS as f32)
     }
 
     /// The fastest algorithm of each layer for `batch` images.
@@ -941,60 +1103,16 @@ impl ConvNet {
                 unsafe { kernel.launch(grid, (128, 1, 1), &self.stream, &mut params)? };
                 continue;
             }
-            let (algo, ws) = plan.algos[i];
-            let x_i = (&plan.descs[i], act(i));
-            let y_i = (&plan.descs[i + 1], act(i + 1));
-            let work = (workspace.0, ws.min(workspace.1));
-            if l.fused && fuse_at(self.precision, batch) {
-                let bias = l.bias_t.as_ref().unwrap_or(&l.bias).ptr();
-                // SAFETY: activation i holds batch inputs of layer i (written by the work
-                // before, on this stream); activation i + 1 was sized for them and is written
-                // only here; the residual is an earlier activation of its shape (checked in
-                // `new`); the weights and bias match their descriptors; the workspace was sized
-                // for this plan.
-                let done = unsafe {
-                    self.handle.forward_bias_relu(
-                        x_i,
-                        (&l.filter, l.weight.ptr()),
-                        (&l.conv, algo),
-                        work,
-                        (l.spec.residual.map(act), (&l.bias_desc, bias), &self.relu),
-                        y_i,
-                    )
-                };
-                match done {
-                    Ok(()) => continue,
-                    // cuDNN refused the combination (before enqueuing anything): this layer
-                    // runs apart from now on.
-                    Err(Error::Cudnn { .. }) => refused.push(i),
-                    Err(e) => return Err(e),
-                }
+            let ptrs = (act(i), act(i + 1), l.spec.residual.map_or(0, act));
+            let descs = (&plan.descs[i], &plan.descs[i + 1]);
+            let graph = plan.graphs[i].as_ref().filter(|_| l.fused);
+            // SAFETY: activation i holds batch inputs of layer i (written by the work before,
+            // on this stream); activation i + 1 was sized for them and is written only here;
+            // the residual is an earlier activation of its shape (checked in `new`); the
+            // workspace was sized for this plan.
+            if unsafe { self.run_layer(i, batch, ptrs, descs, plan.algos[i], graph, workspace)? } {
+                refused.push(i);
             }
-            // SAFETY: as above.
-            unsafe {
-                self.handle
-                    .forward(x_i, (&l.filter, l.weight.ptr()), &l.conv, algo, work, y_i)?
-            };
-            let plane = l.out[1] * l.out[2];
-            let per_image = l.out[0] * plane;
-            let (mut y, mut b, mut z) = (act(i + 1), l.bias.ptr(), l.spec.residual.map_or(0, act));
-            let (mut p, mut c) = (plane as u32, l.out[0] as u32);
-            let mut params: [*mut std::ffi::c_void; 6] = [
-                (&mut y as *mut u64).cast(),
-                (&mut b as *mut u64).cast(),
-                (&mut z as *mut u64).cast(),
-                (&mut p as *mut u32).cast(),
-                (&mut c as *mut u32).cast(),
-                (&mut nhwc as *mut i32).cast(),
-            ];
-            let grid = (blocks(per_image)?.0, images(batch)?, 1);
-            // SAFETY: the parameters match `tp_net_epilogue`'s; `y` and `z` hold batch images
-            // of `per_image` elements (checked shapes, which fit in u32), `b` the layer's
-            // channels.
-            unsafe {
-                self.epilogue
-                    .launch(grid, (256, 1, 1), &self.stream, &mut params)?
-            };
         }
         let last = self.layers.last().expect("at least one layer");
         let rows = batch * last.out[0];
@@ -1078,6 +1196,93 @@ impl ConvNet {
         Ok(())
     }
 
+    /// Enqueues layer `i` on `batch` images: `x` → `y`, with `z` (0: none) as its residual.
+    /// The convolution is the graph plan's where one is given, else cuDNN's fused call where
+    /// the layer fuses at this batch size, else cuDNN's convolution; the bias, residual and
+    /// ReLU then follow in the epilogue kernel. Returns whether cuDNN refused the fused call
+    /// (the layer then ran apart).
+    ///
+    /// # Safety
+    /// `x` must hold `batch` inputs of layer `i` in the network's type and layout, `y` room for
+    /// its outputs (not overlapping), `z` an activation of its output's shape (or 0), the
+    /// descriptors and algorithm this batch size's; `workspace` at least what the plan needs;
+    /// all valid until the stream has run the work.
+    #[allow(clippy::too_many_arguments)]
+    unsafe fn run_layer(
+        &self,
+        i: usize,
+        batch: usize,
+        (x, y, z): (u64, u64, u64),
+        (x_desc, y_desc): (&TensorDesc, &TensorDesc),
+        (algo, ws): (Algo, usize),
+        graph: Option<&GraphConv>,
+        workspace: (u64, usize),
+    ) -> Result<bool> {
+        let l = &self.layers[i];
+        let mut refused = false;
+        match graph {
+            // SAFETY: the caller's contract; the plan was made for these shapes.
+            Some(g) => unsafe { g.execute(&self.handle, (x, l.weight.ptr(), y), workspace.0)? },
+            None => {
+                let work = (workspace.0, ws.min(workspace.1));
+                if l.fused && fuse_at(self.precision, batch) {
+                    let bias = l.bias_t.as_ref().unwrap_or(&l.bias).ptr();
+                    // SAFETY: the caller's contract; the weights and bias match their
+                    // descriptors.
+                    let done = unsafe {
+                        self.handle.forward_bias_relu(
+                            (x_desc, x),
+                            (&l.filter, l.weight.ptr()),
+                            (&l.conv, algo),
+                            work,
+                            ((z != 0).then_some(z), (&l.bias_desc, bias), &self.relu),
+                            (y_desc, y),
+                        )
+                    };
+                    match done {
+                        Ok(()) => return Ok(false),
+                        // cuDNN refused the combination (before enqueuing anything): this
+                        // layer runs apart from now on.
+                        Err(Error::Cudnn { .. }) => refused = true,
+                        Err(e) => return Err(e),
+                    }
+                }
+                // SAFETY: as above.
+                unsafe {
+                    self.handle.forward(
+                        (x_desc, x),
+                        (&l.filter, l.weight.ptr()),
+                        &l.conv,
+                        algo,
+                        work,
+                        (y_desc, y),
+                    )?
+                };
+            }
+        }
+        let plane = l.out[1] * l.out[2];
+        let per_image = l.out[0] * plane;
+        let (mut y, mut b, mut z) = (y, l.bias.ptr(), z);
+        let (mut p, mut c) = (plane as u32, l.out[0] as u32);
+        let mut nhwc = i32::from(self.layout == Layout::Nhwc);
+        let mut params: [*mut std::ffi::c_void; 6] = [
+            (&mut y as *mut u64).cast(),
+            (&mut b as *mut u64).cast(),
+            (&mut z as *mut u64).cast(),
+            (&mut p as *mut u32).cast(),
+            (&mut c as *mut u32).cast(),
+            (&mut nhwc as *mut i32).cast(),
+        ];
+        let grid = (blocks(per_image)?.0, images(batch)?, 1);
+        // SAFETY: the parameters match `tp_net_epilogue`'s; `y` and `z` hold batch images of
+        // `per_image` elements (checked shapes, which fit in u32), `b` the layer's channels.
+        unsafe {
+            self.epilogue
+                .launch(grid, (256, 1, 1), &self.stream, &mut params)?
+        };
+        Ok(refused)
+    }
+
     /// Waits for the batch [`ConvNet::launch`] enqueued and returns its pooled rows (nothing if
     /// none is in flight).
     pub fn collect(&mut self) -> Result<Vec<f32>> {
@@ -1146,6 +1351,9 @@ unsafe fn launch_convert(
     // SAFETY: the parameters match `tp_net_convert`'s; the caller's contract covers the memory.
     unsafe { convert.launch(grid, (256, 1, 1), stream, &mut params) }
 }
+
+/// Runs of a layer timed to choose between cuDNN's legacy call and a graph plan.
+const TIMING_RUNS: usize = 3;
 
 /// Pixels of the last activation each block of the NHWC mean sums (`tp_net_mean_nhwc`'s 64).
 const MEAN_CHUNK: usize = 64;

@@ -75,6 +75,11 @@ impl Handle {
         Ok(h)
     }
 
+    /// The raw handle, for the graph API's calls (`cudnn_graph`).
+    pub(crate) fn raw(&self) -> sys::cudnnHandle_t {
+        self.raw
+    }
+
     /// The fastest algorithms for `conv`, measured by cuDNN on this device (it allocates what
     /// it needs), best first, only those that ran.
     pub(crate) fn find_algorithms(

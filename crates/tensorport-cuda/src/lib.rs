@@ -33,6 +33,7 @@ mod buffer;
 mod clock;
 mod convnet;
 mod cudnn;
+mod cudnn_graph;
 pub mod driver;
 mod external;
 mod gather;

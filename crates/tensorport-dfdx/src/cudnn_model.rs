@@ -146,6 +146,12 @@ impl CudnnClassifier {
         self.net.set_fused(fused)
     }
 
+    /// How many convolutions run on cuDNN graph-API plans, chosen by timing against its
+    /// legacy calls (16-bit only; 0 before the first batch is planned).
+    pub fn graph_layers(&self) -> usize {
+        self.net.graph_layers()
+    }
+
     /// Whether a kernel of ours runs the stem (see [`CudnnClassifier::set_fused`]).
     pub fn stem_kernel(&self) -> bool {
         self.net.stem_kernel()
