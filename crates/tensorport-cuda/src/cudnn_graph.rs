@@ -392,8 +392,14 @@ mod tests {
                     dtype,
                     nhwc,
                 };
-                if let Err(e) = Operation::new(&shape) {
-                    panic!("{dtype:?}, nhwc {nhwc}: {e}");
+                match Operation::new(&shape) {
+                    Ok(_) => {}
+                    // libcudnn found, but not the engine libraries it loads (or their libcuda).
+                    Err(e) if e.to_string().contains("SUBLIBRARY_LOADING_FAILED") => {
+                        println!("skipped: cuDNN's engine libraries do not load here ({e})");
+                        return;
+                    }
+                    Err(e) => panic!("{dtype:?}, nhwc {nhwc}: {e}"),
                 }
             }
         }
