@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorport_farm::config::{default_producers, Routing, Servers, DEFAULT_CPU_PRODUCERS};
+use tensorport_farm::config::{default_producers, Device, Routing, Servers, DEFAULT_CPU_PRODUCERS};
 use tensorport_farm::FarmConfig;
 use tensorport_vision::Source;
 
@@ -169,7 +169,10 @@ impl Args {
                 None => Servers::Gpus(self.devices.clone()),
             },
             output: self.output.clone(),
-            model: self.model.options(),
+            model: match self.devices.first() {
+                Some(&gpu) => self.model.options_on(Device::Cuda(gpu)),
+                None => self.model.options(),
+            },
             in_flight: self.in_flight,
             gpu_in_flight: self.gpu_in_flight,
             gpu_batch: self.gpu_batch,

@@ -157,7 +157,7 @@ pub struct ModelOptions {
     pub weights: Option<PathBuf>,
     pub seed: u64,
     pub device: Device,
-    /// Largest batch the model runs.
+    /// Largest batch the model runs ([`ModelOptions::default_max_batch`] unless told).
     pub max_batch: usize,
     /// How long a batch waits for more requests after its first.
     pub max_wait: Duration,
@@ -173,14 +173,29 @@ impl Default for ModelOptions {
             weights: None,
             seed: 0,
             device: Device::Cpu,
-            max_batch: 32,
+            max_batch: DEFAULT_MAX_BATCH_CPU,
             max_wait: Duration::from_millis(5),
             precision: None,
         }
     }
 }
 
+/// The largest batch a model on the CPU runs unless told otherwise.
+pub const DEFAULT_MAX_BATCH_CPU: usize = 32;
+/// The largest batch a model on a GPU runs unless told otherwise: a larger batch takes less of
+/// the GPU's time per image, which the GPU producers beside it then have (docs/benchmarks.md).
+pub const DEFAULT_MAX_BATCH_GPU: usize = 128;
+
 impl ModelOptions {
+    /// The largest batch the model runs on `device` unless told otherwise.
+    pub fn default_max_batch(device: Device) -> usize {
+        if device.is_cuda() {
+            DEFAULT_MAX_BATCH_GPU
+        } else {
+            DEFAULT_MAX_BATCH_CPU
+        }
+    }
+
     /// Refuses options that contradict each other.
     pub fn check(&self) -> Result<(), ConfigError> {
         self.config.check()?;
@@ -645,6 +660,24 @@ mod tests {
         // No nvJPEG: the cores, on the CPU.
         assert_eq!(default_producers(1, 16, false), (15, 0));
         assert_eq!(default_producers(1, 1, false), (1, 0));
+    }
+
+    #[test]
+    fn the_default_largest_batch_depends_on_the_device_and_passes_its_own_check() {
+        let cpu = ModelOptions::default_max_batch(Device::Cpu);
+        let gpu = ModelOptions::default_max_batch(Device::Cuda(0));
+        assert_eq!(cpu, DEFAULT_MAX_BATCH_CPU);
+        assert_eq!(gpu, DEFAULT_MAX_BATCH_GPU);
+        assert_eq!(ModelOptions::default().max_batch, cpu);
+        for max_batch in [cpu, gpu] {
+            let o = ModelOptions {
+                max_batch,
+                ..ModelOptions::default()
+            };
+            assert!(o.check().is_ok(), "{max_batch}");
+        }
+        // A GPU producer's batch fills at most one of the model's.
+        assert!(crate::farm::DEFAULT_GPU_BATCH as usize <= gpu);
     }
 
     #[test]

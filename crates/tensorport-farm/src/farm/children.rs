@@ -60,9 +60,10 @@ pub(super) struct Worker {
 }
 
 /// A GPU producer's requests in flight (its device buffers) and the images it decodes per
-/// batch, unless the farm is told otherwise (`FarmConfig::gpu_in_flight`, `gpu_batch`).
-pub const DEFAULT_GPU_IN_FLIGHT: u32 = 64;
-pub const DEFAULT_GPU_BATCH: u32 = 32;
+/// batch, unless the farm is told otherwise (`FarmConfig::gpu_in_flight`, `gpu_batch`): two
+/// batches in flight, each large enough that the server's GPU work comes in few, large batches.
+pub const DEFAULT_GPU_IN_FLIGHT: u32 = 128;
+pub const DEFAULT_GPU_BATCH: u32 = 64;
 /// A GPU producer's threads for the images nvJPEG does not take, where CPU producers take most
 /// of those (see `route.rs`).
 pub(super) const GPU_CPU_THREADS: usize = 4;
