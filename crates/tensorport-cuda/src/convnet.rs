@@ -133,14 +133,14 @@ impl Layout {
     pub const ALL: [Layout; 2] = [Layout::Nchw, Layout::Nhwc];
 
     /// The faster layout for `precision` at batches of up to `batch` images (measured on an
-    /// H200 with the bundled classifier, docs/benchmarks.md): NCHW for fp32, NHWC for fp16,
-    /// and for TF32 and bf16 NCHW below 128 images, NHWC from there.
+    /// H200 with the bundled classifier, docs/benchmarks.md): NCHW for fp32, NHWC for the
+    /// 16-bit types, and for TF32 NCHW below 128 images, NHWC from there.
     pub fn preferred(precision: Precision, batch: usize) -> Layout {
         match precision {
             Precision::F32 => Layout::Nchw,
-            Precision::F16 => Layout::Nhwc,
-            Precision::Tf32 | Precision::Bf16 if batch >= 128 => Layout::Nhwc,
-            Precision::Tf32 | Precision::Bf16 => Layout::Nchw,
+            Precision::F16 | Precision::Bf16 => Layout::Nhwc,
+            Precision::Tf32 if batch >= 128 => Layout::Nhwc,
+            Precision::Tf32 => Layout::Nchw,
         }
     }
 
@@ -1382,5 +1382,21 @@ impl Drop for ConvNet {
     fn drop(&mut self) {
         // The buffers must not be freed under running work.
         let _ = self.stream.synchronize();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn the_preferred_layout_follows_the_measured_table() {
+        for batch in [1, 32, 127, 128, 256] {
+            assert_eq!(Layout::preferred(Precision::F32, batch), Layout::Nchw);
+            assert_eq!(Layout::preferred(Precision::F16, batch), Layout::Nhwc);
+            assert_eq!(Layout::preferred(Precision::Bf16, batch), Layout::Nhwc);
+        }
+        assert_eq!(Layout::preferred(Precision::Tf32, 127), Layout::Nchw);
+        assert_eq!(Layout::preferred(Precision::Tf32, 128), Layout::Nhwc);
     }
 }
