@@ -15,7 +15,7 @@ pub(crate) use sys::cudnnMathType_t as MathType;
 pub(crate) use sys::cudnnTensorFormat_t as Format;
 
 /// `status` as this crate's error, naming the call.
-fn check(call: &'static str, status: sys::cudnnStatus_t) -> Result<()> {
+pub(crate) fn check(call: &'static str, status: sys::cudnnStatus_t) -> Result<()> {
     match status {
         sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS => Ok(()),
         s => Err(Error::Cudnn {

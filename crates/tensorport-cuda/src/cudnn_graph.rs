@@ -8,8 +8,8 @@ use std::ffi::c_void;
 
 use cudarc::cudnn::sys;
 
-use crate::cudnn::{DataType, Handle};
-use crate::{Error, Result};
+use crate::cudnn::{check, DataType, Handle};
+use crate::Result;
 
 use sys::cudnnBackendAttributeName_t as Attr;
 use sys::cudnnBackendAttributeType_t as Ty;
@@ -24,16 +24,6 @@ const MAX_WORKSPACE: i64 = 256 << 20;
 const UID_X: i64 = 1;
 const UID_W: i64 = 2;
 const UID_Y: i64 = 3;
-
-fn check(call: &'static str, status: sys::cudnnStatus_t) -> Result<()> {
-    match status {
-        sys::cudnnStatus_t::CUDNN_STATUS_SUCCESS => Ok(()),
-        s => Err(Error::Cudnn {
-            call,
-            status: format!("{s:?}"),
-        }),
-    }
-}
 
 /// One backend descriptor, destroyed on drop.
 struct Desc(sys::cudnnBackendDescriptor_t);
