@@ -97,9 +97,10 @@ pub struct Args {
     /// (each buffer holds one image). The farm hands it up to twice as many inputs.
     #[arg(long, default_value_t = tensorport_farm::farm::DEFAULT_GPU_IN_FLIGHT)]
     pub gpu_in_flight: u32,
-    /// Images each GPU producer decodes per nvJPEG batch, 1 to --gpu-in-flight.
-    #[arg(long, default_value_t = tensorport_farm::farm::DEFAULT_GPU_BATCH)]
-    pub gpu_batch: u32,
+    /// Images each GPU producer decodes per nvJPEG batch, 1 to --gpu-in-flight [default: half
+    /// of --gpu-in-flight, at most 64].
+    #[arg(long)]
+    pub gpu_batch: Option<u32>,
     /// Model workers per server (`serve --workers`): threads that each run their own copy of
     /// the model on their share of the producers.
     #[arg(long, default_value_t = 1)]
@@ -175,7 +176,9 @@ impl Args {
             },
             in_flight: self.in_flight,
             gpu_in_flight: self.gpu_in_flight,
-            gpu_batch: self.gpu_batch,
+            gpu_batch: self
+                .gpu_batch
+                .unwrap_or_else(|| tensorport_farm::farm::default_gpu_batch(self.gpu_in_flight)),
             workers: self.workers,
             threads: self.threads,
             socket: self.socket.clone(),

@@ -257,3 +257,30 @@ fn impossible_configurations_fail_at_once() {
         );
     }
 }
+
+#[test]
+fn gpu_in_flight_alone_takes_a_batch_that_fits_it() {
+    // --gpu-batch's default is half of --gpu-in-flight (at most 64), so a smaller
+    // --gpu-in-flight alone is not refused.
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let mut child = farm_cmd(&out, 4, 1)
+        .args(["--gpu-in-flight", "16"])
+        .spawn()
+        .unwrap();
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(120);
+    let status = loop {
+        if let Some(st) = child.try_wait().unwrap() {
+            break st;
+        }
+        if std::time::Instant::now() > deadline {
+            let _ = child.kill();
+            panic!("the farm did not end within 120 s");
+        }
+        std::thread::sleep(std::time::Duration::from_millis(50));
+    };
+    let mut err = String::new();
+    std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+    assert!(status.success(), "{err}");
+    check_results(&out, 4);
+}

@@ -64,6 +64,12 @@ pub(super) struct Worker {
 /// batches in flight, each large enough that the server's GPU work comes in few, large batches.
 pub const DEFAULT_GPU_IN_FLIGHT: u32 = 128;
 pub const DEFAULT_GPU_BATCH: u32 = 64;
+
+/// The images a GPU producer decodes per batch when only its requests in flight are given:
+/// half of them (two batches in flight), at most [`DEFAULT_GPU_BATCH`].
+pub fn default_gpu_batch(gpu_in_flight: u32) -> u32 {
+    (gpu_in_flight / 2).clamp(1, DEFAULT_GPU_BATCH)
+}
 /// A GPU producer's threads for the images nvJPEG does not take, where CPU producers take most
 /// of those (see `route.rs`).
 pub(super) const GPU_CPU_THREADS: usize = 4;
@@ -350,6 +356,15 @@ impl Farm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn the_default_gpu_batch_keeps_two_batches_in_flight() {
+        assert_eq!(default_gpu_batch(DEFAULT_GPU_IN_FLIGHT), DEFAULT_GPU_BATCH);
+        assert_eq!(default_gpu_batch(64), 32);
+        assert_eq!(default_gpu_batch(256), DEFAULT_GPU_BATCH);
+        assert_eq!(default_gpu_batch(3), 1);
+        assert_eq!(default_gpu_batch(1), 1);
+    }
 
     #[test]
     fn gpu_producers_alone_share_the_cores() {

@@ -23,8 +23,8 @@ use std::time::{Duration, Instant};
 use crate::config::{Device, FarmConfig, Servers};
 use crate::error::{Error, Result};
 use crate::record::StageTimes;
+pub use children::{default_gpu_batch, DEFAULT_GPU_BATCH, DEFAULT_GPU_IN_FLIGHT};
 use children::{Ev, Farm};
-pub use children::{DEFAULT_GPU_BATCH, DEFAULT_GPU_IN_FLIGHT};
 pub use results::ResultsFile;
 use supervisor::Supervisor;
 
