@@ -66,14 +66,18 @@ pub struct Args {
     /// a GPU (`serve --device cuda`).
     #[arg(long, default_value_t = 0, value_name = "ORDINAL")]
     pub gpu: u32,
-    /// TCP connections open at once; more are closed as they arrive.
+    /// TCP connections open at once. At the cap, the oldest connection that has not shown the
+    /// token (one that has sent nothing first) is closed to make room; a new one is refused only
+    /// when every open one has.
     #[arg(long, default_value_t = 256)]
     pub max_connections: usize,
-    /// TCP connections open at once from one address.
+    /// TCP connections open at once from one address (room is made as for --max-connections,
+    /// among that address's connections).
     #[arg(long, default_value_t = 64)]
     pub max_connections_per_host: usize,
     /// Seconds a new connection has to make a call with the token (the TLS handshake
-    /// included); one that has not by then is closed.
+    /// included); one that has not by then is closed, and one that has sent nothing at all
+    /// after 3 s (or this, if shorter).
     #[arg(long, default_value_t = 10)]
     pub auth_timeout: u64,
 }
@@ -113,6 +117,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             total: a.max_connections.max(1),
             per_peer: a.max_connections_per_host.max(1),
             auth_deadline: Duration::from_secs(a.auth_timeout.max(1)),
+            ..Default::default()
         },
         gpu: a.gpu,
     };

@@ -1,14 +1,21 @@
 //! The gateway's TCP connections before they have earned anything: a cap on connections in all
 //! and per peer address, a deadline by which a connection must have made a call with the token
-//! (the TLS handshake and HTTP/2's preface included), and a pause in accepting when the process
-//! is out of descriptors instead of a loop of failing `accept`s.
+//! (the TLS handshake and HTTP/2's preface included), a shorter one by which it must have sent
+//! its first byte, and a pause in accepting when the process is out of descriptors instead of
+//! a loop of failing `accept`s.
 //!
 //! Each accepted connection is a [`Guarded`] stream: it counts against the caps until dropped,
 //! and until [`Admissions::admit`] marks it (the first call that carries the token), any read or
 //! write after its deadline fails, which ends the connection wherever it is — in the TLS
 //! handshake, waiting for the HTTP/2 preface, or idle after calls that carried no token.
+//!
+//! A cap never locks out a peer with the token: when one is reached, the oldest connection it
+//! covers that has made no call with the token (one that has sent nothing first) is closed to
+//! make room, as the Unix server does for handshakes. Only connections that have shown the
+//! token keep their place whatever comes.
 
 use std::collections::HashMap;
+use std::future::Future;
 use std::io;
 use std::net::{IpAddr, SocketAddr};
 use std::pin::Pin;
@@ -17,6 +24,7 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::task::{Context, Poll};
 use std::time::Duration;
 
+use futures::task::AtomicWaker;
 use futures::Stream;
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::net::{TcpListener, TcpStream};
@@ -32,21 +40,44 @@ pub struct ConnLimits {
     pub per_peer: usize,
     /// Time a connection has to make its first call with the token.
     pub auth_deadline: Duration,
+    /// Time a connection has to send its first byte (at most `auth_deadline`).
+    pub silent_deadline: Duration,
 }
 
 impl Default for ConnLimits {
-    /// 256 connections, 64 per peer address, 10 s to authenticate.
+    /// 256 connections, 64 per peer address, 10 s to authenticate, 3 s to say anything.
     fn default() -> ConnLimits {
         ConnLimits {
             total: 256,
             per_peer: 64,
             auth_deadline: Duration::from_secs(10),
+            silent_deadline: Duration::from_secs(3),
         }
     }
 }
 
-/// The open connections: counts per peer address, and which ones have made a call with the
-/// token (by peer socket address, unique among open connections).
+/// What the gateway knows of one open connection, shared by its stream and the admissions.
+#[derive(Debug)]
+pub(crate) struct Conn {
+    /// It made a call with the token.
+    authed: AtomicBool,
+    /// It has sent at least one byte.
+    heard: AtomicBool,
+    /// It was closed to make room for another.
+    evicted: AtomicBool,
+    /// Wakes its stream's task when it is evicted.
+    waker: AtomicWaker,
+    opened: Instant,
+}
+
+impl Conn {
+    pub(crate) fn authed(&self) -> bool {
+        self.authed.load(Ordering::Relaxed)
+    }
+}
+
+/// The open connections: counts per peer address, and each one's state (by peer socket
+/// address, unique among open connections).
 #[derive(Default)]
 pub(crate) struct Admissions {
     inner: Mutex<Open>,
@@ -56,7 +87,39 @@ pub(crate) struct Admissions {
 struct Open {
     total: usize,
     per_ip: HashMap<IpAddr, usize>,
-    by_addr: HashMap<SocketAddr, Arc<AtomicBool>>,
+    by_addr: HashMap<SocketAddr, Arc<Conn>>,
+}
+
+impl Open {
+    fn release(&mut self, ip: IpAddr) {
+        self.total = self.total.saturating_sub(1);
+        if let Some(n) = self.per_ip.get_mut(&ip) {
+            *n -= 1;
+            if *n == 0 {
+                self.per_ip.remove(&ip);
+            }
+        }
+    }
+
+    /// Closes the connection that has waited longest of those `covered` that have not shown
+    /// the token, those that have sent nothing first; its place is free at once (its stream
+    /// ends when its task wakes). Whether there was one.
+    fn evict(&mut self, covered: impl Fn(&SocketAddr) -> bool) -> bool {
+        let victim = self
+            .by_addr
+            .iter()
+            .filter(|(a, c)| covered(a) && !c.authed())
+            .min_by_key(|(_, c)| (c.heard.load(Ordering::Relaxed), c.opened))
+            .map(|(a, _)| *a);
+        let Some(addr) = victim else {
+            return false;
+        };
+        let conn = self.by_addr.remove(&addr).expect("found above");
+        self.release(addr.ip());
+        conn.evicted.store(true, Ordering::Relaxed);
+        conn.waker.wake();
+        true
+    }
 }
 
 impl Admissions {
@@ -64,84 +127,109 @@ impl Admissions {
         self.inner.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// Marks the connection from `peer` as authenticated: no deadline from now on.
+    /// Marks the connection from `peer` as authenticated: no deadline from now on, and no
+    /// eviction.
     pub(crate) fn admit(&self, peer: Option<SocketAddr>) {
-        if let Some(flag) = peer.and_then(|p| self.lock().by_addr.get(&p).cloned()) {
-            flag.store(true, Ordering::Relaxed);
+        if let Some(conn) = peer.and_then(|p| self.lock().by_addr.get(&p).cloned()) {
+            conn.authed.store(true, Ordering::Relaxed);
         }
     }
 
-    /// Connections open now.
+    /// Connections open now (those evicted and not yet ended left out).
     pub(crate) fn open(&self) -> usize {
         self.lock().total
     }
 
-    /// Takes a place for a connection from `peer`, or says which cap is reached.
+    /// Takes a place for a connection from `peer`, making room by eviction where a cap is
+    /// reached, or says which cap is reached with no room to make.
+    /// Whether room was made is returned beside the new connection.
     fn enter(
         &self,
         peer: SocketAddr,
         limits: &ConnLimits,
-    ) -> Result<Arc<AtomicBool>, &'static str> {
+    ) -> Result<(Arc<Conn>, bool), &'static str> {
         let mut o = self.lock();
+        let ip = peer.ip();
+        let mut made_room = false;
+        if o.per_ip.get(&ip).copied().unwrap_or(0) >= limits.per_peer {
+            if !o.evict(|a| a.ip() == ip) {
+                return Err("the limit of connections from one address");
+            }
+            made_room = true;
+        }
         if o.total >= limits.total {
-            return Err("the gateway's connection limit");
+            if !o.evict(|_| true) {
+                return Err("the gateway's connection limit");
+            }
+            made_room = true;
         }
-        let n = o.per_ip.entry(peer.ip()).or_default();
-        if *n >= limits.per_peer {
-            return Err("the limit of connections from one address");
-        }
-        *n += 1;
+        *o.per_ip.entry(ip).or_default() += 1;
         o.total += 1;
-        let flag = Arc::new(AtomicBool::new(false));
-        o.by_addr.insert(peer, flag.clone());
-        Ok(flag)
+        let conn = Arc::new(Conn {
+            authed: AtomicBool::new(false),
+            heard: AtomicBool::new(false),
+            evicted: AtomicBool::new(false),
+            waker: AtomicWaker::new(),
+            opened: Instant::now(),
+        });
+        o.by_addr.insert(peer, conn.clone());
+        Ok((conn, made_room))
     }
 
-    fn leave(&self, peer: SocketAddr) {
+    /// Gives back the place of `conn`, from `peer` (unless it was evicted: given back then).
+    fn leave(&self, peer: SocketAddr, conn: &Arc<Conn>) {
         let mut o = self.lock();
-        o.total = o.total.saturating_sub(1);
-        if let Some(n) = o.per_ip.get_mut(&peer.ip()) {
-            *n -= 1;
-            if *n == 0 {
-                o.per_ip.remove(&peer.ip());
-            }
+        if o.by_addr.get(&peer).is_some_and(|c| Arc::ptr_eq(c, conn)) {
+            o.by_addr.remove(&peer);
+            o.release(peer.ip());
         }
-        o.by_addr.remove(&peer);
     }
 }
 
-/// A connection that holds its place until dropped and fails once its deadline passes
-/// unauthenticated.
+/// A connection that holds its place until dropped, and fails once evicted, or once a deadline
+/// passes before it has authenticated.
 pub(crate) struct Guarded {
     stream: TcpStream,
     peer: SocketAddr,
-    authed: Arc<AtomicBool>,
+    conn: Arc<Conn>,
+    /// The silent deadline until its first byte, then the authentication deadline.
     deadline: Pin<Box<Sleep>>,
+    auth_deadline: Instant,
     admissions: Arc<Admissions>,
 }
 
 impl Guarded {
-    /// `Err` once the deadline has passed without a call carrying the token; registers the
-    /// deadline's wake-up otherwise.
+    /// `Err` once evicted, or once its deadline has passed without a call carrying the token;
+    /// registers the wake-ups otherwise.
     fn check(&mut self, cx: &mut Context<'_>) -> io::Result<()> {
-        if self.authed.load(Ordering::Relaxed) {
+        if self.conn.authed() {
             return Ok(());
+        }
+        self.conn.waker.register(cx.waker());
+        if self.conn.evicted.load(Ordering::Relaxed) {
+            return Err(io::Error::new(
+                io::ErrorKind::ConnectionAborted,
+                "closed to make room: a connection cap was reached and this one had not \
+                 shown the gateway's token",
+            ));
         }
         match self.deadline.as_mut().poll(cx) {
             Poll::Ready(()) => Err(io::Error::new(
                 io::ErrorKind::TimedOut,
-                "no call with the gateway's token before the deadline",
+                if self.conn.heard.load(Ordering::Relaxed) {
+                    "no call with the gateway's token before the deadline"
+                } else {
+                    "nothing sent before the deadline"
+                },
             )),
             Poll::Pending => Ok(()),
         }
     }
 }
 
-use std::future::Future;
-
 impl Drop for Guarded {
     fn drop(&mut self) {
-        self.admissions.leave(self.peer);
+        self.admissions.leave(self.peer, &self.conn);
     }
 }
 
@@ -154,7 +242,14 @@ impl AsyncRead for Guarded {
         if let Err(e) = self.check(cx) {
             return Poll::Ready(Err(e));
         }
-        Pin::new(&mut self.stream).poll_read(cx, buf)
+        let before = buf.filled().len();
+        let r = Pin::new(&mut self.stream).poll_read(cx, buf);
+        if buf.filled().len() > before && !self.conn.heard.swap(true, Ordering::Relaxed) {
+            // Its first bytes: from now on, the time to authenticate.
+            let at = self.auth_deadline;
+            self.deadline.as_mut().reset(at);
+        }
+        r
     }
 }
 
@@ -217,12 +312,25 @@ pub(crate) fn incoming(
                 };
                 let _ = stream.set_nodelay(true);
                 match admissions.enter(peer, &limits) {
-                    Ok(authed) => {
+                    Ok((conn, made_room)) => {
+                        if made_room
+                            && last_log.is_none_or(|t| t.elapsed() > Duration::from_secs(1))
+                        {
+                            tracing::warn!(
+                                %peer,
+                                "a connection cap is reached: closed the oldest connection \
+                                 without the token to make room"
+                            );
+                            last_log = Some(Instant::now());
+                        }
+                        let now = Instant::now();
+                        let silent = limits.silent_deadline.min(limits.auth_deadline);
                         let guarded = Guarded {
                             stream,
                             peer,
-                            authed,
-                            deadline: Box::pin(tokio::time::sleep(limits.auth_deadline)),
+                            conn,
+                            deadline: Box::pin(tokio::time::sleep_until(now + silent)),
+                            auth_deadline: now + limits.auth_deadline,
                             admissions: admissions.clone(),
                         };
                         return Some((Ok(guarded), (listener, admissions, last_log)));
@@ -244,30 +352,77 @@ pub(crate) fn incoming(
 mod tests {
     use super::*;
 
+    fn limits(total: usize, per_peer: usize) -> ConnLimits {
+        ConnLimits {
+            total,
+            per_peer,
+            ..ConnLimits::default()
+        }
+    }
+
+    fn p(ip: [u8; 4], port: u16) -> SocketAddr {
+        SocketAddr::from((ip, port))
+    }
+
     #[test]
     fn places_are_counted_per_peer_and_in_all_and_given_back() {
         let a = Admissions::default();
-        let limits = ConnLimits {
-            total: 3,
-            per_peer: 2,
-            auth_deadline: Duration::from_secs(1),
-        };
-        let p = |ip: [u8; 4], port| SocketAddr::from((ip, port));
-        assert!(a.enter(p([127, 0, 0, 1], 1), &limits).is_ok());
-        assert!(a.enter(p([127, 0, 0, 1], 2), &limits).is_ok());
+        let limits = limits(3, 2);
+        let first = a.enter(p([127, 0, 0, 1], 1), &limits).unwrap().0;
+        a.admit(Some(p([127, 0, 0, 1], 1)));
+        assert!(first.authed());
+        let second = a.enter(p([127, 0, 0, 1], 2), &limits).unwrap().0;
+        a.admit(Some(p([127, 0, 0, 1], 2)));
+        // Both from this address have shown the token: no room is made for a third.
         assert!(a
             .enter(p([127, 0, 0, 1], 3), &limits)
             .unwrap_err()
             .contains("one address"));
-        let flag = a.enter(p([127, 0, 0, 2], 1), &limits).unwrap();
+        let other = a.enter(p([127, 0, 0, 2], 1), &limits).unwrap().0;
+        a.admit(Some(p([127, 0, 0, 2], 1)));
         assert!(a
             .enter(p([127, 0, 0, 3], 1), &limits)
             .unwrap_err()
             .contains("connection limit"));
-        a.admit(Some(p([127, 0, 0, 2], 1)));
-        assert!(flag.load(Ordering::Relaxed));
-        a.leave(p([127, 0, 0, 1], 1));
+        a.leave(p([127, 0, 0, 1], 1), &first);
         assert_eq!(a.open(), 2);
         assert!(a.enter(p([127, 0, 0, 1], 4), &limits).is_ok());
+        drop((second, other));
+    }
+
+    #[test]
+    fn a_full_cap_makes_room_by_closing_the_oldest_that_has_not_shown_the_token() {
+        let a = Admissions::default();
+        let limits = limits(4, 3);
+        let ip = [127, 0, 0, 1];
+        let authed = a.enter(p(ip, 1), &limits).unwrap().0;
+        a.admit(Some(p(ip, 1)));
+        std::thread::sleep(Duration::from_millis(5));
+        let talker = a.enter(p(ip, 2), &limits).unwrap().0;
+        talker.heard.store(true, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(5));
+        let silent = a.enter(p(ip, 3), &limits).unwrap().0;
+        // The address's cap: the silent one goes first, though the talker is older.
+        let newcomer = a.enter(p(ip, 4), &limits).unwrap().0;
+        assert!(silent.evicted.load(Ordering::Relaxed));
+        assert!(!talker.evicted.load(Ordering::Relaxed) && !authed.evicted.load(Ordering::Relaxed));
+        assert_eq!(a.open(), 3);
+        // Then the oldest that has not shown the token.
+        newcomer.heard.store(true, Ordering::Relaxed);
+        let next = a.enter(p(ip, 5), &limits).unwrap().0;
+        assert!(talker.evicted.load(Ordering::Relaxed));
+        assert!(!newcomer.evicted.load(Ordering::Relaxed));
+        // The total cap makes room across addresses, silent connections first; an evicted
+        // connection's own leaving later does not give its place back twice.
+        std::thread::sleep(Duration::from_millis(5));
+        let _far = a.enter(p([10, 0, 0, 1], 1), &limits).unwrap().0;
+        assert_eq!(a.open(), 4);
+        let _farther = a.enter(p([10, 0, 0, 2], 1), &limits).unwrap().0;
+        assert!(next.evicted.load(Ordering::Relaxed));
+        assert!(!newcomer.evicted.load(Ordering::Relaxed));
+        a.leave(p(ip, 3), &silent);
+        a.leave(p(ip, 5), &next);
+        assert_eq!(a.open(), 4);
+        assert!(!authed.evicted.load(Ordering::Relaxed));
     }
 }
