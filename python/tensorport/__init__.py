@@ -17,6 +17,7 @@ to the producer that asked. See docs/python.md.
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import signal
@@ -24,6 +25,10 @@ from typing import Iterator, List, Optional, Sequence, Tuple
 
 from . import _native
 from ._native import PROTOCOL_VERSION, TensorportError
+
+# A daemon thread blocked in a native call (`Server.recv_batch`, say) when the interpreter exits
+# must not take the GIL back: the native side parks it once this has run.
+atexit.register(_native._interpreter_exiting)
 
 __all__ = [
     "Loader",
@@ -532,6 +537,36 @@ _find_binary = find_binary
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 
 
+def _private_dir() -> str:
+    """A fresh folder for a loader's socket, readable by this user alone, named with this
+    process's pid; folders left by loaders whose process is gone (killed, say) are removed
+    first."""
+    import os
+    import shutil
+    import tempfile
+
+    base = tempfile.gettempdir()
+    prefix = "tensorport-loader-"
+    try:
+        names = os.listdir(base)
+    except OSError:
+        names = []
+    for name in names:
+        pid = name[len(prefix):].split("-", 1)[0]
+        if not name.startswith(prefix) or not pid.isdigit():
+            continue
+        path = os.path.join(base, name)
+        try:
+            if os.lstat(path).st_uid != os.getuid():
+                continue
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            continue  # alive (another user's), or gone already
+    return tempfile.mkdtemp(prefix=f"{prefix}{os.getpid()}-")
+
+
 class Loader:
     """Batches of preprocessed images from a farm of Rust producer processes, as an iterable:
     a stand-in for `torch.utils.data.DataLoader` over image files.
@@ -587,7 +622,16 @@ class Loader:
                  gpu_producers: int = 0, shuffle: bool = False,
                  seed: Optional[int] = None, drop_last: bool = False, labels=None,
                  on_error: str = "raise", persistent: bool = False):
-        self.files = [str(f) for f in files]
+        import os
+
+        # Paths as the OS has them: str, bytes (decoded as os.fsdecode does, so a name that is
+        # not UTF-8 round-trips) or path-like. They reach the farm NUL-terminated, so any name
+        # a file can have arrives whole.
+        self.files = [os.fsdecode(os.fspath(f)) for f in files]
+        for i, f in enumerate(self.files):
+            if "\0" in f:
+                raise ValueError(f"files[{i}] = {f!r} holds a NUL character: no file can be "
+                                 "named so")
         if batch_size < 1:
             raise ValueError(f"batch_size={batch_size}: give 1 or more")
         self.batch_size = batch_size
@@ -671,11 +715,17 @@ class Loader:
             return self._iter_kept()
         return self._iter_once()
 
+    def _listing(self, order: List[int]) -> bytes:
+        """The files in `order`, each name's bytes ending with a NUL (`farm --null`)."""
+        import os
+
+        return b"".join(os.fsencode(self.files[i]) + b"\0" for i in order)
+
     def _farm_command(self, sock: str, listing: str) -> List[str]:
         """The `tensorport farm` that feeds this loader's server at `sock` the files listed in
         `listing` (`-`: on its standard input, as they come)."""
         return [self.binary, "--log", "warn", "farm", "--attach", sock,
-                "--attach-gpu", str(self.gpu), "--input-list", listing,
+                "--attach-gpu", str(self.gpu), "--null", "--input-list", listing,
                 "--producers", str(self.producers), "--gpu-producers", str(self.gpu_producers),
                 "--in-flight", str(self.in_flight), "--image-size", str(self.image_size),
                 "--transform", self.transform, "--max-restarts", str(self.max_restarts),
@@ -726,7 +776,7 @@ class Loader:
             self.close()
             kept = self._kept = self._start_kept()
         base = kept["written"]
-        kept["farm"].stdin.write("".join(self.files[i] + "\n" for i in order).encode())
+        kept["farm"].stdin.write(self._listing(order))
         kept["farm"].stdin.flush()
         kept["written"] += len(order)
         yield from self._batches(kept["server"], kept["farm"], kept["stderr"], order,
@@ -736,10 +786,8 @@ class Loader:
         import os
         import queue
         import subprocess
-        import tempfile
 
-        d = tempfile.mkdtemp(prefix="tensorport-loader-")
-        os.chmod(d, 0o700)
+        d = _private_dir()
         sock = os.path.join(d, "tp.sock")
         server = self._server(sock)
         farm = subprocess.Popen(
@@ -780,29 +828,37 @@ class Loader:
     def _iter_once(self):
         import os
         import queue
+        import shutil
         import subprocess
-        import tempfile
+        import threading
 
         np = _np()
         order = self._order()
         self.epoch += 1
         self.skipped = []
-        with tempfile.TemporaryDirectory(prefix="tensorport-loader-") as d:
-            os.chmod(d, 0o700)
+        d = _private_dir()
+        try:
             sock = os.path.join(d, "tp.sock")
             server = self._server(sock)
-            # The files in this epoch's order, one per line: the farm hands them out in that
-            # order, and a request's id is its line's position.
-            listing = os.path.join(d, "inputs.txt")
-            with open(listing, "w") as f:
-                f.writelines(self.files[i] + "\n" for i in order)
             failures: "queue.Queue[Tuple[int, str, str]]" = queue.Queue()
             farm = subprocess.Popen(
-                self._farm_command(sock, listing),
-                stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                self._farm_command(sock, "-"),
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                 # The farm, and so its producers, die with this process, even killed.
                 env=dict(os.environ, TENSORPORT_FARM_PID=str(os.getpid())),
             )
+            # The files in this epoch's order, on the farm's standard input (never on disk): it
+            # hands them out in that order, and a request's id is the file's position.
+            listing = self._listing(order)
+
+            def feed():
+                try:
+                    farm.stdin.write(listing)
+                    farm.stdin.close()
+                except (OSError, ValueError):
+                    pass  # the farm ended (or the iteration did); its status says why
+
+            threading.Thread(target=feed, daemon=True).start()
             self.producer_pids = [farm.pid]
             stderr: List[str] = []
             self._watch(farm, failures, stderr)
@@ -812,6 +868,8 @@ class Loader:
                 self._end_farm(farm)
                 self.producer_pids = []
                 server.drain()
+        finally:
+            shutil.rmtree(d, ignore_errors=True)
 
     @staticmethod
     def _end_farm(farm) -> None:
@@ -884,7 +942,9 @@ class Loader:
                     pos -= base
                     if 0 <= pos < n and pos not in done:
                         done.add(pos)
-                        self.skipped.append((name, error))
+                        # The name as given (the farm's line shows a name that is not UTF-8
+                        # with replacement characters).
+                        self.skipped.append((self.files[order[pos]], error))
                 if len(done) >= n:
                     break
                 start = len(kept)

@@ -15,6 +15,10 @@ class TensorportError(Exception):
     code_name: Optional[str]
 
 def default_socket() -> PathLike[str]: ...
+def _interpreter_exiting() -> None:
+    """Marks the interpreter as exiting: native calls that return on other threads then park."""
+    ...
+
 
 class Mapping:
     """Keeps a producer's pool mapped while any view of it lives."""

@@ -3,10 +3,12 @@ server or the producers, and Python processes killed with SIGKILL."""
 
 import json
 import os
+import shutil
 import signal
 import struct
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -648,6 +650,39 @@ def test_loader_can_skip_a_file_it_cannot_prepare(tmp_path):
         tensorport.Loader(files, on_error="ignore", binary=BIN)
 
 
+def test_loader_keeps_awkward_names_in_place_and_skips_what_is_not_a_file(tmp_path):
+    """A name with a newline, one that is not UTF-8 and a FIFO named like an image, in an
+    ImageFolder layout, shuffled, skipping errors: every file comes back once, each row is its
+    own file's image under its own label, and the FIFO is skipped at once, saying why."""
+    root = tmp_path / "train"
+    run("images", "--out", str(root / "cat"), "--count", "6")
+    dog = root / "dog"
+    dog.mkdir()
+    (dog / "img04x\nimg05y.png").write_bytes((root / "cat" / "sample-000.png").read_bytes())
+    with open(os.path.join(os.fsencode(dog), b"odd-\xff\xfe.png"), "wb") as f:
+        f.write((root / "cat" / "sample-002.png").read_bytes())
+    os.mkfifo(dog / "fifo.jpg")
+    loader = tensorport.Loader.from_folder(root, batch_size=4, producers=2, image_size=16,
+                                           binary=BIN, shuffle=True, seed=3, on_error="skip",
+                                           timeout=PATIENCE)
+    rows = {}
+    for x, labels in loader:
+        for row, label, i in zip(x, labels.tolist(), loader.last_indices.tolist()):
+            f = loader.files[i]
+            assert i not in rows, f
+            assert loader.classes[label] == os.path.basename(os.path.dirname(f)), f
+            rows[i] = (os.path.basename(f), row)
+    by_name = {name: row for name, row in rows.values()}
+    assert len(rows) == 8, sorted(by_name)
+    assert np.array_equal(by_name["img04x\nimg05y.png"], by_name["sample-000.png"])
+    assert np.array_equal(by_name[os.fsdecode(b"odd-\xff\xfe.png")], by_name["sample-002.png"])
+    assert not np.array_equal(by_name["sample-000.png"], by_name["sample-002.png"])
+    assert [os.path.basename(n) for n, _ in loader.skipped] == ["fifo.jpg"]
+    assert "a FIFO" in loader.skipped[0][1]
+    with pytest.raises(ValueError, match="NUL"):
+        tensorport.Loader(["a\0b.jpg"], binary=BIN)
+
+
 def test_a_killed_python_parent_leaves_no_producer_behind(tmp_path):
     images = tmp_path / "images"
     run("images", "--out", str(images), "--count", "8")
@@ -718,6 +753,106 @@ def test_ctrl_c_stops_the_loader_cleanly_and_leaves_no_producer_behind(tmp_path)
     assert out.splitlines()[:2] == ["interrupted", "after []"], out
 
     assert eventually(lambda: all(_gone(p) for p in pids)), "a process outlived the iteration"
+
+
+def _python(script, *args, env=None):
+    """Runs `script` in a new Python process with a watchdog; returns (returncode, stdout)."""
+    p = subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True,
+                       timeout=PATIENCE * 2, env=env)
+    return p.returncode, p.stdout + p.stderr
+
+
+def test_an_epoch_started_in_a_thread_that_ends_goes_on_uninterrupted(tmp_path):
+    """The farm must not take the end of the thread that started it for its parent's death:
+    an epoch begun in a short-lived thread, and a persistent loader's farm started in one, run
+    to their end in the main thread."""
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "8")
+    script = (
+        "import sys, threading, time, tensorport\n"
+        "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 4\n"
+        "kw = dict(batch_size=4, producers=2, image_size=16, binary=sys.argv[2], timeout=60)\n"
+        "it = iter(tensorport.Loader(files, **kw))\n"
+        "first = []\n"
+        "t = threading.Thread(target=lambda: first.append(next(it)))\n"
+        "t.start(); t.join(); time.sleep(0.5)\n"
+        "print('once', len(first) + sum(1 for _ in it), flush=True)\n"
+        "kept = tensorport.Loader(files, persistent=True, **kw)\n"
+        "t = threading.Thread(target=lambda: sum(1 for _ in kept))\n"
+        "t.start(); t.join(); time.sleep(0.5)\n"
+        "pids = list(kept.producer_pids)\n"
+        "print('kept', sum(1 for _ in kept), pids == kept.producer_pids, flush=True)\n"
+        "kept.close()\n"
+    )
+    rc, out = _python(script, str(images), BIN)
+    assert rc == 0, out
+    assert "once 8" in out and "kept 8 True" in out, out
+
+
+def test_a_daemon_thread_in_recv_batch_lets_the_process_exit_cleanly(tmp_path):
+    """The pattern docs/python.md shows: a daemon thread serving in a loop. At interpreter
+    exit it must not abort the process (a forced unwind through the native frames)."""
+    d = tempfile.mkdtemp(dir="/tmp", prefix="tp")
+    script = (
+        "import sys, threading, time, tensorport\n"
+        "srv = tensorport.Server(sys.argv[1])\n"
+        "def serve():\n"
+        "    while True:\n"
+        "        srv.recv_batch(16, timeout=0.01)\n"
+        "threading.Thread(target=serve, daemon=True).start()\n"
+        "time.sleep(0.3)\n"
+        "print('exiting', flush=True)\n"
+    )
+    try:
+        for k in range(3):
+            rc, out = _python(script, os.path.join(d, f"s{k}.sock"))
+            assert rc == 0 and "exiting" in out, (k, rc, out)
+    finally:
+        shutil.rmtree(d, ignore_errors=True)
+
+
+def test_a_killed_loader_leaves_no_file_list_and_its_folder_is_swept(tmp_path):
+    """The file list travels on the farm's standard input, never on disk; the socket folder of
+    a loader whose process was killed is removed by the next loader's epoch."""
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "8")
+    tmp = tempfile.mkdtemp(dir="/tmp", prefix="tp")
+    env = dict(os.environ, TMPDIR=tmp)
+    script = (
+        "import sys, time, tensorport\n"
+        "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 500\n"
+        "loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=16,\n"
+        "                           binary=sys.argv[2], in_flight=2)\n"
+        "it = iter(loader)\n"
+        "next(it)\n"
+        "print('ready', flush=True)\n"
+        "time.sleep(600)\n"
+    )
+    try:
+        parent = subprocess.Popen([sys.executable, "-c", script, str(images), BIN],
+                                  stdout=subprocess.PIPE, text=True, env=env)
+        watchdog = threading.Timer(PATIENCE, parent.kill)
+        watchdog.start()
+        try:
+            assert parent.stdout.readline().strip() == "ready"
+            watchdog.cancel()
+            folders = [f for f in os.listdir(tmp) if f.startswith(f"tensorport-loader-{parent.pid}-")]
+            assert len(folders) == 1, os.listdir(tmp)
+            assert os.listdir(os.path.join(tmp, folders[0])) == ["tp.sock"]
+        finally:
+            parent.kill()
+            parent.wait(timeout=PATIENCE)
+        rc, out = _python(
+            "import sys, tensorport\n"
+            "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir())\n"
+            "loader = tensorport.Loader(files, batch_size=4, producers=1, image_size=16,\n"
+            "                           binary=sys.argv[2], timeout=60)\n"
+            "print('batches', sum(1 for _ in loader), flush=True)\n",
+            str(images), BIN, env=env)
+        assert rc == 0 and "batches 2" in out, out
+        assert os.listdir(tmp) == [], os.listdir(tmp)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def test_every_public_name_has_a_docstring():

@@ -55,7 +55,7 @@ impl Producer {
         py: Python<'_>,
         f: impl FnOnce(&mut tensorport::Producer) -> tensorport::Result<R> + Send,
     ) -> PyResult<R> {
-        py.allow_threads(|| {
+        crate::without_gil(py, || {
             let mut g = lock(&self.inner);
             match g.as_mut() {
                 None => Err(Failure::Closed),
@@ -90,8 +90,7 @@ impl Producer {
         cfg.slot_size = slot_size;
         cfg.rings = rings;
         cfg.connect_timeout = secs(connect_timeout)?;
-        let p = py
-            .allow_threads(|| tensorport::Producer::connect(&socket, cfg))
+        let p = crate::without_gil(py, || tensorport::Producer::connect(&socket, cfg))
             .map_err(py_err)?;
         Ok(Producer {
             inner: Mutex::new(Some(p)),
@@ -170,7 +169,7 @@ impl Producer {
         }
         // Errors leave the closure as `Failure`s and become exceptions after the locks are let
         // go (building one takes the GIL).
-        py.allow_threads(|| {
+        crate::without_gil(py, || {
             let mut cuda = lock(&self.cuda);
             let CudaState { devices, in_flight } = &mut *cuda;
             let ext = match devices.entry(device) {
@@ -346,7 +345,7 @@ impl Producer {
     fn close(&self, py: Python<'_>) -> PyResult<()> {
         let p = lock(&self.inner).take();
         match p {
-            Some(p) => py.allow_threads(|| p.close()).map_err(py_err),
+            Some(p) => crate::without_gil(py, || p.close()).map_err(py_err),
             None => Ok(()),
         }
     }

@@ -90,7 +90,7 @@ impl Request {
     fn respond(&self, py: Python<'_>, data: &[u8], stream: usize) -> PyResult<()> {
         let r = self.take()?;
         release_after(&r, stream)?;
-        py.allow_threads(|| r.respond(data)).map_err(py_err)
+        crate::without_gil(py, || r.respond(data)).map_err(py_err)
     }
 
     /// Answers with a failure carrying `message` (a device buffer is released as in
@@ -99,7 +99,7 @@ impl Request {
     fn fail(&self, py: Python<'_>, message: String, stream: usize) -> PyResult<()> {
         let r = self.take()?;
         release_after(&r, stream)?;
-        py.allow_threads(|| r.fail(message)).map_err(py_err)
+        crate::without_gil(py, || r.fail(message)).map_err(py_err)
     }
 
     /// Whether it was answered.

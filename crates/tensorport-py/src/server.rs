@@ -91,7 +91,7 @@ impl Server {
         }
         let rows = batch_rows(address as usize, rows, row)?;
         let server = this.inner.clone();
-        slf.py().allow_threads(move || {
+        crate::without_gil(slf.py(), move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
             let mut batch: Vec<_> = batch.into_iter().filter_map(|r| one_row(r, row)).collect();
             if batch.is_empty() {
@@ -161,9 +161,8 @@ impl Server {
     ) -> PyResult<Vec<Request>> {
         let (t, w) = (secs(timeout)?, secs(max_wait)?);
         let server = self.inner.clone();
-        let batch = py
-            .allow_threads(move || server.recv_batch(max.max(1), t, w))
-            .map_err(py_err)?;
+        let batch =
+            crate::without_gil(py, move || server.recv_batch(max.max(1), t, w)).map_err(py_err)?;
         Ok(batch.into_iter().map(Request::new).collect())
     }
 
@@ -186,7 +185,7 @@ impl Server {
         let rows = batch_rows(address, rows, row)?;
         let capacity = rows * row;
         let server = self.inner.clone();
-        py.allow_threads(move || {
+        crate::without_gil(py, move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
             // SAFETY: the package passes the data address and size of a numpy array it has
             // just allocated for this call and holds until it returns (`Loader`); rows are
@@ -214,7 +213,7 @@ impl Server {
     fn _ack_batch(&self, py: Python<'_>, max: usize, timeout: f64) -> PyResult<(usize, u64)> {
         let t = secs(timeout)?;
         let server = self.inner.clone();
-        py.allow_threads(move || {
+        crate::without_gil(py, move || {
             let batch = server
                 .recv_batch(max.max(1), t, Duration::ZERO)
                 .map_err(py_err)?;
