@@ -173,6 +173,14 @@ const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
 /// Checks a `--log` value: comma-separated directives, each a level or `target=level`. A bare
 /// word that is not a level (`--log bogus`) would be a valid tracing filter that enables one
 /// unknown target and hides every line; it is refused instead.
+/// A duration in seconds: a finite number from 0.001 to a day.
+pub fn parse_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if (0.001..=86_400.0).contains(&v) => Ok(v),
+        _ => Err(format!("{s:?}: give seconds from 0.001 to 86400")),
+    }
+}
+
 pub fn parse_log_filter(s: &str) -> Result<String, String> {
     let hint = "use off, error, warn, info, debug or trace, or directives such as \
                 `warn,tensorport=debug`";

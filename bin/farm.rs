@@ -51,6 +51,10 @@ pub struct Args {
     /// for more and ends once standard input is closed and every input has its result.
     #[arg(long, value_name = "FILE", conflicts_with = "synthetic")]
     pub input_list: Option<PathBuf>,
+    /// The --input-list's paths end with a NUL byte instead of a newline, as `find -print0`
+    /// writes them: any file name round-trips, newlines in it included.
+    #[arg(long, short = '0', requires = "input_list")]
+    pub null: bool,
     /// Classify N generated images instead of files.
     #[arg(long, value_name = "N")]
     pub synthetic: Option<u64>,
@@ -143,12 +147,12 @@ impl Args {
                 .map(Source::File)
                 .collect(),
             (None, Some(list), _) if list.as_os_str() == "-" => Vec::new(),
-            (None, Some(list), _) => std::fs::read_to_string(list)
-                .map_err(|e| CliError::usage(format!("--input-list {}: {e}", list.display())))?
-                .lines()
-                .filter(|l| !l.trim().is_empty())
-                .map(|l| Source::File(PathBuf::from(l)))
-                .collect(),
+            (None, Some(list), _) => {
+                let bytes = std::fs::read(list).map_err(|e| {
+                    CliError::usage(format!("--input-list {}: {e}", list.display()))
+                })?;
+                split_list(&bytes, self.null).map(Source::File).collect()
+            }
             (None, None, Some(n)) => (0..n).map(Source::Synthetic).collect(),
             (None, None, None) => {
                 return Err(CliError::usage(
@@ -220,7 +224,9 @@ pub fn run(args: Args) -> CliResult<u8> {
         .is_some_and(|l| l.as_os_str() == "-");
     let outcome = match streamed {
         false => tensorport_farm::farm::run(cfg, console.clone()),
-        true => tensorport_farm::farm::run_with(cfg, console.clone(), Some(stdin_inputs())),
+        true => {
+            tensorport_farm::farm::run_with(cfg, console.clone(), Some(stdin_inputs(args.null)))
+        }
     };
     console.clear();
     let outcome = outcome?;
@@ -238,20 +244,65 @@ pub fn run(args: Args) -> CliResult<u8> {
     Ok(0)
 }
 
-/// The paths on standard input, one per line, sent as they come; the channel closes with it.
-fn stdin_inputs() -> std::sync::mpsc::Receiver<Source> {
+/// The paths of an input list: one per line, or with `null` each ending in a NUL byte; the
+/// bytes of each as they are (non-UTF-8 names included). Empty entries (and, one per line,
+/// blank ones) are skipped.
+fn split_list(bytes: &[u8], null: bool) -> impl Iterator<Item = PathBuf> + '_ {
+    use std::os::unix::ffi::OsStrExt;
+    let sep = if null { b'\0' } else { b'\n' };
+    bytes
+        .split(move |&b| b == sep)
+        .filter(move |p| match null {
+            true => !p.is_empty(),
+            false => !p.iter().all(u8::is_ascii_whitespace),
+        })
+        .map(|p| PathBuf::from(std::ffi::OsStr::from_bytes(p)))
+}
+
+/// The paths on standard input, as [`split_list`] reads them, sent as they come; the channel
+/// closes with it.
+fn stdin_inputs(null: bool) -> std::sync::mpsc::Receiver<Source> {
     let (tx, rx) = std::sync::mpsc::channel();
     std::thread::spawn(move || {
         use std::io::BufRead;
-        for line in std::io::stdin().lock().lines() {
-            let Ok(line) = line else { break };
-            if line.trim().is_empty() {
+        let sep = if null { b'\0' } else { b'\n' };
+        for entry in std::io::stdin().lock().split(sep) {
+            let Ok(entry) = entry else { break };
+            let Some(path) = split_list(&entry, null).next() else {
                 continue;
-            }
-            if tx.send(Source::File(PathBuf::from(line))).is_err() {
+            };
+            if tx.send(Source::File(path)).is_err() {
                 break;
             }
         }
     });
     rx
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn input_lists_split_by_line_or_by_nul() {
+        use std::os::unix::ffi::OsStrExt;
+        let lines: Vec<PathBuf> = split_list(b"a.jpg\n\n  \nb c.png\n\xff.jpg", false).collect();
+        assert_eq!(
+            lines,
+            [
+                PathBuf::from("a.jpg"),
+                PathBuf::from("b c.png"),
+                PathBuf::from(std::ffi::OsStr::from_bytes(b"\xff.jpg")),
+            ]
+        );
+        let nul: Vec<PathBuf> = split_list(b"x\ny.jpg\0\0 \0z.png\0", true).collect();
+        assert_eq!(
+            nul,
+            [
+                PathBuf::from("x\ny.jpg"),
+                PathBuf::from(" "),
+                PathBuf::from("z.png")
+            ]
+        );
+    }
 }

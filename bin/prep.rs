@@ -62,11 +62,27 @@ pub fn run(a: Args) -> CliResult<u8> {
     if let Some(k) = a.limit {
         files.truncate(k.max(1));
     }
+    // A file that cannot be read (a FIFO, a device, one over the size limit) is left out with
+    // a warning, as the farm gives it an error line: the timing is of the rest.
     let encoded: Vec<(PathBuf, Vec<u8>)> = files
         .into_iter()
-        .map(|f| std::fs::read(&f).map(|b| (f.clone(), b)))
-        .collect::<Result<_, _>>()
-        .map_err(|e| CliError::usage(format!("reading {}: {e}", a.input.display())))?;
+        .filter_map(|f| {
+            let mut bytes = Vec::new();
+            match tensorport_vision::read_file(&f, &mut bytes) {
+                Ok(()) => Some((f, bytes)),
+                Err(e) => {
+                    eprintln!("warning: left out: {e}");
+                    None
+                }
+            }
+        })
+        .collect();
+    if encoded.is_empty() {
+        return Err(CliError::usage(format!(
+            "no file of {} could be read",
+            a.input.display()
+        )));
+    }
     if a.nvjpeg {
         let (wall, dumped, n, times) = on_gpu(&a, &encoded)?;
         println!(

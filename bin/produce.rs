@@ -24,8 +24,9 @@ pub struct Args {
     /// Classify N generated images instead of files.
     #[arg(long, value_name = "N", conflicts_with = "worklist")]
     pub synthetic: Option<u64>,
-    /// Read inputs from stdin, one `INDEX<TAB>SOURCE` per line (SOURCE: a path or synthetic:N),
-    /// until end of input. This is how `tensorport farm` drives producers.
+    /// Read inputs from stdin until end of input, each a record ending in a NUL byte:
+    /// `INDEX<TAB>f<TAB>PATH` (the path's bytes as they are, newlines included) or
+    /// `INDEX<TAB>s<TAB>N` (synthetic image N). This is how `tensorport farm` drives producers.
     #[arg(long)]
     pub worklist: bool,
     /// Where to write the JSON lines (`-` for stdout).
@@ -48,6 +49,10 @@ pub struct Args {
     /// Microseconds to poll for results before sleeping on the doorbell (see `serve --spin-us`).
     #[arg(long, default_value_t = 20)]
     pub spin_us: u64,
+    /// A file whose read has not returned after this many seconds (a hung network mount, say)
+    /// gets an error line, "hung while reading"; the inputs after it wait for the read.
+    #[arg(long, value_name = "SECONDS", default_value_t = tensorport_farm::config::DEFAULT_READ_TIMEOUT.as_secs_f64(), value_parser = crate::common::parse_seconds)]
+    pub read_timeout: f64,
     /// Decode and prepare on the GPU: JPEGs in batches with nvJPEG (the GPU's hardware JPEG
     /// decoder where it has one), resized, cropped and normalised by a kernel into device
     /// buffers handed over through CUDA IPC with fences (the server must run `--device cuda` on
@@ -90,6 +95,7 @@ impl Args {
             name: self.name.clone(),
             timeout: Duration::from_secs(self.timeout),
             spin: Duration::from_micros(self.spin_us),
+            read_timeout: Duration::from_secs_f64(self.read_timeout),
             gpu: self.nvjpeg.then_some(GpuPrep {
                 ordinal: self.gpu,
                 batch: self.batch,

@@ -15,6 +15,7 @@ use tensorport_vision::{JpegDecoder, Preprocessor, Source, Transform};
 
 mod cli;
 mod faults;
+mod inputs;
 mod ops;
 mod results;
 

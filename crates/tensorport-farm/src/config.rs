@@ -351,7 +351,8 @@ pub enum Inputs {
     Dir(PathBuf),
     /// N generated images.
     Synthetic(u64),
-    /// `INDEX<TAB>SOURCE` lines on stdin, until end of input (how a farm drives producers).
+    /// NUL-terminated `record::work_record`s on stdin, until end of input (how a farm drives
+    /// producers).
     Worklist,
 }
 
@@ -374,6 +375,10 @@ pub struct GpuPrep {
     pub cpu_threads: usize,
 }
 
+/// How long a producer waits on one file's read before it gives up on that file, unless told
+/// otherwise (a farm makes it shorter than its stall limit).
+pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
+
 /// One producer process.
 #[derive(Debug, Clone)]
 pub struct ProduceConfig {
@@ -395,6 +400,8 @@ pub struct ProduceConfig {
     pub timeout: Duration,
     /// How long to poll for results before sleeping on the doorbell.
     pub spin: Duration,
+    /// A file read not returned after this long is given up on, with an error line.
+    pub read_timeout: Duration,
     /// Decode and prepare on the GPU instead of the CPU.
     pub gpu: Option<GpuPrep>,
 }
@@ -426,6 +433,10 @@ impl ProduceConfig {
         if self.ready {
             v.push("--ready".into());
         }
+        v.extend([
+            "--read-timeout".into(),
+            self.read_timeout.as_secs_f64().to_string(),
+        ]);
         v.extend(self.prep.to_args());
         if self.profile {
             v.push("--profile".into());

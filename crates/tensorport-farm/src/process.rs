@@ -34,8 +34,10 @@ pub fn catch_sigxfsz() {
     }
 }
 
-/// When started by a farm ([`FARM_PID_ENV`] set), asks the kernel to send us SIGTERM if the
-/// farm dies, so no producer or server outlives it.
+/// When started by a farm ([`FARM_PID_ENV`] set), sends itself SIGTERM once the farm process
+/// has died, so no producer or server outlives it. A thread watches the parent pid: the
+/// kernel's parent-death signal would fire when the *thread* that started this process ends,
+/// which for a farm started from a Python thread is long before the process does.
 pub fn die_with_farm() {
     let Some(pid) = std::env::var(FARM_PID_ENV)
         .ok()
@@ -43,11 +45,20 @@ pub fn die_with_farm() {
     else {
         return;
     };
-    if let Err(e) = nix::sys::prctl::set_pdeathsig(nix::sys::signal::Signal::SIGTERM) {
-        tracing::warn!("cannot set the parent-death signal: {e}");
-    }
-    // The farm may have died before the line above took effect.
-    if nix::unistd::getppid().as_raw() != pid {
+    let orphaned = move || nix::unistd::getppid().as_raw() != pid;
+    // The farm may have died before this process got here.
+    if orphaned() {
         std::process::exit(1);
+    }
+    let watch = std::thread::Builder::new()
+        .name("farm-watch".into())
+        .spawn(move || {
+            while !orphaned() {
+                std::thread::sleep(std::time::Duration::from_millis(100));
+            }
+            let _ = nix::sys::signal::raise(nix::sys::signal::Signal::SIGTERM);
+        });
+    if let Err(e) = watch {
+        tracing::warn!("cannot watch the farm process: {e}");
     }
 }

@@ -94,28 +94,62 @@ impl RgbBuf {
 /// The largest input file read: no image within the pixel limit needs more.
 pub const MAX_FILE_BYTES: u64 = 256 << 20;
 
+/// A read buffer over this many bytes is given back after its file ([`trim_file_buffer`]).
+pub const KEEP_FILE_BYTES: usize = 4 << 20;
+
 /// Reads the whole file at `path` into `buf` (cleared first; its capacity is reused), refusing
-/// one over [`MAX_FILE_BYTES`].
+/// one over [`MAX_FILE_BYTES`] and anything that is not a regular file: the file is opened
+/// without blocking and checked before a byte is read, so a FIFO, a device or a socket named
+/// as an input gets its error at once instead of stalling the reader.
 pub fn read_file(path: &Path, buf: &mut Vec<u8>) -> Result<()> {
+    use std::os::unix::fs::{FileTypeExt, OpenOptionsExt};
     buf.clear();
     let err = |problem: String| Error::Image {
         path: path.display().to_string(),
         problem,
     };
-    let mut f = std::fs::File::open(path).map_err(|e| err(e.to_string()))?;
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .custom_flags(libc::O_NONBLOCK)
+        .open(path)
+        .map_err(|e| err(e.to_string()))?;
+    let kind = f.metadata().map_err(|e| err(e.to_string()))?.file_type();
+    if !kind.is_file() {
+        let what = if kind.is_fifo() {
+            "a FIFO"
+        } else if kind.is_char_device() || kind.is_block_device() {
+            "a device"
+        } else if kind.is_socket() {
+            "a socket"
+        } else if kind.is_dir() {
+            "a directory"
+        } else {
+            "not a regular file"
+        };
+        return Err(err(format!(
+            "{what}, not an image file: refused without reading it"
+        )));
+    }
     (&mut f)
         .take(MAX_FILE_BYTES + 1)
         .read_to_end(buf)
         .map_err(|e| err(e.to_string()))?;
     if buf.len() as u64 > MAX_FILE_BYTES {
-        buf.clear();
-        buf.shrink_to(16 << 20);
+        *buf = Vec::new();
         return Err(err(format!(
             "over {} MiB: not an image this reads",
             MAX_FILE_BYTES >> 20
         )));
     }
     Ok(())
+}
+
+/// Gives a read buffer's memory back if an outsized file left it over [`KEEP_FILE_BYTES`]
+/// (a typical photo's buffer is kept for the next file).
+pub fn trim_file_buffer(buf: &mut Vec<u8>) {
+    if buf.capacity() > KEEP_FILE_BYTES {
+        *buf = Vec::new();
+    }
 }
 
 /// Whether `bytes` start like a JPEG file.
@@ -144,6 +178,7 @@ pub fn decode_into_within(
         return Err(err("the file is empty".into()));
     }
     if is_jpeg(bytes) {
+        crate::scans::check_work(bytes).map_err(err)?;
         match decode_jpeg(bytes, out, max_pixels) {
             Ok(()) => return Ok(()),
             Err(Some(problem)) => return Err(err(problem)),

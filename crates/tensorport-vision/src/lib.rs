@@ -27,7 +27,8 @@ use image::RgbImage;
 use thiserror::Error;
 
 pub use decode::{
-    decode_into_within, read_file, RgbBuf, DEFAULT_MAX_PIXELS, MAX_FILE_BYTES, MAX_SIDE,
+    decode_into_within, read_file, trim_file_buffer, RgbBuf, DEFAULT_MAX_PIXELS, KEEP_FILE_BYTES,
+    MAX_FILE_BYTES, MAX_SIDE,
 };
 pub use normalise::{split_planes, Normaliser, IMAGENET_MEAN, IMAGENET_STD};
 pub use preprocess::{Planes, Preprocessor, Stages};

@@ -159,6 +159,12 @@ impl Preprocessor {
     /// Decodes `bytes` into `self.decoded`: with libjpeg-turbo only the part the transform needs,
     /// where that is the decoder; anything it does not take goes the general way.
     fn decode(&mut self, bytes: &[u8], name: &Path) -> Result<()> {
+        if crate::decode::is_jpeg(bytes) {
+            crate::scans::check_work(bytes).map_err(|problem| Error::Image {
+                path: name.display().to_string(),
+                problem,
+            })?;
+        }
         #[cfg(tp_libjpeg)]
         if self.jpeg == JpegDecoder::LibjpegTurbo && crate::decode::is_jpeg(bytes) {
             if self.libjpeg.is_none() {
@@ -228,6 +234,7 @@ impl Preprocessor {
                 let file = std::mem::take(&mut self.file);
                 let r = self.decode(&file, p);
                 self.file = file;
+                crate::decode::trim_file_buffer(&mut self.file);
                 if r.is_err() {
                     self.decoded.trim();
                 }

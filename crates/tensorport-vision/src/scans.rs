@@ -12,6 +12,12 @@
 /// Markers walked before giving up (a progressive file has a few dozen).
 const MAX_SEGMENTS: usize = 1024;
 
+/// The most entropy-decoding work a JPEG may ask for, in passes over its blocks: the sum over
+/// its scans of the blocks each scan covers, over the blocks of its frame. A baseline file
+/// makes one pass; libjpeg's progressive scripts make 4.7 (4:4:4) to 6 (greyscale); a crafted
+/// file with hundreds of refinement scans makes hundreds, each costing a full pass.
+pub const MAX_WORK_PASSES: u64 = 16;
+
 /// Writes into `out` the JPEG `jpeg` without its AC refinement scans (those with a spectral
 /// start above 0 and a successive-approximation high bit above 0). Returns how many scans were
 /// left out: 0, with `out` empty, where there were none or the file's markers do not walk from
@@ -28,14 +34,147 @@ pub(crate) fn without_ac_refinement(jpeg: &[u8], out: &mut Vec<u8>) -> usize {
 }
 
 fn walk(jpeg: &[u8], out: &mut Vec<u8>) -> Option<usize> {
-    if jpeg.get(..2)? != [0xFF, 0xD8] {
-        return None;
-    }
+    let mut segments = Segments::new(jpeg)?;
     out.reserve(jpeg.len());
     out.extend_from_slice(&jpeg[..2]);
-    let mut at = 2;
     let mut dropped = 0;
-    for _ in 0..MAX_SEGMENTS {
+    for seg in segments.by_ref() {
+        match seg.scan() {
+            Some(scan) if scan.ss > 0 && scan.ah > 0 => dropped += 1,
+            _ => out.extend_from_slice(&jpeg[seg.start..seg.end]),
+        }
+    }
+    let eoi = segments.eoi?;
+    out.extend_from_slice(&jpeg[eoi]);
+    Some(dropped)
+}
+
+/// Checks that decoding `jpeg` asks for at most [`MAX_WORK_PASSES`] passes over its blocks
+/// (see there), counting scan by scan, so a file is refused at the first scan past the bound
+/// even if it is cut short after it. A file whose markers do not walk is checked as far as
+/// they do; the decoder says what else is wrong with it.
+pub(crate) fn check_work(jpeg: &[u8]) -> Result<(), String> {
+    let Some(segments) = Segments::new(jpeg) else {
+        return Ok(());
+    };
+    // Each component's id and blocks; the frame's blocks.
+    let mut comps: Vec<(u8, u64)> = Vec::new();
+    let mut frame_blocks = 0u64;
+    let mut work = 0u64;
+    for seg in segments {
+        if is_frame(seg.code) {
+            (comps, frame_blocks) = frame_blocks_of(seg.header).unwrap_or_default();
+            continue;
+        }
+        let Some(scan) = seg.scan() else { continue };
+        for id in scan.components {
+            work += comps.iter().find(|c| c.0 == *id).map_or(0, |c| c.1);
+        }
+        if frame_blocks > 0 && work > MAX_WORK_PASSES * frame_blocks {
+            return Err(format!(
+                "its scans ask for over {MAX_WORK_PASSES} passes over its {frame_blocks} \
+                 blocks (an ordinary file makes 1 to 6): refused as a decoding-work bomb"
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// A start-of-frame marker (SOF0–SOF15 but DHT, JPG and DAC, which share the range).
+fn is_frame(code: u8) -> bool {
+    matches!(code, 0xC0..=0xCF) && !matches!(code, 0xC4 | 0xC8 | 0xCC)
+}
+
+/// A frame header's components (id, 8×8 blocks) and their total, or `None` if it is malformed.
+fn frame_blocks_of(header: &[u8]) -> Option<(Vec<(u8, u64)>, u64)> {
+    let h = u64::from(u16::from_be_bytes([*header.get(1)?, *header.get(2)?]));
+    let w = u64::from(u16::from_be_bytes([*header.get(3)?, *header.get(4)?]));
+    let n = usize::from(*header.get(5)?);
+    let specs = header.get(6..6 + 3 * n)?;
+    let sampling = |k: usize| {
+        (
+            u64::from(specs[3 * k + 1] >> 4),
+            u64::from(specs[3 * k + 1] & 15),
+        )
+    };
+    let hmax = (0..n).map(|k| sampling(k).0).max()?.max(1);
+    let vmax = (0..n).map(|k| sampling(k).1).max()?.max(1);
+    let comps: Vec<(u8, u64)> = (0..n)
+        .map(|k| {
+            let (hs, vs) = sampling(k);
+            let cw = (w * hs).div_ceil(hmax);
+            let ch = (h * vs).div_ceil(vmax);
+            (specs[3 * k], cw.div_ceil(8) * ch.div_ceil(8))
+        })
+        .collect();
+    let total = comps.iter().map(|c| c.1).sum();
+    Some((comps, total))
+}
+
+/// A marker segment: where it starts, its code, its header (the bytes its length covers, less
+/// the length itself) and where it ends (for a scan, after its entropy-coded data).
+struct Segment<'a> {
+    start: usize,
+    code: u8,
+    header: &'a [u8],
+    end: usize,
+}
+
+/// A scan header's parts this module reads.
+struct Scan<'a> {
+    /// The component ids it covers.
+    components: Vec<&'a u8>,
+    /// Spectral selection start.
+    ss: u8,
+    /// Successive approximation, high bit.
+    ah: u8,
+}
+
+impl<'a> Segment<'a> {
+    /// The scan header, for a start-of-scan segment (its size was checked by the walk).
+    fn scan(&self) -> Option<Scan<'a>> {
+        if self.code != 0xDA {
+            return None;
+        }
+        let ns = usize::from(self.header[0]);
+        Some(Scan {
+            components: self.header[1..1 + 2 * ns].iter().step_by(2).collect(),
+            ss: self.header[1 + 2 * ns],
+            ah: self.header[3 + 2 * ns] >> 4,
+        })
+    }
+}
+
+/// The marker segments of a JPEG file after its start marker, in order, each length checked
+/// against the bytes there. The walk ends at the end marker (`eoi` then holds its bytes), or
+/// at the first thing it cannot walk (a stray marker, a length past the end, a scan header of
+/// the wrong size, [`MAX_SEGMENTS`] markers), with `eoi` left `None`.
+struct Segments<'a> {
+    jpeg: &'a [u8],
+    at: usize,
+    walked: usize,
+    done: bool,
+    eoi: Option<std::ops::Range<usize>>,
+}
+
+impl<'a> Segments<'a> {
+    fn new(jpeg: &'a [u8]) -> Option<Segments<'a>> {
+        (jpeg.get(..2)? == [0xFF, 0xD8]).then_some(Segments {
+            jpeg,
+            at: 2,
+            walked: 0,
+            done: false,
+            eoi: None,
+        })
+    }
+
+    fn step(&mut self) -> Option<Segment<'a>> {
+        let jpeg = self.jpeg;
+        let at = self.at;
+        if self.walked >= MAX_SEGMENTS {
+            return None;
+        }
+        self.walked += 1;
         // A marker: 0xFF, fill bytes (more 0xFF), its code.
         if *jpeg.get(at)? != 0xFF {
             return None;
@@ -48,8 +187,8 @@ fn walk(jpeg: &[u8], out: &mut Vec<u8>) -> Option<usize> {
         match code {
             // End of image: done.
             0xD9 => {
-                out.extend_from_slice(&jpeg[at..=code_at]);
-                return Some(dropped);
+                self.eoi = Some(at..code_at + 1);
+                return None;
             }
             // No other marker stands alone here (restarts live inside a scan's data).
             0x00 | 0x01 | 0xD0..=0xD8 => return None,
@@ -66,35 +205,58 @@ fn walk(jpeg: &[u8], out: &mut Vec<u8>) -> Option<usize> {
         let end = len_at.checked_add(len)?;
         let header = jpeg.get(len_at + 2..end)?;
         if code != 0xDA {
-            out.extend_from_slice(&jpeg[at..end]);
-            at = end;
-            continue;
+            self.at = end;
+            return Some(Segment {
+                start: at,
+                code,
+                header,
+                end,
+            });
         }
         // A scan: its header (Ns, Ns component selectors and tables, Ss, Se, Ah|Al), then its
         // entropy-coded data up to the next marker (0xFF followed by neither a stuffed 0x00
-        // nor a restart marker).
+        // nor a restart marker), or to the end of a file cut short (the walk ends there).
         let ns = usize::from(*header.first()?);
         if header.len() != 1 + 2 * ns + 3 {
             return None;
         }
-        let ss = header[1 + 2 * ns];
-        let ah = header[3 + 2 * ns] >> 4;
         let mut next = end;
         loop {
-            next += jpeg.get(next..)?.iter().position(|&b| b == 0xFF)?;
-            match *jpeg.get(next + 1)? {
-                0x00 | 0xD0..=0xD7 => next += 2,
-                _ => break,
+            let Some(ff) = jpeg.get(next..)?.iter().position(|&b| b == 0xFF) else {
+                next = jpeg.len();
+                break;
+            };
+            next += ff;
+            match jpeg.get(next + 1) {
+                Some(0x00 | 0xD0..=0xD7) => next += 2,
+                Some(_) => break,
+                None => {
+                    next = jpeg.len();
+                    break;
+                }
             }
         }
-        if ss > 0 && ah > 0 {
-            dropped += 1;
-        } else {
-            out.extend_from_slice(&jpeg[at..next]);
-        }
-        at = next;
+        self.at = next;
+        Some(Segment {
+            start: at,
+            code,
+            header,
+            end: next,
+        })
     }
-    None
+}
+
+impl<'a> Iterator for Segments<'a> {
+    type Item = Segment<'a>;
+
+    fn next(&mut self) -> Option<Segment<'a>> {
+        if self.done {
+            return None;
+        }
+        let seg = self.step();
+        self.done = seg.is_none();
+        seg
+    }
 }
 
 #[cfg(test)]
@@ -203,5 +365,44 @@ mod tests {
         jpeg.extend_from_slice(&scan(1, 63, 1, 0, &[1]));
         jpeg.extend_from_slice(&[0xFF, 0xD9]);
         assert_eq!(without_ac_refinement(&jpeg, &mut Vec::new()), 0);
+    }
+
+    #[test]
+    fn decoding_work_is_bounded_by_passes_over_the_frame() {
+        // A 4:2:0 frame of 64×64: Y 8×8 blocks, Cb and Cr 4×4 each (96 blocks).
+        let frame = seg(
+            0xC2,
+            &[8, 0, 64, 0, 64, 3, 1, 0x22, 0, 2, 0x11, 1, 3, 0x11, 1],
+        );
+        assert_eq!(
+            frame_blocks_of(&frame[4..]),
+            Some((vec![(1, 64), (2, 16), (3, 16)], 96))
+        );
+        let dc = {
+            let mut v = seg(0xDA, &[3, 1, 0, 2, 0, 3, 0, 0, 0, 0x01]);
+            v.push(0x12);
+            v
+        };
+        let y_refine = scan(1, 63, 1, 0, &[0x34]);
+        // libjpeg's script's shape: a handful of passes.
+        let mut parts = vec![frame.clone(), dc.clone()];
+        parts.extend(std::iter::repeat_n(y_refine.clone(), 4));
+        assert_eq!(check_work(&file(&parts)), Ok(()));
+        // Y alone 64 blocks a scan: 96 + 64k over 16 × 96 once k > 22.
+        let mut parts = vec![frame.clone(), dc.clone()];
+        parts.extend(std::iter::repeat_n(y_refine.clone(), 22));
+        assert_eq!(check_work(&file(&parts)), Ok(()));
+        parts.push(y_refine.clone());
+        let why = check_work(&file(&parts)).unwrap_err();
+        assert!(why.contains("over 16 passes over its 96 blocks"), "{why}");
+        // Cut short after the scan past the bound: still refused.
+        let whole = file(&parts);
+        assert!(check_work(&whole[..whole.len() - 3]).is_err());
+        // A baseline file, something that is not a JPEG, and a frame that lies about its
+        // components' count are not refused here.
+        assert_eq!(check_work(&file(&[frame.clone(), dc])), Ok(()));
+        assert_eq!(check_work(b"\x89PNG\r\n"), Ok(()));
+        let short_frame = seg(0xC0, &[8, 0, 64, 0, 64, 3, 1, 0x22]);
+        assert_eq!(check_work(&file(&[short_frame, y_refine])), Ok(()));
     }
 }

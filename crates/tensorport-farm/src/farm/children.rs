@@ -294,6 +294,9 @@ impl Farm {
             name: name.to_string(),
             timeout: Duration::from_secs(60),
             spin: Duration::from_micros(20),
+            // Given up on before the farm takes the producer as hung, so the file that held it
+            // up has its line by then.
+            read_timeout: crate::config::DEFAULT_READ_TIMEOUT.min(cfg.stall / 2),
             gpu,
         }
     }

@@ -278,7 +278,7 @@ impl Supervisor {
         else {
             return;
         };
-        let mut batch = String::new();
+        let mut batch = Vec::new();
         let mut given = Vec::new();
         let side = if w.gpu { Side::Gpu } else { Side::Cpu };
         while w.assigned.len() + given.len() < depth {
@@ -291,17 +291,13 @@ impl Supervisor {
             if self.done[i as usize] {
                 continue;
             }
-            batch.push_str(&crate::record::work_line(i, &self.inputs[i as usize]));
+            batch.extend(crate::record::work_record(i, &self.inputs[i as usize]));
             given.push(i);
         }
         if given.is_empty() {
             return;
         }
-        if stdin
-            .write_all(batch.as_bytes())
-            .and_then(|_| stdin.flush())
-            .is_ok()
-        {
+        if stdin.write_all(&batch).and_then(|_| stdin.flush()).is_ok() {
             w.assigned.extend(given);
         } else {
             // It is dying; its EOF will come. Keep the inputs for someone else.

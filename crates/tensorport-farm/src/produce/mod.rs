@@ -31,7 +31,7 @@ pub fn run(cfg: &ProduceConfig) -> Result<u64> {
         Some(g) => 2 * g.batch.max(1),
         None => 16,
     };
-    let feed = Feed::start(&cfg.inputs, ahead)?;
+    let feed = Feed::start(&cfg.inputs, ahead, cfg.read_timeout)?;
     let out = open_output(&cfg.output)?;
     let mut lines = LineWriter::new(out, cfg.name.clone(), cfg.profile);
     match cfg.gpu {
