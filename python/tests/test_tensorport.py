@@ -804,7 +804,7 @@ def test_a_daemon_thread_in_recv_batch_lets_the_process_exit_cleanly(tmp_path):
         "print('exiting', flush=True)\n"
     )
     try:
-        for k in range(3):
+        for k in range(5):
             rc, out = _python(script, os.path.join(d, f"s{k}.sock"))
             assert rc == 0 and "exiting" in out, (k, rc, out)
     finally:

@@ -7,6 +7,7 @@
 //! for as long as any view of it lives, whatever happens to the session. Blocking calls release
 //! the GIL.
 
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
@@ -27,13 +28,25 @@ pub(crate) use producer::*;
 pub(crate) use request::*;
 pub(crate) use server::*;
 
-/// The thread finishing the interpreter, once its exit handlers run (`_interpreter_exiting`).
+/// Set (with the finishing thread's id) once the interpreter's exit handlers run
+/// (`_interpreter_exiting`).
+static EXITING: AtomicBool = AtomicBool::new(false);
 static FINALIZING: std::sync::OnceLock<std::thread::ThreadId> = std::sync::OnceLock::new();
+/// Native calls between the end of their work and having the GIL back.
+static RETURNING: AtomicUsize = AtomicUsize::new(0);
 
-/// Called by the package's `atexit` handler, on the thread that finishes the interpreter.
+/// Called by the package's `atexit` handler, on the thread that finishes the interpreter, with
+/// the GIL: from now on a native call returning on another thread parks instead of taking the
+/// GIL back; then the GIL is let go until every call already on its way back has it, so none
+/// is left waiting for it when the interpreter ends its daemon threads.
 #[pyfunction]
-fn _interpreter_exiting() {
+fn _interpreter_exiting(py: Python<'_>) {
     let _ = FINALIZING.set(std::thread::current().id());
+    EXITING.store(true, Ordering::SeqCst);
+    let deadline = std::time::Instant::now() + Duration::from_secs(5);
+    while RETURNING.load(Ordering::SeqCst) > 0 && std::time::Instant::now() < deadline {
+        py.allow_threads(|| std::thread::sleep(Duration::from_millis(1)));
+    }
 }
 
 /// Runs `f` with the GIL released. Once the interpreter is exiting, a call returning on any
@@ -45,18 +58,26 @@ where
     F: Send + FnOnce() -> T,
     T: Send,
 {
-    py.allow_threads(|| {
+    let r = py.allow_threads(|| {
         let r = f();
-        if FINALIZING
-            .get()
-            .is_some_and(|&t| t != std::thread::current().id())
+        // Counted before the flag is read, and the flag set before the count is read
+        // (`_interpreter_exiting`): either this call sees the flag, or the exiting thread
+        // waits for it to have the GIL.
+        RETURNING.fetch_add(1, Ordering::SeqCst);
+        if EXITING.load(Ordering::SeqCst)
+            && FINALIZING
+                .get()
+                .is_some_and(|&t| t != std::thread::current().id())
         {
+            RETURNING.fetch_sub(1, Ordering::SeqCst);
             loop {
                 std::thread::park();
             }
         }
         r
-    })
+    });
+    RETURNING.fetch_sub(1, Ordering::SeqCst);
+    r
 }
 
 /// The socket path a server listens on by default (`TENSORPORT_SOCKET`, else
