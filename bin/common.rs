@@ -260,9 +260,16 @@ pub fn arg_name<T: clap::ValueEnum>(v: &T) -> String {
 /// The model, and how the server runs it; server and producers must agree on the image size.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ModelArgs {
-    /// What the server runs on each batch: the bundled image classifier, or none (the batch is
-    /// only moved onto the device: a transport benchmark, like PyTorch's DataLoader one).
-    #[arg(long, value_enum, default_value_t = ModelKind::Classifier)]
+    /// What the server runs on each batch: `classifier` (the bundled image classifier), an ONNX
+    /// file (`PATH.onnx`, run by ONNX Runtime: its input [N, 3, S, S] sets the image size, its
+    /// first output [N, K] gives each image's scores; needs the library:
+    /// scripts/fetch-onnxruntime.sh, or TENSORPORT_ORT), or `none` (the batch is only moved
+    /// onto the device: a transport benchmark, like PyTorch's DataLoader one).
+    #[arg(
+        long,
+        default_value = "classifier",
+        value_name = "classifier|none|PATH.onnx"
+    )]
     pub model: ModelKind,
     /// Side of the square input images, in pixels (a multiple of 8).
     #[arg(long, default_value_t = 224)]
@@ -308,7 +315,7 @@ impl ModelArgs {
     /// The model's configuration for servers on `device` (the defaults that depend on it).
     pub fn options_on(&self, device: Device) -> ModelOptions {
         ModelOptions {
-            kind: self.model,
+            kind: self.model.clone(),
             config: tensorport_dfdx::ModelConfig {
                 image_size: self.image_size,
                 classes: self.classes,

@@ -16,6 +16,7 @@ use tensorport_vision::{JpegDecoder, Preprocessor, Source, Transform};
 mod cli;
 mod faults;
 mod inputs;
+mod onnx;
 mod ops;
 mod results;
 

@@ -52,8 +52,7 @@ impl std::str::FromStr for Device {
 }
 
 /// What the server runs on each batch.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub enum ModelKind {
     /// The bundled image classifier.
     #[default]
@@ -61,13 +60,33 @@ pub enum ModelKind {
     /// None: the batch is only moved onto the device (a transport benchmark, like PyTorch's
     /// DataLoader one).
     None,
+    /// An ONNX model file, run by ONNX Runtime: its input sets the image size.
+    Onnx(PathBuf),
 }
 
 impl ModelKind {
-    pub fn name(self) -> &'static str {
+    /// The name a command line gives it: `classifier`, `none`, or the ONNX file's path.
+    pub fn arg(&self) -> String {
         match self {
-            ModelKind::Classifier => "classifier",
-            ModelKind::None => "none",
+            ModelKind::Classifier => "classifier".into(),
+            ModelKind::None => "none".into(),
+            ModelKind::Onnx(p) => p.display().to_string(),
+        }
+    }
+}
+
+impl std::str::FromStr for ModelKind {
+    type Err = String;
+
+    /// `classifier`, `none`, or a path ending in `.onnx`.
+    fn from_str(s: &str) -> Result<ModelKind, String> {
+        match s {
+            "classifier" => Ok(ModelKind::Classifier),
+            "none" => Ok(ModelKind::None),
+            p if p.to_ascii_lowercase().ends_with(".onnx") => Ok(ModelKind::Onnx(p.into())),
+            p => Err(format!(
+                "{p:?}: give classifier (the bundled model), none, or an ONNX file (*.onnx)"
+            )),
         }
     }
 }
@@ -198,7 +217,18 @@ impl ModelOptions {
 
     /// Refuses options that contradict each other.
     pub fn check(&self) -> Result<(), ConfigError> {
-        self.config.check()?;
+        match &self.kind {
+            // An ONNX model's input sets the image size (see `resolve`).
+            ModelKind::Onnx(_) if self.weights.is_some() => {
+                return Err(ConfigError::WeightsForOnnx)
+            }
+            ModelKind::Onnx(_) if self.config.image_size == 0 => {
+                return Err(ConfigError::ImageSize)
+            }
+            ModelKind::Onnx(_) if self.device.is_cuda() => return Err(ConfigError::OnnxOnGpu),
+            ModelKind::Onnx(_) => {}
+            _ => self.config.check()?,
+        }
         if !(1..=crate::MAX_BATCH).contains(&self.max_batch) {
             return Err(ConfigError::MaxBatch);
         }
@@ -210,6 +240,25 @@ impl ModelOptions {
         if self.device.is_cuda() && !cfg!(feature = "cuda") {
             return Err(ConfigError::NoCudaBuild);
         }
+        Ok(())
+    }
+
+    /// Reads what an ONNX model decides: the image size (its input's, or `config.image_size`
+    /// where the model leaves it open) and the classes. Refuses a model the server cannot run,
+    /// with one line naming the problem, before anything starts. The other kinds are left as
+    /// they are.
+    pub fn resolve(&mut self) -> Result<(), ConfigError> {
+        let ModelKind::Onnx(path) = &self.kind else {
+            return Ok(());
+        };
+        let opts = tensorport_onnx::OnnxOptions {
+            threads: Some(1),
+            image_size: Some(self.config.image_size),
+            ..Default::default()
+        };
+        let model = tensorport_onnx::OnnxModel::open(path, &opts)?;
+        self.config.image_size = model.image_size();
+        self.config.classes = model.spec().classes;
         Ok(())
     }
 
@@ -245,7 +294,7 @@ impl ModelOptions {
     pub fn to_args(&self) -> Vec<String> {
         let mut v: Vec<String> = vec![
             "--model".into(),
-            self.kind.name().into(),
+            self.kind.arg(),
             "--image-size".into(),
             self.config.image_size.to_string(),
             "--classes".into(),

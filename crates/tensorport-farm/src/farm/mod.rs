@@ -151,6 +151,12 @@ pub fn run_with(
     more: Option<mpsc::Receiver<tensorport_vision::Source>>,
 ) -> Result<Outcome> {
     cfg.check()?;
+    let mut cfg = cfg;
+    if !matches!(cfg.servers, Servers::Attach { .. }) {
+        // An ONNX model sets the producers' image size; one the server cannot run is refused
+        // here, before any process starts.
+        cfg.model.resolve()?;
+    }
     let inputs = cfg.inputs.clone();
     let mut out = ResultsFile::create(&cfg.output)?;
     // A results write past the file size limit then fails (and the file is cut back to whole

@@ -9,6 +9,7 @@
 
 mod batch;
 pub mod metrics;
+mod onnx;
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -36,10 +37,16 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
             .map_err(|e| ConfigError::Threads(e.to_string()))?;
     }
     cfg.model.check()?;
+    // An ONNX model decides the image size; a model that does not fit fails here, before the
+    // socket listens.
+    let mut cfg = cfg.clone();
+    cfg.model.resolve()?;
+    let cfg = &cfg;
     if let Device::Cuda(n) = cfg.model.device {
         return run_cuda(cfg, n);
     }
     let model = cfg.model.clone();
+    let threads = cfg.threads;
     serve_on(
         cfg,
         Hooks::default(),
@@ -50,7 +57,10 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
             let release: Box<ReleaseFn> = Box::new(|_| Ok(()));
             Ok((Cpu::default(), stack, release))
         },
-        &move |dev: &Cpu| load_dfdx(dev, &model),
+        &move |dev: &Cpu| match &model.kind {
+            ModelKind::Onnx(path) => onnx::load_on_cpu(path, model.config.image_size, threads),
+            _ => load_dfdx(dev, &model),
+        },
     )
 }
 
@@ -174,7 +184,7 @@ fn serve_on<D: DfdxDevice<f32>>(
         Ok(match cfg.model.kind {
             _ if cfg.sink => None,
             ModelKind::None => None,
-            ModelKind::Classifier => Some(load_model(dev)?),
+            ModelKind::Classifier | ModelKind::Onnx(_) => Some(load_model(dev)?),
         })
     };
     let first_model = load(&first.0)?;

@@ -1,0 +1,220 @@
+//! An ONNX model's session: opened once per server worker, checked against [`ModelSpec`], then
+//! run on batches of normalised `f32` images (`[rows, 3, S, S]`, row after row), each image
+//! answered with its `K` scores as `f32`. An `f16` model gets its input converted on the way
+//! in and its scores on the way out; its arithmetic is its own.
+
+use std::path::{Path, PathBuf};
+
+use half::f16;
+use ort::session::builder::GraphOptimizationLevel;
+use ort::session::Session;
+use ort::value::TensorRef;
+
+use crate::spec::{self, Elem, ModelSpec};
+use crate::{Error, Result};
+
+/// Where ONNX Runtime runs the model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Provider {
+    /// The CPU execution provider.
+    #[default]
+    Cpu,
+    /// The CUDA execution provider on this GPU.
+    Cuda(u32),
+    /// The TensorRT execution provider on this GPU (CUDA for what it does not take).
+    TensorRt(u32),
+}
+
+impl Provider {
+    pub fn name(self) -> &'static str {
+        match self {
+            Provider::Cpu => "CPU",
+            Provider::Cuda(_) => "CUDA",
+            Provider::TensorRt(_) => "TensorRT",
+        }
+    }
+}
+
+/// How to open a model.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct OnnxOptions {
+    pub provider: Provider,
+    /// Threads for the CPU provider's operators [default: ONNX Runtime's, one per core].
+    pub threads: Option<usize>,
+    /// The side of the images, where the graph leaves it dynamic.
+    pub image_size: Option<usize>,
+}
+
+/// A model ready to run batches.
+pub struct OnnxModel {
+    session: Session,
+    spec: ModelSpec,
+    /// The side of the images it takes (the graph's, or the options' where it is dynamic).
+    image_size: usize,
+    path: PathBuf,
+    /// An f16 model's input, converted (kept between batches).
+    staging: Vec<f16>,
+}
+
+impl std::fmt::Debug for OnnxModel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnnxModel")
+            .field("path", &self.path)
+            .field("spec", &self.spec)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OnnxModel {
+    /// Loads ONNX Runtime if need be, opens the model at `path` and checks that it fits the
+    /// server. Every refusal is one line naming the file and the problem.
+    pub fn open(path: &Path, opts: &OnnxOptions) -> Result<OnnxModel> {
+        spec::check_file(path)?;
+        let env = crate::runtime::environment()?;
+        let invalid = |why: String| Error::Invalid {
+            path: path.to_owned(),
+            why,
+        };
+        let mut builder = Session::builder(&env)
+            .map_err(|e| invalid(e.to_string()))?
+            .with_optimization_level(GraphOptimizationLevel::All)
+            .map_err(|e| invalid(e.to_string()))?;
+        if let Some(n) = opts.threads {
+            builder = builder
+                .with_intra_threads(n.max(1))
+                .map_err(|e| invalid(e.to_string()))?;
+        }
+        builder = match opts.provider {
+            Provider::Cpu => builder,
+            Provider::Cuda(gpu) => builder
+                .with_execution_providers([ort::ep::CUDA::default()
+                    .with_device_id(gpu as i32)
+                    .build()
+                    .error_on_failure()])
+                .map_err(|e| provider_error(opts.provider, e))?,
+            Provider::TensorRt(gpu) => builder
+                .with_execution_providers([
+                    ort::ep::TensorRT::default()
+                        .with_device_id(gpu as i32)
+                        .build()
+                        .error_on_failure(),
+                    ort::ep::CUDA::default()
+                        .with_device_id(gpu as i32)
+                        .build()
+                        .error_on_failure(),
+                ])
+                .map_err(|e| provider_error(opts.provider, e))?,
+        };
+        let session = builder
+            .commit_from_file(path)
+            .map_err(|e| invalid(e.to_string()))?;
+        let declared = |outlets: &[ort::value::Outlet]| -> Vec<(String, ort::value::ValueType)> {
+            outlets
+                .iter()
+                .map(|o| (o.name().to_string(), o.dtype().clone()))
+                .collect()
+        };
+        let (inputs, outputs) = (declared(session.inputs()), declared(session.outputs()));
+        let spec = spec::check(path, (&inputs, &outputs))?;
+        let image_size = match (spec.image_size, opts.image_size) {
+            (Some(s), _) => s,
+            (None, Some(s)) => s,
+            (None, None) => {
+                return Err(Error::Unfit {
+                    path: path.to_owned(),
+                    why: format!(
+                        "input {:?} leaves the image size open; say which (--image-size)",
+                        spec.input
+                    ),
+                })
+            }
+        };
+        Ok(OnnxModel {
+            session,
+            spec,
+            image_size,
+            path: path.to_owned(),
+            staging: Vec::new(),
+        })
+    }
+
+    /// The model's interface.
+    pub fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    /// The side of the square images it takes.
+    pub fn image_size(&self) -> usize {
+        self.image_size
+    }
+
+    /// Floats per image: `3 * S * S`.
+    pub fn image_len(&self) -> usize {
+        3 * self.image_size * self.image_size
+    }
+
+    /// The file it was opened from.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Runs `rows` images, `batch` holding them one after the other (NCHW, normalised), and
+    /// returns each image's scores.
+    pub fn run(&mut self, batch: &[f32], rows: usize) -> Result<Vec<Vec<f32>>> {
+        let per = self.image_len();
+        if rows == 0 || batch.len() != rows * per {
+            return Err(Error::BatchSize {
+                got: batch.len(),
+                rows,
+                per,
+            });
+        }
+        let s = self.image_size;
+        let shape = [rows, 3, s, s];
+        let run = |e: ort::Error| Error::Run(e.to_string());
+        let outputs = match self.spec.input_elem {
+            Elem::F32 => {
+                let x = TensorRef::from_array_view((shape, batch)).map_err(run)?;
+                self.session.run(ort::inputs![x]).map_err(run)?
+            }
+            Elem::F16 => {
+                self.staging.clear();
+                self.staging.extend(batch.iter().map(|&v| f16::from_f32(v)));
+                let x = TensorRef::from_array_view((shape, &self.staging[..])).map_err(run)?;
+                self.session.run(ort::inputs![x]).map_err(run)?
+            }
+        };
+        let first = outputs
+            .values()
+            .next()
+            .ok_or_else(|| Error::Run("the model gave no output".into()))?;
+        let k = self.spec.classes;
+        let scores: Vec<f32> = match self.spec.output_elem {
+            Elem::F32 => first.try_extract_tensor::<f32>().map_err(run)?.1.to_vec(),
+            Elem::F16 => first
+                .try_extract_tensor::<f16>()
+                .map_err(run)?
+                .1
+                .iter()
+                .map(|v| v.to_f32())
+                .collect(),
+        };
+        if scores.len() != rows * k {
+            return Err(Error::Run(format!(
+                "the model gave {} scores for {rows} images of {k} each",
+                scores.len()
+            )));
+        }
+        Ok(scores.chunks_exact(k).map(<[f32]>::to_vec).collect())
+    }
+}
+
+fn provider_error<T>(p: Provider, e: ort::Error<T>) -> Error {
+    Error::Provider {
+        provider: p.name(),
+        why: format!(
+            "{e} (onnxruntime-gpu's library and CUDA 13 with cuDNN 9 are needed: \
+             scripts/fetch-onnxruntime.sh --gpu)"
+        ),
+    }
+}

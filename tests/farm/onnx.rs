@@ -1,0 +1,379 @@
+//! ONNX models in the farm: small models written by `tests/onnx/make_models.py` (the `onnx`
+//! package) run by the server through ONNX Runtime, their scores checked against onnxruntime's
+//! Python API on the same prepared tensors (`prep --dump`), under a producer kill too; every
+//! model the server cannot run refused in one line before anything starts; and without the
+//! library, one line that says how to get it.
+//!
+//! The first run makes a virtual environment under `target/` with numpy, onnx and onnxruntime
+//! from PyPI; the server loads that onnxruntime's own library (`TENSORPORT_ORT`), so both
+//! sides run the same version. Without PyPI these tests say so and skip.
+
+use std::collections::HashMap;
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use super::{children, count_lines, run, tmp, EXE};
+
+/// The packages, pinned: the library the server loads is this onnxruntime's.
+const PACKAGES: &[&str] = &["numpy", "onnx==1.23.2", "onnxruntime==1.31.1"];
+
+const SIZE: &str = "32";
+
+/// The test environment's python and ONNX Runtime library, made once per test process (and
+/// kept under `target/` across runs); `None`, said on stderr, where it cannot be made.
+fn onnx_env() -> Option<&'static (PathBuf, PathBuf)> {
+    static ENV: OnceLock<Option<(PathBuf, PathBuf)>> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let target = Path::new(EXE).parent()?.parent()?.to_path_buf();
+        let dir = target.join("pyenv-onnx");
+        let python = dir.join("bin/python");
+        let ready = dir.join(".tensorport-ready");
+        let want = PACKAGES.join(" ");
+        if std::fs::read_to_string(&ready).ok().as_deref() != Some(want.as_str()) {
+            let made = python.is_file()
+                || Command::new("python3")
+                    .args(["-m", "venv"])
+                    .arg(&dir)
+                    .status()
+                    .is_ok_and(|s| s.success());
+            let installed = made
+                && Command::new(&python)
+                    .args([
+                        "-m",
+                        "pip",
+                        "install",
+                        "--quiet",
+                        "--disable-pip-version-check",
+                    ])
+                    .args(["--retries", "2"])
+                    .args(PACKAGES)
+                    .status()
+                    .is_ok_and(|s| s.success());
+            if !installed {
+                eprintln!(
+                    "skipped: no environment with {want} (python3 with venv and PyPI are needed)"
+                );
+                return None;
+            }
+            std::fs::write(&ready, &want).ok()?;
+        }
+        let out = Command::new(&python)
+            .args([
+                "-c",
+                "import glob, os, onnxruntime; \
+                 print(glob.glob(os.path.join(os.path.dirname(onnxruntime.__file__), \
+                 'capi', 'libonnxruntime.so*'))[0])",
+            ])
+            .output()
+            .ok()?;
+        let lib = PathBuf::from(String::from_utf8_lossy(&out.stdout).trim());
+        if !lib.is_file() {
+            eprintln!(
+                "skipped: onnxruntime's library was not found in {}",
+                dir.display()
+            );
+            return None;
+        }
+        Some((python, lib))
+    })
+    .as_ref()
+}
+
+/// `tensorport` with the test environment's ONNX Runtime.
+fn tp(lib: &Path) -> Command {
+    let mut c = Command::new(EXE);
+    c.env("TENSORPORT_ORT", lib).stdin(Stdio::null());
+    c
+}
+
+/// The models, written into `dir`.
+fn make_models(python: &Path, dir: &Path) {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/onnx/make_models.py");
+    let o = Command::new(python)
+        .arg(script)
+        .arg(dir)
+        .arg(SIZE)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+}
+
+/// onnxruntime Python's scores of `model` for each file of `images`, from `prep --dump`'s
+/// tensors, by file name.
+fn reference(python: &Path, lib: &Path, model: &Path, images: &Path) -> HashMap<String, Vec<f32>> {
+    let dump = images.with_extension("safetensors");
+    let o = tp(lib)
+        .args(["prep", "--input"])
+        .arg(images)
+        .args(["--image-size", SIZE, "--repeat", "1", "--dump"])
+        .arg(&dump)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/onnx/reference.py");
+    let o = Command::new(python)
+        .arg(script)
+        .arg(model)
+        .arg(&dump)
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    serde_json::from_slice(&o.stdout).unwrap()
+}
+
+/// Every input of `out` once (indices `0..n`), each with scores within `tol` of the reference
+/// for its file.
+fn check_against(out: &Path, n: usize, want: &HashMap<String, Vec<f32>>, tol: f32) {
+    let text = std::fs::read_to_string(out).unwrap();
+    let lines: Vec<serde_json::Value> = text
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), n, "one line per input");
+    let mut seen = vec![false; n];
+    for l in &lines {
+        let i = l["index"].as_u64().unwrap() as usize;
+        assert!(!std::mem::replace(&mut seen[i], true), "index {i} twice");
+        assert!(l.get("error").is_none(), "{l}");
+        let input = l["input"].as_str().unwrap();
+        let name = Path::new(input).file_name().unwrap().to_string_lossy();
+        let got: Vec<f32> = serde_json::from_value(l["scores"].clone()).unwrap();
+        let expect = &want[name.as_ref()];
+        assert_eq!(got.len(), expect.len(), "{input}");
+        let worst = got
+            .iter()
+            .zip(expect)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0f32, f32::max);
+        assert!(worst <= tol, "{input}: off by {worst} (more than {tol})");
+        let class = l["class"].as_u64().unwrap() as usize;
+        assert_eq!(got[class], got.iter().copied().fold(f32::MIN, f32::max));
+    }
+}
+
+/// Each model the server takes, in a farm of two producers over real images: every score
+/// within 1e-5 of onnxruntime Python's (f32; the f16 model's within its own precision).
+#[test]
+fn onnx_models_score_as_onnxruntime_python_does() {
+    let Some((python, lib)) = onnx_env() else {
+        return;
+    };
+    let dir = tmp();
+    let models = dir.path().join("models");
+    make_models(python, &models);
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "12"]);
+    assert!(ok, "{err}");
+    for (name, tol) in [
+        ("classifier", 1e-5),
+        ("classifier_f16", 1e-2),
+        ("two_outputs", 1e-5),
+        ("any_size", 1e-5),
+    ] {
+        let model = models.join(format!("{name}.onnx"));
+        let want = reference(python, lib, &model, &images);
+        let out = dir.path().join(format!("{name}.jsonl"));
+        let o = tp(lib)
+            .args(["farm", "--input", images.to_str().unwrap(), "--model"])
+            .arg(&model)
+            // The image size is the model's; `any_size` leaves it open and takes this one.
+            .args([
+                "--image-size",
+                SIZE,
+                "-p",
+                "2",
+                "--progress",
+                "never",
+                "--output",
+            ])
+            .arg(&out)
+            .output()
+            .unwrap();
+        assert!(
+            o.status.success(),
+            "{name}: {}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+        check_against(&out, 12, &want, tol);
+    }
+}
+
+/// The ONNX classifier in a farm of three producers over 12 images listed 40 times, one
+/// producer SIGKILLed mid-run: every input still has exactly one line, with the reference's
+/// scores.
+#[test]
+fn an_onnx_farm_survives_a_sigkilled_producer_every_input_once() {
+    let Some((python, lib)) = onnx_env() else {
+        return;
+    };
+    let dir = tmp();
+    let models = dir.path().join("models");
+    make_models(python, &models);
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "12"]);
+    assert!(ok, "{err}");
+    let model = models.join("classifier.onnx");
+    let want = reference(python, lib, &model, &images);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&images)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let list: String = (0..40)
+        .flat_map(|_| files.iter())
+        .map(|f| format!("{}\n", f.display()))
+        .collect();
+    let list_file = dir.path().join("list");
+    std::fs::write(&list_file, list).unwrap();
+    let out = dir.path().join("r.jsonl");
+    let mut farm = tp(lib)
+        .args(["farm", "--input-list"])
+        .arg(&list_file)
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "-p",
+            "3",
+            "--in-flight",
+            "4",
+            "--progress",
+            "never",
+            "--output",
+        ])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    let victim = loop {
+        let kids = children(farm.id(), "\0produce\0");
+        if kids.len() == 3 && count_lines(&out) >= 40 {
+            break kids[1];
+        }
+        if t.elapsed() > Duration::from_secs(300) {
+            let _ = farm.kill();
+            panic!("the farm wrote no 40 results with its three producers up in 5 minutes");
+        }
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim),
+        nix::sys::signal::Signal::SIGKILL,
+    )
+    .unwrap();
+    let o = farm.wait_with_output().unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    check_against(&out, 480, &want, 1e-5);
+}
+
+/// Every model the server cannot run is refused by `serve` and by `farm` in one line that
+/// names the file and the problem, before anything starts (no producer, no socket).
+#[test]
+fn unfit_models_are_refused_in_one_line_before_anything_starts() {
+    let Some((python, lib)) = onnx_env() else {
+        return;
+    };
+    let dir = tmp();
+    let models = dir.path().join("models");
+    make_models(python, &models);
+    let whole = std::fs::read(models.join("classifier.onnx")).unwrap();
+    std::fs::write(models.join("truncated.onnx"), &whole[..whole.len() / 3]).unwrap();
+    std::fs::write(models.join("corrupt.onnx"), b"\x08\x07not a model at all").unwrap();
+    // Over the size limit, sparse: refused before a byte is read.
+    let huge = std::fs::File::create(models.join("huge.onnx")).unwrap();
+    huge.set_len(tensorport_onnx::MAX_MODEL_BYTES + 1).unwrap();
+    drop(huge);
+    let sock_dir = tempfile::Builder::new()
+        .prefix("tp-onnx-")
+        .tempdir()
+        .unwrap();
+    let sock = sock_dir.path().join("s.sock");
+    for (name, hint) in [
+        ("fixed_batch", "dynamic batch axis"),
+        ("two_inputs", "2 inputs"),
+        ("int_input", "i64"),
+        ("rank3", "3 axes"),
+        ("bad_output", "needs [N, K]"),
+        ("truncated", "cannot load it"),
+        ("corrupt", "cannot load it"),
+        ("huge", "over the limit"),
+        ("missing", "No such file"),
+    ] {
+        let model = models.join(format!("{name}.onnx"));
+        let m = model.to_str().unwrap();
+        let serve = one_line_error(tp(lib).args(["serve", "--model", m, "--socket"]).arg(&sock));
+        assert!(serve.contains(hint) && serve.contains(name), "{serve}");
+        assert!(!sock.exists(), "{name}: the server listened");
+        let farm = one_line_error(
+            tp(lib)
+                .args([
+                    "farm",
+                    "--synthetic",
+                    "4",
+                    "--model",
+                    m,
+                    "--progress",
+                    "never",
+                ])
+                .arg("--output")
+                .arg(dir.path().join("never.jsonl")),
+        );
+        assert!(farm.contains(hint) && farm.contains(name), "{farm}");
+    }
+}
+
+/// Runs `cmd`, which must fail with one line on stderr starting `error: `; returns the line.
+fn one_line_error(cmd: &mut Command) -> String {
+    let o = cmd.output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "{cmd:?} succeeded");
+    let lines: Vec<&str> = err.lines().filter(|l| !l.trim().is_empty()).collect();
+    assert_eq!(lines.len(), 1, "{cmd:?}: expected one line, got:\n{err}");
+    assert!(lines[0].starts_with("error: "), "{err}");
+    lines[0].to_string()
+}
+
+/// Without ONNX Runtime, asking for an ONNX model is one line that says how to get it; the
+/// bundled model works as before.
+#[test]
+fn without_onnx_runtime_the_error_says_how_to_get_it() {
+    let dir = tmp();
+    let model = dir.path().join("m.onnx");
+    std::fs::write(&model, b"not read: the library is looked for first").unwrap();
+    let missing = dir.path().join("no/libonnxruntime.so");
+    let m = model.to_str().unwrap();
+    let farm = [
+        "farm",
+        "--model",
+        m,
+        "--synthetic",
+        "4",
+        "--progress",
+        "never",
+    ];
+    for args in [&farm[..], &["serve", "--model", m]] {
+        let line = one_line_error(
+            tp(&missing)
+                .args(args)
+                .arg("--socket")
+                .arg(dir.path().join("s.sock")),
+        );
+        assert!(
+            line.contains("ONNX Runtime") && line.contains("scripts/fetch-onnxruntime.sh"),
+            "{line}"
+        );
+    }
+    let o = Command::new(EXE)
+        .env("TENSORPORT_ORT", dir.path().join("no/libonnxruntime.so"))
+        .args(["farm", "--synthetic", "4", "--image-size", SIZE, "-p", "1"])
+        .args(["--progress", "never", "--output"])
+        .arg(dir.path().join("r.jsonl"))
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(count_lines(&dir.path().join("r.jsonl")), 4);
+}
