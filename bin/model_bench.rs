@@ -13,7 +13,8 @@ use crate::common::{CliError, CliResult, ModelArgs};
 /// per batch for each batch size and engine: what the model alone allows, to compare with the
 /// farm's rate and, line by line, with bench/peers/torch_model.py (the same architecture in
 /// PyTorch). On a GPU the engines are cuDNN at each --precision (every one unless given) and
-/// dfdx's own kernels (fp32).
+/// dfdx's own kernels (fp32). With `--model PATH.onnx`, that model on ONNX Runtime's CPU
+/// provider (beside bench/peers/onnx_model.py: the same file in onnxruntime's Python API).
 #[derive(clap::Args, Debug)]
 pub struct Args {
     #[command(flatten)]
@@ -39,6 +40,20 @@ pub fn run(a: Args) -> CliResult<u8> {
             "--batch: give positive batch sizes, e.g. 32,256",
         ));
     }
+    if let tensorport_farm::config::ModelKind::Onnx(path) = &model.kind {
+        let mut resolved = model.clone();
+        resolved.resolve().map_err(tensorport_farm::Error::from)?;
+        let cfg = resolved.config;
+        println!(
+            "{}: 3x{s}x{s}, {} scores, on the CPU (ONNX Runtime); scores to the host after each \
+             batch",
+            path.display(),
+            cfg.classes,
+            s = cfg.image_size
+        );
+        print_header();
+        return onnx(path, &a).map(|()| 0);
+    }
     let cfg = model.config;
     println!(
         "model 3x{s}x{s}, width {}, {} classes, on {}; scores to the host after each batch",
@@ -47,8 +62,7 @@ pub fn run(a: Args) -> CliResult<u8> {
         a.model.device,
         s = cfg.image_size
     );
-    println!("| batch | engine | precision | ms per batch | images/s |");
-    println!("| ---: | --- | --- | ---: | ---: |");
+    print_header();
     match a.model.device {
         On::Cpu => {
             let dev = Cpu::seed_from_u64(a.model.seed);
@@ -71,6 +85,11 @@ pub fn run(a: Args) -> CliResult<u8> {
         }
     }
     Ok(0)
+}
+
+fn print_header() {
+    println!("| batch | engine | precision | ms per batch | images/s |");
+    println!("| ---: | --- | --- | ---: | ---: |");
 }
 
 #[cfg(feature = "cuda")]
@@ -136,6 +155,41 @@ fn row<D: Device<f32>>(
             false
         }
     };
+    time_row(&mut run, batch, engine, precision, a);
+}
+
+/// An ONNX model on ONNX Runtime's CPU provider: a row per batch size, on batches of random
+/// images already in memory (the scores back after each batch).
+fn onnx(path: &std::path::Path, a: &Args) -> CliResult<()> {
+    let mut options = a.model.options();
+    options.resolve().map_err(tensorport_farm::Error::from)?;
+    let opts = tensorport_onnx::OnnxOptions {
+        image_size: Some(options.config.image_size),
+        ..Default::default()
+    };
+    let mut m = tensorport_onnx::OnnxModel::open(path, &opts)
+        .map_err(|e| tensorport_farm::Error::from(tensorport_farm::ConfigError::from(e)))?;
+    let precision = m.spec().input_elem.name();
+    for &b in &a.batch {
+        // A fixed pseudo-random batch (the values do not matter to the time).
+        let x: Vec<f32> = (0..b * m.image_len())
+            .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 8) as f32 / (1u32 << 24) as f32)
+            .collect();
+        let mut run = || match m.run(&x, b) {
+            Ok(scores) => scores.len() == b,
+            Err(e) => {
+                eprintln!("onnxruntime cpu {precision}, batch {b}: {e}");
+                false
+            }
+        };
+        time_row(&mut run, b, "onnxruntime cpu", precision, a);
+    }
+    Ok(())
+}
+
+/// Times `run` (one batch of `batch` images a call; false: it failed, and said so) for
+/// `--seconds` after three warm-up batches, and prints its row.
+fn time_row(run: &mut dyn FnMut() -> bool, batch: usize, engine: &str, precision: &str, a: &Args) {
     for _ in 0..3 {
         if !run() {
             return;

@@ -198,6 +198,24 @@ fn onnx_models_score_as_onnxruntime_python_does() {
         );
         check_against(&out, 12, &want, tol);
     }
+    // model-bench times the model alone: a row per batch size.
+    let o = tp(lib)
+        .args(["model-bench", "--model"])
+        .arg(models.join("classifier.onnx"))
+        .args(["--batch", "1,4", "--seconds", "0.05"])
+        .output()
+        .unwrap();
+    let table = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let rows: Vec<&str> = table
+        .lines()
+        .filter(|l| l.contains("| onnxruntime cpu | f32 |"))
+        .collect();
+    assert_eq!(rows.len(), 2, "{table}");
+    assert!(
+        rows[0].starts_with("| 1 |") && rows[1].starts_with("| 4 |"),
+        "{table}"
+    );
 }
 
 /// The ONNX classifier in a farm of three producers over 12 images listed 40 times, one
