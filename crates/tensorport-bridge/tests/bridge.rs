@@ -1456,6 +1456,129 @@ fn nixl_producers_every_input_once_and_intact_beside_a_flight_one() {
     });
 }
 
+/// The TCP addresses process `pid` listens on, from /proc/net/tcp{,6} and its descriptors.
+fn listening(pid: u32) -> Vec<std::net::SocketAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+    let inodes: HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .filter_map(|l| {
+                    let l = l.to_string_lossy().into_owned();
+                    l.strip_prefix("socket:[")
+                        .and_then(|x| x.strip_suffix(']'))
+                        .map(str::to_string)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local address, state (0A: listening), inode.
+            if f.len() < 10 || f[3] != "0A" || !inodes.contains(f[9]) {
+                continue;
+            }
+            let (addr, port) = f[1].split_once(':').unwrap();
+            let port = u16::from_str_radix(port, 16).unwrap();
+            // The kernel prints each 32-bit word of the address in the host's (little-endian)
+            // byte order.
+            let words: Vec<u32> = (0..addr.len() / 8)
+                .map(|k| {
+                    u32::from_str_radix(&addr[8 * k..8 * k + 8], 16)
+                        .unwrap()
+                        .swap_bytes()
+                })
+                .collect();
+            let ip = match words[..] {
+                [v4] => IpAddr::V4(Ipv4Addr::from(v4)),
+                [a, b, c, d] => IpAddr::V6(Ipv6Addr::from(
+                    (u128::from(a) << 96)
+                        | (u128::from(b) << 64)
+                        | (u128::from(c) << 32)
+                        | u128::from(d),
+                )),
+                _ => continue,
+            };
+            out.push(SocketAddr::new(ip, port));
+        }
+    }
+    out
+}
+
+/// A gateway listening on loopback confines NIXL's UCX to loopback: while NIXL streams run,
+/// everything the gateway listens on is a loopback address (UCX's own listener included),
+/// where UCX left alone listens on the machine's network address.
+#[test]
+fn the_gateways_ucx_listens_only_on_the_flight_interface() {
+    let Some(env) = nixl_env() else { return };
+    let f = Fixture::with(&[], env);
+    let pid = f.gateway.as_ref().unwrap().id();
+    let flight_only = listening(pid);
+    assert_eq!(flight_only.len(), 1, "{flight_only:?}");
+    let mut p = f
+        .producer(
+            "nixl-listen",
+            3000,
+            &["--transport", "nixl", "--batch", "1"],
+        )
+        .spawn()
+        .unwrap();
+    // UCX's listener comes with the stream's NIXL agent.
+    let t = Instant::now();
+    let mut seen = flight_only.clone();
+    while seen.len() < 2 && t.elapsed() < Duration::from_secs(60) {
+        if let Ok(Some(_)) = p.try_wait() {
+            break;
+        }
+        seen = listening(pid);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(p.wait().unwrap().success(), "{}", f.gateway_log());
+    assert!(seen.len() >= 2, "UCX's listener was never seen: {seen:?}");
+    assert!(
+        seen.iter().all(|a| match a.ip() {
+            std::net::IpAddr::V4(v4) => v4.is_loopback(),
+            std::net::IpAddr::V6(v6) => {
+                v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+            }
+        }),
+        "the gateway listens beyond loopback: {seen:?}"
+    );
+    assert_each_input_once(&f.lines("nixl-listen"), 3000);
+    assert!(
+        f.gateway_log().contains("confined to lo"),
+        "{}",
+        f.gateway_log()
+    );
+}
+
+/// A gateway listening on every address was not told which interface NIXL may use: it
+/// refuses NIXL streams, saying how to allow them, and serves Flight streams as before.
+#[test]
+fn a_gateway_on_every_address_refuses_nixl_until_told_an_interface() {
+    let Some(env) = nixl_env() else { return };
+    let mut f = Fixture::with(&["--allow-plaintext".into()], env);
+    if let Some(mut g) = f.gateway.take() {
+        let _ = g.kill();
+        let _ = g.wait();
+    }
+    f.start_gateway("0.0.0.0:0");
+    // Reached over loopback: the producer refuses plain http:// to any other address.
+    f.url = f.url.replace("0.0.0.0", "127.0.0.1");
+    let o = f
+        .producer("nixl-refused", 8, &["--transport", "nixl"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "a NIXL stream was served");
+    assert!(err.contains("--nixl-interface"), "{err}");
+    run_ok(&mut f.producer("flight-beside", 8, &[]));
+    assert_each_input_once(&f.lines("flight-beside"), 8);
+}
+
 #[test]
 fn a_killed_nixl_producer_is_reclaimed_and_the_next_is_served() {
     let Some(env) = nixl_env() else { return };

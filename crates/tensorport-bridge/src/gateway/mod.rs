@@ -74,6 +74,10 @@ pub struct GatewayConfig {
     /// The GPU (ordinal) whose memory a NIXL stream's device tensors are read into, and handed
     /// to the local server from.
     pub gpu: u32,
+    /// The network interface UCX (under NIXL) may use, which the caller has confined it to
+    /// (`UCX_NET_DEVICES`); `None` refuses NIXL streams (a gateway listening on every address
+    /// that was not told which one NIXL may use).
+    pub nixl_interface: Option<String>,
 }
 
 /// What the gateway has done, for its logs and summary.

@@ -19,6 +19,10 @@ use super::{Counters, GatewayConfig};
 use crate::nixl::{slot_rows, DeviceInbound, Hello, Inbound};
 use crate::schema::{results_batch, ResultRow, TensorLayout, TensorRows};
 
+/// Why a NIXL stream is refused by a gateway that was not told which interface NIXL may use.
+const NO_NIXL_INTERFACE: &str = "this gateway takes no NIXL streams: it listens on every \
+     address and was not told which interface NIXL may use (gateway --nixl-interface)";
+
 /// What the reader hands the session thread.
 #[derive(Debug)]
 pub enum Input {
@@ -291,6 +295,9 @@ impl Session {
                 layout.bytes()
             ))));
         }
+        if hello.is_some() && self.cfg.nixl_interface.is_none() {
+            return Err(End::Tell(Status::failed_precondition(NO_NIXL_INTERFACE)));
+        }
         let local = match &hello {
             Some(h) => {
                 // The producer's slots are read straight into the local session's pool.
@@ -312,6 +319,9 @@ impl Session {
     /// A GPU producer session with the local server on the gateway's GPU, reading the
     /// producer's device slots (`h`) into its buffers.
     fn device_inbound(&self, h: &Hello, layout: &TensorLayout) -> Result<DeviceInbound, End> {
+        if self.cfg.nixl_interface.is_none() {
+            return Err(End::Tell(Status::failed_precondition(NO_NIXL_INTERFACE)));
+        }
         let unable = |e: String| {
             End::Tell(Status::failed_precondition(format!(
                 "the gateway cannot take this stream's device tensors: {e}"
