@@ -1,0 +1,287 @@
+//! Remote producers on NIXL: every input once, the gateway's UCX confined, a killed producer,
+//! set-ups that lie.
+
+use super::*;
+
+/// NIXL from PyPI's nixl-cu13 wheel (scripts/fetch-nixl.sh, run here the first time, into the
+/// checkout's target/nixl, where this process's own NIXL calls find it too) and UCX on its TCP
+/// transport, for the gateway and the producers; `None` (the test says so and skips) where it
+/// cannot be fetched.
+fn nixl_env() -> Option<Vec<(String, String)>> {
+    static DIR: std::sync::OnceLock<Option<PathBuf>> = std::sync::OnceLock::new();
+    let dir = DIR.get_or_init(|| match tensorport_nixl::fetch_into_checkout() {
+        Ok(dir) => Some(dir),
+        Err(why) => {
+            eprintln!("SKIPPED: NIXL could not be fetched (scripts/fetch-nixl.sh: {why})");
+            None
+        }
+    });
+    let dir = dir.as_ref()?;
+    Some(vec![
+        ("TENSORPORT_NIXL".into(), dir.display().to_string()),
+        ("UCX_TLS".into(), tensorport_nixl::tcp_transports().into()),
+        ("UCX_WARN_UNUSED_ENV_VARS".into(), "n".into()),
+    ])
+}
+
+#[test]
+fn nixl_producers_every_input_once_and_intact_beside_a_flight_one() {
+    let Some(env) = nixl_env() else { return };
+    let f = Fixture::with(&[], env);
+    let mut a = f
+        .producer("nixl-a", 300, &["--transport", "nixl"])
+        .spawn()
+        .unwrap();
+    let mut b = f
+        .producer(
+            "nixl-b",
+            200,
+            &["--transport", "nixl", "--batch", "16", "--in-flight", "48"],
+        )
+        .spawn()
+        .unwrap();
+    let mut c = f.producer("flight", 100, &[]).spawn().unwrap();
+    for p in [&mut a, &mut b, &mut c] {
+        assert!(p.wait().unwrap().success(), "{}", f.gateway_log());
+    }
+    assert_each_input_once(&f.lines("nixl-a"), 300);
+    assert_each_input_once(&f.lines("nixl-b"), 200);
+    assert_each_input_once(&f.lines("flight"), 100);
+    let mut got = f.received("nixl-a");
+    got.sort_unstable();
+    assert_eq!(
+        got,
+        (0..300).collect::<Vec<_>>(),
+        "the server got each tensor once"
+    );
+    assert_eq!(f.seen.lock().unwrap().torn, 0, "no torn tensor");
+    assert!(
+        f.gateway_log().contains("NIXL stream"),
+        "{}",
+        f.gateway_log()
+    );
+    wait_until("the sessions close", Duration::from_secs(30), || {
+        f.sessions() == 0
+    });
+}
+
+/// The TCP addresses process `pid` listens on, from /proc/net/tcp{,6} and its descriptors.
+fn listening(pid: u32) -> Vec<std::net::SocketAddr> {
+    use std::net::{IpAddr, Ipv4Addr, Ipv6Addr, SocketAddr};
+    let inodes: HashSet<String> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| {
+            d.flatten()
+                .filter_map(|e| std::fs::read_link(e.path()).ok())
+                .filter_map(|l| {
+                    let l = l.to_string_lossy().into_owned();
+                    l.strip_prefix("socket:[")
+                        .and_then(|x| x.strip_suffix(']'))
+                        .map(str::to_string)
+                })
+                .collect()
+        })
+        .unwrap_or_default();
+    let mut out = Vec::new();
+    for table in ["tcp", "tcp6"] {
+        let text = std::fs::read_to_string(format!("/proc/{pid}/net/{table}")).unwrap_or_default();
+        for line in text.lines().skip(1) {
+            let f: Vec<&str> = line.split_whitespace().collect();
+            // local address, state (0A: listening), inode.
+            if f.len() < 10 || f[3] != "0A" || !inodes.contains(f[9]) {
+                continue;
+            }
+            let (addr, port) = f[1].split_once(':').unwrap();
+            let port = u16::from_str_radix(port, 16).unwrap();
+            // The kernel prints each 32-bit word of the address in the host's (little-endian)
+            // byte order.
+            let words: Vec<u32> = (0..addr.len() / 8)
+                .map(|k| {
+                    u32::from_str_radix(&addr[8 * k..8 * k + 8], 16)
+                        .unwrap()
+                        .swap_bytes()
+                })
+                .collect();
+            let ip = match words[..] {
+                [v4] => IpAddr::V4(Ipv4Addr::from(v4)),
+                [a, b, c, d] => IpAddr::V6(Ipv6Addr::from(
+                    (u128::from(a) << 96)
+                        | (u128::from(b) << 64)
+                        | (u128::from(c) << 32)
+                        | u128::from(d),
+                )),
+                _ => continue,
+            };
+            out.push(SocketAddr::new(ip, port));
+        }
+    }
+    out
+}
+
+/// A gateway listening on loopback confines NIXL's UCX to loopback: while NIXL streams run,
+/// everything the gateway listens on is a loopback address (UCX's own listener included),
+/// where UCX left alone listens on the machine's network address.
+#[test]
+fn the_gateways_ucx_listens_only_on_the_flight_interface() {
+    let Some(env) = nixl_env() else { return };
+    let f = Fixture::with(&[], env);
+    let pid = f.gateway.as_ref().unwrap().id();
+    let flight_only = listening(pid);
+    assert_eq!(flight_only.len(), 1, "{flight_only:?}");
+    let mut p = f
+        .producer(
+            "nixl-listen",
+            3000,
+            &["--transport", "nixl", "--batch", "1"],
+        )
+        .spawn()
+        .unwrap();
+    // UCX's listener comes with the stream's NIXL agent.
+    let t = Instant::now();
+    let mut seen = flight_only.clone();
+    while seen.len() < 2 && t.elapsed() < Duration::from_secs(60) {
+        if let Ok(Some(_)) = p.try_wait() {
+            break;
+        }
+        seen = listening(pid);
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    assert!(p.wait().unwrap().success(), "{}", f.gateway_log());
+    assert!(seen.len() >= 2, "UCX's listener was never seen: {seen:?}");
+    assert!(
+        seen.iter().all(|a| match a.ip() {
+            std::net::IpAddr::V4(v4) => v4.is_loopback(),
+            std::net::IpAddr::V6(v6) => {
+                v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+            }
+        }),
+        "the gateway listens beyond loopback: {seen:?}"
+    );
+    assert_each_input_once(&f.lines("nixl-listen"), 3000);
+    assert!(
+        f.gateway_log().contains("confined to lo"),
+        "{}",
+        f.gateway_log()
+    );
+}
+
+/// A gateway listening on every address was not told which interface NIXL may use: it
+/// refuses NIXL streams, saying how to allow them, and serves Flight streams as before.
+#[test]
+fn a_gateway_on_every_address_refuses_nixl_until_told_an_interface() {
+    let Some(env) = nixl_env() else { return };
+    let mut f = Fixture::with(&["--allow-plaintext".into()], env);
+    if let Some(mut g) = f.gateway.take() {
+        let _ = g.kill();
+        let _ = g.wait();
+    }
+    f.start_gateway("0.0.0.0:0");
+    // Reached over loopback: the producer refuses plain http:// to any other address.
+    f.url = f.url.replace("0.0.0.0", "127.0.0.1");
+    let o = f
+        .producer("nixl-refused", 8, &["--transport", "nixl"])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(!o.status.success(), "a NIXL stream was served");
+    assert!(err.contains("--nixl-interface"), "{err}");
+    run_ok(&mut f.producer("flight-beside", 8, &[]));
+    assert_each_input_once(&f.lines("flight-beside"), 8);
+}
+
+#[test]
+fn a_killed_nixl_producer_is_reclaimed_and_the_next_is_served() {
+    let Some(env) = nixl_env() else { return };
+    let f = Fixture::with(&[], env);
+    let victim = f.victim(&["--transport", "nixl"]);
+    f.kill_victim(victim, Duration::from_secs(60));
+    f.serves_next(&["--transport", "nixl"]);
+}
+
+/// A producer whose set-up describes slots it never registered, names slots past its set-up,
+/// or sends metadata that is not NIXL's: the gateway ends that stream with an error that says
+/// so, nothing reaches the server, and the next producer is served.
+#[test]
+fn a_nixl_set_up_that_lies_is_refused_and_harms_no_one() {
+    use tensorport_bridge::nixl::{slot_batch, Hello, Outbound};
+    use tensorport_bridge::remote::{connect, Exchange, RemoteConfig};
+    use tensorport_bridge::schema::TensorLayout;
+
+    let Some(env) = nixl_env() else { return };
+    let f = Fixture::with(&[], env);
+    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
+    let out = Outbound::new(&format!("liar-{}", std::process::id()), 4, &layout, None).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = RemoteConfig {
+        gateway: f.url.clone(),
+        token: tensorport_bridge::auth::Token::read(&f.token()).unwrap(),
+        tls: None,
+        name: "liar".into(),
+        connect_timeout: Duration::from_secs(10),
+        allow_plaintext: false,
+    };
+    let outcome = |hello: Hello, rows: Vec<(u64, u32)>| {
+        rt.block_on(async {
+            let mut client = connect(&cfg).await.unwrap();
+            let schema = hello.schema();
+            let mut ex = Exchange::open_with(&mut client, schema.clone(), "liar", 4)
+                .await
+                .unwrap();
+            ex.send(slot_batch(&schema, &rows).unwrap()).await.unwrap();
+            ex.finish();
+            let mut answered = 0;
+            loop {
+                match tokio::time::timeout(Duration::from_secs(60), ex.results()).await {
+                    Ok(Some(Ok(r))) => answered += r.len(),
+                    Ok(Some(Err(e))) => return (answered, Some(e.to_string())),
+                    Ok(None) => return (answered, None),
+                    Err(_) => panic!("the gateway neither answered nor ended the stream"),
+                }
+            }
+        })
+    };
+    // Slots past what the agent registered: NIXL refuses to prepare reads of them.
+    let mut beyond = out.hello().clone();
+    beyond.slots.base += 1 << 30;
+    let (n, err) = outcome(beyond, vec![(0, 0)]);
+    assert_eq!(n, 0);
+    assert!(
+        err.as_deref().is_some_and(|e| e.contains("NIXL")),
+        "{err:?}"
+    );
+    // A slot past the set-up's count.
+    let (n, err) = outcome(out.hello().clone(), vec![(0, 9)]);
+    assert_eq!(n, 0);
+    assert!(
+        err.as_deref().is_some_and(|e| e.contains("slot 9")),
+        "{err:?}"
+    );
+    // Slots said to be on a GPU, to a gateway whose server takes no device tensors (and here,
+    // without a GPU, whose GPU does not open).
+    let mut on_gpu = out.hello().clone();
+    on_gpu.slots.memory = tensorport_nixl::Memory::Device(0);
+    let (n, err) = outcome(on_gpu, vec![(0, 0)]);
+    assert_eq!(n, 0);
+    assert!(
+        err.as_deref().is_some_and(|e| e.contains("device tensors")),
+        "{err:?}"
+    );
+    // Metadata that is not NIXL's.
+    let mut junk = out.hello().clone();
+    junk.metadata = vec![0x5a; 300];
+    let (n, err) = outcome(junk, vec![(0, 0)]);
+    assert_eq!(n, 0);
+    assert!(err.is_some());
+    assert_eq!(
+        f.received("liar").len(),
+        0,
+        "nothing from a liar reached the server"
+    );
+    run_ok(&mut f.producer("next", 32, &["--transport", "nixl"]));
+    assert_each_input_once(&f.lines("next"), 32);
+    wait_until("the sessions close", Duration::from_secs(30), || {
+        f.sessions() == 0
+    });
+}
