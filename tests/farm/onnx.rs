@@ -88,6 +88,17 @@ fn tp(lib: &Path) -> Command {
     c
 }
 
+/// A temporary folder with the models (`models/`) and 12 sample images (`images/`).
+fn models_and_images(python: &Path) -> (tempfile::TempDir, PathBuf, PathBuf) {
+    let dir = tmp();
+    let models = dir.path().join("models");
+    make_models(python, &models);
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "12"]);
+    assert!(ok, "{err}");
+    (dir, models, images)
+}
+
 /// The models, written into `dir`.
 fn make_models(python: &Path, dir: &Path) {
     let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/onnx/make_models.py");
@@ -160,12 +171,7 @@ fn onnx_models_score_as_onnxruntime_python_does() {
     let Some((python, lib)) = onnx_env() else {
         return;
     };
-    let dir = tmp();
-    let models = dir.path().join("models");
-    make_models(python, &models);
-    let images = dir.path().join("images");
-    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "12"]);
-    assert!(ok, "{err}");
+    let (dir, models, images) = models_and_images(python);
     for (name, tol) in [
         ("classifier", 1e-5),
         ("classifier_f16", 1e-2),
@@ -226,12 +232,7 @@ fn an_onnx_farm_survives_a_sigkilled_producer_every_input_once() {
     let Some((python, lib)) = onnx_env() else {
         return;
     };
-    let dir = tmp();
-    let models = dir.path().join("models");
-    make_models(python, &models);
-    let images = dir.path().join("images");
-    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "12"]);
-    assert!(ok, "{err}");
+    let (dir, models, images) = models_and_images(python);
     let model = models.join("classifier.onnx");
     let want = reference(python, lib, &model, &images);
     let mut files: Vec<PathBuf> = std::fs::read_dir(&images)
