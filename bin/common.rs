@@ -4,7 +4,7 @@
 use std::path::PathBuf;
 
 use tensorport_cuda::Precision;
-pub use tensorport_farm::config::{Device, ModelKind, Pixels, TransformKind};
+pub use tensorport_farm::config::{Device, ModelKind, OrtProvider, Pixels, TransformKind};
 use tensorport_farm::{ModelOptions, PrepOptions};
 use tensorport_vision::JpegDecoder;
 
@@ -304,6 +304,10 @@ pub struct ModelArgs {
     /// [default: f32; model-bench: every one]
     #[arg(long, value_parser = parse_precision, value_name = "f32|tf32|bf16|f16")]
     pub precision: Option<Precision>,
+    /// With an ONNX model on a GPU: ONNX Runtime's execution provider (TensorRT needs its
+    /// libraries beside onnxruntime-gpu's).
+    #[arg(long, value_enum, default_value_t = OrtProvider::Cuda)]
+    pub ort_provider: OrtProvider,
 }
 
 impl ModelArgs {
@@ -329,6 +333,7 @@ impl ModelArgs {
                 .unwrap_or_else(|| ModelOptions::default_max_batch(device)),
             max_wait: std::time::Duration::from_millis(self.max_wait_ms),
             precision: self.precision,
+            ort_provider: self.ort_provider,
         }
     }
 }

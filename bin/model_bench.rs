@@ -45,10 +45,11 @@ pub fn run(a: Args) -> CliResult<u8> {
         resolved.resolve().map_err(tensorport_farm::Error::from)?;
         let cfg = resolved.config;
         println!(
-            "{}: 3x{s}x{s}, {} scores, on the CPU (ONNX Runtime); scores to the host after each \
+            "{}: 3x{s}x{s}, {} scores, on {} (ONNX Runtime); scores to the host after each \
              batch",
             path.display(),
             cfg.classes,
+            a.model.device,
             s = cfg.image_size
         );
         print_header();
@@ -158,31 +159,67 @@ fn row<D: Device<f32>>(
     time_row(&mut run, batch, engine, precision, a);
 }
 
-/// An ONNX model on ONNX Runtime's CPU provider: a row per batch size, on batches of random
-/// images already in memory (the scores back after each batch).
+/// An ONNX model on ONNX Runtime: a row per batch size, on batches of random images already
+/// where the server would hand them over (host memory on the CPU; device memory on a GPU,
+/// bound in place), the scores back on the host after each batch.
 fn onnx(path: &std::path::Path, a: &Args) -> CliResult<()> {
     let mut options = a.model.options();
     options.resolve().map_err(tensorport_farm::Error::from)?;
+    let provider = match a.model.device {
+        On::Cpu => tensorport_onnx::Provider::Cpu,
+        On::Cuda(n) => options.ort_provider.on(n),
+    };
     let opts = tensorport_onnx::OnnxOptions {
+        provider,
         image_size: Some(options.config.image_size),
         ..Default::default()
     };
     let mut m = tensorport_onnx::OnnxModel::open(path, &opts)
         .map_err(|e| tensorport_farm::Error::from(tensorport_farm::ConfigError::from(e)))?;
     let precision = m.spec().input_elem.name();
+    let engine = format!("onnxruntime {}", provider.name().to_lowercase());
+    let gpu = match a.model.device {
+        On::Cuda(n) => {
+            Some(tensorport_cuda::Gpu::open(n as i32).map_err(|e| CliError::new(e.to_string()))?)
+        }
+        On::Cpu => None,
+    };
     for &b in &a.batch {
         // A fixed pseudo-random batch (the values do not matter to the time).
         let x: Vec<f32> = (0..b * m.image_len())
             .map(|i| ((i as u32).wrapping_mul(2_654_435_761) >> 8) as f32 / (1u32 << 24) as f32)
             .collect();
-        let mut run = || match m.run(&x, b) {
-            Ok(scores) => scores.len() == b,
-            Err(e) => {
-                eprintln!("onnxruntime cpu {precision}, batch {b}: {e}");
-                false
-            }
+        let fail = |e: tensorport_onnx::Error| {
+            eprintln!("{engine} {precision}, batch {b}: {e}");
+            false
         };
-        time_row(&mut run, b, "onnxruntime cpu", precision, a);
+        match &gpu {
+            None => {
+                let mut run = || m.run(&x, b).map_or_else(fail, |s| s.len() == b);
+                time_row(&mut run, b, &engine, precision, a);
+            }
+            Some(gpu) => {
+                let bytes: Vec<u8> = match m.spec().input_elem {
+                    tensorport_onnx::Elem::F32 => x.iter().flat_map(|v| v.to_ne_bytes()).collect(),
+                    tensorport_onnx::Elem::F16 => x
+                        .iter()
+                        .flat_map(|&v| half::f16::from_f32(v).to_ne_bytes())
+                        .collect(),
+                };
+                let cuda = |e: tensorport_cuda::Error| CliError::new(e.to_string());
+                let buf = tensorport_cuda::DeviceBuffer::new(gpu, bytes.len()).map_err(cuda)?;
+                let stream = tensorport_cuda::Stream::new(gpu).map_err(cuda)?;
+                // SAFETY: `buf` holds exactly these bytes; the copy is waited for before
+                // `bytes` or `buf` is used again.
+                unsafe { stream.copy_host_to_device_async(buf.ptr(), &bytes) }.map_err(cuda)?;
+                stream.synchronize().map_err(cuda)?;
+                // SAFETY: `buf` holds `b` images of the model's input type on its GPU, written
+                // and synchronised above, alive and unchanged while the rows are timed.
+                let mut run =
+                    || unsafe { m.run_on_device(buf.ptr(), b) }.map_or_else(fail, |s| s.len() == b);
+                time_row(&mut run, b, &engine, precision, a);
+            }
+        }
     }
     Ok(())
 }

@@ -30,6 +30,7 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 mod buffer;
+mod cast;
 mod clock;
 mod convnet;
 mod cudnn;
@@ -51,6 +52,7 @@ mod stall;
 mod stream;
 
 pub use buffer::{DeviceBuffer, PinnedBuffer};
+pub use cast::HalfCast;
 pub use convnet::{ConvLayer, ConvNet, Layout, Precision};
 pub use cudarc::driver::sys;
 pub use driver::Driver;

@@ -182,6 +182,37 @@ pub struct ModelOptions {
     pub max_wait: Duration,
     /// The convolutions' arithmetic on the GPU; `None` is f32 (and, in benchmarks, every one).
     pub precision: Option<Precision>,
+    /// ONNX Runtime's execution provider for an ONNX model on a GPU.
+    pub ort_provider: OrtProvider,
+}
+
+/// ONNX Runtime's execution provider for an ONNX model on a GPU.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum OrtProvider {
+    /// The CUDA execution provider (cuDNN's convolutions).
+    #[default]
+    Cuda,
+    /// The TensorRT execution provider (TensorRT's libraries must be present), with CUDA for
+    /// what it does not take.
+    Tensorrt,
+}
+
+impl OrtProvider {
+    pub fn name(self) -> &'static str {
+        match self {
+            OrtProvider::Cuda => "cuda",
+            OrtProvider::Tensorrt => "tensorrt",
+        }
+    }
+
+    /// The provider on GPU `ordinal`.
+    pub fn on(self, ordinal: u32) -> tensorport_onnx::Provider {
+        match self {
+            OrtProvider::Cuda => tensorport_onnx::Provider::Cuda(ordinal),
+            OrtProvider::Tensorrt => tensorport_onnx::Provider::TensorRt(ordinal),
+        }
+    }
 }
 
 impl Default for ModelOptions {
@@ -195,6 +226,7 @@ impl Default for ModelOptions {
             max_batch: DEFAULT_MAX_BATCH_CPU,
             max_wait: Duration::from_millis(5),
             precision: None,
+            ort_provider: OrtProvider::Cuda,
         }
     }
 }
@@ -225,7 +257,6 @@ impl ModelOptions {
             ModelKind::Onnx(_) if self.config.image_size == 0 => {
                 return Err(ConfigError::ImageSize)
             }
-            ModelKind::Onnx(_) if self.device.is_cuda() => return Err(ConfigError::OnnxOnGpu),
             ModelKind::Onnx(_) => {}
             _ => self.config.check()?,
         }
@@ -313,6 +344,10 @@ impl ModelOptions {
         if let Some(p) = self.precision {
             v.push("--precision".into());
             v.push(p.name().into());
+        }
+        if matches!(self.kind, ModelKind::Onnx(_)) {
+            v.push("--ort-provider".into());
+            v.push(self.ort_provider.name().into());
         }
         if let Some(w) = &self.weights {
             v.push("--weights".into());

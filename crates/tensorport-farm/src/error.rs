@@ -74,9 +74,6 @@ pub enum ConfigError {
     /// An ONNX model that cannot be run: no ONNX Runtime, or a file the server cannot take.
     #[error("{0}")]
     Onnx(#[from] tensorport_onnx::Error),
-    /// An ONNX model asked of a GPU server.
-    #[error("ONNX models run on the CPU in this version: serve them with the device cpu")]
-    OnnxOnGpu,
     /// A weights file given with an ONNX model (whose weights are in the file).
     #[error("an ONNX model carries its own weights: give no weights file with it")]
     WeightsForOnnx,

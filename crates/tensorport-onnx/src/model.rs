@@ -6,9 +6,10 @@
 use std::path::{Path, PathBuf};
 
 use half::f16;
+use ort::memory::{AllocationDevice, AllocatorType, MemoryInfo, MemoryType};
 use ort::session::builder::GraphOptimizationLevel;
-use ort::session::Session;
-use ort::value::TensorRef;
+use ort::session::{Session, SessionOutputs};
+use ort::value::{Shape, TensorRef, TensorRefMut};
 
 use crate::spec::{self, Elem, ModelSpec};
 use crate::{Error, Result};
@@ -49,6 +50,7 @@ pub struct OnnxOptions {
 pub struct OnnxModel {
     session: Session,
     spec: ModelSpec,
+    provider: Provider,
     /// The side of the images it takes (the graph's, or the options' where it is dynamic).
     image_size: usize,
     path: PathBuf,
@@ -87,10 +89,7 @@ impl OnnxModel {
         builder = match opts.provider {
             Provider::Cpu => builder,
             Provider::Cuda(gpu) => builder
-                .with_execution_providers([ort::ep::CUDA::default()
-                    .with_device_id(gpu as i32)
-                    .build()
-                    .error_on_failure()])
+                .with_execution_providers([cuda(gpu).build().error_on_failure()])
                 .map_err(|e| provider_error(opts.provider, e))?,
             Provider::TensorRt(gpu) => builder
                 .with_execution_providers([
@@ -98,10 +97,7 @@ impl OnnxModel {
                         .with_device_id(gpu as i32)
                         .build()
                         .error_on_failure(),
-                    ort::ep::CUDA::default()
-                        .with_device_id(gpu as i32)
-                        .build()
-                        .error_on_failure(),
+                    cuda(gpu).build().error_on_failure(),
                 ])
                 .map_err(|e| provider_error(opts.provider, e))?,
         };
@@ -132,6 +128,7 @@ impl OnnxModel {
         Ok(OnnxModel {
             session,
             spec,
+            provider: opts.provider,
             image_size,
             path: path.to_owned(),
             staging: Vec::new(),
@@ -184,29 +181,109 @@ impl OnnxModel {
                 self.session.run(ort::inputs![x]).map_err(run)?
             }
         };
-        let first = outputs
-            .values()
-            .next()
-            .ok_or_else(|| Error::Run("the model gave no output".into()))?;
-        let k = self.spec.classes;
-        let scores: Vec<f32> = match self.spec.output_elem {
-            Elem::F32 => first.try_extract_tensor::<f32>().map_err(run)?.1.to_vec(),
-            Elem::F16 => first
-                .try_extract_tensor::<f16>()
-                .map_err(run)?
-                .1
-                .iter()
-                .map(|v| v.to_f32())
-                .collect(),
-        };
-        if scores.len() != rows * k {
-            return Err(Error::Run(format!(
-                "the model gave {} scores for {rows} images of {k} each",
-                scores.len()
-            )));
-        }
-        Ok(scores.chunks_exact(k).map(<[f32]>::to_vec).collect())
+        scores_of(&outputs, &self.spec, rows)
     }
+
+    /// The GPU the model runs on, if it does.
+    pub fn gpu(&self) -> Option<u32> {
+        match self.provider {
+            Provider::Cpu => None,
+            Provider::Cuda(g) | Provider::TensorRt(g) => Some(g),
+        }
+    }
+
+    /// Runs `rows` images that lie in the model's GPU's memory at `input` (NCHW, of the
+    /// model's input type, [`ModelSpec::input_elem`]), bound in place: ONNX Runtime reads them
+    /// there, and only the scores come back to the host.
+    ///
+    /// # Safety
+    /// `input` must be device memory of the primary context of the model's GPU holding
+    /// `rows × 3 × S × S` values of the input's type, every write to them finished, and left
+    /// unchanged until this returns.
+    pub unsafe fn run_on_device(&mut self, input: u64, rows: usize) -> Result<Vec<Vec<f32>>> {
+        let run = |e: ort::Error| Error::Run(e.to_string());
+        let Some(gpu) = self.gpu() else {
+            return Err(Error::Run(
+                "the model runs on the CPU: hand it the batch in host memory".into(),
+            ));
+        };
+        if rows == 0 || input == 0 {
+            return Err(Error::BatchSize {
+                got: 0,
+                rows,
+                per: self.image_len(),
+            });
+        }
+        let s = self.image_size as i64;
+        let shape = Shape::new([rows as i64, 3, s, s]);
+        let on_gpu = MemoryInfo::new(
+            AllocationDevice::CUDA,
+            gpu as i32,
+            AllocatorType::Device,
+            MemoryType::Default,
+        )
+        .map_err(run)?;
+        let mut binding = self.session.create_binding().map_err(run)?;
+        let data = input as usize as *mut ort::sys::c_void;
+        // SAFETY: the caller's contract: `rows` images of the input's type at `input`, on this
+        // model's GPU, finished and unchanged until the run below has returned (the views live
+        // only within this call).
+        match self.spec.input_elem {
+            Elem::F32 => {
+                let x =
+                    unsafe { TensorRefMut::<f32>::from_raw(on_gpu, data, shape) }.map_err(run)?;
+                binding.bind_input(&self.spec.input, &x).map_err(run)?;
+            }
+            Elem::F16 => {
+                let x =
+                    unsafe { TensorRefMut::<f16>::from_raw(on_gpu, data, shape) }.map_err(run)?;
+                binding.bind_input(&self.spec.input, &x).map_err(run)?;
+            }
+        }
+        binding
+            .bind_output_to_device(&self.spec.output, &MemoryInfo::default())
+            .map_err(run)?;
+        let outputs = self.session.run_binding(&binding).map_err(run)?;
+        scores_of(&outputs, &self.spec, rows)
+    }
+}
+
+/// The first output's scores, `K` per image, as `f32`.
+fn scores_of(outputs: &SessionOutputs<'_>, spec: &ModelSpec, rows: usize) -> Result<Vec<Vec<f32>>> {
+    let run = |e: ort::Error| Error::Run(e.to_string());
+    let first = outputs
+        .values()
+        .next()
+        .ok_or_else(|| Error::Run("the model gave no output".into()))?;
+    let k = spec.classes;
+    let scores: Vec<f32> = match spec.output_elem {
+        Elem::F32 => first.try_extract_tensor::<f32>().map_err(run)?.1.to_vec(),
+        Elem::F16 => first
+            .try_extract_tensor::<f16>()
+            .map_err(run)?
+            .1
+            .iter()
+            .map(|v| v.to_f32())
+            .collect(),
+    };
+    if scores.len() != rows * k {
+        return Err(Error::Run(format!(
+            "the model gave {} scores for {rows} images of {k} each",
+            scores.len()
+        )));
+    }
+    Ok(scores.chunks_exact(k).map(<[f32]>::to_vec).collect())
+}
+
+/// The CUDA execution provider as the server runs it: on GPU `gpu`; an f32 model in f32 (no
+/// TF32: the model's precision is its own); cuDNN's convolution algorithms picked by its
+/// heuristics, not measured, since a server's batches come in every size up to its largest and
+/// measuring would stall each new one.
+fn cuda(gpu: u32) -> ort::ep::CUDA {
+    ort::ep::CUDA::default()
+        .with_device_id(gpu as i32)
+        .with_tf32(false)
+        .with_conv_algorithm_search(ort::ep::cuda::ConvAlgorithmSearch::Heuristic)
 }
 
 fn provider_error<T>(p: Provider, e: ort::Error<T>) -> Error {

@@ -275,6 +275,10 @@ fn load_cuda(
     gpu: &Arc<tensorport_cuda::Gpu>,
     model: &ModelOptions,
 ) -> Result<Model<tensorport_dfdx::dfdx::prelude::Cuda>> {
+    if let ModelKind::Onnx(path) = &model.kind {
+        let provider = model.ort_provider.on(gpu.ordinal() as u32);
+        return onnx::load_on_cuda(path, model.config.image_size, gpu, provider);
+    }
     let precision = model.precision.unwrap_or_default();
     if let Err(e) = tensorport_cuda::ConvNet::cudnn_version() {
         if precision != tensorport_cuda::Precision::F32 {
