@@ -193,8 +193,8 @@ impl OnnxModel {
     }
 
     /// Runs `rows` images that lie in the model's GPU's memory at `input` (NCHW, of the
-    /// model's input type, [`ModelSpec::input_elem`]), bound in place: ONNX Runtime reads them
-    /// there, and only the scores come back to the host.
+    /// model's input type, [`ModelSpec::input_elem`]) in place: ONNX Runtime reads them there,
+    /// and only the scores come back to the host.
     ///
     /// # Safety
     /// `input` must be device memory of the primary context of the model's GPU holding
@@ -223,27 +223,26 @@ impl OnnxModel {
             MemoryType::Default,
         )
         .map_err(run)?;
-        let mut binding = self.session.create_binding().map_err(run)?;
         let data = input as usize as *mut ort::sys::c_void;
+        // The input is given to `run` as a view of device memory (ONNX Runtime uses it where
+        // it lies, and returns the outputs in host memory). Not through `IoBinding`: binding
+        // clones the value, and ort 2.0.0-rc.15 deadlocks cloning a tensor in device memory.
+        //
         // SAFETY: the caller's contract: `rows` images of the input's type at `input`, on this
         // model's GPU, finished and unchanged until the run below has returned (the views live
         // only within this call).
-        match self.spec.input_elem {
+        let outputs = match self.spec.input_elem {
             Elem::F32 => {
                 let x =
                     unsafe { TensorRefMut::<f32>::from_raw(on_gpu, data, shape) }.map_err(run)?;
-                binding.bind_input(&self.spec.input, &x).map_err(run)?;
+                self.session.run(ort::inputs![x]).map_err(run)?
             }
             Elem::F16 => {
                 let x =
                     unsafe { TensorRefMut::<f16>::from_raw(on_gpu, data, shape) }.map_err(run)?;
-                binding.bind_input(&self.spec.input, &x).map_err(run)?;
+                self.session.run(ort::inputs![x]).map_err(run)?
             }
-        }
-        binding
-            .bind_output_to_device(&self.spec.output, &MemoryInfo::default())
-            .map_err(run)?;
-        let outputs = self.session.run_binding(&binding).map_err(run)?;
+        };
         scores_of(&outputs, &self.spec, rows)
     }
 }
