@@ -30,7 +30,6 @@
 #![warn(clippy::undocumented_unsafe_blocks)]
 
 mod buffer;
-mod cast;
 mod clock;
 mod convnet;
 mod cudnn;
@@ -48,11 +47,11 @@ pub mod nvjpeg;
 mod pin;
 mod probe;
 mod rows;
+mod stage;
 mod stall;
 mod stream;
 
 pub use buffer::{DeviceBuffer, PinnedBuffer};
-pub use cast::HalfCast;
 pub use convnet::{ConvLayer, ConvNet, Layout, Precision};
 pub use cudarc::driver::sys;
 pub use driver::Driver;
@@ -68,6 +67,7 @@ pub use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};
 pub use probe::{bench_h2d, probe, Capabilities, DeviceInfo, H2dBench};
 pub use rows::{Gathered, Place, Rows, RowsError};
+pub use stage::{padded_rows, BatchStage};
 pub use stall::{quarantine, DEFAULT_FENCE_TIMEOUT};
 pub use stream::{Event, Stream};
 

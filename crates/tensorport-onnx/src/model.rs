@@ -80,6 +80,10 @@ impl OnnxModel {
         let mut builder = Session::builder(&env)
             .map_err(|e| invalid(e.to_string()))?
             .with_optimization_level(GraphOptimizationLevel::All)
+            .map_err(|e| invalid(e.to_string()))?
+            // What goes wrong in a run comes back as its error; ONNX Runtime's own log lines
+            // (cuDNN's refused plans, tried and passed over, each an "error") are left out.
+            .with_log_level(ort::logging::LogLevel::Fatal)
             .map_err(|e| invalid(e.to_string()))?;
         if let Some(n) = opts.threads {
             builder = builder

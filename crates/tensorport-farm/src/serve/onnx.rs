@@ -48,13 +48,14 @@ pub(super) fn load_on_cpu(
     Ok(Box::new(OnCpu(model)))
 }
 
-/// An ONNX model on a GPU (CUDA or TensorRT execution provider), fed the gathered batch in
-/// place.
+/// An ONNX model on a GPU (CUDA or TensorRT execution provider), fed the gathered batch on the
+/// device: staged into a buffer of a padded row count (`tensorport_cuda::padded_rows`: ONNX
+/// Runtime plans each new batch shape anew, and a server's batches come in every size),
+/// converted to `f16` there for an `f16` model.
 #[cfg(feature = "cuda")]
 struct OnCuda {
     model: OnnxModel,
-    /// For an `f16` model: the conversion and the stream it runs on.
-    half: Option<(tensorport_cuda::HalfCast, tensorport_cuda::Stream)>,
+    stage: tensorport_cuda::BatchStage,
 }
 
 #[cfg(feature = "cuda")]
@@ -64,21 +65,26 @@ impl Classify<tensorport_dfdx::dfdx::prelude::Cuda> for OnCuda {
         x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
     ) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
         let rows = x.shape().0;
+        let padded = tensorport_cuda::padded_rows(rows);
         let device = |e: String| tensorport_dfdx::Error::Device(e);
-        // The server's gather has finished writing `x` (it waits for its copies) and nothing
-        // writes it again while this runs.
-        let mut input = x.tensorport_device_ptr();
-        if let Some((cast, stream)) = self.half.as_mut() {
-            // SAFETY: `x` holds `rows` images of floats on this GPU, finished, alive for this
-            // call.
-            input = unsafe { cast.to_f16(input, rows * self.model.image_len(), stream) }
-                .map_err(|e| device(e.to_string()))?;
+        // SAFETY: the server's gather has finished writing `x` (it waits for its copies), which
+        // holds `rows` images of floats on this GPU and lives until this returns.
+        let input = unsafe {
+            self.stage.stage(
+                x.tensorport_device_ptr(),
+                rows,
+                padded,
+                self.model.image_len(),
+            )
         }
-        // SAFETY: `input` is `rows` images of the model's input type on its GPU, finished and
-        // unchanged until the run returns (`x`, or the caster's buffer, lives until then).
-        let scores = unsafe { self.model.run_on_device(input, rows) };
-        drop(x);
-        scores.map_err(|e| device(e.to_string()))
+        .map_err(|e| device(e.to_string()))?;
+        // SAFETY: the stage's buffer holds `padded` images of the model's input type on its
+        // GPU, written and waited for, and unchanged until the stage is used again.
+        let mut scores = unsafe { self.model.run_on_device(input, padded) }
+            .map_err(|e| device(e.to_string()))?;
+        // The padding rows' scores are not anyone's.
+        scores.truncate(rows);
+        Ok(scores)
     }
 }
 
@@ -96,13 +102,8 @@ pub(super) fn load_on_cuda(
         image_size: Some(image_size),
     };
     let model = OnnxModel::open(path, &opts).map_err(ConfigError::from)?;
-    let half = match model.spec().input_elem {
-        tensorport_onnx::Elem::F16 => Some((
-            tensorport_cuda::HalfCast::new(gpu)?,
-            tensorport_cuda::Stream::new(gpu)?,
-        )),
-        tensorport_onnx::Elem::F32 => None,
-    };
+    let half = model.spec().input_elem == tensorport_onnx::Elem::F16;
+    let stage = tensorport_cuda::BatchStage::new(gpu, half)?;
     tracing::info!(
         model = %path.display(),
         input = %model.spec().input,
@@ -110,7 +111,7 @@ pub(super) fn load_on_cuda(
         image_size = model.image_size(),
         classes = model.spec().classes,
         provider = provider.name(),
-        "ONNX model loaded (ONNX Runtime, GPU; the batch bound in place)"
+        "ONNX model loaded (ONNX Runtime, GPU; the batch stays on the device)"
     );
-    Ok(Box::new(OnCuda { model, half }))
+    Ok(Box::new(OnCuda { model, stage }))
 }
