@@ -1,27 +1,136 @@
-//! An ONNX model as the server's model: each worker opens its own ONNX Runtime session, and
-//! the batch the server stacked (`[B, 3, S, S]`, normalised `f32`) is run as it is: on the CPU
-//! from host memory; on a GPU bound in place where the server gathered it (converted to `f16`
-//! on the device first for an `f16` model), only the scores coming back to the host.
+//! An ONNX model as the server's model: each worker opens its own ONNX Runtime session, run on
+//! a thread of its own so that the worker gathers the next batch while ONNX Runtime runs this
+//! one ([`Submitted::InFlight`]). The batch the server stacked (`[B, 3, S, S]`, normalised
+//! `f32`) is run as it is: on the CPU from host memory; on a GPU where the server gathered it,
+//! staged on the device into a buffer of a padded row count (converted to `f16` there for an
+//! `f16` model), only the scores coming back to the host.
 
 use std::path::Path;
+use std::sync::mpsc;
 
 use tensorport_dfdx::dfdx::prelude::{Cpu, HasShape};
-use tensorport_dfdx::{Classify, Tensor4};
+use tensorport_dfdx::{Classify, Submitted, Tensor4};
 use tensorport_onnx::{OnnxModel, OnnxOptions, Provider};
 
 use super::Model;
 use crate::error::{ConfigError, Result};
 
+/// A batch for the session's thread.
+enum Job {
+    /// `rows` images in host memory.
+    Host(Vec<f32>, usize),
+    /// `rows` images in device memory at `input` (a [`Runner`]'s owner's staging buffer,
+    /// unchanged until the job's scores are collected), of which the first `keep` are wanted.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    Device {
+        input: u64,
+        rows: usize,
+        keep: usize,
+    },
+}
+
+/// The session on its thread, and the batch it runs, if any.
+struct Runner {
+    jobs: Option<mpsc::Sender<Job>>,
+    scores: mpsc::Receiver<tensorport_onnx::Result<Vec<Vec<f32>>>>,
+    thread: Option<std::thread::JoinHandle<()>>,
+    in_flight: bool,
+}
+
+impl Runner {
+    fn start(mut model: OnnxModel) -> std::io::Result<Runner> {
+        let (jobs, todo) = mpsc::channel::<Job>();
+        let (done, scores) = mpsc::channel();
+        let thread = std::thread::Builder::new()
+            .name("onnx-session".into())
+            .spawn(move || {
+                for job in todo {
+                    let r = match job {
+                        Job::Host(batch, rows) => model.run(&batch, rows),
+                        // SAFETY: the owner keeps the staging buffer unchanged until it has
+                        // collected these scores (`Runner::submit` collects first).
+                        Job::Device { input, rows, keep } => {
+                            unsafe { model.run_on_device(input, rows) }.map(|mut s| {
+                                s.truncate(keep);
+                                s
+                            })
+                        }
+                    };
+                    if done.send(r).is_err() {
+                        break;
+                    }
+                }
+            })?;
+        Ok(Runner {
+            jobs: Some(jobs),
+            scores,
+            thread: Some(thread),
+            in_flight: false,
+        })
+    }
+
+    /// Starts `job` (collecting, and dropping, the scores of a batch still in flight first).
+    fn submit(&mut self, job: Job) -> tensorport_dfdx::Result<Submitted> {
+        if self.in_flight {
+            let _ = self.collect();
+        }
+        let gone = || tensorport_dfdx::Error::Device("the ONNX session's thread ended".into());
+        self.jobs
+            .as_ref()
+            .ok_or_else(gone)?
+            .send(job)
+            .map_err(|_| gone())?;
+        self.in_flight = true;
+        Ok(Submitted::InFlight)
+    }
+
+    /// The scores of the batch in flight (none when there is none).
+    fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
+        if !std::mem::replace(&mut self.in_flight, false) {
+            return Ok(Vec::new());
+        }
+        match self.scores.recv() {
+            Ok(r) => r.map_err(|e| tensorport_dfdx::Error::Device(e.to_string())),
+            Err(_) => Err(tensorport_dfdx::Error::Device(
+                "the ONNX session's thread ended".into(),
+            )),
+        }
+    }
+
+    /// Runs `job` and waits for its scores.
+    fn run(&mut self, job: Job) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
+        self.submit(job)?;
+        self.collect()
+    }
+}
+
+impl Drop for Runner {
+    fn drop(&mut self) {
+        // The session's thread ends with its queue; a batch it runs is waited for, so no
+        // staging buffer goes while ONNX Runtime reads it.
+        self.jobs.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
 /// An ONNX model on ONNX Runtime's CPU execution provider.
-struct OnCpu(OnnxModel);
+struct OnCpu(Runner);
 
 impl Classify<Cpu> for OnCpu {
     fn classify(&mut self, x: Tensor4<Cpu>) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
         let rows = x.shape().0;
-        let batch = x.as_vec();
-        self.0
-            .run(&batch, rows)
-            .map_err(|e| tensorport_dfdx::Error::Device(e.to_string()))
+        self.0.run(Job::Host(x.as_vec(), rows))
+    }
+
+    fn submit(&mut self, x: Tensor4<Cpu>) -> tensorport_dfdx::Result<Submitted> {
+        let rows = x.shape().0;
+        self.0.submit(Job::Host(x.as_vec(), rows))
+    }
+
+    fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
+        self.0.collect()
     }
 }
 
@@ -45,7 +154,13 @@ pub(super) fn load_on_cpu(
         classes = model.spec().classes,
         "ONNX model loaded (ONNX Runtime, CPU)"
     );
-    Ok(Box::new(OnCpu(model)))
+    Ok(Box::new(OnCpu(
+        Runner::start(model).map_err(session_thread)?,
+    )))
+}
+
+fn session_thread(e: std::io::Error) -> crate::error::Error {
+    crate::error::Error::Other(format!("cannot start the ONNX session's thread: {e}"))
 }
 
 /// An ONNX model on a GPU (CUDA or TensorRT execution provider), fed the gathered batch on the
@@ -54,8 +169,38 @@ pub(super) fn load_on_cpu(
 /// converted to `f16` there for an `f16` model.
 #[cfg(feature = "cuda")]
 struct OnCuda {
-    model: OnnxModel,
+    runner: Runner,
     stage: tensorport_cuda::BatchStage,
+    image_len: usize,
+}
+
+#[cfg(feature = "cuda")]
+impl OnCuda {
+    /// Stages `x` (after collecting a batch still in flight, whose input the stage holds) and
+    /// starts it.
+    fn start(
+        &mut self,
+        x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
+    ) -> tensorport_dfdx::Result<Submitted> {
+        if self.runner.in_flight {
+            let _ = self.runner.collect();
+        }
+        let rows = x.shape().0;
+        let padded = tensorport_cuda::padded_rows(rows);
+        // SAFETY: the server's gather has finished writing `x` (it waits for its copies), which
+        // holds `rows` images of floats on this GPU and lives until this returns; the stage
+        // waits for its copy.
+        let input = unsafe {
+            self.stage
+                .stage(x.tensorport_device_ptr(), rows, padded, self.image_len)
+        }
+        .map_err(|e| tensorport_dfdx::Error::Device(e.to_string()))?;
+        self.runner.submit(Job::Device {
+            input,
+            rows: padded,
+            keep: rows,
+        })
+    }
 }
 
 #[cfg(feature = "cuda")]
@@ -64,27 +209,19 @@ impl Classify<tensorport_dfdx::dfdx::prelude::Cuda> for OnCuda {
         &mut self,
         x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
     ) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
-        let rows = x.shape().0;
-        let padded = tensorport_cuda::padded_rows(rows);
-        let device = |e: String| tensorport_dfdx::Error::Device(e);
-        // SAFETY: the server's gather has finished writing `x` (it waits for its copies), which
-        // holds `rows` images of floats on this GPU and lives until this returns.
-        let input = unsafe {
-            self.stage.stage(
-                x.tensorport_device_ptr(),
-                rows,
-                padded,
-                self.model.image_len(),
-            )
-        }
-        .map_err(|e| device(e.to_string()))?;
-        // SAFETY: the stage's buffer holds `padded` images of the model's input type on its
-        // GPU, written and waited for, and unchanged until the stage is used again.
-        let mut scores = unsafe { self.model.run_on_device(input, padded) }
-            .map_err(|e| device(e.to_string()))?;
-        // The padding rows' scores are not anyone's.
-        scores.truncate(rows);
-        Ok(scores)
+        self.start(x)?;
+        self.runner.collect()
+    }
+
+    fn submit(
+        &mut self,
+        x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
+    ) -> tensorport_dfdx::Result<Submitted> {
+        self.start(x)
+    }
+
+    fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
+        self.runner.collect()
     }
 }
 
@@ -113,5 +250,10 @@ pub(super) fn load_on_cuda(
         provider = provider.name(),
         "ONNX model loaded (ONNX Runtime, GPU; the batch stays on the device)"
     );
-    Ok(Box::new(OnCuda { model, stage }))
+    let image_len = model.image_len();
+    Ok(Box::new(OnCuda {
+        runner: Runner::start(model).map_err(session_thread)?,
+        stage,
+        image_len,
+    }))
 }
