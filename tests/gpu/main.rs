@@ -18,6 +18,7 @@ mod model {
     }
 }
 mod nixl;
+mod onnx;
 mod pinned;
 mod serve;
 
@@ -30,6 +31,7 @@ use device::*;
 use farm::*;
 use model::*;
 use nixl::*;
+use onnx::*;
 use pinned::*;
 use serve::*;
 use support::*;
@@ -117,6 +119,10 @@ fn main() {
         (
             "nixl_device_tensors_through_the_gateway_intact_and_reclaimed",
             nixl_device_tensors_through_the_gateway,
+        ),
+        (
+            "onnx_models_on_the_gpu_score_as_onnxruntime_on_the_cpu",
+            onnx_on_gpu,
         ),
     ];
     if std::env::var(CHILD_ENV).is_err() {
