@@ -164,13 +164,18 @@ fn session_thread(e: std::io::Error) -> crate::error::Error {
 }
 
 /// An ONNX model on a GPU (CUDA or TensorRT execution provider), fed the gathered batch on the
-/// device: staged into a buffer of a padded row count (`tensorport_cuda::padded_rows`: ONNX
-/// Runtime plans each new batch shape anew, and a server's batches come in every size),
+/// device: where it lies when it has one of a few row counts (`tensorport_cuda::padded_rows`:
+/// ONNX Runtime plans each new batch shape anew, and a server's batches come in every size)
+/// and the model takes `f32`; otherwise staged into a buffer of the padded row count, and
 /// converted to `f16` there for an `f16` model.
 #[cfg(feature = "cuda")]
 struct OnCuda {
     runner: Runner,
     stage: tensorport_cuda::BatchStage,
+    /// A full f32 batch handed over where it was gathered (no copy), kept until its scores
+    /// are collected.
+    holding: Option<Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>>,
+    half: bool,
     image_len: usize,
 }
 
@@ -183,23 +188,38 @@ impl OnCuda {
         x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
     ) -> tensorport_dfdx::Result<Submitted> {
         if self.runner.in_flight {
-            let _ = self.runner.collect();
+            let _ = self.collect();
         }
         let rows = x.shape().0;
         let padded = tensorport_cuda::padded_rows(rows);
-        // SAFETY: the server's gather has finished writing `x` (it waits for its copies), which
-        // holds `rows` images of floats on this GPU and lives until this returns; the stage
-        // waits for its copy.
-        let input = unsafe {
-            self.stage
-                .stage(x.tensorport_device_ptr(), rows, padded, self.image_len)
-        }
-        .map_err(|e| tensorport_dfdx::Error::Device(e.to_string()))?;
+        let input = if padded == rows && !self.half {
+            // A batch of one of the few shapes, in the model's type: run where it lies, `x`
+            // kept until its scores are collected.
+            let input = x.tensorport_device_ptr();
+            self.holding = Some(x);
+            input
+        } else {
+            // SAFETY: the server's gather has finished writing `x` (it waits for its copies),
+            // which holds `rows` images of floats on this GPU and lives until this returns;
+            // the stage waits for its copy.
+            unsafe {
+                self.stage
+                    .stage(x.tensorport_device_ptr(), rows, padded, self.image_len)
+            }
+            .map_err(|e| tensorport_dfdx::Error::Device(e.to_string()))?
+        };
         self.runner.submit(Job::Device {
             input,
             rows: padded,
             keep: rows,
         })
+    }
+
+    /// The scores of the batch in flight; its input is let go.
+    fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
+        let scores = self.runner.collect();
+        self.holding = None;
+        scores
     }
 }
 
@@ -210,7 +230,7 @@ impl Classify<tensorport_dfdx::dfdx::prelude::Cuda> for OnCuda {
         x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
     ) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
         self.start(x)?;
-        self.runner.collect()
+        OnCuda::collect(self)
     }
 
     fn submit(
@@ -221,7 +241,7 @@ impl Classify<tensorport_dfdx::dfdx::prelude::Cuda> for OnCuda {
     }
 
     fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
-        self.runner.collect()
+        OnCuda::collect(self)
     }
 }
 
@@ -254,6 +274,8 @@ pub(super) fn load_on_cuda(
     Ok(Box::new(OnCuda {
         runner: Runner::start(model).map_err(session_thread)?,
         stage,
+        holding: None,
+        half,
         image_len,
     }))
 }
