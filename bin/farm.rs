@@ -85,9 +85,11 @@ pub struct Args {
     /// unused, except --image-size for the producers.
     #[arg(long, value_name = "SOCKET", conflicts_with_all = ["devices", "servers", "socket"])]
     pub attach: Option<PathBuf>,
-    /// With --attach: the GPU the attached server's device memory is on (for --gpu-producers).
-    #[arg(long, default_value_t = 0, value_name = "ORDINAL", requires = "attach")]
-    pub attach_gpu: u32,
+    /// With --attach: the GPU the attached server's device memory is on (for --gpu-producers;
+    /// with neither -p nor --gpu-producers, the farm then picks the GPU mix, as with --device
+    /// cuda) [default: 0, and the CPU mix].
+    #[arg(long, value_name = "ORDINAL", requires = "attach")]
+    pub attach_gpu: Option<u32>,
     /// Where to write the results, one JSON line per input.
     #[arg(long, short, default_value = "results.jsonl")]
     pub output: PathBuf,
@@ -133,6 +135,10 @@ pub struct Args {
     /// JPEGs and PNGs go to the CPU producers, large plain JPEGs to whoever has room, either way.
     #[arg(long, value_enum, default_value_t = RoutingArg::Shared)]
     pub routing: RoutingArg,
+    /// Print the producers this farm would start, as `CPU GPU` (the automatic mix where neither
+    /// -p nor --gpu-producers is given), and exit without starting anything.
+    #[arg(long)]
+    pub print_producers: bool,
     /// Log level of the server and producers (their stderr is shown prefixed with their name).
     #[arg(long, default_value = "warn", value_parser = crate::common::parse_log_filter)]
     pub child_log: String,
@@ -210,6 +216,10 @@ impl Args {
 
 pub fn run(args: Args) -> CliResult<u8> {
     let cfg = args.config()?;
+    if args.print_producers {
+        println!("{} {}", cfg.producers, cfg.gpu_producers);
+        return Ok(0);
+    }
     // Checked before the progress block appears.
     cfg.check().map_err(tensorport_farm::Error::from)?;
     let tty = match args.progress {

@@ -20,6 +20,7 @@ from __future__ import annotations
 import atexit
 import ctypes
 import json
+import logging
 import signal
 from typing import Iterator, List, Optional, Sequence, Tuple
 
@@ -607,7 +608,10 @@ class Loader:
     (`tensorport produce --nvjpeg`) decode and prepare their files on the GPU and hand them
     over in device memory; with both kinds, plain JPEGs go to the GPU producers first (the CPU
     producers take those the GPU producers have no room for) and the rest to the CPU producers
-    (docs/operations.md).
+    (docs/operations.md). Given neither `producers` nor `gpu_producers`, a loader on a GPU
+    starts the mix `tensorport farm --device cuda` starts (two GPU producers where nvJPEG
+    loads, CPU producers for the other cores; logged, and in `loader.producers` and
+    `loader.gpu_producers`); on the host, 4 CPU producers.
 
     DataLoader arguments and theirs: `batch_size`, `shuffle` (with `seed`: epoch e uses
     `seed + e`), `drop_last` as there; `num_workers` → `producers`; `pin_memory` as there;
@@ -615,11 +619,12 @@ class Loader:
     the order or subset you want).
     """
 
-    def __init__(self, files, batch_size: int = 32, producers: int = 4, image_size: int = 224,
+    def __init__(self, files, batch_size: int = 32, producers: Optional[int] = None,
+                 image_size: int = 224,
                  transform: str = "standard", in_flight: int = 8, max_wait: float = 0.002,
                  timeout: float = 60.0, binary=None, torch: bool = False,
                  max_restarts: int = 8, pin_memory: bool = False, device=None,
-                 gpu_producers: int = 0, shuffle: bool = False,
+                 gpu_producers: Optional[int] = None, shuffle: bool = False,
                  seed: Optional[int] = None, drop_last: bool = False, labels=None,
                  on_error: str = "raise", persistent: bool = False):
         import os
@@ -649,15 +654,22 @@ class Loader:
                 raise ValueError(f"{len(labels)} labels for {len(self.files)} files: give one each")
         self.labels = labels
         self.on_error = on_error
-        self.gpu_producers = max(0, gpu_producers)
+        self.binary = _find_binary(binary)
+        if self.device is not None and producers is None and gpu_producers is None:
+            # The farm's own mix on a GPU: GPU producers where nvJPEG loads, CPU producers for
+            # the other cores.
+            producers, gpu_producers = self._default_mix()
+            logging.getLogger("tensorport").info(
+                "Loader on %s: %d CPU and %d GPU producers (the farm's default mix)",
+                self.device, producers, gpu_producers)
+        self.gpu_producers = max(0, gpu_producers or 0)
         self.producers = max(0 if self.gpu_producers else 1,
-                             min(producers, len(self.files) or 1))
+                             min(4 if producers is None else producers, len(self.files) or 1))
         self.image_size = image_size
         self.transform = transform
         self.in_flight = in_flight
         self.max_wait = max_wait
         self.timeout = timeout
-        self.binary = _find_binary(binary)
         self.torch = torch or pin_memory or self.device is not None
         # Batches in page-locked memory (torch's pinned allocator, which caches the blocks), so
         # `.cuda(non_blocking=True)` is one asynchronous DMA, as the DataLoader's pin_memory.
@@ -714,6 +726,22 @@ class Loader:
         if self.persistent:
             return self._iter_kept()
         return self._iter_once()
+
+    def _default_mix(self) -> Tuple[int, int]:
+        """The producers `tensorport farm` starts for a server on this loader's GPU when told
+        neither count: `(CPU, GPU)`."""
+        import subprocess
+
+        p = subprocess.run([self.binary, "--log", "error", "farm", "--attach", "unused.sock",
+                            "--attach-gpu", str(self.gpu), "--input-list", "-",
+                            "--print-producers"],
+                           stdin=subprocess.DEVNULL, capture_output=True, text=True)
+        try:
+            cpu, gpu = (int(x) for x in p.stdout.split())
+        except ValueError:
+            raise TensorportError(f"{self.binary} could not say its default producers: "
+                                  f"{p.stderr.strip() or p.stdout.strip()}") from None
+        return cpu, gpu
 
     def _listing(self, order: List[int]) -> bytes:
         """The files in `order`, each name's bytes ending with a NUL (`farm --null`)."""

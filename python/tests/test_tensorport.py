@@ -608,6 +608,22 @@ def test_loader_epochs_give_full_batches_and_every_file_once(tmp_path):
     assert again._order() != first and sorted(again._order()) == list(range(20))
 
 
+def test_a_loader_on_a_gpu_takes_the_farms_default_mix(tmp_path):
+    """Given neither count, a loader on a GPU starts the producers `tensorport farm` would for
+    a server on that GPU; given either, what it is given; on the host, 4 CPU producers."""
+    files = [str(tmp_path / f"{i}.jpg") for i in range(64)]
+    out = run("farm", "--attach", "unused.sock", "--attach-gpu", "0", "--input-list", "-",
+              "--print-producers").stdout.split()
+    farm_mix = (int(out[0]), int(out[1]))
+    loader = tensorport.Loader(files, device="cuda", binary=BIN)
+    assert (loader.producers, loader.gpu_producers) == farm_mix
+    assert loader.producers + loader.gpu_producers >= 1
+    given = tensorport.Loader(files, device="cuda", producers=3, binary=BIN)
+    assert (given.producers, given.gpu_producers) == (3, 0)
+    host = tensorport.Loader(files, binary=BIN)
+    assert (host.producers, host.gpu_producers) == (4, 0)
+
+
 def test_loader_drop_last_leaves_out_the_short_batch(tmp_path):
     images = tmp_path / "images"
     run("images", "--out", str(images), "--count", "20")

@@ -612,7 +612,7 @@ pub enum Servers {
     Gpus(Vec<u32>),
     /// A server someone else runs (a Python `Loader`'s, say), listening at `socket`: the farm
     /// starts none, and never drains it; GPU producers work on GPU `gpu`.
-    Attach { socket: PathBuf, gpu: u32 },
+    Attach { socket: PathBuf, gpu: Option<u32> },
 }
 
 /// A farm: servers and supervised producers over a set of inputs.
@@ -704,7 +704,7 @@ impl FarmConfig {
             Servers::Gpus(list) => list.len(),
             Servers::Copies(_) if self.model.device.is_cuda() => 1,
             Servers::Copies(_) => 0,
-            Servers::Attach { .. } => 0,
+            Servers::Attach { gpu, .. } => usize::from(gpu.is_some()),
         }
     }
 

@@ -217,7 +217,7 @@ fn servers(cfg: &FarmConfig, base_socket: &Path) -> (Vec<PathBuf>, Vec<Device>) 
     let devices: Vec<Device> = match &cfg.servers {
         Servers::Copies(n) => vec![cfg.model.device; (*n).max(1)],
         Servers::Gpus(g) => g.iter().map(|&g| Device::Cuda(g)).collect(),
-        Servers::Attach { gpu, .. } => vec![Device::Cuda(*gpu)],
+        Servers::Attach { gpu, .. } => vec![Device::Cuda(gpu.unwrap_or(0))],
     };
     let sockets = (0..devices.len())
         .map(|k| match k {
