@@ -146,17 +146,22 @@ pub(super) fn load_on_cpu(
         image_size: Some(image_size),
     };
     let model = OnnxModel::open(path, &opts).map_err(ConfigError::from)?;
+    log_loaded(&model, "ONNX model loaded (ONNX Runtime, CPU)");
+    Ok(Box::new(OnCpu(
+        Runner::start(model).map_err(session_thread)?,
+    )))
+}
+
+/// Says which model a worker runs, and how.
+fn log_loaded(model: &OnnxModel, how: &str) {
     tracing::info!(
-        model = %path.display(),
+        model = %model.path().display(),
         input = %model.spec().input,
         dtype = model.spec().input_elem.name(),
         image_size = model.image_size(),
         classes = model.spec().classes,
-        "ONNX model loaded (ONNX Runtime, CPU)"
+        "{how}"
     );
-    Ok(Box::new(OnCpu(
-        Runner::start(model).map_err(session_thread)?,
-    )))
 }
 
 fn session_thread(e: std::io::Error) -> crate::error::Error {
@@ -261,15 +266,11 @@ pub(super) fn load_on_cuda(
     let model = OnnxModel::open(path, &opts).map_err(ConfigError::from)?;
     let half = model.spec().input_elem == tensorport_onnx::Elem::F16;
     let stage = tensorport_cuda::BatchStage::new(gpu, half)?;
-    tracing::info!(
-        model = %path.display(),
-        input = %model.spec().input,
-        dtype = model.spec().input_elem.name(),
-        image_size = model.image_size(),
-        classes = model.spec().classes,
-        provider = provider.name(),
-        "ONNX model loaded (ONNX Runtime, GPU; the batch stays on the device)"
+    let how = format!(
+        "ONNX model loaded (ONNX Runtime's {} provider; the batch stays on the GPU)",
+        provider.name()
     );
+    log_loaded(&model, &how);
     let image_len = model.image_len();
     Ok(Box::new(OnCuda {
         runner: Runner::start(model).map_err(session_thread)?,
