@@ -30,6 +30,21 @@ enum Command {
     Gateway(cli::gateway::Args),
     Produce(cli::produce::Args),
     Token(cli::token::Args),
+    /// (The gateway's own: one NIXL stream's reads, in a process of their own.)
+    #[command(hide = true)]
+    NixlReader(NixlReaderArgs),
+}
+
+#[derive(clap::Args, Debug)]
+struct NixlReaderArgs {
+    #[arg(long)]
+    pool: std::path::PathBuf,
+    #[arg(long)]
+    slots: u32,
+    #[arg(long)]
+    slot_size: u64,
+    #[arg(long)]
+    name: String,
 }
 
 fn main() -> ExitCode {
@@ -53,6 +68,14 @@ fn main() -> ExitCode {
         Command::Gateway(a) => cli::gateway::run(a),
         Command::Produce(a) => cli::produce::run(a),
         Command::Token(a) => cli::token::run(a),
+        Command::NixlReader(a) => {
+            return ExitCode::from(tensorport_bridge::nixl_reader::serve(
+                &a.pool,
+                a.slots,
+                a.slot_size,
+                &a.name,
+            ))
+        }
     };
     match r {
         Ok(code) => code,

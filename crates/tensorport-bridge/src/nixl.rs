@@ -27,10 +27,9 @@ use serde::{Deserialize, Serialize};
 use tensorport::DType;
 use tensorport::{HostPool, Loan};
 use tensorport_cuda::{Gpu, GpuProducer};
-use tensorport_nixl::{
-    Agent, Capi, GpuReader, Memory, PoolReader, Region, SlotLayout, MAX_METADATA,
-};
+use tensorport_nixl::{Agent, Capi, GpuReader, Memory, Region, SlotLayout, MAX_METADATA};
 
+use crate::nixl_reader::ReaderProcess;
 use crate::schema::{SchemaError, TensorLayout, ID};
 
 /// The schema metadata key of a NIXL stream's set-up.
@@ -71,7 +70,18 @@ struct HelloJson {
 impl Hello {
     /// The schema of a stream with this set-up.
     pub fn schema(&self) -> SchemaRef {
-        let json = serde_json::to_string(&HelloJson {
+        Arc::new(Schema::new_with_metadata(
+            vec![
+                Field::new(ID, DataType::UInt64, false),
+                Field::new(SLOT, DataType::UInt32, false),
+            ],
+            HashMap::from([(KEY.to_string(), self.to_json())]),
+        ))
+    }
+
+    /// The set-up as the JSON text the schema carries under [`KEY`].
+    pub fn to_json(&self) -> String {
+        serde_json::to_string(&HelloJson {
             agent: self.agent.clone(),
             metadata: hex(&self.metadata),
             base: self.slots.base,
@@ -84,14 +94,7 @@ impl Hello {
             dtype: self.layout.dtype as u8,
             shape: self.layout.shape.clone(),
         })
-        .expect("serialisable");
-        Arc::new(Schema::new_with_metadata(
-            vec![
-                Field::new(ID, DataType::UInt64, false),
-                Field::new(SLOT, DataType::UInt32, false),
-            ],
-            HashMap::from([(KEY.to_string(), json)]),
-        ))
+        .expect("serialisable")
     }
 
     /// The set-up a peer's schema declares: `None` for a schema without [`KEY`] (a stream of
@@ -101,17 +104,23 @@ impl Hello {
         let Some(raw) = schema.metadata().get(KEY) else {
             return Ok(None);
         };
-        if raw.len() > MAX_HELLO {
-            return Err(SchemaError::Schema(format!(
-                "a NIXL set-up of {} bytes (at most {MAX_HELLO})",
-                raw.len()
-            )));
-        }
         let names: Vec<&str> = schema.fields().iter().map(|f| f.name().as_str()).collect();
         let types: Vec<&DataType> = schema.fields().iter().map(|f| f.data_type()).collect();
         if names != [ID, SLOT] || types != [&DataType::UInt64, &DataType::UInt32] {
             return Err(SchemaError::Schema(format!(
                 "a NIXL stream's columns are \"{ID}\": UInt64 and \"{SLOT}\": UInt32, not {names:?}"
+            )));
+        }
+        Hello::from_json(raw, max_bytes).map(Some)
+    }
+
+    /// The set-up in `raw` (the JSON text of [`Hello::to_json`]), checked as
+    /// [`Hello::from_schema`] checks it.
+    pub fn from_json(raw: &str, max_bytes: u64) -> Result<Hello, SchemaError> {
+        if raw.len() > MAX_HELLO {
+            return Err(SchemaError::Schema(format!(
+                "a NIXL set-up of {} bytes (at most {MAX_HELLO})",
+                raw.len()
             )));
         }
         let j: HelloJson = serde_json::from_str(raw)
@@ -149,12 +158,12 @@ impl Hello {
         slots
             .check()
             .map_err(|e| SchemaError::Schema(format!("the NIXL slots: {e}")))?;
-        Ok(Some(Hello {
+        Ok(Hello {
             agent: j.agent,
             metadata,
             slots,
             layout,
-        }))
+        })
     }
 }
 
@@ -209,13 +218,14 @@ pub fn capi() -> Result<Arc<Capi>, String> {
 }
 
 /// The gateway's side of a NIXL stream: a reader of the producer's slots straight into the
-/// slots of the local session's pool ([`PoolReader`]).
+/// slots of the local session's pool, in a process of its own ([`ReaderProcess`]: the
+/// producer's metadata never reaches this process's NIXL).
 pub struct Inbound {
-    reader: PoolReader,
+    reader: ReaderProcess,
 }
 
 /// The producer's metadata loaded into an agent of the gateway's own, named `name`.
-fn peer_of(hello: &Hello, name: &str) -> Result<(Agent, tensorport_nixl::Peer), String> {
+pub(crate) fn peer_of(hello: &Hello, name: &str) -> Result<(Agent, tensorport_nixl::Peer), String> {
     let capi = capi()?;
     let agent = Agent::new(&capi, name).map_err(|e| e.to_string())?;
     let peer = agent
@@ -225,34 +235,34 @@ fn peer_of(hello: &Hello, name: &str) -> Result<(Agent, tensorport_nixl::Peer), 
 }
 
 impl Inbound {
-    /// Loads the producer's set-up into an agent of its own (named `name`) and registers
-    /// `pool` — the local session's, whose slots hold at least one of the set-up's tensors — to
-    /// read into.
+    /// Starts a reader process that loads the producer's set-up into an agent of its own
+    /// (named `name`) and reads into `pool` — the local session's, whose slots hold at least
+    /// one of the set-up's tensors.
     pub fn open(hello: &Hello, name: &str, pool: Arc<HostPool>) -> Result<Inbound, String> {
-        let (agent, peer) = peer_of(hello, name)?;
-        let reader = PoolReader::new(&agent, pool, peer).map_err(|e| e.to_string())?;
-        Ok(Inbound { reader })
+        Ok(Inbound {
+            reader: ReaderProcess::start(hello, name, &pool)?,
+        })
     }
 
     /// The producer's slots.
     pub fn slots(&self) -> u32 {
-        self.reader.peer().layout().slots
+        self.reader.slots()
     }
 
     /// Starts reading the producer's slot `from` into `loan`'s pool slot; returns that slot.
     pub fn start(&mut self, from: u32, loan: Loan) -> Result<u32, String> {
-        self.reader.start(from, loan).map_err(|e| e.to_string())
+        self.reader.start_read(from, loan)
     }
 
     /// The loan of pool slot `into` once its read has landed; a failed read is an error.
     pub fn poll(&mut self, into: u32) -> Result<Option<Loan>, String> {
-        self.reader.poll(into).map_err(|e| e.to_string())
+        self.reader.poll(into)
     }
 
     /// Waits for the read into pool slot `into`, at most `timeout` (the producer gone, or a
     /// slot it never registered: an error), and gives its loan back.
     pub fn wait(&mut self, into: u32, timeout: Duration) -> Result<Loan, String> {
-        self.reader.wait(into, timeout).map_err(|e| e.to_string())
+        self.reader.wait(into, timeout)
     }
 }
 

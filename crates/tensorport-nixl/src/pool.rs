@@ -101,6 +101,28 @@ impl PoolReader {
     }
 }
 
+impl Reader {
+    /// A reader of `peer`'s slots straight into the slots of `pool` (registered with `agent`),
+    /// for a process whose only job is these reads: it owns its mapping of the pool, so nothing
+    /// else in this process reaches those bytes. Other processes that map the same pool (the
+    /// one holding its slots on loan) must keep off a slot while a read into it runs — their
+    /// protocol with this process, not this process's memory safety.
+    pub fn into_owned_pool(agent: &Agent, pool: HostPool, peer: Peer) -> Result<Reader> {
+        let tensor = peer.layout().slot_len;
+        if tensor > pool.slot_size() {
+            return Err(Error::Refused(
+                "the peer's slots are larger than the pool's",
+            ));
+        }
+        let (base, stride, slots) = (pool.mapping().as_ptr(), pool.slot_size(), pool.slot_count());
+        // SAFETY: the pool's mapping spans `slots` slots of `stride` bytes from `base` and stays
+        // mapped while the region keeps the pool; the pool was moved in, so nothing else in this
+        // process reads or writes it.
+        let region = unsafe { agent.register_external(base, stride, tensor, slots, pool) }?;
+        Reader::new(region, peer)
+    }
+}
+
 impl Drop for PoolReader {
     fn drop(&mut self) {
         // A slot whose read still runs is never given back to its producer; the others' loans

@@ -117,16 +117,39 @@ fn listening(pid: u32) -> Vec<std::net::SocketAddr> {
     out
 }
 
-/// A gateway listening on loopback confines NIXL's UCX to loopback: while NIXL streams run,
-/// everything the gateway listens on is a loopback address (UCX's own listener included),
-/// where UCX left alone listens on the machine's network address.
+/// Pids of the processes whose parent is `ppid` and whose command line contains `needle`.
+fn children_of(ppid: u32, needle: &str) -> Vec<u32> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Ok(pid) = e.file_name().to_string_lossy().parse::<u32>() else {
+            continue;
+        };
+        let Ok(stat) = std::fs::read_to_string(format!("/proc/{pid}/stat")) else {
+            continue;
+        };
+        let parent = stat
+            .rsplit_once(')')
+            .and_then(|(_, r)| r.split_whitespace().nth(1))
+            .and_then(|p| p.parse::<u32>().ok());
+        let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
+        if parent == Some(ppid) && String::from_utf8_lossy(&cmd).contains(needle) {
+            out.push(pid);
+        }
+    }
+    out
+}
+
+/// A gateway listening on loopback confines NIXL's UCX to loopback: its NIXL stream's reader
+/// process listens on loopback only (UCX's listener; sockets it inherited aside), where UCX left
+/// alone listens on the machine's network address; the gateway itself runs no UCX.
 #[test]
 fn the_gateways_ucx_listens_only_on_the_flight_interface() {
     let Some(env) = nixl_env() else { return };
     let f = Fixture::with(&[], env);
     let pid = f.gateway.as_ref().unwrap().id();
-    let flight_only = listening(pid);
-    assert_eq!(flight_only.len(), 1, "{flight_only:?}");
+    // What the gateway listens on before any stream (Flight, and whatever this test process
+    // let it inherit), which its children inherit too.
+    let before = listening(pid);
     let mut p = f
         .producer(
             "nixl-listen",
@@ -135,18 +158,20 @@ fn the_gateways_ucx_listens_only_on_the_flight_interface() {
         )
         .spawn()
         .unwrap();
-    // UCX's listener comes with the stream's NIXL agent.
+    // UCX's listener comes with the stream's NIXL agent, in its reader process.
     let t = Instant::now();
-    let mut seen = flight_only.clone();
-    while seen.len() < 2 && t.elapsed() < Duration::from_secs(60) {
+    let mut seen: Vec<std::net::SocketAddr> = Vec::new();
+    while seen.is_empty() && t.elapsed() < Duration::from_secs(60) {
         if let Ok(Some(_)) = p.try_wait() {
             break;
         }
-        seen = listening(pid);
+        for child in children_of(pid, "nixl-reader") {
+            seen.extend(listening(child).into_iter().filter(|a| !before.contains(a)));
+        }
         std::thread::sleep(Duration::from_millis(20));
     }
     assert!(p.wait().unwrap().success(), "{}", f.gateway_log());
-    assert!(seen.len() >= 2, "UCX's listener was never seen: {seen:?}");
+    assert!(!seen.is_empty(), "UCX's listener was never seen");
     assert!(
         seen.iter().all(|a| match a.ip() {
             std::net::IpAddr::V4(v4) => v4.is_loopback(),
@@ -154,8 +179,9 @@ fn the_gateways_ucx_listens_only_on_the_flight_interface() {
                 v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
             }
         }),
-        "the gateway listens beyond loopback: {seen:?}"
+        "the reader listens beyond loopback: {seen:?}"
     );
+    assert_eq!(listening(pid), before, "the gateway itself listens anew");
     assert_each_input_once(&f.lines("nixl-listen"), 3000);
     assert!(
         f.gateway_log().contains("confined to lo"),
@@ -284,4 +310,95 @@ fn a_nixl_set_up_that_lies_is_refused_and_harms_no_one() {
     wait_until("the sessions close", Duration::from_secs(30), || {
         f.sessions() == 0
     });
+}
+
+/// NIXL metadata changed one byte at a time (one of the changes makes UCX abort the process
+/// that loads it: a worker address whose version byte is wrong) while a NIXL producer and a
+/// Flight producer stream beside them: each changed set-up ends its own stream at most, the
+/// gateway lives through every one, the two producers get every input once, and the next NIXL
+/// producer is served.
+#[test]
+fn nixl_metadata_that_aborts_ucx_ends_only_its_own_stream() {
+    use tensorport_bridge::nixl::{slot_batch, Hello, Outbound};
+    use tensorport_bridge::remote::{connect, Exchange, RemoteConfig};
+    use tensorport_bridge::schema::TensorLayout;
+
+    let Some(mut env) = nixl_env() else { return };
+    // A changed address makes UCX try to connect where it says: once, not 25 times.
+    env.push(("UCX_TCP_MAX_CONN_RETRIES".into(), "1".into()));
+    let mut f = Fixture::with(&[], env);
+    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
+    let out = Outbound::new(&format!("mutant-{}", std::process::id()), 4, &layout, None).unwrap();
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = RemoteConfig {
+        gateway: f.url.clone(),
+        token: tensorport_bridge::auth::Token::read(&f.token()).unwrap(),
+        tls: None,
+        name: "mutant".into(),
+        connect_timeout: Duration::from_secs(10),
+        allow_plaintext: false,
+    };
+    let mut beside_nixl = f
+        .producer(
+            "beside-nixl",
+            2000,
+            &["--transport", "nixl", "--batch", "1"],
+        )
+        .spawn()
+        .unwrap();
+    let mut beside_flight = f
+        .producer("beside-flight", 2000, &["--batch", "1"])
+        .spawn()
+        .unwrap();
+    let md = out.hello().metadata.clone();
+    let mut ended = 0;
+    // Eight changed set-ups at a time (each stream's reader process starts NIXL and UCX anew).
+    let positions: Vec<usize> = (0..md.len()).collect();
+    for chunk in positions.chunks(8) {
+        let one = |pos: usize| {
+            let mut h: Hello = out.hello().clone();
+            h.metadata[pos] ^= 0xff;
+            let cfg = &cfg;
+            async move {
+                let mut client = connect(cfg).await.unwrap();
+                let schema = h.schema();
+                let mut ex = Exchange::open_with(&mut client, schema.clone(), "mutant", 4)
+                    .await
+                    .unwrap();
+                let _ = ex.send(slot_batch(&schema, &[(0, 0)]).unwrap()).await;
+                ex.finish();
+                match tokio::time::timeout(Duration::from_secs(60), ex.results()).await {
+                    Ok(Some(Ok(r))) => r.len(),
+                    Ok(_) => 0,
+                    Err(_) => {
+                        panic!("byte {pos}: the gateway neither answered nor ended the stream")
+                    }
+                }
+            }
+        };
+        let answered = rt.block_on(futures::future::join_all(chunk.iter().map(|&p| one(p))));
+        ended += answered.iter().filter(|&&n| n == 0).count();
+        let gateway = f.gateway.as_mut().unwrap();
+        assert!(
+            gateway.try_wait().unwrap().is_none(),
+            "bytes {chunk:?} of the metadata ended the gateway:\n{}",
+            f.gateway_log()
+        );
+    }
+    assert!(ended > 0, "no changed set-up was refused");
+    for p in [&mut beside_nixl, &mut beside_flight] {
+        assert!(p.wait().unwrap().success(), "{}", f.gateway_log());
+    }
+    assert_each_input_once(&f.lines("beside-nixl"), 2000);
+    assert_each_input_once(&f.lines("beside-flight"), 2000);
+    assert!(
+        f.gateway_log().contains("NIXL reader process failed"),
+        "{}",
+        f.gateway_log()
+    );
+    run_ok(&mut f.producer("after-mutants", 32, &["--transport", "nixl"]));
+    assert_each_input_once(&f.lines("after-mutants"), 32);
 }
