@@ -27,6 +27,10 @@ use tensorport::{HostPool, Loan};
 
 use crate::nixl::Hello;
 
+/// The environment variable naming the `tensorport-bridge` executable whose `nixl-reader`
+/// subcommand reads a stream [default: this process's executable].
+pub const BRIDGE_EXE_ENV: &str = "TENSORPORT_BRIDGE_EXE";
+
 /// How long the reader has to load the metadata and register the pool.
 const SET_UP: Duration = Duration::from_secs(30);
 
@@ -57,7 +61,12 @@ impl ReaderProcess {
     /// Starts a reader of `hello`'s slots into `pool` (NIXL agent `name`) and waits for its
     /// set-up; an error says why it could not (the reader's own words, or how it ended).
     pub fn start(hello: &Hello, name: &str, pool: &Arc<HostPool>) -> Result<ReaderProcess, String> {
-        let exe = std::env::current_exe().map_err(|e| format!("this executable: {e}"))?;
+        // This executable, which has the subcommand; a program that embeds the gateway names
+        // a `tensorport-bridge` executable in TENSORPORT_BRIDGE_EXE.
+        let exe = match std::env::var_os(BRIDGE_EXE_ENV) {
+            Some(p) => std::path::PathBuf::from(p),
+            None => std::env::current_exe().map_err(|e| format!("this executable: {e}"))?,
+        };
         let fd_path = format!("/proc/{}/fd/{}", std::process::id(), pool.raw_fd());
         let mut child = Command::new(exe)
             .args([
