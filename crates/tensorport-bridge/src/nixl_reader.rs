@@ -16,7 +16,7 @@
 //!   each that failed.
 
 use std::collections::HashMap;
-use std::io::{BufRead, BufReader, Write};
+use std::io::{BufRead, BufReader, Read, Write};
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -30,6 +30,13 @@ use crate::nixl::Hello;
 /// The environment variable naming the `tensorport-bridge` executable whose `nixl-reader`
 /// subcommand reads a stream [default: this process's executable].
 pub const BRIDGE_EXE_ENV: &str = "TENSORPORT_BRIDGE_EXE";
+
+/// The longest line a reader says (an answer with NIXL's reason for a failed read).
+const MAX_LINE: usize = 4096;
+
+/// Answers that may wait unread: more than one per slot a read is under way into is a reader
+/// that does not keep the protocol, and waits on a full channel until the gateway ends it.
+const MAX_ANSWERS: usize = 1024;
 
 /// How long the reader has to load the metadata and register the pool.
 const SET_UP: Duration = Duration::from_secs(30);
@@ -87,17 +94,29 @@ impl ReaderProcess {
             .map_err(|e| format!("cannot start the NIXL reader process: {e}"))?;
         let mut stdin = child.stdin.take().expect("piped");
         let stdout = child.stdout.take().expect("piped");
-        let (tx, said) = mpsc::channel();
+        // At most one answer per read the gateway asked for is ever waiting, so a bounded
+        // channel is enough; a line longer than any answer ends the reader.
+        let (tx, said) = mpsc::sync_channel(MAX_ANSWERS);
         std::thread::spawn(move || {
-            for line in BufReader::new(stdout).lines() {
-                let Ok(line) = line else { break };
-                let s = parse(&line);
+            let mut out = BufReader::new(stdout);
+            let mut line = Vec::new();
+            loop {
+                line.clear();
+                let n = (&mut out)
+                    .take(MAX_LINE as u64 + 1)
+                    .read_until(b'\n', &mut line);
+                let s = match n {
+                    Ok(0) | Err(_) => Said::Gone("it ended".into()),
+                    Ok(_) if line.last() != Some(&b'\n') => {
+                        Said::Gone(format!("it said a line of over {MAX_LINE} bytes"))
+                    }
+                    Ok(_) => parse(String::from_utf8_lossy(&line).trim_end()),
+                };
                 let stop = matches!(s, Said::Gone(_));
                 if tx.send(s).is_err() || stop {
                     return;
                 }
             }
-            let _ = tx.send(Said::Gone("it ended".into()));
         });
         let mut r = ReaderProcess {
             slots: hello.slots.slots,
@@ -165,6 +184,15 @@ impl ReaderProcess {
             None => self.said.try_recv().ok(),
         };
         while let Some(s) = next {
+            // An answer for a slot no read is under way into breaks the protocol.
+            let s = match s {
+                Said::Done(into) | Said::Failed(into, _) if !self.landing.contains_key(&into) => {
+                    Said::Gone(format!(
+                        "it answered for slot {into}, which it was not reading"
+                    ))
+                }
+                s => s,
+            };
             match s {
                 Said::Done(into) => {
                     self.answered.insert(into, Ok(()));
