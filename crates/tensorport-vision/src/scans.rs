@@ -222,7 +222,7 @@ impl<'a> Segments<'a> {
         }
         let mut next = end;
         loop {
-            let Some(ff) = jpeg.get(next..)?.iter().position(|&b| b == 0xFF) else {
+            let Some(ff) = memchr::memchr(0xFF, jpeg.get(next..)?) else {
                 next = jpeg.len();
                 break;
             };
