@@ -41,18 +41,6 @@ pub fn run(a: Args) -> CliResult<u8> {
         ));
     }
     if let tensorport_farm::config::ModelKind::Onnx(path) = &model.kind {
-        let mut resolved = model.clone();
-        resolved.resolve().map_err(tensorport_farm::Error::from)?;
-        let cfg = resolved.config;
-        println!(
-            "{}: 3x{s}x{s}, {} scores, on {} (ONNX Runtime); scores to the host after each \
-             batch",
-            path.display(),
-            cfg.classes,
-            a.model.device,
-            s = cfg.image_size
-        );
-        print_header();
         return onnx(path, &a).map(|()| 0);
     }
     let cfg = model.config;
@@ -163,19 +151,26 @@ fn row<D: Device<f32>>(
 /// where the server would hand them over (host memory on the CPU; device memory on a GPU,
 /// bound in place), the scores back on the host after each batch.
 fn onnx(path: &std::path::Path, a: &Args) -> CliResult<()> {
-    let mut options = a.model.options();
-    options.resolve().map_err(tensorport_farm::Error::from)?;
     let provider = match a.model.device {
         On::Cpu => tensorport_onnx::Provider::Cpu,
-        On::Cuda(n) => options.ort_provider.on(n),
+        On::Cuda(n) => a.model.ort_provider.on(n),
     };
+    // The model's own image size, or --image-size where it leaves the size open.
     let opts = tensorport_onnx::OnnxOptions {
         provider,
-        image_size: Some(options.config.image_size),
+        image_size: Some(a.model.image_size),
         ..Default::default()
     };
     let mut m = tensorport_onnx::OnnxModel::open(path, &opts)
         .map_err(|e| tensorport_farm::Error::from(tensorport_farm::ConfigError::from(e)))?;
+    println!(
+        "{}: 3x{s}x{s}, {} scores, on {} (ONNX Runtime); scores to the host after each batch",
+        path.display(),
+        m.spec().classes,
+        a.model.device,
+        s = m.image_size()
+    );
+    print_header();
     let precision = m.spec().input_elem.name();
     let engine = format!("onnxruntime {}", provider.name().to_lowercase());
     let gpu = match a.model.device {

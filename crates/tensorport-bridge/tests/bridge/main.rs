@@ -134,6 +134,18 @@ impl Fixture {
         self.dir.path().join("token")
     }
 
+    /// A client of this fixture's gateway, in this process, named `name`.
+    fn remote_config(&self, name: &str) -> tensorport_bridge::remote::RemoteConfig {
+        tensorport_bridge::remote::RemoteConfig {
+            gateway: self.url.clone(),
+            token: tensorport_bridge::auth::Token::read(&self.token()).unwrap(),
+            tls: None,
+            name: name.into(),
+            connect_timeout: Duration::from_secs(10),
+            allow_plaintext: false,
+        }
+    }
+
     /// Starts the gateway on `listen`; waits for its `listening on` line.
     fn start_gateway(&mut self, listen: &str) {
         let mut args = vec!["--in-flight".to_string(), "16".into()];

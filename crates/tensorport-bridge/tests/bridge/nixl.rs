@@ -229,7 +229,7 @@ fn a_killed_nixl_producer_is_reclaimed_and_the_next_is_served() {
 #[test]
 fn a_nixl_set_up_that_lies_is_refused_and_harms_no_one() {
     use tensorport_bridge::nixl::{slot_batch, Hello, Outbound};
-    use tensorport_bridge::remote::{connect, Exchange, RemoteConfig};
+    use tensorport_bridge::remote::{connect, Exchange};
     use tensorport_bridge::schema::TensorLayout;
 
     let Some(env) = nixl_env() else { return };
@@ -240,14 +240,7 @@ fn a_nixl_set_up_that_lies_is_refused_and_harms_no_one() {
         .enable_all()
         .build()
         .unwrap();
-    let cfg = RemoteConfig {
-        gateway: f.url.clone(),
-        token: tensorport_bridge::auth::Token::read(&f.token()).unwrap(),
-        tls: None,
-        name: "liar".into(),
-        connect_timeout: Duration::from_secs(10),
-        allow_plaintext: false,
-    };
+    let cfg = f.remote_config("liar");
     let outcome = |hello: Hello, rows: Vec<(u64, u32)>| {
         rt.block_on(async {
             let mut client = connect(&cfg).await.unwrap();
@@ -320,7 +313,7 @@ fn a_nixl_set_up_that_lies_is_refused_and_harms_no_one() {
 #[test]
 fn nixl_metadata_that_aborts_ucx_ends_only_its_own_stream() {
     use tensorport_bridge::nixl::{slot_batch, Hello, Outbound};
-    use tensorport_bridge::remote::{connect, Exchange, RemoteConfig};
+    use tensorport_bridge::remote::{connect, Exchange};
     use tensorport_bridge::schema::TensorLayout;
 
     let Some(mut env) = nixl_env() else { return };
@@ -333,14 +326,7 @@ fn nixl_metadata_that_aborts_ucx_ends_only_its_own_stream() {
         .enable_all()
         .build()
         .unwrap();
-    let cfg = RemoteConfig {
-        gateway: f.url.clone(),
-        token: tensorport_bridge::auth::Token::read(&f.token()).unwrap(),
-        tls: None,
-        name: "mutant".into(),
-        connect_timeout: Duration::from_secs(10),
-        allow_plaintext: false,
-    };
+    let cfg = f.remote_config("mutant");
     let mut beside_nixl = f
         .producer(
             "beside-nixl",
