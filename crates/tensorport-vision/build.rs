@@ -3,6 +3,10 @@
 //! (the GPU machines among them). Without the header the crate decodes JPEG with zune-jpeg only,
 //! and says so once in the build output.
 //!
+//! With the `shared-libjpeg` feature libjpeg is linked as a shared library even where its
+//! archive is found: distributions build that archive without position-independent code, so it
+//! cannot go into a shared object (the Python package's extension).
+//!
 //! `TENSORPORT_LIBJPEG=0` builds without libjpeg; `TENSORPORT_LIBJPEG_DIR` names a folder
 //! holding `include/jpeglib.h` and `lib/libjpeg.a` (a libjpeg-turbo built elsewhere).
 
@@ -45,6 +49,17 @@ fn main() {
     for i in &includes {
         build.include(i);
     }
+    if root.is_none() {
+        // After the compiler's own folders: a compiler that brings its own C library's headers
+        // (zig's, for an older glibc) still finds the system's libjpeg headers, and nothing else.
+        let arch = std::env::var("CARGO_CFG_TARGET_ARCH").unwrap_or_default();
+        for d in [
+            format!("/usr/include/{arch}-linux-gnu"),
+            "/usr/include".into(),
+        ] {
+            build.flag(format!("-idirafter{d}"));
+        }
+    }
     if let Err(e) = build.try_compile("tp_jpeg") {
         println!(
             "cargo::warning=libjpeg's header (jpeglib.h) not found or the shim did not build \
@@ -53,16 +68,20 @@ fn main() {
         );
         return;
     }
-    match lib_dirs.iter().find(|d| d.join("libjpeg.a").is_file()) {
+    let shared = std::env::var_os("CARGO_FEATURE_SHARED_LIBJPEG").is_some();
+    let archive = lib_dirs
+        .iter()
+        .find(|d| !shared && d.join("libjpeg.a").is_file());
+    match archive {
         Some(dir) => {
             println!("cargo::rustc-link-search=native={}", dir.display());
             println!("cargo::rustc-link-lib=static=jpeg");
         }
         None => {
-            if let Some(r) = &root {
-                for d in lib_dirs.iter().filter(|d| d.starts_with(r)) {
-                    println!("cargo::rustc-link-search=native={}", Path::new(d).display());
-                }
+            // The folder of the shared library, for linkers that search only their own (zig's).
+            let found = lib_dirs.iter().find(|d| d.join("libjpeg.so").exists());
+            if let Some(d) = found.or(root.as_ref().and(lib_dirs.first())) {
+                println!("cargo::rustc-link-search=native={}", Path::new(d).display());
             }
             println!("cargo::rustc-link-lib=dylib=jpeg");
         }

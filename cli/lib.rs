@@ -1,5 +1,8 @@
-//! `tensorport`: the inference server, the producer, the farm that runs both, and a control
-//! tool, each a thin face over `tensorport-farm`.
+//! The `tensorport` command line as a library: the inference server, the producer, the farm
+//! that runs both, and a control tool, each a thin face over `tensorport-farm`, and the developer
+//! tools. The `tensorport` executable runs [`run`] on its arguments; so does the Python package's
+//! extension (`python -m tensorport`, the `tensorport` command a wheel installs), which starts its
+//! child processes through Python instead of an executable of its own.
 
 mod common;
 mod ctl;
@@ -13,9 +16,11 @@ mod soak;
 mod tools;
 mod view;
 
-use std::process::ExitCode;
+use std::ffi::OsString;
+use std::sync::OnceLock;
 
 use clap::{Parser, Subcommand};
+use tensorport_farm::config::Launcher;
 
 /// Zero-copy tensor hand-off between processes on one machine.
 ///
@@ -63,13 +68,36 @@ enum Command {
     Soak(soak::Args),
 }
 
-/// How to start this command line again, for child processes: this executable.
-pub(crate) fn launcher() -> tensorport_farm::config::Launcher {
-    tensorport_farm::config::Launcher::this_executable()
+/// How child processes start this command line again (set once by [`run`]).
+static LAUNCHER: OnceLock<Launcher> = OnceLock::new();
+
+/// How to start this command line again, for child processes.
+pub(crate) fn launcher() -> Launcher {
+    LAUNCHER
+        .get()
+        .cloned()
+        .unwrap_or_else(Launcher::this_executable)
 }
 
-fn main() -> ExitCode {
-    let cli = Cli::parse();
+/// Runs the command line `args` (the program's name first, as `std::env::args_os` gives it) and
+/// returns the process's exit status: 0 on success, 2 for a usage error (after printing it), else
+/// the failed command's own code (after printing `error: …` on stderr). `launcher` is how this
+/// process's children (a farm's servers and producers, `soak`'s) start the same command line;
+/// the first call's stays for the life of the process.
+pub fn run<I, T>(args: I, launcher: Launcher) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match Cli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => {
+            // --help and --version land here too, with status 0.
+            let _ = e.print();
+            return u8::try_from(e.exit_code()).unwrap_or(2);
+        }
+    };
+    let _ = LAUNCHER.set(launcher);
     common::init_logging(cli.log.as_deref().unwrap_or("info"));
     tensorport_farm::process::die_with_farm();
     let r = match cli.command {
@@ -84,11 +112,14 @@ fn main() -> ExitCode {
         Command::Weights(a) => tools::weights(a),
         Command::Images(a) => tools::images(a),
     };
-    ExitCode::from(match r {
+    let code = match r {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");
             e.exit_code()
         }
-    })
+    };
+    // A process that embeds this (Python's) may end without Rust's exit-time flush.
+    let _ = std::io::Write::flush(&mut std::io::stdout());
+    code
 }
