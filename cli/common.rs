@@ -413,9 +413,22 @@ pub struct HandOverArgs {
     /// each result line carries them as "stages", and a farm's summary their means.
     #[arg(long)]
     pub profile: bool,
+    /// Keep only the K highest scores of each input, as "top_k": [[class, score], …] from the
+    /// highest down, in place of "scores" (for models with many classes, or embeddings);
+    /// "class" stays.
+    #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
+    pub top_k: Option<u32>,
 }
 
 impl HandOverArgs {
+    /// Which of each input's scores a result line keeps.
+    pub fn keep(&self) -> tensorport_farm::record::Keep {
+        match self.top_k {
+            Some(k) => tensorport_farm::record::Keep::Top(k as usize),
+            None => tensorport_farm::record::Keep::All,
+        }
+    }
+
     /// The preparation's configuration.
     pub fn prep_options(&self) -> PrepOptions {
         self.prep.options(self.pixels)

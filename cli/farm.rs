@@ -197,6 +197,7 @@ impl Args {
             ready: self.hand_over.ready,
             prep: self.hand_over.prep_options(),
             profile: self.hand_over.profile,
+            keep: self.hand_over.keep(),
             child_log: self.child_log.clone(),
             launcher: crate::launcher(),
             routing: match self.routing {

@@ -92,6 +92,7 @@ impl Args {
             ready: self.hand_over.ready,
             prep: self.hand_over.prep_options(),
             profile: self.hand_over.profile,
+            keep: self.hand_over.keep(),
             name: self.name.clone(),
             timeout: Duration::from_secs(self.timeout),
             spin: Duration::from_micros(self.spin_us),

@@ -28,6 +28,53 @@ fn farm_results_match_the_in_process_model_bitwise() {
 }
 
 #[test]
+fn top_k_lines_keep_the_highest_scores_of_the_full_lines() {
+    // The same inputs with every score and with --top-k 3: each line's "top_k" is the three
+    // highest of the full line's scores, highest first; "class" is the same; no "scores".
+    let dir = tmp();
+    let (full, top) = (dir.path().join("full.jsonl"), dir.path().join("top.jsonl"));
+    for (out, extra) in [(&full, &[][..]), (&top, &["--top-k", "3"][..])] {
+        let o = farm_cmd(out, 40, 2).args(extra).output().unwrap();
+        assert!(
+            o.status.success(),
+            "farm {extra:?} failed:\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
+    }
+    let by_index = |p: &Path| -> HashMap<u64, serde_json::Value> {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .lines()
+            .map(|l| serde_json::from_str::<serde_json::Value>(l).unwrap())
+            .map(|v| (v["index"].as_u64().unwrap(), v))
+            .collect()
+    };
+    let (full, top) = (by_index(&full), by_index(&top));
+    assert_eq!((full.len(), top.len()), (40, 40));
+    for (i, t) in &top {
+        let scores: Vec<f64> = full[i]["scores"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|x| x.as_f64().unwrap())
+            .collect();
+        let mut best: Vec<(usize, f64)> = scores.iter().copied().enumerate().collect();
+        best.sort_by(|a, b| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0)));
+        best.truncate(3);
+        let got: Vec<(usize, f64)> = t["top_k"]
+            .as_array()
+            .unwrap_or_else(|| panic!("input {i}: no top_k in {t}"))
+            .iter()
+            .map(|p| (p[0].as_u64().unwrap() as usize, p[1].as_f64().unwrap()))
+            .collect();
+        assert_eq!(got, best, "input {i}");
+        assert!(t.get("scores").is_none(), "input {i}: {t}");
+        assert_eq!(t["class"], full[i]["class"], "input {i}");
+        assert_eq!(t["class"].as_u64(), Some(best[0].0 as u64), "input {i}");
+    }
+}
+
+#[test]
 fn two_model_workers_answer_as_the_in_process_model() {
     // serve --workers 2: two threads, each its own copy of the model, each its share of the
     // producers: every answer still equals the in-process model's, bit for bit.

@@ -10,6 +10,7 @@ use tensorport_dfdx::ModelConfig;
 use tensorport_vision::{JpegDecoder, Source, Transform};
 
 use crate::error::{ConfigError, Result};
+use crate::record::Keep;
 
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -478,6 +479,8 @@ pub struct ProduceConfig {
     pub prep: PrepOptions,
     /// Add each input's stage times to its line.
     pub profile: bool,
+    /// Which of each input's scores its line keeps.
+    pub keep: Keep,
     /// Name shown in the server's logs and status, and in the result lines.
     pub name: String,
     /// How long to wait for a free slot or a result before giving up.
@@ -524,6 +527,9 @@ impl ProduceConfig {
         v.extend(self.prep.to_args());
         if self.profile {
             v.push("--profile".into());
+        }
+        if let Keep::Top(k) = self.keep {
+            v.extend(["--top-k".into(), k.to_string()]);
         }
         v
     }
@@ -650,6 +656,8 @@ pub struct FarmConfig {
     pub prep: PrepOptions,
     /// Time every step of every input.
     pub profile: bool,
+    /// Which of each input's scores its line keeps.
+    pub keep: Keep,
     /// Log filter of the children.
     pub child_log: String,
     /// How to start the children (`tensorport serve`, `tensorport produce`).

@@ -20,6 +20,10 @@ pub struct ResultLine {
     /// Class scores (logits), exactly as the model computed them.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub scores: Option<Vec<f32>>,
+    /// In place of `scores` when only the best are kept ([`Keep::Top`]): `[class, score]` pairs,
+    /// the highest score first.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub top_k: Option<Vec<(usize, f32)>>,
     /// What went wrong for this input, if anything.
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub error: Option<String>,
@@ -71,6 +75,30 @@ pub fn argmax(v: &[f32]) -> Option<usize> {
         .map(|(i, _)| i)
 }
 
+/// The `k` highest scores as `(class, score)`, the highest first (equal scores: the lower
+/// class first).
+pub fn top_k(v: &[f32], k: usize) -> Vec<(usize, f32)> {
+    let mut all: Vec<(usize, f32)> = v.iter().copied().enumerate().collect();
+    let by_score = |a: &(usize, f32), b: &(usize, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    if k < all.len() {
+        all.select_nth_unstable_by(k, by_score);
+        all.truncate(k);
+    }
+    all.sort_unstable_by(by_score);
+    all
+}
+
+/// Which of the model's scores a result line keeps.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub enum Keep {
+    /// Every score (`scores`).
+    #[default]
+    All,
+    /// The `k` highest, with their classes (`top_k`): for models with many classes, or
+    /// embeddings whose lines would otherwise be large.
+    Top(usize),
+}
+
 /// Milliseconds, as the records count them.
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -120,16 +148,19 @@ pub struct LineWriter {
     out: Box<dyn Write>,
     producer: String,
     profile: bool,
+    keep: Keep,
     written: u64,
 }
 
 impl LineWriter {
-    /// Lines for producer `producer`, with stage times if `profile`.
-    pub fn new(out: Box<dyn Write>, producer: String, profile: bool) -> LineWriter {
+    /// Lines for producer `producer`, with stage times if `profile`, keeping `keep` of each
+    /// input's scores.
+    pub fn new(out: Box<dyn Write>, producer: String, profile: bool, keep: Keep) -> LineWriter {
         LineWriter {
             out,
             producer,
             profile,
+            keep,
             written: 0,
         }
     }
@@ -161,6 +192,7 @@ impl LineWriter {
             input: source.to_string(),
             class: None,
             scores: None,
+            top_k: None,
             error: Some(error),
             latency_ms: t0.map_or(0.0, |t| ms(t.elapsed())),
             producer: self.producer.clone(),
@@ -190,11 +222,17 @@ impl LineWriter {
             },
             Err(e) => (None, Some(e.to_string())),
         };
+        let class = scores.as_deref().and_then(argmax);
+        let (scores, top) = match (self.keep, scores) {
+            (Keep::Top(k), Some(s)) => (None, Some(top_k(&s, k))),
+            (_, s) => (s, None),
+        };
         let line = ResultLine {
             index,
             input,
-            class: scores.as_deref().and_then(argmax),
+            class,
             scores,
+            top_k: top,
             error,
             latency_ms: ms(taken.elapsed()),
             producer: self.producer.clone(),
@@ -254,6 +292,16 @@ mod tests {
         assert_eq!(parse_work_record(b"1\tf\t"), Err("an empty path"));
         assert_eq!(parse_work_record(b"1\ts\tq"), Err("a bad image number"));
         assert_eq!(parse_work_record(b"1\tz\tq"), Err("an unknown kind"));
+    }
+
+    #[test]
+    fn top_k_keeps_the_highest_first_and_breaks_ties_by_class() {
+        let v = [0.5, 3.0, -1.0, 3.0, 2.0];
+        assert_eq!(top_k(&v, 3), vec![(1, 3.0), (3, 3.0), (4, 2.0)]);
+        assert_eq!(top_k(&v, 1), vec![(1, 3.0)]);
+        assert_eq!(top_k(&[1.0, 2.0], 5), vec![(1, 2.0), (0, 1.0)]);
+        assert_eq!(top_k(&[1.0, 2.0], 0), vec![]);
+        assert_eq!(top_k(&[], 3), vec![]);
     }
 
     #[test]

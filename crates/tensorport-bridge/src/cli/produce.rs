@@ -157,6 +157,7 @@ impl Run {
             input: input.to_string(),
             class,
             scores,
+            top_k: None,
             error,
             latency_ms: latency,
             producer: self.name.clone(),

@@ -291,6 +291,7 @@ impl Farm {
             ready: cfg.ready,
             prep: cfg.prep,
             profile: cfg.profile,
+            keep: cfg.keep,
             name: name.to_string(),
             timeout: Duration::from_secs(60),
             spin: Duration::from_micros(20),
