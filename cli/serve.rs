@@ -18,13 +18,13 @@ pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Slots per producer, unless the producer asks otherwise.
-    #[arg(long, default_value_t = 8)]
+    #[arg(long, default_value_t = ServeConfig::DEFAULT_SLOTS)]
     pub slots: u32,
     /// Bytes per slot, unless the producer asks otherwise [default: one input image].
     #[arg(long)]
     pub slot_size: Option<u64>,
     /// Most producers at once.
-    #[arg(long, default_value_t = 64)]
+    #[arg(long, default_value_t = ServeConfig::DEFAULT_MAX_SESSIONS)]
     pub max_sessions: u32,
     /// Memory all producers' pools may reserve together, e.g. 8G [default: a quarter of
     /// physical memory]. A producer whose pool does not fit is refused (MemoryBudget) until
@@ -39,7 +39,7 @@ pub struct Args {
     pub threads: Option<usize>,
     /// Microseconds to poll the producers' queues before sleeping on their doorbells: more costs
     /// CPU while idle and saves the wake-up (tens of µs) when work comes soon.
-    #[arg(long, default_value_t = 50)]
+    #[arg(long, default_value_t = ServeConfig::DEFAULT_SPIN.as_micros() as u64)]
     pub spin_us: u64,
     /// Serve Prometheus metrics on http://ADDR/metrics (e.g. 127.0.0.1:9464; port 0 picks a free
     /// one): the counters of `ctl status`, batch sizes, model time per batch and request service
@@ -61,7 +61,7 @@ pub struct Args {
     /// GPU producers' device tensors (--device cuda): milliseconds a batch waits for a
     /// producer's "ready" fence. A tensor still not signalled then is failed (FenceTimeout) and
     /// its producer's session ended, so a producer that never signals cannot stall the others.
-    #[arg(long, default_value_t = 10_000, value_name = "MS")]
+    #[arg(long, default_value_t = ServeConfig::DEFAULT_FENCE_TIMEOUT.as_millis() as u64, value_name = "MS")]
     pub fence_timeout_ms: u64,
 }
 

@@ -51,6 +51,30 @@ fn async_batches_serves_all() {
 }
 
 #[test]
+fn own_model_serves_a_model_written_in_the_example_to_a_farm() {
+    let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/images");
+    let want = std::fs::read_dir(&dir).unwrap().count();
+    let out = run("own_model", &[]);
+    assert!(
+        out.contains(&format!("{want} images classified by your model")),
+        "{out}"
+    );
+    let mut classified = 0;
+    for line in out.lines().filter(|l| l.starts_with("sample-")) {
+        // `NAME: COLOUR [r,g,b]`: the class is the largest score's.
+        let (_, rest) = line.split_once(": ").unwrap();
+        let (colour, scores) = rest.split_once(' ').unwrap();
+        let scores: Vec<f32> = serde_json::from_str(scores).unwrap();
+        let best = (0..3)
+            .max_by(|&a, &b| scores[a].total_cmp(&scores[b]))
+            .unwrap();
+        assert_eq!(colour, ["red", "green", "blue"][best], "{line}");
+        classified += 1;
+    }
+    assert_eq!(classified, want, "{out}");
+}
+
+#[test]
 fn examples_refuse_arguments_they_do_not_understand() {
     for (name, args, says) in [
         ("minimal", &["--fast"][..], "unexpected argument '--fast'"),
@@ -65,6 +89,8 @@ fn examples_refuse_arguments_they_do_not_understand() {
             "unexpected argument 'extra'",
         ),
         ("async_batches", &["0"][..], "'0' is not a positive count"),
+        ("own_model", &["a", "b"][..], "unexpected argument 'b'"),
+        ("own_model", &["--fast"][..], "unexpected argument '--fast'"),
     ] {
         let o = Command::new(example(name)).args(args).output().unwrap();
         let err = String::from_utf8_lossy(&o.stderr);

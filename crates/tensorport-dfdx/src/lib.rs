@@ -51,6 +51,9 @@ pub enum Error {
     /// The device failed.
     #[error("device error: {0}")]
     Device(String),
+    /// A model of the user's own failed on a batch.
+    #[error("the model failed: {0}")]
+    Model(String),
     /// A GPU producer did not signal its device tensor ready within the fence timeout: the
     /// wait was let through, the row holds no tensor of its; fail the request and end the
     /// producer's session (`Request::fail_and_end_session`, `ErrorCode::FenceTimeout`).

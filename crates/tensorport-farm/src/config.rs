@@ -565,6 +565,36 @@ pub struct ServeConfig {
 }
 
 impl ServeConfig {
+    /// Slots per producer unless it asks otherwise.
+    pub const DEFAULT_SLOTS: u32 = 8;
+    /// Producers at once.
+    pub const DEFAULT_MAX_SESSIONS: u32 = 64;
+    /// Polling the producers' queues before sleeping on their doorbells.
+    pub const DEFAULT_SPIN: Duration = Duration::from_micros(50);
+    /// A batch's wait for a GPU producer's "ready" fence.
+    pub const DEFAULT_FENCE_TIMEOUT: Duration = Duration::from_secs(10);
+
+    /// A server of `model` on `socket` with the defaults: 8 slots per producer of one image
+    /// each, 64 producers, the transport's memory budget, all cores, one model worker, no
+    /// metrics.
+    pub fn new(socket: impl Into<PathBuf>, model: ModelOptions) -> ServeConfig {
+        ServeConfig {
+            socket: socket.into(),
+            model,
+            slots: Self::DEFAULT_SLOTS,
+            slot_size: None,
+            max_sessions: Self::DEFAULT_MAX_SESSIONS,
+            memory_budget: None,
+            max_session_memory: None,
+            threads: None,
+            spin: Self::DEFAULT_SPIN,
+            metrics: None,
+            workers: 1,
+            sink: false,
+            fence_timeout: Self::DEFAULT_FENCE_TIMEOUT,
+        }
+    }
+
     /// The options a farm passes to a server child (the socket is its own).
     pub fn to_args(&self) -> Vec<String> {
         let mut v = self.model.to_args();

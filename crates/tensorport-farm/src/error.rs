@@ -22,6 +22,11 @@ pub enum ConfigError {
     /// A reduced precision was asked where cuDNN cannot be loaded.
     #[error("precision {0}: {1}")]
     PrecisionNeedsCudnn(tensorport_cuda::Precision, tensorport_cuda::Error),
+    /// A model of the caller's own (`serve::run_with`) was given a GPU.
+    #[error(
+        "a model of your own runs on the CPU (serve::run_with): set the model's device to the CPU"
+    )]
+    OwnModelOnCpu,
     /// A GPU device was asked of a build without CUDA.
     #[error("this tensorport was built without CUDA")]
     NoCudaBuild,

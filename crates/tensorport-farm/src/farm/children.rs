@@ -247,19 +247,11 @@ impl Farm {
         let mut model = cfg.model.clone();
         model.device = self.devices[k];
         ServeConfig {
-            socket: self.sockets[k].clone(),
-            model,
             slots: cfg.in_flight,
-            slot_size: None,
             max_sessions: (cfg.producers + cfg.gpu_producers + 4) as u32,
-            memory_budget: None,
-            max_session_memory: None,
             threads: cfg.threads,
-            spin: Duration::from_micros(50),
-            metrics: None,
             workers: cfg.workers,
-            sink: false,
-            fence_timeout: Duration::from_secs(10),
+            ..ServeConfig::new(self.sockets[k].clone(), model)
         }
     }
 

@@ -10,6 +10,7 @@
 mod batch;
 pub mod metrics;
 mod onnx;
+mod own;
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -21,6 +22,7 @@ use tensorport_dfdx::dfdx::prelude::{Cpu, Device as DfdxDevice};
 use tensorport_dfdx::{stack_images, ImageClassifier};
 
 pub use batch::{BatchLoop, Model, ReleaseFn, StackFn};
+pub use own::{HostBatch, HostModel};
 
 use crate::config::{Device, ModelKind, ModelOptions, ServeConfig};
 use crate::error::{ConfigError, Error, Result};
@@ -60,6 +62,55 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
         &move |dev: &Cpu| match &model.kind {
             ModelKind::Onnx(path) => onnx::load_on_cpu(path, model.config.image_size, threads),
             _ => load_dfdx(dev, &model),
+        },
+    )
+}
+
+/// Runs the server, as [`run`], with a model of your own on the CPU instead of `cfg.model`'s:
+/// `load` makes each model worker's (on that worker's thread; the first before the socket
+/// listens, so a model that cannot load fails at once). The producers, batching (`cfg.model`'s
+/// image size, largest batch and wait) and fault handling are the server's. `cfg.model`'s device
+/// must be the CPU; its kind is not used.
+///
+/// ```no_run
+/// use tensorport_farm::serve::{HostBatch, HostModel};
+/// use tensorport_farm::{ModelOptions, ServeConfig};
+///
+/// struct Brightness;
+/// impl HostModel for Brightness {
+///     fn run(&mut self, batch: HostBatch<'_>) -> Result<Vec<Vec<f32>>, String> {
+///         Ok((0..batch.rows)
+///             .map(|i| vec![batch.image(i).iter().sum::<f32>()])
+///             .collect())
+///     }
+/// }
+/// let cfg = ServeConfig::new("/tmp/my.sock", ModelOptions::default());
+/// tensorport_farm::serve::run_with(&cfg, || Ok(Box::new(Brightness)))?;
+/// # Ok::<(), tensorport_farm::Error>(())
+/// ```
+pub fn run_with<F>(cfg: &ServeConfig, load: F) -> Result<()>
+where
+    F: Fn() -> std::result::Result<Box<dyn HostModel>, String> + Sync,
+{
+    if cfg.model.device != Device::Cpu {
+        return Err(ConfigError::OwnModelOnCpu.into());
+    }
+    let mut cfg = cfg.clone();
+    // The model is the caller's: nothing of `cfg.model`'s own is loaded.
+    cfg.model.kind = ModelKind::Classifier;
+    cfg.model.check()?;
+    serve_on(
+        &cfg,
+        Hooks::default(),
+        &|| {
+            let stack: Box<StackFn<Cpu>> =
+                Box::new(|dev, reqs, shape| stack_images(dev, reqs, shape));
+            let release: Box<ReleaseFn> = Box::new(|_| Ok(()));
+            Ok((Cpu::default(), stack, release))
+        },
+        &|_: &Cpu| -> Result<Model<Cpu>> {
+            let model = load().map_err(|e| Error::Other(format!("cannot load the model: {e}")))?;
+            Ok(Box::new(own::Own(model)))
         },
     )
 }
@@ -140,7 +191,7 @@ struct Hooks {
 type WorkerFn<D> = dyn Fn() -> Result<(D, Box<StackFn<D>>, Box<ReleaseFn>)> + Sync;
 
 /// Loads one worker's model on its device (on the worker's own thread).
-type LoadFn<D> = dyn Fn(&D) -> Result<Model<D>> + Sync;
+type LoadFn<'a, D> = dyn Fn(&D) -> Result<Model<D>> + Sync + 'a;
 
 /// The bundled model on dfdx's own kernels (the CPU model; on the GPU where cuDNN is missing).
 fn load_dfdx<D: DfdxDevice<f32>>(dev: &D, model: &ModelOptions) -> Result<Model<D>>
@@ -173,7 +224,7 @@ fn serve_on<D: DfdxDevice<f32>>(
     cfg: &ServeConfig,
     hooks: Hooks,
     make: &WorkerFn<D>,
-    load_model: &LoadFn<D>,
+    load_model: &LoadFn<'_, D>,
 ) -> Result<()> {
     let mc = cfg.model.config;
     let workers = cfg.workers.max(1);
