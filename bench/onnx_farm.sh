@@ -1,30 +1,55 @@
 #!/usr/bin/env bash
-# An ONNX network (ResNet-50 from bench/peers/resnet50_onnx.py) on the GPU through ONNX Runtime:
-# the model alone (model-bench, batches already on the GPU) beside the default GPU farm end to
-# end (a folder of JPEGs -> result lines) with the model, with `--model none`, and with two model
-# workers, on the uniform set (bench/make_sets.sh) listed REPEAT times, two rounds. Each farm
-# line is its summary's throughput (after start-up) and batches.
+# An ONNX network (ResNet-50 from bench/peers/resnet50_onnx.py, f32 and f16) on the GPU through
+# ONNX Runtime, end to end from a folder of JPEGs to result lines, on the uniform and the varied
+# set of bench/make_sets.sh, beside the model alone and the peers, in one run:
 #
-#   bench/onnx_farm.sh TENSORPORT MODELS_DIR SETS_DIR [REPEAT]
+# - the model alone: `model-bench` (batches already on the GPU), and with PEERS=1 the same file
+#   in onnxruntime's Python API (bench/peers/onnx_model.py);
+# - the farm with the model: its default mix, CPU producers only, and GPU producers only; and
+#   `--model none` (the pipeline's own ceiling);
+# - with PEERS=1, the Python pipelines into the same file and network
+#   (bench/peers/onnx_pipelines.py: the DataLoader and DALI into onnxruntime-gpu and into the
+#   network under torch.compile).
+#
+# Each farm line is its summary's throughput (after start-up) and batches; each set is listed
+# REPEAT times (the uniform set) or REPEAT_VARIED times (the varied one).
+#
+#   bench/onnx_farm.sh TENSORPORT MODELS_DIR SETS_DIR [REPEAT] [REPEAT_VARIED]
 #
 # TENSORPORT_ORT names onnxruntime-gpu's libonnxruntime.so; LD_LIBRARY_PATH must reach CUDA 13,
 # cuBLAS and cuDNN 9 (scripts/gpu-env.sh). TENSORPORT_TIMEOUT: seconds any one command may take.
 set -euo pipefail
-lim=(); [[ -n ${TENSORPORT_TIMEOUT:-} ]] && lim=(timeout "$TENSORPORT_TIMEOUT")
-tp=$1; models=$2; sets=$3; repeat=${4:-5}
-list=$(mktemp); trap 'rm -f "$list"' EXIT
-for _ in $(seq "$repeat"); do find "$sets/uniform" -name '*.jpg' | sort; done > "$list"
-echo "inputs: $(wc -l < "$list") ($repeat x the uniform set)"
+lim=(); [[ -n ${TENSORPORT_TIMEOUT:-} ]] && lim=("timeout" "$TENSORPORT_TIMEOUT")
+tp=$1; models=$2; sets=$3; repeat=${4:-5}; repeat_varied=${5:-2}
+here=$(cd "$(dirname "$0")" && pwd)
+lists=$(mktemp -d); trap 'rm -rf "$lists"' EXIT
+for _ in $(seq "$repeat"); do find "$sets/uniform" -name '*.jpg' | sort; done > "$lists/uniform"
+for _ in $(seq "$repeat_varied"); do find "$sets/varied" -name '*.jpg' | sort; done > "$lists/varied"
+cores=$(nproc)
 for m in resnet50 resnet50_f16; do
   "${lim[@]}" "$tp" --log warn model-bench --device cuda --model "$models/$m.onnx" \
-    --batch 32,64,128 --seconds 2 | grep '|'
+    --batch 32,128,256 --seconds 2 | grep '|'
+  if [[ ${PEERS:-0} == 1 ]]; then
+    "${lim[@]}" python3 "$here/peers/onnx_model.py" "$models/$m.onnx" --provider cuda \
+      --batch 32,128,256 --seconds 2 | grep '|' || echo "onnx_model.py $m failed"
+  fi
 done
-for round in 1 2; do
-  for cfg in "none" "resnet50" "resnet50_f16" "resnet50 --workers 2" "resnet50_f16 --workers 2"; do
-    set -- $cfg; m=$1; shift
+for s in uniform varied; do
+  echo "$s: $(wc -l < "$lists/$s") inputs"
+  for m in none resnet50 resnet50_f16; do
     model=$models/$m.onnx; [[ $m == none ]] && model=none
-    summary=$("${lim[@]}" "$tp" --log warn farm --device cuda --model "$model" "$@" \
-      --input-list "$list" --progress never -o /dev/null 2>&1 | grep -E 'throughput|batches' || true)
-    echo "round $round, $cfg: $(echo "$summary" | tr -s ' ' | tr '\n' ' ')"
+    for mix in "default" "cpu -p $((cores - 1)) --gpu-producers 0" "gpu -p 0 --gpu-producers 2"; do
+      set -- $mix; name=$1; shift
+      summary=$("${lim[@]}" "$tp" --log warn farm --device cuda --model "$model" "$@" \
+        --input-list "$lists/$s" --progress never -o /dev/null 2>&1 \
+        | grep -E 'throughput|batches' || true)
+      echo "$s, $m, $name: $(echo "$summary" | tr -s ' ' | tr '\n' ' ')"
+    done
   done
+  if [[ ${PEERS:-0} == 1 ]]; then
+    for m in resnet50 resnet50_f16; do
+      "${lim[@]}" python3 "$here/peers/onnx_pipelines.py" "$lists/$s" "$models/$m.onnx" \
+        2>&1 | sed "s/^/$s, $m, /" | grep -v Warning || echo "$s, $m: onnx_pipelines.py failed"
+    done
+  fi
 done
