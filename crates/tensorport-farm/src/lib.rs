@@ -20,6 +20,8 @@
 //! # Ok::<(), tensorport_farm::Error>(())
 //! ```
 
+#![deny(unsafe_code)]
+
 pub mod config;
 mod error;
 pub mod farm;

@@ -9,6 +9,8 @@
 
 mod batch;
 pub mod metrics;
+// The device batch handed to ONNX Runtime's session thread by address: the crate's only unsafe.
+#[allow(unsafe_code)]
 mod onnx;
 mod own;
 
