@@ -79,3 +79,59 @@ fn every_peer_script_the_docs_name_exists() {
         );
     }
 }
+
+/// A heading's anchor as GitHub makes it: lower case, punctuation dropped, spaces to hyphens.
+fn anchor_of(heading: &str) -> String {
+    heading
+        .trim()
+        .to_lowercase()
+        .chars()
+        .filter(|c| c.is_alphanumeric() || matches!(c, '-' | '_' | ' '))
+        .map(|c| if c == ' ' { '-' } else { c })
+        .collect()
+}
+
+#[test]
+fn every_link_between_the_docs_resolves() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let mut docs: Vec<std::path::PathBuf> = std::fs::read_dir(root.join("docs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .filter(|p| p.extension().is_some_and(|e| e == "md"))
+        .collect();
+    docs.extend([root.join("README.md"), root.join("CHANGELOG.md")]);
+    let anchors = |p: &Path| -> Vec<String> {
+        std::fs::read_to_string(p)
+            .unwrap()
+            .lines()
+            .filter_map(|l| l.strip_prefix('#'))
+            .map(|l| anchor_of(l.trim_start_matches('#')))
+            .collect()
+    };
+    let mut broken = Vec::new();
+    for doc in &docs {
+        let text = std::fs::read_to_string(doc).unwrap();
+        for link in text.split("](").skip(1) {
+            let Some(end) = link.find(')') else { continue };
+            let link = &link[..end];
+            if link.contains("://") || link.contains(char::is_whitespace) {
+                continue;
+            }
+            let (file, anchor) = link.split_once('#').unwrap_or((link, ""));
+            let target = if file.is_empty() {
+                doc.clone()
+            } else {
+                doc.parent().unwrap().join(file)
+            };
+            if !target.exists() {
+                broken.push(format!("{}: {link} (no such file)", doc.display()));
+            } else if !anchor.is_empty()
+                && target.extension().is_some_and(|e| e == "md")
+                && !anchors(&target).iter().any(|a| a == anchor)
+            {
+                broken.push(format!("{}: {link} (no such heading)", doc.display()));
+            }
+        }
+    }
+    assert!(broken.is_empty(), "broken links:\n{}", broken.join("\n"));
+}
