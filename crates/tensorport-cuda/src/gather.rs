@@ -19,28 +19,7 @@ const PER_LAUNCH: usize = 32;
 /// Copy `k` of a launch is `len[k]` bytes from `src[k]` to `dst[k]`; blocks along y take one
 /// copy each, along x they share it (16 bytes per thread and step where all three are
 /// multiples of 16, a byte otherwise).
-const KERNEL: &str = r#"
-struct TpCopies {
-    unsigned long long src[32];
-    unsigned long long dst[32];
-    unsigned long long len[32];
-};
-extern "C" __global__ void tp_gather(const TpCopies c) {
-    const unsigned int k = blockIdx.y;
-    const unsigned long long n = c.len[k];
-    const unsigned long long stride = (unsigned long long)gridDim.x * blockDim.x;
-    const unsigned long long first = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (((c.src[k] | c.dst[k] | n) & 15ull) == 0) {
-        const uint4* s = (const uint4*)c.src[k];
-        uint4* d = (uint4*)c.dst[k];
-        for (unsigned long long i = first; i < n / 16; i += stride) d[i] = s[i];
-    } else {
-        const unsigned char* s = (const unsigned char*)c.src[k];
-        unsigned char* d = (unsigned char*)c.dst[k];
-        for (unsigned long long i = first; i < n; i += stride) d[i] = s[i];
-    }
-}
-"#;
+const KERNEL: &str = include_str!("kernels/gather.cu");
 
 /// The kernel's parameter, laid out as `TpCopies`.
 #[repr(C)]

@@ -9,15 +9,7 @@ use crate::{DeviceBuffer, Gpu, Result, Stream};
 
 /// `out[i] = lut[c][in[i]]`, `c = (i / plane) % 3`, over `n` values (whole images of three
 /// planes each, one after the other).
-const KERNEL: &str = r#"
-extern "C" __global__ void tp_normalise_u8(const unsigned char* src, float* dst,
-                                           const float* lut, unsigned long long plane,
-                                           unsigned long long n) {
-    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    dst[i] = lut[((i / plane) % 3) * 256 + src[i]];
-}
-"#;
+const KERNEL: &str = include_str!("kernels/normalise.cu");
 
 /// The normalising kernel, the table on the device, and a staging buffer for the bytes.
 pub struct GpuNormaliser {

@@ -10,16 +10,7 @@ use crate::kernel::Kernel;
 use crate::{DeviceBuffer, Gpu, Result, Stream};
 
 /// `dst[i] = (half)src[i]` over `n` values, with the PTX conversion instruction (no header).
-const KERNEL: &str = r#"
-extern "C" __global__ void tp_f32_to_f16(const float* src, unsigned short* dst,
-                                         unsigned long long n) {
-    unsigned long long i = (unsigned long long)blockIdx.x * blockDim.x + threadIdx.x;
-    if (i >= n) return;
-    unsigned short h;
-    asm("cvt.rn.f16.f32 %0, %1;" : "=h"(h) : "f"(src[i]));
-    dst[i] = h;
-}
-"#;
+const KERNEL: &str = include_str!("kernels/stage.cu");
 
 /// The rows a batch of `rows` images is padded to: a power of two up to 32, then a multiple of
 /// 32 (at most 9 shapes up to 128 rows).
