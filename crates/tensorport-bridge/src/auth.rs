@@ -17,6 +17,7 @@ pub const MIN_TOKEN: usize = 16;
 
 /// Why a token could not be read or made.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum TokenError {
     /// The file could not be read or written.
     #[error("token file {path}: {source}")]

@@ -40,6 +40,7 @@ pub struct RemoteConfig {
 
 /// What went wrong between a remote producer and its gateway.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum RemoteError {
     /// The address is not a URL.
     #[error("bad gateway address {0:?}: {1}")]

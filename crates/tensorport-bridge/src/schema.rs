@@ -43,6 +43,7 @@ const MAX_METADATA: usize = 4096;
 
 /// Why a peer's schema or batch was refused.
 #[derive(Debug, thiserror::Error, PartialEq, Eq)]
+#[non_exhaustive]
 pub enum SchemaError {
     /// The schema does not have the bridge's columns.
     #[error("the stream's schema is not a tensor batch: {0}")]

@@ -75,6 +75,7 @@ use thiserror::Error;
 
 /// Errors of this crate.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum Error {
     /// libcuda cannot be loaded.
     #[error("no usable NVIDIA driver: libcuda.so could not be loaded (no GPU here, or the driver's libraries are not on LD_LIBRARY_PATH); run on a machine with an NVIDIA GPU and its driver")]

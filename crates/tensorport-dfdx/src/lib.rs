@@ -26,6 +26,7 @@ use thiserror::Error;
 
 /// Errors of this crate.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A request does not fit the model's input.
     #[error("request {request_id} from {producer}: {problem}")]

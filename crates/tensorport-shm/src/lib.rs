@@ -31,6 +31,7 @@ use thiserror::Error;
 
 /// Errors of this crate. Each names the call that failed and what to do where it can.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum ShmError {
     /// A system call failed.
     #[error("{call} failed: {source}")]

@@ -75,6 +75,7 @@ const OFF_SOCKET_SEQ: usize = 896;
 
 /// Why a ring operation failed.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum RingError {
     /// The peer wrote a position that cannot be (it moved backwards or past the capacity).
     #[error("the peer corrupted the {queue} queue: {what}")]

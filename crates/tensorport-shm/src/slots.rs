@@ -19,6 +19,7 @@ pub enum SlotState {
 
 /// Why a slot operation was refused.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum SlotError {
     /// No such slot.
     #[error("slot {slot} does not exist (pool has {count})")]

@@ -36,6 +36,7 @@ pub use transform::Transform;
 
 /// Errors of this crate.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum Error {
     /// A file could not be read or decoded.
     #[error("{path}: {problem}")]

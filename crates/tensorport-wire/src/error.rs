@@ -80,6 +80,7 @@ impl ErrorCode {
 
 /// Everything that can be wrong with bytes or a message received from a peer.
 #[derive(Debug, Clone, PartialEq, Eq, Error)]
+#[non_exhaustive]
 pub enum WireError {
     /// The payload is not a valid postcard encoding of the expected message.
     #[error("malformed message: {0}")]

@@ -19,6 +19,7 @@ use tensorport_wire::RawDeviceHandle;
 /// Why a registered device buffer could not be opened; each says whose fault it is, so the
 /// server answers with the right protocol code.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[non_exhaustive]
 pub enum ImportError {
     /// The producer said the buffer has more bytes than the allocation behind its handle holds
     /// (refused: reads past the allocation would fault the server's context).

@@ -9,6 +9,7 @@ use thiserror::Error;
 /// Everything the server and producer APIs can fail with. Each message says what to do where
 /// there is something to do.
 #[derive(Debug, Error)]
+#[non_exhaustive]
 pub enum Error {
     /// Nothing listens at the socket path.
     #[error("no tensorport server at {path} ({source}); start a server there, or connect to the path one listens on ($TENSORPORT_SOCKET sets the default)")]

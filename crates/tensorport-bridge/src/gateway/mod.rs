@@ -99,6 +99,7 @@ pub struct Counters {
 
 /// Why a gateway could not serve.
 #[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
 pub enum ServeError {
     /// Its TLS certificate or key could not be read.
     #[error(transparent)]
