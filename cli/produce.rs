@@ -44,10 +44,10 @@ pub struct Args {
     #[arg(long, default_value = "producer")]
     pub name: String,
     /// How long to wait for a free slot or a result before giving up, in seconds.
-    #[arg(long, default_value_t = 60)]
+    #[arg(long, default_value_t = ProduceConfig::DEFAULT_TIMEOUT.as_secs())]
     pub timeout: u64,
     /// Microseconds to poll for results before sleeping on the doorbell (see `serve --spin-us`).
-    #[arg(long, default_value_t = 20)]
+    #[arg(long, default_value_t = ProduceConfig::DEFAULT_SPIN.as_micros() as u64)]
     pub spin_us: u64,
     /// A file whose read has not returned after this many seconds (a hung network mount, say)
     /// gets an error line, "hung while reading"; the inputs after it wait for the read.
@@ -70,6 +70,10 @@ pub struct Args {
     /// on the hardware decoder, PNGs), while the GPU decodes the rest of the batch.
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub cpu_threads: usize,
+    /// The whole configuration as one JSON document, in place of the flags above (how
+    /// `tensorport farm` starts its producers).
+    #[arg(long, value_name = "JSON", hide = true)]
+    pub config_data: Option<String>,
 }
 
 impl Args {
@@ -107,9 +111,13 @@ impl Args {
 }
 
 pub fn run(a: Args) -> CliResult<u8> {
-    if a.input.is_none() && a.synthetic.is_none() && !a.worklist {
-        return Err(tensorport_farm::Error::from(tensorport_farm::ConfigError::NoInputs).into());
-    }
-    tensorport_farm::produce::run(&a.config())?;
+    let cfg = match &a.config_data {
+        Some(data) => ProduceConfig::from_data(data).map_err(tensorport_farm::Error::from)?,
+        None if a.input.is_none() && a.synthetic.is_none() && !a.worklist => {
+            return Err(tensorport_farm::Error::from(tensorport_farm::ConfigError::NoInputs).into())
+        }
+        None => a.config(),
+    };
+    tensorport_farm::produce::run(&cfg)?;
     Ok(0)
 }

@@ -63,6 +63,10 @@ pub struct Args {
     /// its producer's session ended, so a producer that never signals cannot stall the others.
     #[arg(long, default_value_t = ServeConfig::DEFAULT_FENCE_TIMEOUT.as_millis() as u64, value_name = "MS")]
     pub fence_timeout_ms: u64,
+    /// The whole configuration as one JSON document, in place of the flags above (how
+    /// `tensorport farm` starts its servers).
+    #[arg(long, value_name = "JSON", hide = true)]
+    pub config_data: Option<String>,
 }
 
 impl Args {
@@ -87,8 +91,12 @@ impl Args {
 }
 
 pub fn run(a: Args) -> CliResult<u8> {
+    let cfg = match &a.config_data {
+        Some(data) => ServeConfig::from_data(data).map_err(tensorport_farm::Error::from)?,
+        None => a.config(),
+    };
     // A pool over the file size limit is then one producer refused, not the server killed.
     tensorport_farm::process::catch_sigxfsz();
-    tensorport_farm::serve::run(&a.config())?;
+    tensorport_farm::serve::run(&cfg)?;
     Ok(0)
 }

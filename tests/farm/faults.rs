@@ -249,11 +249,14 @@ fn two_ctrl_c_stop_at_once_and_leave_nothing_behind() {
                 .split(|&b| b == 0)
                 .map(|a| String::from_utf8_lossy(a).into_owned())
                 .collect();
-            let sock = args
+            // The server's configuration comes as one JSON document.
+            let data = args
                 .iter()
-                .position(|a| a == "--socket")
-                .map(|i| PathBuf::from(&args[i + 1]))
-                .expect("the server's --socket");
+                .position(|a| a == "--config-data")
+                .map(|i| args[i + 1].clone())
+                .expect("the server's --config-data");
+            let cfg: serde_json::Value = serde_json::from_str(&data).unwrap();
+            let sock = PathBuf::from(cfg["socket"].as_str().expect("a socket in it"));
             break (pid, sock.parent().unwrap().to_path_buf());
         }
         assert!(

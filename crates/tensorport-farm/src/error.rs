@@ -22,6 +22,9 @@ pub enum ConfigError {
     /// A reduced precision was asked where cuDNN cannot be loaded.
     #[error("precision {0}: {1}")]
     PrecisionNeedsCudnn(tensorport_cuda::Precision, tensorport_cuda::Error),
+    /// A configuration document (`--config-data`) that is not one.
+    #[error("not a configuration document: {0}")]
+    Data(String),
     /// A model of the caller's own (`serve::run_with`) was given a GPU.
     #[error(
         "a model of your own runs on the CPU (serve::run_with): set the model's device to the CPU"

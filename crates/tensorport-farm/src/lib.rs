@@ -2,8 +2,8 @@
 //! that supervises them, as a library. The `tensorport` binary is a thin face over it: it maps
 //! flags to these configuration types and shows what a farm reports.
 //!
-//! - [`config`]: [`ProduceConfig`], [`ServeConfig`], [`FarmConfig`] and their parts, with
-//!   `to_args` for child processes.
+//! - [`config`]: [`ProduceConfig`], [`ServeConfig`], [`FarmConfig`] and their parts, each
+//!   default set once; a child's configuration travels as one JSON document (`to_data`).
 //! - [`record`]: the result line, its stage times, the worklist line.
 //! - [`feed`]: a producer's inputs, read ahead on a thread of their own.
 //! - [`produce`]: the CPU and GPU producer loops on one skeleton.

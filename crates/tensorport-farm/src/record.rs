@@ -89,7 +89,7 @@ pub fn top_k(v: &[f32], k: usize) -> Vec<(usize, f32)> {
 }
 
 /// Which of the model's scores a result line keeps.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Keep {
     /// Every score (`scores`).
     #[default]

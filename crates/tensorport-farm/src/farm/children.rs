@@ -216,13 +216,11 @@ impl Farm {
         }
     }
 
-    fn command(&self, sub: &str, server: usize) -> Command {
+    fn command(&self, sub: &str) -> Command {
         let mut c = self.cfg.launcher.command();
         c.arg("--log")
             .arg(&self.cfg.child_log)
             .arg(sub)
-            .arg("--socket")
-            .arg(&self.sockets[server])
             .env(crate::process::FARM_PID_ENV, std::process::id().to_string())
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
@@ -285,8 +283,8 @@ impl Farm {
             profile: cfg.profile,
             keep: cfg.keep,
             name: name.to_string(),
-            timeout: Duration::from_secs(60),
-            spin: Duration::from_micros(20),
+            timeout: ProduceConfig::DEFAULT_TIMEOUT,
+            spin: ProduceConfig::DEFAULT_SPIN,
             // Given up on before the farm takes the producer as hung, so the file that held it
             // up has its line by then.
             read_timeout: crate::config::DEFAULT_READ_TIMEOUT.min(cfg.stall / 2),
@@ -295,8 +293,8 @@ impl Farm {
     }
 
     pub(super) fn start_server(&self, k: usize, generation: u64) -> Result<Child> {
-        let mut c = self.command("serve", k);
-        c.args(self.serve_config(k).to_args());
+        let mut c = self.command("serve");
+        c.arg("--config-data").arg(self.serve_config(k).to_data());
         let mut child = c.spawn().map_err(|source| Error::Spawn {
             name: self.server_name(k),
             source,
@@ -319,9 +317,9 @@ impl Farm {
 
     /// Starts producer `slot` against server `server`.
     pub(super) fn start_producer(&self, slot: usize, w: &mut Worker, server: usize) -> Result<()> {
-        let mut c = self.command("produce", server);
-        c.arg("--worklist")
-            .args(self.produce_config(&w.name, w.gpu, server).to_args())
+        let mut c = self.command("produce");
+        c.arg("--config-data")
+            .arg(self.produce_config(&w.name, w.gpu, server).to_data())
             .stdin(Stdio::piped());
         let mut child = c.spawn().map_err(|source| Error::Spawn {
             name: w.name.clone(),

@@ -1,6 +1,6 @@
 //! The configuration of a producer, a server and a farm, as types. A front end (the command
-//! line, a test, another program) fills these in; `to_args` turns a configuration back into the
-//! `tensorport` command line the farm starts its children with.
+//! line, a test, another program) fills these in; a farm hands its children theirs as data
+//! (`ProduceConfig::to_data`, `ServeConfig::to_data`: one JSON document each), never as flags.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -9,11 +9,15 @@ use tensorport_cuda::Precision;
 use tensorport_dfdx::ModelConfig;
 use tensorport_vision::{JpegDecoder, Source, Transform};
 
+use serde::{Deserialize, Serialize};
+
 use crate::error::{ConfigError, Result};
 use crate::record::Keep;
 
+mod data;
+
 /// Where the model runs.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Device {
     /// The CPU.
     Cpu,
@@ -53,7 +57,7 @@ impl std::str::FromStr for Device {
 }
 
 /// What the server runs on each batch.
-#[derive(Debug, Clone, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default, Serialize, Deserialize)]
 pub enum ModelKind {
     /// The bundled image classifier.
     #[default]
@@ -93,7 +97,7 @@ impl std::str::FromStr for ModelKind {
 }
 
 /// What producers hand over per image.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum Pixels {
     /// Normalised `f32` planes, ready for the model.
@@ -140,7 +144,7 @@ impl Pixels {
 }
 
 /// The preprocessing a producer applies.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum TransformKind {
     /// Resize the shorter side to size/0.875 (256 for 224), antialiased; centre-crop size×size
@@ -168,10 +172,11 @@ impl TransformKind {
 }
 
 /// The model, and how the server runs it; server and producers must agree on the image size.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ModelOptions {
     pub kind: ModelKind,
     /// Image size, classes, width.
+    #[serde(with = "data::model_config")]
     pub config: ModelConfig,
     /// Weights file (safetensors); without it, weights come from `seed`.
     pub weights: Option<PathBuf>,
@@ -182,13 +187,14 @@ pub struct ModelOptions {
     /// How long a batch waits for more requests after its first.
     pub max_wait: Duration,
     /// The convolutions' arithmetic on the GPU; `None` is f32 (and, in benchmarks, every one).
+    #[serde(with = "data::precision")]
     pub precision: Option<Precision>,
     /// ONNX Runtime's execution provider for an ONNX model on a GPU.
     pub ort_provider: OrtProvider,
 }
 
 /// ONNX Runtime's execution provider for an ONNX model on a GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 pub enum OrtProvider {
     /// The CUDA execution provider (cuDNN's convolutions).
@@ -321,47 +327,13 @@ impl ModelOptions {
             None => CudnnClassifier::from_seed(dev, gpu, self.config, self.seed, how)?,
         })
     }
-
-    /// The same options as `tensorport serve` arguments.
-    pub fn to_args(&self) -> Vec<String> {
-        let mut v: Vec<String> = vec![
-            "--model".into(),
-            self.kind.arg(),
-            "--image-size".into(),
-            self.config.image_size.to_string(),
-            "--classes".into(),
-            self.config.classes.to_string(),
-            "--width".into(),
-            self.config.width.to_string(),
-            "--seed".into(),
-            self.seed.to_string(),
-            "--device".into(),
-            self.device.to_string(),
-            "--max-batch".into(),
-            self.max_batch.to_string(),
-            "--max-wait-ms".into(),
-            self.max_wait.as_millis().to_string(),
-        ];
-        if let Some(p) = self.precision {
-            v.push("--precision".into());
-            v.push(p.name().into());
-        }
-        if matches!(self.kind, ModelKind::Onnx(_)) {
-            v.push("--ort-provider".into());
-            v.push(self.ort_provider.name().into());
-        }
-        if let Some(w) = &self.weights {
-            v.push("--weights".into());
-            v.push(w.display().to_string());
-        }
-        v
-    }
 }
 
 /// How a producer prepares an image on the CPU.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct PrepOptions {
     pub transform: TransformKind,
+    #[serde(with = "data::jpeg_decoder")]
     pub jpeg_decoder: JpegDecoder,
     /// Images over this many pixels are refused before anything is allocated for them.
     pub max_pixels: u64,
@@ -373,6 +345,7 @@ pub struct PrepOptions {
     pub coarse_progressive: bool,
     pub pixels: Pixels,
     /// How GPU producers' JPEG engines upsample subsampled chroma.
+    #[serde(with = "data::upsampling")]
     pub gpu_upsampling: tensorport_cuda::Upsampling,
 }
 
@@ -407,30 +380,10 @@ impl PrepOptions {
         p.set_coarse_progressive(self.coarse_progressive);
         p
     }
-
-    /// The same options as `tensorport produce` arguments.
-    pub fn to_args(&self) -> Vec<String> {
-        vec![
-            "--transform".into(),
-            self.transform.name().into(),
-            "--jpeg-decoder".into(),
-            self.jpeg_decoder.name().into(),
-            "--max-megapixels".into(),
-            (self.max_pixels as f64 / 1e6).to_string(),
-            "--dct-scaling".into(),
-            if self.dct_scaling { "on" } else { "off" }.into(),
-            "--coarse-progressive".into(),
-            if self.coarse_progressive { "on" } else { "off" }.into(),
-            "--pixels".into(),
-            self.pixels.name().into(),
-            "--gpu-upsampling".into(),
-            self.gpu_upsampling.name().into(),
-        ]
-    }
 }
 
 /// What a producer classifies.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Inputs {
     /// The PNG/JPEG files in a folder.
     Dir(PathBuf),
@@ -442,14 +395,14 @@ pub enum Inputs {
 }
 
 /// Where result lines go.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Output {
     Stdout,
     File(PathBuf),
 }
 
 /// Decoding on the GPU (nvJPEG), handing over device memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct GpuPrep {
     /// The GPU's ordinal.
     pub ordinal: u32,
@@ -465,7 +418,7 @@ pub struct GpuPrep {
 pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One producer process.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ProduceConfig {
     pub socket: PathBuf,
     pub inputs: Inputs,
@@ -494,49 +447,14 @@ pub struct ProduceConfig {
 }
 
 impl ProduceConfig {
-    /// The options a farm passes to a producer child (the socket and the worklist are its own).
-    pub fn to_args(&self) -> Vec<String> {
-        let mut v: Vec<String> = vec![
-            "--name".into(),
-            self.name.clone(),
-            "--image-size".into(),
-            self.image_size.to_string(),
-        ];
-        if let Some(g) = self.gpu {
-            v.extend([
-                "--nvjpeg".into(),
-                "--gpu".into(),
-                g.ordinal.to_string(),
-                "--in-flight".into(),
-                self.in_flight.to_string(),
-                "--batch".into(),
-                g.batch.to_string(),
-                "--cpu-threads".into(),
-                g.cpu_threads.to_string(),
-            ]);
-        } else {
-            v.extend(["--in-flight".into(), self.in_flight.to_string()]);
-        }
-        if self.ready {
-            v.push("--ready".into());
-        }
-        v.extend([
-            "--read-timeout".into(),
-            self.read_timeout.as_secs_f64().to_string(),
-        ]);
-        v.extend(self.prep.to_args());
-        if self.profile {
-            v.push("--profile".into());
-        }
-        if let Keep::Top(k) = self.keep {
-            v.extend(["--top-k".into(), k.to_string()]);
-        }
-        v
-    }
+    /// How long a producer waits for a free slot or a result before giving up.
+    pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
+    /// How long a producer polls for results before sleeping on its doorbell.
+    pub const DEFAULT_SPIN: Duration = Duration::from_micros(20);
 }
 
 /// The inference server.
-#[derive(Debug, Clone)]
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ServeConfig {
     pub socket: PathBuf,
     pub model: ModelOptions,
@@ -593,24 +511,6 @@ impl ServeConfig {
             sink: false,
             fence_timeout: Self::DEFAULT_FENCE_TIMEOUT,
         }
-    }
-
-    /// The options a farm passes to a server child (the socket is its own).
-    pub fn to_args(&self) -> Vec<String> {
-        let mut v = self.model.to_args();
-        v.extend([
-            "--slots".into(),
-            self.slots.to_string(),
-            "--max-sessions".into(),
-            self.max_sessions.to_string(),
-        ]);
-        if let Some(t) = self.threads {
-            v.extend(["--threads".into(), t.to_string()]);
-        }
-        if self.workers > 1 {
-            v.extend(["--workers".into(), self.workers.to_string()]);
-        }
-        v
     }
 }
 

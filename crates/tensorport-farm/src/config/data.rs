@@ -1,0 +1,249 @@
+//! Configurations as data: the one JSON document a farm hands each child (`tensorport serve
+//! --config-data`, `tensorport produce --config-data`) in place of flags, and the forms of the
+//! other crates' types in it (each by its name, as the command line spells it).
+
+use serde::{Deserialize, Deserializer, Serialize, Serializer};
+
+use super::{ProduceConfig, ServeConfig};
+use crate::error::ConfigError;
+
+impl ProduceConfig {
+    /// This configuration as one JSON document ([`ProduceConfig::from_data`] reads it back).
+    pub fn to_data(&self) -> String {
+        serde_json::to_string(self).expect("a configuration serialises")
+    }
+
+    /// A configuration from [`ProduceConfig::to_data`]'s document.
+    pub fn from_data(data: &str) -> Result<ProduceConfig, ConfigError> {
+        serde_json::from_str(data).map_err(|e| ConfigError::Data(e.to_string()))
+    }
+}
+
+impl ServeConfig {
+    /// This configuration as one JSON document ([`ServeConfig::from_data`] reads it back).
+    pub fn to_data(&self) -> String {
+        serde_json::to_string(self).expect("a configuration serialises")
+    }
+
+    /// A configuration from [`ServeConfig::to_data`]'s document.
+    pub fn from_data(data: &str) -> Result<ServeConfig, ConfigError> {
+        serde_json::from_str(data).map_err(|e| ConfigError::Data(e.to_string()))
+    }
+}
+
+/// `tensorport_dfdx::ModelConfig` as `{"image_size", "classes", "width"}`.
+pub(super) mod model_config {
+    use super::*;
+    use tensorport_dfdx::ModelConfig;
+
+    #[derive(Serialize, Deserialize)]
+    struct Form {
+        image_size: usize,
+        classes: usize,
+        width: usize,
+    }
+
+    pub fn serialize<S: Serializer>(c: &ModelConfig, s: S) -> Result<S::Ok, S::Error> {
+        Form {
+            image_size: c.image_size,
+            classes: c.classes,
+            width: c.width,
+        }
+        .serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<ModelConfig, D::Error> {
+        let f = Form::deserialize(d)?;
+        Ok(ModelConfig {
+            image_size: f.image_size,
+            classes: f.classes,
+            width: f.width,
+        })
+    }
+}
+
+/// A value by its name, parsed back with `parse`.
+fn by_name<'de, D: Deserializer<'de>, T>(
+    d: D,
+    parse: impl Fn(&str) -> Option<T>,
+    what: &str,
+) -> Result<T, D::Error> {
+    let name = String::deserialize(d)?;
+    parse(&name).ok_or_else(|| serde::de::Error::custom(format!("{name:?} is not a {what}")))
+}
+
+/// `Option<tensorport_cuda::Precision>` by name (`"f32"`, `"bf16"`, …), or null.
+pub(super) mod precision {
+    use super::*;
+    use tensorport_cuda::Precision;
+
+    pub fn serialize<S: Serializer>(p: &Option<Precision>, s: S) -> Result<S::Ok, S::Error> {
+        p.map(|p| p.name()).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Precision>, D::Error> {
+        match Option::<String>::deserialize(d)? {
+            None => Ok(None),
+            Some(name) => Precision::from_name(&name)
+                .map(Some)
+                .ok_or_else(|| serde::de::Error::custom(format!("{name:?} is not a precision"))),
+        }
+    }
+}
+
+/// `tensorport_vision::JpegDecoder` by name.
+pub(super) mod jpeg_decoder {
+    use super::*;
+    use tensorport_vision::JpegDecoder;
+
+    pub fn serialize<S: Serializer>(j: &JpegDecoder, s: S) -> Result<S::Ok, S::Error> {
+        j.name().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<JpegDecoder, D::Error> {
+        let all = [JpegDecoder::LibjpegTurbo, JpegDecoder::ZuneJpeg];
+        by_name(
+            d,
+            |n| all.into_iter().find(|j| j.name() == n),
+            "JPEG decoder",
+        )
+    }
+}
+
+/// `tensorport_cuda::Upsampling` by name.
+pub(super) mod upsampling {
+    use super::*;
+    use tensorport_cuda::Upsampling;
+
+    pub fn serialize<S: Serializer>(u: &Upsampling, s: S) -> Result<S::Ok, S::Error> {
+        u.name().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Upsampling, D::Error> {
+        by_name(d, Upsampling::parse, "chroma upsampling")
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::path::PathBuf;
+    use std::time::Duration;
+
+    use super::super::*;
+    use crate::record::Keep;
+
+    /// A producer's configuration with every field away from its default.
+    fn producer() -> ProduceConfig {
+        ProduceConfig {
+            socket: PathBuf::from("/run/x/tp.sock"),
+            inputs: Inputs::Synthetic(77),
+            output: Output::File(PathBuf::from("/tmp/out.jsonl")),
+            image_size: 96,
+            in_flight: 12,
+            ready: true,
+            prep: PrepOptions {
+                transform: TransformKind::Square,
+                jpeg_decoder: JpegDecoder::ZuneJpeg,
+                max_pixels: 12_345_678,
+                dct_scaling: true,
+                coarse_progressive: false,
+                pixels: Pixels::U8,
+                gpu_upsampling: tensorport_cuda::Upsampling::parse("replicate")
+                    .expect("an upsampling"),
+            },
+            profile: true,
+            keep: Keep::Top(5),
+            name: "producer-7".into(),
+            timeout: Duration::from_millis(12_345),
+            spin: Duration::from_micros(33),
+            read_timeout: Duration::from_millis(2_500),
+            gpu: Some(GpuPrep {
+                ordinal: 3,
+                batch: 48,
+                cpu_threads: 6,
+            }),
+        }
+    }
+
+    /// A server's configuration with every field away from its default.
+    fn server() -> ServeConfig {
+        ServeConfig {
+            socket: PathBuf::from("/run/x/tp-1.sock"),
+            model: ModelOptions {
+                kind: ModelKind::Onnx(PathBuf::from("/models/r50.onnx")),
+                config: tensorport_dfdx::ModelConfig {
+                    image_size: 160,
+                    classes: 1000,
+                    width: 24,
+                },
+                weights: Some(PathBuf::from("/w.safetensors")),
+                seed: 9,
+                device: Device::Cuda(2),
+                max_batch: 77,
+                max_wait: Duration::from_micros(1_500),
+                precision: Some(tensorport_cuda::Precision::Bf16),
+                ort_provider: OrtProvider::Tensorrt,
+            },
+            slots: 17,
+            slot_size: Some(1 << 20),
+            max_sessions: 9,
+            memory_budget: Some(3 << 30),
+            max_session_memory: Some(1 << 30),
+            threads: Some(5),
+            spin: Duration::from_micros(7),
+            metrics: Some("127.0.0.1:0".into()),
+            workers: 3,
+            sink: true,
+            fence_timeout: Duration::from_millis(4_321),
+        }
+    }
+
+    #[test]
+    fn every_field_of_a_producers_configuration_round_trips() {
+        let p = producer();
+        assert_ne!(
+            tensorport_cuda::Upsampling::default(),
+            p.prep.gpu_upsampling
+        );
+        let back = ProduceConfig::from_data(&p.to_data()).unwrap();
+        assert_eq!(back, p);
+        // The other inputs and outputs too.
+        for (inputs, output) in [
+            (Inputs::Worklist, Output::Stdout),
+            (Inputs::Dir(PathBuf::from("/photos")), Output::Stdout),
+        ] {
+            let q = ProduceConfig {
+                inputs,
+                output,
+                gpu: None,
+                keep: Keep::All,
+                ..producer()
+            };
+            assert_eq!(ProduceConfig::from_data(&q.to_data()).unwrap(), q);
+        }
+    }
+
+    #[test]
+    fn every_field_of_a_servers_configuration_round_trips() {
+        let s = server();
+        assert_eq!(ServeConfig::from_data(&s.to_data()).unwrap(), s);
+        for kind in [ModelKind::Classifier, ModelKind::None] {
+            let mut t = server();
+            t.model.kind = kind;
+            t.model.precision = None;
+            t.model.device = Device::Cpu;
+            assert_eq!(ServeConfig::from_data(&t.to_data()).unwrap(), t);
+        }
+    }
+
+    #[test]
+    fn a_document_that_is_not_a_configuration_is_refused_with_why() {
+        let e = ServeConfig::from_data("{\"socket\": 3}").unwrap_err();
+        assert!(matches!(e, ConfigError::Data(_)), "{e}");
+        let bad = producer()
+            .to_data()
+            .replace("\"zune-jpeg\"", "\"no-such-decoder\"");
+        let e = ProduceConfig::from_data(&bad).unwrap_err();
+        assert!(e.to_string().contains("no-such-decoder"), "{e}");
+    }
+}
