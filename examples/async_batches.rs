@@ -13,7 +13,8 @@ use futures::StreamExt;
 use tensorport::stream::RequestStream;
 use tensorport::{DType, Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
 use tensorport_dfdx::dfdx::prelude::Cpu;
-use tensorport_dfdx::{scores_to_bytes, stack_images, ImageClassifier, ModelConfig};
+use tensorport_dfdx::{stack_images, ImageClassifier, ModelConfig};
+use tensorport_farm::record::scores_to_bytes;
 use tensorport_vision::{prepare, Source};
 
 const SIZE: usize = 32;

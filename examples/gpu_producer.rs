@@ -18,7 +18,8 @@ use std::time::Duration;
 use tensorport::{DType, TensorSpec};
 use tensorport_cuda::{Gpu, GpuProducer, GpuProducerConfig};
 use tensorport_dfdx::dfdx::prelude::*;
-use tensorport_dfdx::{scores_from_bytes, ImageClassifier, ModelConfig};
+use tensorport_dfdx::{ImageClassifier, ModelConfig};
+use tensorport_farm::record::scores_from_bytes;
 use tensorport_vision::{synthetic, to_nchw, IMAGENET_MEAN, IMAGENET_STD};
 
 const SIZE: usize = 256;

@@ -12,9 +12,8 @@ use std::time::{Duration, Instant};
 
 use tensorport::{DType, Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
 use tensorport_dfdx::dfdx::prelude::Cpu;
-use tensorport_dfdx::{
-    scores_from_bytes, scores_to_bytes, stack_images, ImageClassifier, ModelConfig,
-};
+use tensorport_dfdx::{stack_images, ImageClassifier, ModelConfig};
+use tensorport_farm::record::{scores_from_bytes, scores_to_bytes};
 use tensorport_vision::{prepare, Source};
 
 const SIZE: usize = 64;

@@ -156,7 +156,7 @@ fn eight_bit_pixels_give_the_same_scores_bitwise() {
             .unwrap();
         assert_eq!(&req.bytes()[..want.len()], &want[..]);
         req.release()
-            .respond(&tensorport_dfdx::scores_to_bytes(&[0.0; 10]))
+            .respond(&tensorport_farm::record::scores_to_bytes(&[0.0; 10]))
             .unwrap();
     }
     assert!(child.wait().unwrap().success());

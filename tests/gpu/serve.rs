@@ -67,7 +67,8 @@ pub(crate) fn submit_image(p: &mut GpuProducer, v: f32) -> u64 {
 /// largest relative difference).
 pub(crate) fn score_error(c: tensorport::Completion, v: f32) -> f32 {
     use tensorport_dfdx::dfdx::prelude::Cpu;
-    use tensorport_dfdx::{scores_from_bytes, ImageClassifier, ModelConfig};
+    use tensorport_dfdx::{ImageClassifier, ModelConfig};
+    use tensorport_farm::record::scores_from_bytes;
     let cfg = ModelConfig {
         image_size: MODEL_SIZE,
         classes: 10,

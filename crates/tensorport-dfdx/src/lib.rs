@@ -273,24 +273,6 @@ pub fn upload_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3
     }
 }
 
-/// Row `i` of a `[B, N]` score tensor's data as little-endian bytes (the result payload).
-pub fn scores_to_bytes(scores: &[f32]) -> Vec<u8> {
-    bytemuck::cast_slice(scores).to_vec()
-}
-
-/// The inverse of [`scores_to_bytes`]; `None` if the length is not a multiple of 4.
-pub fn scores_from_bytes(bytes: &[u8]) -> Option<Vec<f32>> {
-    if !bytes.len().is_multiple_of(4) {
-        return None;
-    }
-    Some(
-        bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
-    )
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -99,6 +99,25 @@ pub enum Keep {
     Top(usize),
 }
 
+/// A row of scores as a result's payload: little-endian `f32`s (docs/protocol.md).
+pub fn scores_to_bytes(scores: &[f32]) -> Vec<u8> {
+    scores.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+/// The scores of a result's payload ([`scores_to_bytes`]); `None` if its length is not a
+/// multiple of 4.
+pub fn scores_from_bytes(bytes: &[u8]) -> Option<Vec<f32>> {
+    if !bytes.len().is_multiple_of(4) {
+        return None;
+    }
+    Some(
+        bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    )
+}
+
 /// Milliseconds, as the records count them.
 pub fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
@@ -216,7 +235,7 @@ impl LineWriter {
         } = input;
         stages.result_ms = ms(submitted.elapsed());
         let (scores, error) = match result {
-            Ok(b) => match tensorport_dfdx::scores_from_bytes(&b) {
+            Ok(b) => match scores_from_bytes(&b) {
                 Some(s) => (Some(s), None),
                 None => (None, Some("the server sent a malformed result".to_string())),
             },
@@ -302,6 +321,16 @@ mod tests {
         assert_eq!(top_k(&[1.0, 2.0], 5), vec![(1, 2.0), (0, 1.0)]);
         assert_eq!(top_k(&[1.0, 2.0], 0), vec![]);
         assert_eq!(top_k(&[], 3), vec![]);
+    }
+
+    #[test]
+    fn scores_round_trip_as_little_endian_bytes() {
+        let s = [1.5f32, -0.0, f32::MAX, 3.25e-7];
+        let b = scores_to_bytes(&s);
+        assert_eq!(&b[..4], &1.5f32.to_le_bytes());
+        assert_eq!(scores_from_bytes(&b).unwrap(), s);
+        assert_eq!(scores_from_bytes(&b[..5]), None);
+        assert_eq!(scores_from_bytes(&[]), Some(vec![]));
     }
 
     #[test]

@@ -9,10 +9,11 @@ use std::time::{Duration, Instant};
 
 use tensorport::{Request, Responder, Server};
 use tensorport_dfdx::dfdx::prelude::Device;
-use tensorport_dfdx::{scores_to_bytes, Classify, Stacked, Submitted};
+use tensorport_dfdx::{Classify, Stacked, Submitted};
 
 use super::metrics::Metrics;
 use crate::error::Result;
+use crate::record::scores_to_bytes;
 
 /// Builds a batch's model input from its requests (on the CPU: one copy; on the GPU: DMA). A
 /// GPU stacker whose copy stream stalls keeps the requests (held for good: a copy may still
