@@ -233,11 +233,19 @@ pub fn run(args: Args) -> CliResult<u8> {
         .input_list
         .as_ref()
         .is_some_and(|l| l.as_os_str() == "-");
+    // A first SIGINT/SIGTERM drains the farm, a second ends it at once (the farm ends its
+    // children and removes its socket directory itself).
+    let stop = tensorport_farm::process::Stop::new();
+    stop.on_signals(false)
+        .map_err(|e| CliError::new(format!("cannot handle SIGINT/SIGTERM: {e}")))?;
     let outcome = match streamed {
-        false => tensorport_farm::farm::run(cfg, console.clone()),
-        true => {
-            tensorport_farm::farm::run_with(cfg, console.clone(), Some(stdin_inputs(args.null)))
-        }
+        false => tensorport_farm::farm::run(cfg, console.clone(), &stop),
+        true => tensorport_farm::farm::run_with(
+            cfg,
+            console.clone(),
+            Some(stdin_inputs(args.null)),
+            &stop,
+        ),
     };
     console.clear();
     let outcome = outcome?;

@@ -97,6 +97,10 @@ pub fn run(a: Args) -> CliResult<u8> {
     };
     // A pool over the file size limit is then one producer refused, not the server killed.
     tensorport_farm::process::catch_sigxfsz();
-    tensorport_farm::serve::run(&cfg)?;
+    // The first SIGINT/SIGTERM drains the server, a second exits at once.
+    let stop = tensorport_farm::process::Stop::new();
+    stop.on_signals(true)
+        .map_err(|e| crate::common::CliError::new(format!("cannot handle SIGINT/SIGTERM: {e}")))?;
+    tensorport_farm::serve::run(&cfg, &stop)?;
     Ok(0)
 }

@@ -3,7 +3,6 @@
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
 use std::process::{Child, Stdio};
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use crate::common::{CliError, CliResult};
@@ -119,7 +118,9 @@ pub fn run(a: Args) -> CliResult<u8> {
         return Err(CliError::new("the server did not start"));
     }
     let pid = server.id();
-    let stop = tensorport_farm::process::stop_flag();
+    let stop = tensorport_farm::process::Stop::new();
+    stop.on_signals(true)
+        .map_err(|e| CliError::new(format!("cannot handle SIGINT/SIGTERM: {e}")))?;
     let base = sample(pid, &socket)?;
     println!(
         "baseline (no producers): fds {}, RSS {:.1} MiB, mapped pools {} B",
@@ -157,7 +158,7 @@ pub fn run(a: Args) -> CliResult<u8> {
     let mut next_kill = started + Duration::from_millis(a.kill_every_ms);
     let mut next_sample = started + Duration::from_secs(a.interval.max(1));
     let (mut kills, mut rng) = (0u64, 0x2545F4914F6CDD1Du64);
-    while started.elapsed() < Duration::from_secs(a.seconds) && !stop.load(Ordering::SeqCst) {
+    while started.elapsed() < Duration::from_secs(a.seconds) && !stop.draining() {
         std::thread::sleep(Duration::from_millis(20));
         let now = Instant::now();
         if now >= next_kill {

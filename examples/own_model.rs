@@ -13,6 +13,7 @@ use std::process::ExitCode;
 use std::time::{Duration, Instant};
 
 use tensorport_farm::config::Launcher;
+use tensorport_farm::process::Stop;
 use tensorport_farm::serve::{HostBatch, HostModel};
 use tensorport_farm::{ModelOptions, ServeConfig};
 
@@ -85,8 +86,10 @@ fn run(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
     model.config.image_size = SIZE;
     let cfg = ServeConfig::new(&socket, model);
     let t0 = Instant::now();
-    let server = std::thread::spawn(move || {
-        tensorport_farm::serve::run_with(&cfg, || Ok(Box::new(Brightest)))
+    let stop = Stop::new();
+    let server = std::thread::spawn({
+        let stop = stop.clone();
+        move || tensorport_farm::serve::run_with(&cfg, &stop, || Ok(Box::new(Brightest)))
     });
     // `run_with` prints `ready SOCKET` once it listens.
     let deadline = Instant::now() + Duration::from_secs(30);
@@ -117,7 +120,8 @@ fn run(dir: &Path) -> Result<(), Box<dyn std::error::Error>> {
         )
         .into());
     }
-    tensorport::Control::connect(&socket, Duration::from_secs(5))?.drain()?;
+    // Drained: the server returns once its producers have left.
+    stop.request();
     server.join().map_err(|_| "the server panicked")??;
 
     let mut lines: Vec<serde_json::Value> = std::fs::read_to_string(&results)?

@@ -9,7 +9,8 @@
 //! - [`produce`]: the CPU and GPU producer loops on one skeleton.
 //! - [`serve`]: the inference server and its [`serve::BatchLoop`].
 //! - [`farm`]: the supervisor of servers and producers, reporting through [`farm::Report`].
-//! - [`process`]: signals, and dying with the farm.
+//! - [`process`]: [`process::Stop`], how a caller stops a server or farm (the binary connects
+//!   the signals to it), and dying with the farm.
 //!
 //! ```no_run
 //! use tensorport_farm::{config::Inputs, ProduceConfig};

@@ -1,27 +1,58 @@
-//! What a tensorport process sets up for itself: signal handling (drain on the first signal,
-//! exit on the second), SIGXFSZ caught, and dying with the farm that started it.
+//! How a server or farm is told to stop ([`Stop`], which the binary connects to SIGINT and
+//! SIGTERM), SIGXFSZ caught, and dying with the farm that started a process.
 
-use std::sync::atomic::AtomicBool;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
 
 /// The environment variable a farm sets in its children: its own pid.
 pub const FARM_PID_ENV: &str = "TENSORPORT_FARM_PID";
 
-/// Installs SIGINT/SIGTERM handlers: the first sets the returned flag (drain), a second one
-/// exits the process at once with status 130.
-pub fn stop_flag() -> Arc<AtomicBool> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    use signal_hook::flag;
-    let stop = Arc::new(AtomicBool::new(false));
-    for sig in [SIGINT, SIGTERM] {
-        // Registered first, so it sees the flag as it was before this signal.
-        let r = flag::register_conditional_shutdown(sig, 130, stop.clone())
-            .and_then(|_| flag::register(sig, stop.clone()));
-        if let Err(e) = r {
-            tracing::warn!("cannot install a handler for signal {sig}: {e}");
-        }
+/// How a caller tells a server ([`crate::serve::run`]) or a farm ([`crate::farm::run`]) to
+/// stop: the first request drains (the work in flight finishes, no new work is taken), a second
+/// stops at once. Clones share their requests. The library installs no signal handler: the
+/// `tensorport` binary connects SIGINT and SIGTERM to one ([`Stop::on_signals`]); a program
+/// that embeds a server calls [`Stop::request`] itself.
+#[derive(Debug, Clone, Default)]
+pub struct Stop(Arc<AtomicUsize>);
+
+impl Stop {
+    pub fn new() -> Stop {
+        Stop::default()
     }
-    stop
+
+    /// Asks to stop (again); returns how many requests there have been.
+    pub fn request(&self) -> usize {
+        self.0.fetch_add(1, Ordering::SeqCst) + 1
+    }
+
+    /// Whether a stop was asked for: drain.
+    pub fn draining(&self) -> bool {
+        self.0.load(Ordering::SeqCst) >= 1
+    }
+
+    /// Whether a second stop was asked for: at once.
+    pub fn at_once(&self) -> bool {
+        self.0.load(Ordering::SeqCst) >= 2
+    }
+
+    /// Makes every SIGINT and SIGTERM a request (a thread waits for them). With
+    /// `exit_on_second`, the second exits the process at once with status 130 (a server has
+    /// nothing to clean up; a farm ends its children itself and so asks for no exit).
+    pub fn on_signals(&self, exit_on_second: bool) -> std::io::Result<()> {
+        use signal_hook::consts::{SIGINT, SIGTERM};
+        let mut signals = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])?;
+        let stop = self.clone();
+        std::thread::Builder::new()
+            .name("signals".into())
+            .spawn(move || {
+                for _ in signals.forever() {
+                    if stop.request() >= 2 && exit_on_second {
+                        std::process::exit(130);
+                    }
+                }
+            })?;
+        Ok(())
+    }
 }
 
 /// A write past the file size limit (`ulimit -f`; memfd pools count) raises SIGXFSZ, whose

@@ -14,14 +14,13 @@ mod rundir;
 mod supervisor;
 
 use std::path::{Path, PathBuf};
-
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use crate::config::{Device, FarmConfig, Servers};
 use crate::error::{Error, Result};
+use crate::process::Stop;
 use crate::record::StageTimes;
 pub use children::{default_gpu_batch, DEFAULT_GPU_BATCH, DEFAULT_GPU_IN_FLIGHT};
 use children::{Ev, Farm};
@@ -134,10 +133,12 @@ impl Outcome {
     }
 }
 
-/// Runs the farm until every input has its line, it fails, or a signal stops it. Configuration
-/// errors (and a server that cannot start) come back as `Err`, before any summary.
-pub fn run(cfg: FarmConfig, report: Arc<dyn Report>) -> Result<Outcome> {
-    run_with(cfg, report, None)
+/// Runs the farm until every input has its line, it fails, or `stop` stops it (the first
+/// request drains: the work in flight finishes; a second ends the children at once). The farm
+/// ends its children and removes its socket directory either way. Configuration errors (and a
+/// server that cannot start) come back as `Err`, before any summary.
+pub fn run(cfg: FarmConfig, report: Arc<dyn Report>, stop: &Stop) -> Result<Outcome> {
+    run_with(cfg, report, None, stop)
 }
 
 /// [`run`], with inputs that keep coming: each `Source` sent on `more` is input
@@ -149,6 +150,7 @@ pub fn run_with(
     cfg: FarmConfig,
     report: Arc<dyn Report>,
     more: Option<mpsc::Receiver<tensorport_vision::Source>>,
+    stop: &Stop,
 ) -> Result<Outcome> {
     cfg.check()?;
     let mut cfg = cfg;
@@ -179,9 +181,8 @@ pub fn run_with(
     let (sockets, devices) = servers(&cfg, &base_socket);
     let (tx, rx) = mpsc::channel();
     let farm = Farm::new(cfg, sockets, devices, report.clone(), tx);
-    let signals = count_signals()?;
-    let stopped = || signals.load(Ordering::SeqCst) >= 1;
-    let quit_now = || signals.load(Ordering::SeqCst) >= 2;
+    let stopped = || stop.draining();
+    let quit_now = || stop.at_once();
     let started = Instant::now();
     let mut sup = Supervisor::start(farm, inputs, more)?;
     let mut batches = drive(&mut sup, &rx, &mut out, (&stopped, &quit_now), started)?;
@@ -231,22 +232,6 @@ fn servers(cfg: &FarmConfig, base_socket: &Path) -> (Vec<PathBuf>, Vec<Device>) 
         })
         .collect();
     (sockets, devices)
-}
-
-/// SIGINT/SIGTERM, counted: the first drains, the second quits at once — but through the
-/// farm's own exit, so the children are ended and the socket directory removed.
-fn count_signals() -> Result<Arc<AtomicUsize>> {
-    use signal_hook::consts::{SIGINT, SIGTERM};
-    let signals = Arc::new(AtomicUsize::new(0));
-    let mut it = signal_hook::iterator::Signals::new([SIGINT, SIGTERM])
-        .map_err(|e| Error::Other(format!("cannot handle SIGINT/SIGTERM: {e}")))?;
-    let count = signals.clone();
-    std::thread::spawn(move || {
-        for _ in it.forever() {
-            count.fetch_add(1, Ordering::SeqCst);
-        }
-    });
-    Ok(signals)
 }
 
 /// The supervisor's loop: start, hand out, collect, restart and rebalance until the work is

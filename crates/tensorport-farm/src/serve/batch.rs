@@ -4,7 +4,7 @@
 //! and gathered while the device runs the last one, whose answers go out once the next is on
 //! its way.
 
-use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tensorport::{Request, Responder, Server};
@@ -37,8 +37,8 @@ pub struct BatchLoop<'a> {
     pub sink: bool,
     /// The model's input `[C, H, W]`.
     pub shape: [usize; 3],
-    /// Set by a signal: drain, then return.
-    pub stop: &'a AtomicBool,
+    /// Asked to stop: drain, then return.
+    pub stop: &'a crate::process::Stop,
     pub metrics: Option<&'a Metrics>,
     /// Images answered, all workers together.
     pub images: &'a AtomicU64,
@@ -72,7 +72,7 @@ impl BatchLoop<'_> {
             }
         };
         loop {
-            if self.stop.load(Ordering::SeqCst) && !draining {
+            if self.stop.draining() && !draining {
                 draining = true;
                 self.server.drain();
             }

@@ -28,12 +28,13 @@ pub use own::{HostBatch, HostModel};
 
 use crate::config::{Device, ModelKind, ModelOptions, ServeConfig};
 use crate::error::{ConfigError, Error, Result};
+use crate::process::Stop;
 
-/// Runs the server until a signal has drained it: once it listens, SIGINT/SIGTERM drains (the
-/// work in flight finishes, new producers are refused) and a second signal exits at once.
-/// Prints `ready <socket>` on stdout once it listens (and `metrics http://…/metrics` if
-/// configured).
-pub fn run(cfg: &ServeConfig) -> Result<()> {
+/// Runs the server until `stop` has drained it: once it listens, a stop request drains (the
+/// work in flight finishes, new producers are refused), and the function returns once every
+/// producer has left. Prints `ready <socket>` on stdout once it listens (and `metrics
+/// http://…/metrics` if configured).
+pub fn run(cfg: &ServeConfig, stop: &Stop) -> Result<()> {
     if let Some(n) = cfg.threads {
         rayon::ThreadPoolBuilder::new()
             .num_threads(n.max(1))
@@ -47,12 +48,13 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
     cfg.model.resolve()?;
     let cfg = &cfg;
     if let Device::Cuda(n) = cfg.model.device {
-        return run_cuda(cfg, n);
+        return run_cuda(cfg, n, stop);
     }
     let model = cfg.model.clone();
     let threads = cfg.threads;
     serve_on(
         cfg,
+        stop,
         Hooks::default(),
         &|| {
             let stack: Box<StackFn<Cpu>> =
@@ -87,10 +89,11 @@ pub fn run(cfg: &ServeConfig) -> Result<()> {
 ///     }
 /// }
 /// let cfg = ServeConfig::new("/tmp/my.sock", ModelOptions::default());
-/// tensorport_farm::serve::run_with(&cfg, || Ok(Box::new(Brightness)))?;
+/// let stop = tensorport_farm::process::Stop::new(); // `stop.request()` drains it
+/// tensorport_farm::serve::run_with(&cfg, &stop, || Ok(Box::new(Brightness)))?;
 /// # Ok::<(), tensorport_farm::Error>(())
 /// ```
-pub fn run_with<F>(cfg: &ServeConfig, load: F) -> Result<()>
+pub fn run_with<F>(cfg: &ServeConfig, stop: &Stop, load: F) -> Result<()>
 where
     F: Fn() -> std::result::Result<Box<dyn HostModel>, String> + Sync,
 {
@@ -103,6 +106,7 @@ where
     cfg.model.check()?;
     serve_on(
         &cfg,
+        stop,
         Hooks::default(),
         &|| {
             let stack: Box<StackFn<Cpu>> =
@@ -118,12 +122,12 @@ where
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda(_: &ServeConfig, _: u32) -> Result<()> {
+fn run_cuda(_: &ServeConfig, _: u32, _: &Stop) -> Result<()> {
     Err(ConfigError::NoCudaBuild.into())
 }
 
 #[cfg(feature = "cuda")]
-fn run_cuda(cfg: &ServeConfig, ordinal: u32) -> Result<()> {
+fn run_cuda(cfg: &ServeConfig, ordinal: u32, stop: &Stop) -> Result<()> {
     use tensorport_dfdx::dfdx::prelude::Cuda;
     // No driver, or no such device: configuration a restart cannot fix.
     let gpu = tensorport_cuda::Gpu::open(ordinal as i32).map_err(|e| match e {
@@ -149,6 +153,7 @@ fn run_cuda(cfg: &ServeConfig, ordinal: u32) -> Result<()> {
     // Each worker thread builds its own dfdx device and copy stream (neither may be shared).
     serve_on(
         cfg,
+        stop,
         hooks,
         &move || {
             let dev = Cuda::try_build(ordinal as usize, seed).map_err(|e| {
@@ -224,6 +229,7 @@ fn server_config(cfg: &ServeConfig, hooks: Hooks, image_bytes: u64) -> ServerCon
 
 fn serve_on<D: DfdxDevice<f32>>(
     cfg: &ServeConfig,
+    stop: &Stop,
     hooks: Hooks,
     make: &WorkerFn<D>,
     load_model: &LoadFn<'_, D>,
@@ -248,7 +254,6 @@ fn serve_on<D: DfdxDevice<f32>>(
         Some(addr) => Some(metrics::start(addr, server.clone())?),
         None => None,
     };
-    let stop = crate::process::stop_flag();
     println!("ready {}", cfg.socket.display());
     if let Some((_, at)) = &metrics {
         println!("metrics http://{at}/metrics");
@@ -276,7 +281,7 @@ fn serve_on<D: DfdxDevice<f32>>(
         },
         sink: cfg.sink,
         shape,
-        stop: &stop,
+        stop,
         metrics: metrics.as_ref(),
         images: &images,
     };
