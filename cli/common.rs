@@ -71,6 +71,25 @@ impl From<tensorport::Error> for CliError {
         CliError::new(format!("{e}{hint}"))
     }
 }
+/// Each transport operation's error, with the hints its crate-wide form gets.
+macro_rules! from_transport_ops {
+    ($($op:ty),*) => {$(
+        impl From<$op> for CliError {
+            fn from(e: $op) -> CliError {
+                CliError::from(tensorport::Error::from(e))
+            }
+        }
+    )*};
+}
+from_transport_ops!(
+    tensorport::ConnectError,
+    tensorport::LeaseError,
+    tensorport::SubmitError,
+    tensorport::RecvError,
+    tensorport::BindError,
+    tensorport::Stopped
+);
+
 impl From<tensorport_dfdx::Error> for CliError {
     fn from(e: tensorport_dfdx::Error) -> CliError {
         let hint = match &e {

@@ -212,7 +212,7 @@ pub(crate) fn killed_with_unsignalled_tensor() {
         submit_image(&mut honest, v);
         match honest.producer().recv_result(Duration::from_secs(2)) {
             Ok(c) => assert!(score_error(c, v) <= 1e-3),
-            Err(tensorport::Error::Timeout(..)) => {
+            Err(tensorport::RecvError::Timeout(..)) => {
                 held = Some(v);
                 break;
             }

@@ -52,7 +52,16 @@ macro_rules! failed_from {
         }
     )*};
 }
-failed_from!(tensorport::Error, std::io::Error);
+failed_from!(
+    tensorport::Error,
+    tensorport::ConnectError,
+    tensorport::LeaseError,
+    tensorport::SubmitError,
+    tensorport::RecvError,
+    tensorport::BindError,
+    tensorport::Stopped,
+    std::io::Error
+);
 
 pub type CliResult<T> = Result<T, CliError>;
 

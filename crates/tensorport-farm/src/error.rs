@@ -148,6 +148,25 @@ pub enum Error {
     Other(String),
 }
 
+/// Each transport operation's error, as the transport's.
+macro_rules! from_transport_ops {
+    ($($op:ty),*) => {$(
+        impl From<$op> for Error {
+            fn from(e: $op) -> Error {
+                Error::Transport(tensorport::Error::from(e))
+            }
+        }
+    )*};
+}
+from_transport_ops!(
+    tensorport::ConnectError,
+    tensorport::LeaseError,
+    tensorport::SubmitError,
+    tensorport::RecvError,
+    tensorport::BindError,
+    tensorport::Stopped
+);
+
 impl Error {
     /// Whether the same run would fail the same way again: configuration, inputs, a model
     /// that cannot load, an image the options cannot prepare, a server that cannot start. Front

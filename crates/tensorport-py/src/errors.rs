@@ -32,8 +32,9 @@ pub(crate) fn failed(py: Python<'_>, c: &tensorport::Completion) -> PyErr {
 
 /// A Rust error as a Python exception: a timeout as `TimeoutError`, everything else as
 /// `TensorportError` with the protocol code when one applies.
-pub(crate) fn py_err(e: tensorport::Error) -> PyErr {
+pub(crate) fn py_err(e: impl Into<tensorport::Error>) -> PyErr {
     use tensorport::Error as E;
+    let e = e.into();
     let code = match &e {
         E::Timeout(..) => return PyTimeoutError::new_err(e.to_string()),
         E::Refused { code, .. } => Some(*code),

@@ -50,16 +50,16 @@ impl Producer {
     /// for and held; an error becomes a Python exception only once the lock is let go and the
     /// GIL taken back: holding the lock while waiting for the GIL (to build an exception)
     /// would deadlock against a thread holding the GIL and waiting for the lock.
-    fn with<R: Send>(
+    fn with<R: Send, E: Into<tensorport::Error>>(
         &self,
         py: Python<'_>,
-        f: impl FnOnce(&mut tensorport::Producer) -> tensorport::Result<R> + Send,
+        f: impl FnOnce(&mut tensorport::Producer) -> Result<R, E> + Send,
     ) -> PyResult<R> {
         crate::without_gil(py, || {
             let mut g = lock(&self.inner);
             match g.as_mut() {
                 None => Err(Failure::Closed),
-                Some(p) => f(p).map_err(Failure::Transport),
+                Some(p) => f(p).map_err(|e| Failure::Transport(e.into())),
             }
         })
         .map_err(Failure::raise)
@@ -252,7 +252,7 @@ impl Producer {
                 None,
             ));
         }
-        let slot_size = self.with(py, |p| Ok(p.slot_size()))?;
+        let slot_size = self.with(py, |p| Ok::<_, tensorport::Error>(p.slot_size()))?;
         if nbytes as u64 > slot_size {
             return Err(coded(
                 format!(
@@ -264,13 +264,13 @@ impl Producer {
         // The wait for a free slot (up to `timeout`) happens without the GIL, so the server's
         // answers and other Python threads go on meanwhile.
         self.with(py, |p| {
-            let mut lease = p.lease(t)?;
+            let mut lease = p.lease(t).map_err(tensorport::Error::from)?;
             // SAFETY: the package passes the data address and size of a C-contiguous numpy
             // array it holds (alive, not resized) until this call returns; `send` is
             // documented to read it during the call, as any copy would.
             let src = unsafe { std::slice::from_raw_parts(address as *const u8, nbytes) };
             lease.bytes_mut()[..nbytes].copy_from_slice(src);
-            lease.submit(&spec)
+            lease.submit(&spec).map_err(tensorport::Error::from)
         })
     }
 
@@ -328,17 +328,17 @@ impl Producer {
 
     /// Requests submitted whose result has not been received.
     fn in_flight(&self, py: Python<'_>) -> PyResult<usize> {
-        self.with(py, |p| Ok(p.in_flight()))
+        self.with(py, |p| Ok::<_, tensorport::Error>(p.in_flight()))
     }
 
     /// Bytes in each slot.
     fn slot_size(&self, py: Python<'_>) -> PyResult<u64> {
-        self.with(py, |p| Ok(p.slot_size()))
+        self.with(py, |p| Ok::<_, tensorport::Error>(p.slot_size()))
     }
 
     /// Whether the session hands tensors over on the shared-memory queues.
     fn uses_rings(&self, py: Python<'_>) -> PyResult<bool> {
-        self.with(py, |p| Ok(p.uses_rings()))
+        self.with(py, |p| Ok::<_, tensorport::Error>(p.uses_rings()))
     }
 
     /// Ends the session cleanly (idempotent).

@@ -32,7 +32,9 @@ pub(crate) fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
     m.lock().unwrap_or_else(|p| p.into_inner())
 }
 pub use device::{DeviceImporter, DeviceTensor, ImportError, ImportedDevice};
-pub use error::{Error, Result};
+pub use error::{
+    BindError, ConnectError, Error, LeaseError, RecvError, Result, Stopped, SubmitError,
+};
 pub use producer::{
     Completion, Loan, Producer, ProducerConfig, RemoteError, SlotLease, TensorSpec, WARM_MIN_SLOT,
     WARM_SKIP_AFTER_MISS,

@@ -25,7 +25,7 @@ use std::time::Duration;
 use futures_core::Stream;
 use tokio::sync::mpsc;
 
-use crate::{Error, Request, Server};
+use crate::{Request, Server};
 
 /// A server's requests as a [`Stream`]; ends when the server has drained and stopped.
 pub struct RequestStream {
@@ -57,11 +57,7 @@ impl RequestStream {
                             }
                         }
                         Ok(None) => {}
-                        Err(Error::Stopped) => break,
-                        Err(e) => {
-                            tracing::error!("request stream: {e}");
-                            break;
-                        }
+                        Err(crate::Stopped) => break,
                     }
                 }
             })

@@ -511,7 +511,7 @@ impl Session {
         } else {
             match p.recv_result(wait) {
                 Ok(c) => Some(c),
-                Err(tensorport::Error::Timeout(..)) if wait < self.cfg.peer_timeout => None,
+                Err(tensorport::RecvError::Timeout(..)) if wait < self.cfg.peer_timeout => None,
                 Err(e) => return Err(local_failed(e)),
             }
         };
@@ -596,7 +596,7 @@ fn read_failed(why: String) -> End {
 }
 
 /// A failure of the local session, told to the remote producer as retryable.
-fn local_failed(e: tensorport::Error) -> End {
+fn local_failed(e: impl std::fmt::Display) -> End {
     End::Tell(Status::unavailable(format!(
         "the gateway's tensorport server failed this stream: {e}"
     )))

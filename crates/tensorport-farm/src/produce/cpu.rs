@@ -120,7 +120,7 @@ pub(super) fn run(cfg: &ProduceConfig, feed: &Feed, lines: &mut LineWriter) -> R
         let c = if !eof && out.len() < depth {
             match p.recv_result(Duration::from_millis(1)) {
                 Ok(c) => c,
-                Err(tensorport::Error::Timeout(..)) => {
+                Err(tensorport::RecvError::Timeout(..)) => {
                     out.check_overdue()?;
                     continue;
                 }

@@ -357,7 +357,7 @@ impl GpuLoop<'_> {
             } else if got == 0 {
                 match self.p.producer().recv_result(Duration::from_millis(1)) {
                     Ok(c) => Some(c),
-                    Err(tensorport::Error::Timeout(..)) => None,
+                    Err(tensorport::RecvError::Timeout(..)) => None,
                     Err(e) => return Err(e.into()),
                 }
             } else {

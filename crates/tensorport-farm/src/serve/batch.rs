@@ -82,13 +82,8 @@ impl BatchLoop<'_> {
                 Some(_) => (Duration::ZERO, Duration::ZERO),
                 None => (Duration::from_millis(100), self.max_wait),
             };
-            let batch = match self.server.recv_batch(self.max_batch, first, more) {
-                Ok(b) => b,
-                Err(tensorport::Error::Stopped) => break,
-                Err(e) => {
-                    finish(&mut model, in_flight.take());
-                    return Err(e.into());
-                }
+            let Ok(batch) = self.server.recv_batch(self.max_batch, first, more) else {
+                break; // stopped
             };
             if batch.is_empty() {
                 finish(&mut model, in_flight.take());

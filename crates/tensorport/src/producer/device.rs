@@ -5,6 +5,7 @@ use std::time::{Duration, Instant};
 
 use tensorport_wire::{ClientMsg, RawDeviceHandle, RawLocation, SlotRef};
 
+use crate::SubmitError;
 use crate::{Error, Result};
 
 use super::{Held, Producer, TensorSpec};
@@ -105,7 +106,7 @@ impl Producer {
         buffer: u32,
         spec: &TensorSpec,
         timeline: Option<u64>,
-    ) -> Result<u64> {
+    ) -> std::result::Result<u64, SubmitError> {
         let id = self.requests.next_id;
         self.requests.next_id += 1;
         self.submit_device_as(buffer, id, spec, timeline)?;
@@ -120,16 +121,16 @@ impl Producer {
         request_id: u64,
         spec: &TensorSpec,
         timeline: Option<u64>,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), SubmitError> {
         let id = request_id;
         let d = self
             .requests
             .devices
             .get(&buffer)
             .cloned()
-            .ok_or(Error::UnknownDevice(buffer))?;
+            .ok_or(SubmitError::UnknownDevice(buffer))?;
         if d.in_flight {
-            return Err(Error::DeviceInFlight(buffer));
+            return Err(SubmitError::DeviceInFlight(buffer));
         }
         let location = RawLocation::DeviceBuffer(SlotRef {
             slot: buffer,

@@ -7,13 +7,14 @@ use tensorport_shm::HostPool;
 use tensorport_wire::SlotRef;
 
 use crate::{Error, Result};
+use crate::{LeaseError, SubmitError};
 
 use super::{Producer, TensorSpec};
 
 impl Producer {
     /// A free slot to write, waiting up to `timeout` for one (backpressure: all slots are in
     /// flight, or the session has its maximum of requests in flight).
-    pub fn lease(&mut self, timeout: Duration) -> Result<SlotLease<'_>> {
+    pub fn lease(&mut self, timeout: Duration) -> std::result::Result<SlotLease<'_>, LeaseError> {
         let slot = self.take_slot(timeout)?;
         Ok(SlotLease {
             producer: self,
@@ -25,7 +26,7 @@ impl Producer {
     /// them on other threads, and submit each with [`Producer::submit_loan`] (as iceoryx2's
     /// loans). Waits up to `timeout` as [`Producer::lease`] does; loans out count against the
     /// in-flight limit.
-    pub fn loan(&mut self, timeout: Duration) -> Result<Loan> {
+    pub fn loan(&mut self, timeout: Duration) -> std::result::Result<Loan, LeaseError> {
         let slot = self.take_slot(timeout)?;
         self.slots.loaned += 1;
         Ok(Loan {
@@ -37,7 +38,11 @@ impl Producer {
     }
 
     /// Hands a loaned slot to the server as the tensor `spec`; returns the request id.
-    pub fn submit_loan(&mut self, loan: Loan, spec: &TensorSpec) -> Result<u64> {
+    pub fn submit_loan(
+        &mut self,
+        loan: Loan,
+        spec: &TensorSpec,
+    ) -> std::result::Result<u64, SubmitError> {
         let id = self.requests.next_id;
         self.requests.next_id += 1;
         self.submit_loan_as(loan, id, spec)?;
@@ -50,16 +55,18 @@ impl Producer {
         mut loan: Loan,
         request_id: u64,
         spec: &TensorSpec,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), SubmitError> {
         if !Arc::ptr_eq(&loan.home, &self.slots.home) {
-            return Err(Error::ForeignLoan);
+            return Err(SubmitError::ForeignLoan);
         }
         loan.submitted = true;
         self.slots.loaned -= 1;
         let slot = loan.slot;
-        self.submit_slot(slot, request_id, spec).inspect_err(|_| {
-            self.slots.free.push_back(slot);
-        })
+        self.submit_slot(slot, request_id, spec)
+            .inspect_err(|_| {
+                self.slots.free.push_back(slot);
+            })
+            .map_err(SubmitError::from)
     }
 
     /// Slots of loans dropped unsubmitted go back to the free list.
@@ -244,7 +251,7 @@ impl SlotLease<'_> {
     }
 
     /// Hands the slot to the server as the tensor `spec`; returns the request id.
-    pub fn submit(self, spec: &TensorSpec) -> Result<u64> {
+    pub fn submit(self, spec: &TensorSpec) -> std::result::Result<u64, SubmitError> {
         let id = self.producer.requests.next_id;
         self.producer.requests.next_id += 1;
         self.submit_as(id, spec)?;
@@ -253,13 +260,17 @@ impl SlotLease<'_> {
 
     /// Like [`SlotLease::submit`] with a request id of the caller's choosing (unique among its
     /// requests in flight).
-    pub fn submit_as(mut self, request_id: u64, spec: &TensorSpec) -> Result<()> {
+    pub fn submit_as(
+        mut self,
+        request_id: u64,
+        spec: &TensorSpec,
+    ) -> std::result::Result<(), SubmitError> {
         let slot = self.slot.take().expect("slot present until submit");
         match self.producer.submit_slot(slot, request_id, spec) {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.producer.slots.free.push_back(slot);
-                Err(e)
+                Err(e.into())
             }
         }
     }

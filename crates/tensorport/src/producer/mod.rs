@@ -34,6 +34,7 @@ use tensorport_wire::{
 use crate::client::{self, next_msg};
 use crate::conn::{FrameReader, FrameWriter};
 use crate::fast::{IdMap, ProducerRing};
+use crate::{ConnectError, RecvError};
 use crate::{Error, Result};
 use tensorport_wire::decode_server;
 
@@ -125,9 +126,16 @@ impl std::fmt::Debug for Producer {
 
 impl Producer {
     /// Connects to the server at `socket`, receives and maps the session's pool.
-    pub fn connect(socket: impl AsRef<Path>, config: ProducerConfig) -> Result<Producer> {
+    pub fn connect(
+        socket: impl AsRef<Path>,
+        config: ProducerConfig,
+    ) -> std::result::Result<Producer, ConnectError> {
+        Self::open(socket.as_ref(), config).map_err(ConnectError::from)
+    }
+
+    fn open(socket: &Path, config: ProducerConfig) -> Result<Producer> {
         let c = client::connect(
-            socket.as_ref(),
+            socket,
             Role::Producer,
             &config.name,
             config.slots,
@@ -504,7 +512,7 @@ impl Producer {
     }
 
     /// The next result, waiting up to `timeout`.
-    pub fn recv_result(&mut self, timeout: Duration) -> Result<Completion> {
+    pub fn recv_result(&mut self, timeout: Duration) -> std::result::Result<Completion, RecvError> {
         Ok(self.next_done(timeout)?.into_completion())
     }
 
@@ -515,7 +523,7 @@ impl Producer {
         &mut self,
         timeout: Duration,
         out: &mut Vec<u8>,
-    ) -> Result<(u64, std::result::Result<usize, RemoteError>)> {
+    ) -> std::result::Result<(u64, std::result::Result<usize, RemoteError>), RecvError> {
         out.clear();
         Ok(match self.next_done(timeout)? {
             Done::Inline {
@@ -553,7 +561,7 @@ impl Producer {
     }
 
     /// A result if one is ready, without waiting for the server.
-    pub fn try_recv_result(&mut self) -> Result<Option<Completion>> {
+    pub fn try_recv_result(&mut self) -> std::result::Result<Option<Completion>, RecvError> {
         if self.requests.done.is_empty() {
             self.poll()?;
         }

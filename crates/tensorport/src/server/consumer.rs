@@ -16,7 +16,6 @@ use crate::server::admission::{admit_locked, count_submitted};
 use crate::server::request::Request;
 use crate::server::session::{Session, SessionState};
 use crate::server::shared::Shared;
-use crate::{Error, Result};
 
 /// A session the consumer polls, with its submission-queue cursor.
 struct Polled {
@@ -55,13 +54,12 @@ impl Consumer {
         }
     }
 
-    /// The next request, or `None` at `deadline`; `Err(Error::Stopped)` once the server is
-    /// finished.
+    /// The next request, or `None` at `deadline`; `Err(Stopped)` once the server is finished.
     pub(crate) fn next_request(
         &mut self,
         sh: &Arc<Shared>,
         deadline: Instant,
-    ) -> Result<Option<Request>> {
+    ) -> std::result::Result<Option<Request>, crate::Stopped> {
         let spin = sh.config.spin;
         if let Some(p) = &sh.pacer {
             p.tick(sh);
@@ -85,7 +83,7 @@ impl Consumer {
             }
             if now >= deadline {
                 if sh.is_finished() {
-                    return Err(Error::Stopped);
+                    return Err(crate::Stopped);
                 }
                 return Ok(None);
             }
@@ -94,7 +92,7 @@ impl Consumer {
                 if now.duration_since(*checked.get_or_insert(now)) > Duration::from_millis(5) {
                     checked = Some(now);
                     if sh.is_finished() {
-                        return Err(Error::Stopped);
+                        return Err(crate::Stopped);
                     }
                 }
                 if spins.is_multiple_of(256) {
@@ -104,7 +102,7 @@ impl Consumer {
                 continue;
             }
             if sh.is_finished() {
-                return Err(Error::Stopped);
+                return Err(crate::Stopped);
             }
             // Held-back slots are granted by the pacer's ticks: sleep in short steps meanwhile.
             let longest = match &sh.pacer {

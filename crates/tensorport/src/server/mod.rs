@@ -54,6 +54,7 @@ use tensorport_wire::{StatusReport, PROTOCOL_VERSION};
 
 use crate::fast::Doorbell;
 use crate::{path, Error, Result};
+use crate::{BindError, Stopped};
 
 pub use config::ServerConfig;
 pub use pace::Pace;
@@ -85,7 +86,7 @@ impl std::fmt::Debug for Server {
 
 impl Server {
     /// Binds the socket (see [`crate::path::bind_listener`]) and starts accepting producers.
-    pub fn bind(config: ServerConfig) -> Result<Server> {
+    pub fn bind(config: ServerConfig) -> std::result::Result<Server, BindError> {
         let listener = path::bind_listener(&config.socket)?;
         listener
             .set_nonblocking(true)
@@ -166,7 +167,7 @@ impl Server {
     ///
     /// With [`ServerConfig::consumers`] above 1, as many threads may call this (or
     /// [`Server::recv_batch`]) at once, each then serving a different share of the sessions.
-    pub fn recv_timeout(&self, timeout: Duration) -> Result<Option<Request>> {
+    pub fn recv_timeout(&self, timeout: Duration) -> std::result::Result<Option<Request>, Stopped> {
         self.consumer()
             .next_request(&self.shared, Instant::now() + timeout)
     }
@@ -195,7 +196,7 @@ impl Server {
         max: usize,
         timeout: Duration,
         max_wait: Duration,
-    ) -> Result<Vec<Request>> {
+    ) -> std::result::Result<Vec<Request>, Stopped> {
         let mut out = Vec::with_capacity(max);
         self.recv_batch_into(&mut out, max, timeout, max_wait)?;
         Ok(out)
@@ -209,7 +210,7 @@ impl Server {
         max: usize,
         timeout: Duration,
         max_wait: Duration,
-    ) -> Result<()> {
+    ) -> std::result::Result<(), Stopped> {
         out.clear();
         let mut c = self.consumer();
         let Some(first) = c.next_request(&self.shared, Instant::now() + timeout)? else {
@@ -225,8 +226,8 @@ impl Server {
                 (0, Some(d)) if Instant::now() >= d => break,
                 (0, Some(d)) => match c.next_request(&self.shared, d) {
                     Ok(Some(r)) => out.push(r),
-                    Ok(None) | Err(Error::Stopped) => break,
-                    Err(e) => return Err(e),
+                    // Stopped with a batch in hand: it is served; the next call says stopped.
+                    Ok(None) | Err(Stopped) => break,
                 },
             }
         }

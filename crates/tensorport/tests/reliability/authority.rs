@@ -8,7 +8,7 @@ pub(crate) fn other_uid_client(socket: &str) {
     nix::unistd::setuid(nix::unistd::Uid::from_raw(65534)).unwrap();
     match Producer::connect(socket, ProducerConfig::new("intruder")) {
         Ok(_) => println!("connected"),
-        Err(tensorport::Error::Refused { code, .. }) => println!("refused {code:?}"),
+        Err(tensorport::ConnectError::Refused { code, .. }) => println!("refused {code:?}"),
         Err(e) => println!("error {e}"),
     }
 }
@@ -88,7 +88,10 @@ pub(crate) fn untrusted_server() {
     assert_eq!(line.trim(), "ready");
     let e = Producer::connect(&sock, ProducerConfig::new("careful")).unwrap_err();
     assert!(
-        matches!(e, tensorport::Error::UntrustedServer { uid: 65534, .. }),
+        matches!(
+            e,
+            tensorport::ConnectError::UntrustedServer { uid: 65534, .. }
+        ),
         "{e}"
     );
     assert!(e.to_string().contains("runs as uid 65534"), "{e}");

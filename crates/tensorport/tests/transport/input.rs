@@ -188,9 +188,13 @@ pub(crate) fn bad_grant() {
     });
     let mut cfg = ProducerConfig::new("trusting");
     cfg.rings = false;
-    let e = match Producer::connect(&sock, cfg) {
-        Err(e) => e,
-        Ok(mut p) => p.lease(Duration::from_secs(10)).map(|_| ()).unwrap_err(),
+    let e: tensorport::Error = match Producer::connect(&sock, cfg) {
+        Err(e) => e.into(),
+        Ok(mut p) => p
+            .lease(Duration::from_secs(10))
+            .map(|_| ())
+            .unwrap_err()
+            .into(),
     };
     assert!(
         e.to_string().contains("granted slot 7 of a pool of 2"),

@@ -65,7 +65,7 @@ pub(crate) fn loans() {
     let held: Vec<tensorport::Loan> = (0..4).map(|_| p.loan(PATIENCE).unwrap()).collect();
     assert!(matches!(
         p.loan(Duration::from_millis(50)),
-        Err(Error::Timeout(..))
+        Err(tensorport::LeaseError::Timeout(..))
     ));
     let back: Vec<u32> = held.iter().map(|l| l.slot().slot).collect();
     drop(held);
@@ -77,7 +77,7 @@ pub(crate) fn loans() {
     let e = p
         .submit_loan(theirs, &TensorSpec::new(DType::U8, &[16]))
         .unwrap_err();
-    assert!(matches!(e, Error::ForeignLoan), "{e}");
+    assert!(matches!(e, tensorport::SubmitError::ForeignLoan), "{e}");
 }
 
 /// The warm lease (slots of 4 MiB and more): the slot submitted last is taken again when the

@@ -139,13 +139,17 @@ pub(crate) fn killed_server() {
                 l.submit(&spec).unwrap();
             }
             tx.send(what).unwrap();
-            let err = if what == "lease" {
+            let err: Error = if what == "lease" {
                 // Every slot is with the server, which holds them: this blocks.
-                p.lease(Duration::from_secs(30)).map(|_| ()).unwrap_err()
+                p.lease(Duration::from_secs(30))
+                    .map(|_| ())
+                    .unwrap_err()
+                    .into()
             } else {
                 p.recv_result(Duration::from_secs(30))
                     .map(|_| ())
                     .unwrap_err()
+                    .into()
             };
             (err, Instant::now())
         })
@@ -215,7 +219,7 @@ pub(crate) fn limits() {
     assert!(
         matches!(
             e,
-            Error::Refused {
+            tensorport::ConnectError::Refused {
                 code: ErrorCode::TooManySessions,
                 ..
             }
@@ -234,7 +238,7 @@ pub(crate) fn socket_file() {
     // A live server's socket is not taken over.
     let s1 = Server::bind(ServerConfig::new(&sock)).unwrap();
     let e = Server::bind(ServerConfig::new(&sock)).unwrap_err();
-    assert!(matches!(e, Error::AddrInUse(_)), "{e}");
+    assert!(matches!(e, tensorport::BindError::AddrInUse(_)), "{e}");
     // A server killed with SIGKILL leaves its socket file; the next server replaces it.
     let mut hold = spawn_child("server-hold", &[socket_env(&sock.with_extension("2"))]);
     let mut line = String::new();
