@@ -12,7 +12,9 @@
 #   network under torch.compile).
 #
 # Each farm line is its summary's throughput (after start-up) and batches; each set is listed
-# REPEAT times (the uniform set) or REPEAT_VARIED times (the varied one).
+# REPEAT times (the uniform set) or REPEAT_VARIED times (the others). SETS picks the sets
+# (default "uniform varied"; "mixed" is bench/make_sets.sh's baseline photos of mixed size and
+# chroma).
 #
 #   bench/onnx_farm.sh TENSORPORT MODELS_DIR SETS_DIR [REPEAT] [REPEAT_VARIED]
 #
@@ -24,7 +26,10 @@ tp=$1; models=$2; sets=$3; repeat=${4:-5}; repeat_varied=${5:-2}
 here=$(cd "$(dirname "$0")" && pwd)
 lists=$(mktemp -d); trap 'rm -rf "$lists"' EXIT
 for _ in $(seq "$repeat"); do find "$sets/uniform" -name '*.jpg' | sort; done > "$lists/uniform"
-for _ in $(seq "$repeat_varied"); do find "$sets/varied" -name '*.jpg' | sort; done > "$lists/varied"
+for s in varied mixed; do
+  [[ -d "$sets/$s" ]] || continue
+  for _ in $(seq "$repeat_varied"); do find "$sets/$s" -name '*.jpg' | sort; done > "$lists/$s"
+done
 cores=$(nproc)
 for m in resnet50 resnet50_f16; do
   "${lim[@]}" "$tp" --log warn model-bench --device cuda --model "$models/$m.onnx" \
@@ -34,7 +39,7 @@ for m in resnet50 resnet50_f16; do
       --batch 32,128,256 --seconds 2 | grep '|' || echo "onnx_model.py $m failed"
   fi
 done
-for s in uniform varied; do
+for s in ${SETS:-uniform varied}; do
   echo "$s: $(wc -l < "$lists/$s") inputs"
   for m in none resnet50 resnet50_f16; do
     model=$models/$m.onnx; [[ $m == none ]] && model=none
