@@ -26,7 +26,9 @@ pub struct Args {
     pub synthetic: Option<u64>,
     /// Read inputs from stdin until end of input, each a record ending in a NUL byte:
     /// `INDEX<TAB>f<TAB>PATH` (the path's bytes as they are, newlines included) or
-    /// `INDEX<TAB>s<TAB>N` (synthetic image N). This is how `tensorport farm` drives producers.
+    /// `INDEX<TAB>s<TAB>N` (synthetic image N); `INDEX<TAB>x<TAB>` withdraws an input given
+    /// earlier (left out unless already started). This is how `tensorport farm` drives
+    /// producers.
     #[arg(long)]
     pub worklist: bool,
     /// Where to write the JSON lines (`-` for stdout).

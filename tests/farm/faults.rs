@@ -25,7 +25,13 @@ fn farm_with_a_signal(
     let dir = tmp();
     let out = dir.path().join("r.jsonl");
     let n = 600;
-    let child = farm_cmd(&out, n, 3).args(extra).spawn().unwrap();
+    // Producers: as many as the children expected when those are the producers.
+    let producers = if needle == "produce" {
+        children_expected
+    } else {
+        3
+    };
+    let child = farm_cmd(&out, n, producers).args(extra).spawn().unwrap();
     let farm_pid = child.id();
     let t = Instant::now();
     let victim = loop {
@@ -50,10 +56,11 @@ fn farm_with_a_signal(
 
 #[test]
 fn farm_replaces_a_stopped_producer_every_input_once() {
-    // SIGSTOP: the producer neither dies nor answers. The farm must notice on its own.
+    // SIGSTOP: the producer neither dies nor answers. The farm must notice on its own: with
+    // one producer, no other can take its inputs over at the end.
     let (stdout, stderr) = farm_with_a_signal(
         "produce",
-        3,
+        1,
         nix::sys::signal::Signal::SIGSTOP,
         &["--stall-secs", "3"],
     );
@@ -66,6 +73,66 @@ fn farm_replaces_a_stopped_producer_every_input_once() {
     assert!(
         !stdout.contains("(0 restarts)"),
         "expected a restart in the summary:\n{stdout}"
+    );
+}
+
+#[test]
+fn a_stopped_producer_does_not_hold_up_the_end_of_a_run() {
+    // Two producers, one SIGSTOPped once results flow, and a stall limit far beyond the test:
+    // once the queue runs out, the other takes the stopped one's inputs over, so the run ends
+    // with every input once and without waiting to call the stopped one hung.
+    let dir = tmp();
+    let out = dir.path().join("r.jsonl");
+    let n = 400;
+    let mut child = farm_cmd(&out, n, 2)
+        .args(["--stall-secs", "900"])
+        .spawn()
+        .unwrap();
+    let farm_pid = child.id();
+    let t = Instant::now();
+    let victim = loop {
+        let kids = children(farm_pid, "produce");
+        if kids.len() == 2 && count_lines(&out) >= 40 {
+            break kids[0];
+        }
+        assert!(
+            t.elapsed() < Duration::from_secs(300),
+            "the farm wrote no 40 results with both producers up in 5 minutes"
+        );
+        std::thread::sleep(Duration::from_millis(10));
+    };
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(victim),
+        nix::sys::signal::Signal::SIGSTOP,
+    )
+    .unwrap();
+    // Watchdog: far beyond any run of 400 small inputs, far below the 900 s stall limit.
+    let deadline = Instant::now() + Duration::from_secs(300);
+    let status = loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            break s;
+        }
+        if Instant::now() > deadline {
+            let _ = child.kill();
+            let _ = nix::sys::signal::kill(
+                nix::unistd::Pid::from_raw(victim),
+                nix::sys::signal::Signal::SIGKILL,
+            );
+            panic!("the farm waited on its stopped producer for 5 minutes");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    };
+    let o = child.wait_with_output().unwrap();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(status.success(), "farm failed:\n{stderr}");
+    assert!(
+        !stderr.contains("returned no result for"),
+        "the farm waited to call the stopped producer hung:\n{stderr}"
+    );
+    check_results(&out, n);
+    assert!(
+        eventually_gone(victim),
+        "the stopped producer outlived the farm"
     );
 }
 

@@ -2,6 +2,7 @@
 //! worklist on stdin (NUL-terminated records, `record::work_record`), with their files read ahead on a thread of their own, so file reads
 //! overlap the preprocessing and results keep flowing while the producer waits for more work.
 
+use std::collections::HashSet;
 use std::io::BufRead;
 use std::sync::{mpsc, Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -38,6 +39,8 @@ pub struct Feed {
     spent: mpsc::Sender<Vec<u8>>,
     reading: Arc<Mutex<Reading>>,
     read_timeout: Duration,
+    /// Inputs the farm withdrew (another producer answered them): left out when they come.
+    withdrawn: Arc<Mutex<HashSet<u64>>>,
 }
 
 /// The file read under way on the feed's thread, and whether the producer gave up on it.
@@ -56,6 +59,7 @@ impl Feed {
     /// it, and the inputs after it wait (a farm hands them to another producer once this one
     /// stalls).
     pub fn start(inputs: &Inputs, ahead: usize, read_timeout: Duration) -> Result<Feed> {
+        let withdrawn = Arc::new(Mutex::new(HashSet::new()));
         let items: Box<dyn Iterator<Item = (u64, Source)> + Send> = match inputs {
             Inputs::Dir(dir) => Box::new(
                 tensorport_vision::list_images(dir)
@@ -66,9 +70,14 @@ impl Feed {
             ),
             // Lazy: the count may be huge (the soak test runs producers that never finish).
             &Inputs::Synthetic(n) => Box::new((0..n).map(|i| (i, Source::Synthetic(i)))),
-            Inputs::Worklist => Box::new(worklist(std::io::BufReader::new(std::io::stdin()))),
+            Inputs::Worklist => Box::new(worklist(
+                std::io::BufReader::new(std::io::stdin()),
+                withdrawn.clone(),
+            )),
         };
-        Ok(Feed::spawn(items, ahead, read_timeout, read_ahead))
+        let mut feed = Feed::spawn(items, ahead, read_timeout, read_ahead);
+        feed.withdrawn = withdrawn;
+        Ok(feed)
     }
 
     /// Starts the thread that reads `items` with `read`.
@@ -112,11 +121,32 @@ impl Feed {
             spent,
             reading,
             read_timeout,
+            withdrawn: Arc::default(),
         }
     }
 
-    /// The next input: waits up to `wait` for one (not at all for a zero wait).
+    /// The next input: waits up to `wait` for one (not at all for a zero wait). Inputs the
+    /// farm has withdrawn are left out.
     pub fn next(&self, wait: Duration) -> Next {
+        loop {
+            match self.next_any(wait) {
+                Next::Input(it)
+                    if self
+                        .withdrawn
+                        .lock()
+                        .expect("not poisoned")
+                        .remove(&it.index) =>
+                {
+                    if let Some((Ok(buf), _)) = it.bytes {
+                        self.reuse(buf);
+                    }
+                }
+                next => return next,
+            }
+        }
+    }
+
+    fn next_any(&self, wait: Duration) -> Next {
         let next = if wait.is_zero() {
             match self.rx.try_recv() {
                 Ok(it) => Next::Input(it),
@@ -172,18 +202,27 @@ impl Feed {
 }
 
 /// The inputs of a worklist (NUL-terminated `record::work_record`s) read from `from`, until it
-/// ends; a record that does not parse is logged and skipped.
-fn worklist(from: impl BufRead + Send) -> impl Iterator<Item = (u64, Source)> + Send {
-    from.split(0).map_while(|rec| rec.ok()).filter_map(
-        |rec| match crate::record::parse_work_record(&rec) {
-            Ok(item) => Some(item),
+/// ends; a withdrawal goes into `withdrawn`; a record that does not parse is logged and
+/// skipped.
+fn worklist(
+    from: impl BufRead + Send,
+    withdrawn: Arc<Mutex<HashSet<u64>>>,
+) -> impl Iterator<Item = (u64, Source)> + Send {
+    use crate::record::Work;
+    from.split(0)
+        .map_while(|rec| rec.ok())
+        .filter_map(move |rec| match crate::record::parse_work_record(&rec) {
+            Ok(Work::Input(i, source)) => Some((i, source)),
+            Ok(Work::Withdraw(i)) => {
+                withdrawn.lock().expect("not poisoned").insert(i);
+                None
+            }
             Err(why) => {
                 let shown = String::from_utf8_lossy(&rec);
                 tracing::warn!("ignoring worklist record with {why}: {shown:?}");
                 None
             }
-        },
-    )
+        })
 }
 
 /// Reads a file's bytes into `buf` (reused), timing it.
@@ -254,7 +293,10 @@ mod tests {
         let mut stream = crate::record::work_record(3, &Source::File("a\nb.jpg".into()));
         stream.extend_from_slice(b"garbage\0");
         stream.extend(crate::record::work_record(4, &Source::Synthetic(9)));
-        let items: Vec<(u64, Source)> = worklist(std::io::Cursor::new(stream)).collect();
+        stream.extend(crate::record::withdraw_record(3));
+        let withdrawn = Arc::new(Mutex::new(HashSet::new()));
+        let items: Vec<(u64, Source)> =
+            worklist(std::io::Cursor::new(stream), withdrawn.clone()).collect();
         assert_eq!(
             items,
             [
@@ -262,5 +304,27 @@ mod tests {
                 (4, Source::Synthetic(9))
             ]
         );
+        assert_eq!(*withdrawn.lock().unwrap(), HashSet::from([3]));
+    }
+
+    #[test]
+    fn a_withdrawn_input_is_left_out() {
+        let mut feed = Feed::spawn(
+            names(&["a.jpg", "b.jpg", "c.jpg"]),
+            4,
+            Duration::from_secs(60),
+            slow_read,
+        );
+        feed.withdrawn = Arc::new(Mutex::new(HashSet::from([1])));
+        let mut got = Vec::new();
+        loop {
+            match feed.next(Duration::from_secs(5)) {
+                Next::Input(it) => got.push(it.index),
+                Next::Wait => continue,
+                Next::Done => break,
+            }
+        }
+        assert_eq!(got, [0, 2]);
+        assert!(feed.withdrawn.lock().unwrap().is_empty());
     }
 }

@@ -140,8 +140,23 @@ pub fn work_record(index: u64, source: &Source) -> Vec<u8> {
     rec
 }
 
+/// The worklist record that withdraws input `index` (`INDEX<TAB>x<TAB>`, with its NUL): its
+/// result came from another producer, so a producer that has not started it leaves it out.
+pub fn withdraw_record(index: u64) -> Vec<u8> {
+    format!("{index}\tx\t\0").into_bytes()
+}
+
+/// What a worklist record asks of a producer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Work {
+    /// Prepare and submit this input.
+    Input(u64, Source),
+    /// Leave out this input if it has not started on it ([`withdraw_record`]).
+    Withdraw(u64),
+}
+
 /// Reads a worklist record (without its NUL), or says what is wrong with it.
-pub fn parse_work_record(rec: &[u8]) -> Result<(u64, Source), &'static str> {
+pub fn parse_work_record(rec: &[u8]) -> Result<Work, &'static str> {
     use std::os::unix::ffi::OsStrExt;
     let mut parts = rec.splitn(3, |&b| b == b'\t');
     let (Some(idx), Some(kind), Some(what)) = (parts.next(), parts.next(), parts.next()) else {
@@ -157,9 +172,11 @@ pub fn parse_work_record(rec: &[u8]) -> Result<(u64, Source), &'static str> {
         b"f" if !what.is_empty() => Source::File(std::ffi::OsStr::from_bytes(what).into()),
         b"f" => return Err("an empty path"),
         b"s" => Source::Synthetic(number(what).ok_or("a bad image number")?),
+        b"x" if what.is_empty() => return Ok(Work::Withdraw(idx)),
+        b"x" => return Err("a withdrawal with more"),
         _ => return Err("an unknown kind"),
     };
-    Ok((idx, source))
+    Ok(Work::Input(idx, source))
 }
 
 /// Writes a producer's result lines, each flushed whole, and counts them.
@@ -294,15 +311,31 @@ mod tests {
             let rec = work_record(9, &src);
             assert_eq!(rec.iter().filter(|&&b| b == 0).count(), 1);
             assert_eq!(rec.last(), Some(&0));
-            assert_eq!(parse_work_record(&rec[..rec.len() - 1]), Ok((9, src)));
+            assert_eq!(
+                parse_work_record(&rec[..rec.len() - 1]),
+                Ok(Work::Input(9, src))
+            );
         }
         // A file named like a synthetic image stays a file.
         let file = Source::File("synthetic:3".into());
         let rec = work_record(1, &file);
-        assert_eq!(parse_work_record(&rec[..rec.len() - 1]), Ok((1, file)));
+        assert_eq!(
+            parse_work_record(&rec[..rec.len() - 1]),
+            Ok(Work::Input(1, file))
+        );
         let rec = work_record(7, &Source::Synthetic(3));
         assert_eq!(rec, b"7\ts\t3\0");
-        assert_eq!(parse_work_record(b"7\ts\t3"), Ok((7, Source::Synthetic(3))));
+        assert_eq!(
+            parse_work_record(b"7\ts\t3"),
+            Ok(Work::Input(7, Source::Synthetic(3)))
+        );
+        let w = withdraw_record(12);
+        assert_eq!(w, b"12\tx\t\0");
+        assert_eq!(parse_work_record(&w[..w.len() - 1]), Ok(Work::Withdraw(12)));
+        assert_eq!(
+            parse_work_record(b"12\tx\ta.jpg"),
+            Err("a withdrawal with more")
+        );
         assert_eq!(
             parse_work_record(b"7 a.jpg"),
             Err("fewer than three fields")

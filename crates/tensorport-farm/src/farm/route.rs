@@ -92,6 +92,11 @@ pub(super) struct Queue {
 }
 
 impl Queue {
+    /// Whether every input has been handed out (some may come back).
+    pub(super) fn is_empty(&self) -> bool {
+        self.unsorted.is_empty() && self.sides.iter().all(VecDeque::is_empty)
+    }
+
     /// Inputs `0..n`, in order; sorted by side only if `routing`.
     pub(super) fn new(n: u64, routing: bool) -> Queue {
         Queue {

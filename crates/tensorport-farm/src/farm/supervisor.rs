@@ -2,6 +2,7 @@
 //! child that ended, the server ready), when a child is restarted or given up on, and when the
 //! run is over. It decides; `view` shows; `children` starts processes.
 
+use std::collections::HashSet;
 use std::io::Write;
 use std::process::Child;
 use std::sync::mpsc::Receiver;
@@ -46,6 +47,8 @@ pub(super) struct Supervisor {
     depth: usize,
     /// Inputs not handed out yet, by the kind of producer they suit.
     queue: Queue,
+    /// Inputs a second producer was given once the queue ran out ([`Supervisor::hedge`]).
+    hedged: HashSet<u64>,
     done: Vec<bool>,
     done_count: u64,
     errors: u64,
@@ -114,6 +117,7 @@ impl Supervisor {
             servers,
             workers,
             queue: Queue::new(n, routing),
+            hedged: HashSet::new(),
             done: vec![false; n as usize],
             done_count: 0,
             errors: 0,
@@ -267,6 +271,60 @@ impl Supervisor {
                 self.give(slot, self.depth, cpu_takes_plain);
             }
         }
+        if self.queue.is_empty() {
+            self.hedge(gpu_depth);
+        }
+    }
+
+    /// Once every input is handed out, a producer with nothing to do also takes inputs that
+    /// another holds and has likely not started (the last it was given, from the one holding
+    /// the most), so the end of a run never waits on a slow or stopped producer while another
+    /// idles. Each input is given a second time at most; its first result counts, and the
+    /// other producer is told to leave it out ([`crate::record::withdraw_record`]).
+    fn hedge(&mut self, gpu_depth: usize) {
+        for slot in 0..self.workers.len() {
+            let w = &self.workers[slot];
+            let idle = matches!(w.state, State::Running { stdin: Some(_), .. })
+                && w.warm
+                && w.assigned.is_empty();
+            if !idle {
+                continue;
+            }
+            let room = if w.gpu { gpu_depth } else { self.depth };
+            let unhedged = |d: usize| -> Vec<u64> {
+                self.workers[d]
+                    .assigned
+                    .iter()
+                    .rev()
+                    .filter(|&&i| !self.hedged.contains(&i) && !self.done[i as usize])
+                    .copied()
+                    .collect()
+            };
+            let Some(take) = (0..self.workers.len())
+                .filter(|&d| d != slot)
+                .map(unhedged)
+                .max_by_key(Vec::len)
+                .filter(|t| !t.is_empty())
+            else {
+                return;
+            };
+            let take: Vec<u64> = take.into_iter().take(room).collect();
+            let mut batch = Vec::new();
+            for &i in &take {
+                batch.extend(crate::record::work_record(i, &self.inputs[i as usize]));
+            }
+            let w = &mut self.workers[slot];
+            let State::Running {
+                stdin: Some(stdin), ..
+            } = &mut w.state
+            else {
+                continue;
+            };
+            if stdin.write_all(&batch).and_then(|_| stdin.flush()).is_ok() {
+                w.assigned.extend(take.iter().copied());
+                self.hedged.extend(take);
+            }
+        }
     }
 
     /// Gives producer `slot`, if it runs, inputs up to `depth` held.
@@ -336,10 +394,21 @@ impl Supervisor {
         let Ok(r) = serde_json::from_str::<ResultLine>(line) else {
             return; // a line torn by a kill: the input is redone
         };
-        for w in self.workers.iter_mut() {
-            w.assigned.remove(&r.index);
+        let first = r.index < self.n && !self.done[r.index as usize];
+        let withdraw = first && self.hedged.remove(&r.index);
+        for (k, w) in self.workers.iter_mut().enumerate() {
+            if w.assigned.remove(&r.index) && withdraw && k != slot {
+                // Another producer holds it too: it leaves it out if it has not started it.
+                if let State::Running {
+                    stdin: Some(stdin), ..
+                } = &mut w.state
+                {
+                    let rec = crate::record::withdraw_record(r.index);
+                    let _ = stdin.write_all(&rec).and_then(|_| stdin.flush());
+                }
+            }
         }
-        if r.index >= self.n || self.done[r.index as usize] {
+        if !first {
             return;
         }
         self.done[r.index as usize] = true;
@@ -588,8 +657,12 @@ impl Supervisor {
                 stdin.take();
             }
         }
-        let deadline = Instant::now() + Duration::from_secs(10);
+        // A producer holding inputs gets 10 s to finish them; one holding none (its inputs were
+        // answered by others, or withdrawn) has nothing left worth waiting for.
+        let started = Instant::now();
         for w in self.workers.iter_mut() {
+            let grace = if w.assigned.is_empty() { 2 } else { 10 };
+            let deadline = started + Duration::from_secs(grace);
             if let State::Running { child, .. } = &mut w.state {
                 while Instant::now() < deadline && !now() {
                     if let Ok(Some(_)) = child.try_wait() {
