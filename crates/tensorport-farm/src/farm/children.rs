@@ -21,8 +21,14 @@ pub(super) enum Ev {
     ServerEof { server: usize, generation: u64 },
 }
 
-/// Output slots from `SERVER` up are the servers' (`SERVER + k` is server k).
-pub(super) const SERVER: usize = usize::MAX / 2;
+/// Whose output a pump reads.
+#[derive(Debug, Clone, Copy)]
+pub(super) enum OutputOf {
+    /// Producer slot k: its result lines.
+    Producer(usize),
+    /// Server k: its `ready` line.
+    Server(usize),
+}
 
 pub(super) enum State {
     Running {
@@ -41,8 +47,7 @@ pub(super) struct Worker {
     pub(super) generation: u64,
     pub(super) assigned: BTreeSet<u64>,
     pub(super) done: u64,
-    pub(super) restarts: u32,
-    pub(super) failures_in_row: u32,
+    pub(super) restarts: super::lifecycle::Restarts,
     pub(super) last_exit: Option<String>,
     /// When it last returned a result, started, or the server became ready.
     pub(super) last_progress: Instant,
@@ -94,8 +99,7 @@ impl Worker {
             generation: 0,
             assigned: BTreeSet::new(),
             done: 0,
-            restarts: 0,
-            failures_in_row: 0,
+            restarts: Default::default(),
             last_exit: None,
             last_progress: Instant::now(),
             server: 0,
@@ -123,35 +127,26 @@ pub(super) fn backoff(failures: u32) -> Duration {
 pub(super) fn pump_lines(
     r: impl std::io::Read + Send + 'static,
     tx: Sender<Ev>,
-    slot: usize,
+    from: OutputOf,
     generation: u64,
 ) {
     std::thread::spawn(move || {
         for line in BufReader::new(r).lines() {
             let Ok(line) = line else { break };
-            let ev = if slot >= SERVER {
-                if line.starts_with("ready") {
-                    Ev::ServerReady {
-                        server: slot - SERVER,
-                        generation,
-                    }
-                } else {
-                    continue;
+            let ev = match from {
+                OutputOf::Server(server) if line.starts_with("ready") => {
+                    Ev::ServerReady { server, generation }
                 }
-            } else {
-                Ev::Line { slot, line }
+                OutputOf::Server(_) => continue,
+                OutputOf::Producer(slot) => Ev::Line { slot, line },
             };
             if tx.send(ev).is_err() {
                 return;
             }
         }
-        let _ = tx.send(if slot >= SERVER {
-            Ev::ServerEof {
-                server: slot - SERVER,
-                generation,
-            }
-        } else {
-            Ev::Eof { slot, generation }
+        let _ = tx.send(match from {
+            OutputOf::Server(server) => Ev::ServerEof { server, generation },
+            OutputOf::Producer(slot) => Ev::Eof { slot, generation },
         });
     });
 }
@@ -302,7 +297,7 @@ impl Farm {
         pump_lines(
             child.stdout.take().expect("piped"),
             self.tx.clone(),
-            SERVER + k,
+            OutputOf::Server(k),
             generation,
         );
         self.server_said[k].lock().unwrap().clear();
@@ -332,7 +327,7 @@ impl Farm {
         pump_lines(
             child.stdout.take().expect("piped"),
             self.tx.clone(),
-            slot,
+            OutputOf::Producer(slot),
             w.generation,
         );
         forward_stderr(

@@ -8,9 +8,12 @@
 
 mod balance;
 mod children;
+mod ledger;
+mod lifecycle;
 mod results;
 mod route;
 mod rundir;
+mod stats;
 mod supervisor;
 
 use std::path::{Path, PathBuf};

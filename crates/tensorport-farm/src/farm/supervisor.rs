@@ -2,7 +2,6 @@
 //! child that ended, the server ready), when a child is restarted or given up on, and when the
 //! run is over. It decides; `view` shows; `children` starts processes.
 
-use std::collections::HashSet;
 use std::io::Write;
 use std::process::Child;
 use std::sync::mpsc::Receiver;
@@ -11,11 +10,14 @@ use std::time::{Duration, Instant};
 use tensorport_vision::Source;
 
 use super::balance::{pick_move, Load, Window, MIN_RESULTS};
-use super::children::{backoff, describe, unfixable_start, Ev, Farm, State, Worker};
+use super::children::{describe, unfixable_start, Ev, Farm, State, Worker};
+use super::ledger::Ledger;
+use super::lifecycle::{Restarts, Verdict};
 use super::route::{cpu_takes_plain, GpuState, Queue, Side};
+use super::stats::RunStats;
 use super::{ChildRow, ChildState, ResultsFile, Snapshot, Summary};
 use crate::error::{Error, Result};
-use crate::record::{ResultLine, StageTimes};
+use crate::record::ResultLine;
 
 /// One server of the farm (one per `--servers` / `--devices` entry).
 pub(super) struct ServerSlot {
@@ -25,11 +27,10 @@ pub(super) struct ServerSlot {
     /// Whether it has listened once: producers first start when every server has (so they
     /// spread over all of them, not onto the one that came up first).
     ever_ready: bool,
-    restarts: u32,
+    /// Its restarts; a server that keeps dying without ever serving is given up on, one that
+    /// serves between its deaths is not.
+    restarts: Restarts,
     wait_until: Option<Instant>,
-    /// Restarts since the last result through it: a server that keeps dying without ever
-    /// serving is given up on; one that serves between its deaths is not.
-    failures_in_row: u32,
     /// Someone else's server: never started, restarted or drained by the farm.
     attached: bool,
 }
@@ -37,7 +38,6 @@ pub(super) struct ServerSlot {
 pub(super) struct Supervisor {
     pub(super) farm: Farm,
     inputs: Vec<Source>,
-    n: u64,
     /// More inputs, while they may come (a stream of them: `run_with`).
     more: Option<Receiver<Source>>,
     servers: Vec<ServerSlot>,
@@ -47,19 +47,9 @@ pub(super) struct Supervisor {
     depth: usize,
     /// Inputs not handed out yet, by the kind of producer they suit.
     queue: Queue,
-    /// Inputs a second producer was given once the queue ran out ([`Supervisor::hedge`]).
-    hedged: HashSet<u64>,
-    done: Vec<bool>,
-    done_count: u64,
-    errors: u64,
-    latencies: Vec<f64>,
-    stage_sum: StageTimes,
-    profiled: u64,
-    /// The first and the last result: the rate between them leaves the start-up out (starting
-    /// the server and its device, the producers, their pools), as the DataLoader's benchmark
-    /// leaves its workers' start-up out.
-    first_result: Option<Instant>,
-    last_result: Instant,
+    /// Which inputs have their result, and which were given twice.
+    ledger: Ledger,
+    stats: RunStats,
     /// Set by the first Ctrl-C: no new work, finish what is in flight by then.
     stopping: Option<Instant>,
     started: Instant,
@@ -91,9 +81,8 @@ impl Supervisor {
                     generation: 1,
                     ready: attached,
                     ever_ready: attached,
-                    restarts: 0,
+                    restarts: Restarts::default(),
                     wait_until: None,
-                    failures_in_row: 0,
                     attached,
                 })
             })
@@ -112,20 +101,12 @@ impl Supervisor {
             depth: (farm.cfg.in_flight.max(1) * 2) as usize,
             farm,
             inputs,
-            n,
             more,
             servers,
             workers,
             queue: Queue::new(n, routing),
-            hedged: HashSet::new(),
-            done: vec![false; n as usize],
-            done_count: 0,
-            errors: 0,
-            latencies: Vec::with_capacity(n as usize),
-            stage_sum: StageTimes::default(),
-            profiled: 0,
-            first_result: None,
-            last_result: Instant::now(),
+            ledger: Ledger::new(n),
+            stats: RunStats::new(n),
             stopping: None,
             started: Instant::now(),
             failure: None,
@@ -141,11 +122,10 @@ impl Supervisor {
         loop {
             match rx.try_recv() {
                 Ok(source) => {
-                    let i = self.n;
+                    let i = self.ledger.len();
                     self.inputs.push(source);
-                    self.done.push(false);
+                    self.ledger.push();
                     self.queue.push_new(i);
-                    self.n += 1;
                 }
                 Err(std::sync::mpsc::TryRecvError::Empty) => return,
                 Err(std::sync::mpsc::TryRecvError::Disconnected) => {
@@ -158,7 +138,7 @@ impl Supervisor {
 
     /// Every input has its result and no more will come.
     fn all_done(&self) -> bool {
-        self.done_count >= self.n && self.more.is_none()
+        self.ledger.done_count() >= self.ledger.len() && self.more.is_none()
     }
 
     /// The first Ctrl-C: hand out nothing more, give the work in flight 15 s.
@@ -183,7 +163,7 @@ impl Supervisor {
 
     /// Server restarts, all servers together.
     pub(super) fn server_restarts(&self) -> u32 {
-        self.servers.iter().map(|s| s.restarts).sum()
+        self.servers.iter().map(|s| s.restarts.total).sum()
     }
 
     /// The listening server with the fewest running producers (ties: the lowest number), for a
@@ -296,7 +276,7 @@ impl Supervisor {
                     .assigned
                     .iter()
                     .rev()
-                    .filter(|&&i| !self.hedged.contains(&i) && !self.done[i as usize])
+                    .filter(|&&i| !self.ledger.is_hedged(i) && !self.ledger.is_done(i))
                     .copied()
                     .collect()
             };
@@ -322,7 +302,9 @@ impl Supervisor {
             };
             if stdin.write_all(&batch).and_then(|_| stdin.flush()).is_ok() {
                 w.assigned.extend(take.iter().copied());
-                self.hedged.extend(take);
+                for i in take {
+                    self.ledger.hedge(i);
+                }
             }
         }
     }
@@ -346,7 +328,7 @@ impl Supervisor {
             let Some(i) = next else {
                 break;
             };
-            if self.done[i as usize] {
+            if self.ledger.is_done(i) {
                 continue;
             }
             batch.extend(crate::record::work_record(i, &self.inputs[i as usize]));
@@ -394,8 +376,11 @@ impl Supervisor {
         let Ok(r) = serde_json::from_str::<ResultLine>(line) else {
             return; // a line torn by a kill: the input is redone
         };
-        let first = r.index < self.n && !self.done[r.index as usize];
-        let withdraw = first && self.hedged.remove(&r.index);
+        let (first, withdraw) = if r.index < self.ledger.len() {
+            self.ledger.result(r.index)
+        } else {
+            (false, false)
+        };
         for (k, w) in self.workers.iter_mut().enumerate() {
             if w.assigned.remove(&r.index) && withdraw && k != slot {
                 // Another producer holds it too: it leaves it out if it has not started it.
@@ -411,18 +396,7 @@ impl Supervisor {
         if !first {
             return;
         }
-        self.done[r.index as usize] = true;
-        self.done_count += 1;
-        self.last_result = Instant::now();
-        self.first_result.get_or_insert(self.last_result);
-        if r.error.is_some() {
-            self.errors += 1;
-        }
-        self.latencies.push(r.latency_ms);
-        if let Some(st) = r.stages {
-            self.stage_sum += st;
-            self.profiled += 1;
-        }
+        self.stats.record(&r);
         if let Err(e) = out.push(line) {
             self.failure = Some(e);
             return;
@@ -433,10 +407,10 @@ impl Supervisor {
         }
         w.done += 1;
         w.warm = true;
-        w.failures_in_row = 0;
+        w.restarts.served();
         w.last_progress = Instant::now();
         if let Some(s) = self.servers.get_mut(w.server) {
-            s.failures_in_row = 0;
+            s.restarts.served();
         }
     }
 
@@ -455,12 +429,12 @@ impl Supervisor {
             _ => "ended".into(),
         };
         for i in std::mem::take(&mut w.assigned).into_iter().rev() {
-            if !self.done[i as usize] {
+            if !self.ledger.is_done(i) {
                 self.queue.push_front(i);
             }
         }
         w.last_exit = Some(status.clone());
-        let all_done = self.done_count >= self.n && self.more.is_none();
+        let all_done = self.ledger.done_count() >= self.ledger.len() && self.more.is_none();
         if std::mem::take(&mut w.moving) && !all_done && self.stopping.is_none() {
             // It finished its inputs to move: start it again at once, against its new server.
             w.state = State::Waiting {
@@ -474,25 +448,25 @@ impl Supervisor {
             };
             return;
         }
-        w.failures_in_row += 1;
-        w.restarts += 1;
         let report = &self.farm.report;
-        if w.failures_in_row > self.farm.cfg.max_restarts {
-            report.log(&format!(
-                "{} failed {} times in a row ({status}); giving up on it",
-                w.name, w.failures_in_row
-            ));
-            w.state = State::GaveUp;
-        } else {
-            let d = backoff(w.failures_in_row - 1);
-            report.log(&format!(
-                "{} ended ({status}); restarting in {:.1}s, its unfinished inputs are redone",
-                w.name,
-                d.as_secs_f64()
-            ));
-            w.state = State::Waiting {
-                until: Instant::now() + d,
-            };
+        match w.restarts.failed(self.farm.cfg.max_restarts) {
+            Verdict::GiveUp(times) => {
+                report.log(&format!(
+                    "{} failed {times} times in a row ({status}); giving up on it",
+                    w.name
+                ));
+                w.state = State::GaveUp;
+            }
+            Verdict::Restart(d) => {
+                report.log(&format!(
+                    "{} ended ({status}); restarting in {:.1}s, its unfinished inputs are redone",
+                    w.name,
+                    d.as_secs_f64()
+                ));
+                w.state = State::Waiting {
+                    until: Instant::now() + d,
+                };
+            }
         }
     }
 
@@ -528,24 +502,26 @@ impl Supervisor {
             });
             return;
         }
-        if (self.done_count >= self.n && self.more.is_none()) || self.stopping.is_some() {
+        if (self.ledger.done_count() >= self.ledger.len() && self.more.is_none())
+            || self.stopping.is_some()
+        {
             return;
         }
-        s.restarts += 1;
-        s.failures_in_row += 1;
-        if s.failures_in_row > self.farm.cfg.max_restarts {
-            self.failure = Some(Error::ServerKeepsFailing {
-                name,
-                times: s.failures_in_row,
-                status,
-            });
-        } else {
-            let d = backoff(s.failures_in_row - 1);
-            s.wait_until = Some(Instant::now() + d);
-            self.farm.report.log(&format!(
-                "{name} ended ({status}); restarting in {:.1}s, its producers reconnect and redo their inputs",
-                d.as_secs_f64()
-            ));
+        match s.restarts.failed(self.farm.cfg.max_restarts) {
+            Verdict::GiveUp(times) => {
+                self.failure = Some(Error::ServerKeepsFailing {
+                    name,
+                    times,
+                    status,
+                });
+            }
+            Verdict::Restart(d) => {
+                s.wait_until = Some(Instant::now() + d);
+                self.farm.report.log(&format!(
+                    "{name} ended ({status}); restarting in {:.1}s, its producers reconnect and redo their inputs",
+                    d.as_secs_f64()
+                ));
+            }
         }
     }
 
@@ -726,7 +702,7 @@ impl Supervisor {
                 },
                 done: 0,
                 handed_out: 0,
-                restarts: s.restarts,
+                restarts: s.restarts.total,
             })
             .collect();
         let producers = self
@@ -749,13 +725,13 @@ impl Supervisor {
                 },
                 done: w.done,
                 handed_out: w.assigned.len(),
-                restarts: w.restarts,
+                restarts: w.restarts.total,
             })
             .collect();
         Snapshot {
-            inputs: self.n,
-            done: self.done_count,
-            errors: self.errors,
+            inputs: self.ledger.len(),
+            done: self.ledger.done_count(),
+            errors: self.stats.errors,
             handed_out: self.in_flight(),
             batches,
             elapsed: started.elapsed(),
@@ -774,39 +750,26 @@ impl Supervisor {
 
     /// The run's summary.
     pub(super) fn summary(&mut self, started: Instant, batches: (u64, u64)) -> Summary {
-        self.latencies.sort_by(f64::total_cmp);
-        let since = |t: Instant| t.saturating_duration_since(started);
+        let (first_result, last_result) = self.stats.span(started);
         Summary {
-            inputs: self.n,
-            done: self.done_count,
-            errors: self.errors,
+            inputs: self.ledger.len(),
+            done: self.ledger.done_count(),
+            errors: self.stats.errors,
             elapsed: started.elapsed(),
-            first_result: self.first_result.map(since),
-            last_result: self.first_result.map(|_| since(self.last_result)),
-            latency_ms: (
-                percentile(&self.latencies, 0.5),
-                percentile(&self.latencies, 0.99),
-            ),
+            first_result,
+            last_result,
+            latency_ms: self.stats.latency_ms(),
             batches,
             max_batch: self.farm.cfg.model.max_batch,
             server_restarts: self.server_restarts(),
             producers: self.results_of(false),
             gpu_producers: self.results_of(true),
-            producer_restarts: self.workers.iter().map(|w| w.restarts).sum(),
+            producer_restarts: self.workers.iter().map(|w| w.restarts.total).sum(),
             moves: self.moves,
             output: self.farm.cfg.output.clone(),
-            stages: (self.profiled > 0).then_some((self.stage_sum, self.profiled)),
+            stages: self.stats.stages(),
         }
     }
-}
-
-/// The value at fraction `p` of `sorted`.
-fn percentile(sorted: &[f64], p: f64) -> f64 {
-    if sorted.is_empty() {
-        return 0.0;
-    }
-    let i = ((sorted.len() - 1) as f64 * p).round() as usize;
-    sorted[i]
 }
 
 /// Plain JPEGs of this many pixels or more suit either kind of producer.
