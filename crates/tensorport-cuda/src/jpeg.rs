@@ -8,6 +8,7 @@
 //! `tensorport_vision::Transform::window` gives the same windows as the CPU path.
 
 use std::sync::Arc;
+use tensorport_vision::transform::Window;
 
 use crate::kernel::Kernel;
 use crate::nvjpeg::{self, Nvjpeg};
@@ -37,22 +38,6 @@ struct RawJob {
     dst: u64,
 }
 
-/// Which window of the source image becomes the output, in source pixels, and the output's
-/// side (as `tensorport_vision::transform::Window`).
-#[derive(Debug, Clone, Copy, PartialEq)]
-pub struct JpegWindow {
-    /// Left edge in the source.
-    pub left: f64,
-    /// Top edge in the source.
-    pub top: f64,
-    /// Width in the source.
-    pub width: f64,
-    /// Height in the source.
-    pub height: f64,
-    /// Side of the square output.
-    pub out: u32,
-}
-
 /// One image of a batch: its JPEG bytes, the window to keep, and where its `[3, out, out]`
 /// tensor goes (`f32`, or `u8` after [`GpuJpeg::set_u8_output`]).
 #[derive(Debug)]
@@ -62,7 +47,7 @@ pub struct JpegJob<'a> {
     /// The source's width and height, as [`GpuJpeg::probe`] gave them.
     pub size: (u32, u32),
     /// The window to keep.
-    pub window: JpegWindow,
+    pub window: Window,
     /// The output buffer and the byte offset of the tensor in it.
     pub dst: (&'a DeviceBuffer, usize),
 }
@@ -76,7 +61,7 @@ pub struct ProducerJpeg {
     /// The source's width and height, as [`GpuJpeg::probe`] gave them.
     pub size: (u32, u32),
     /// The window to keep.
-    pub window: JpegWindow,
+    pub window: Window,
     /// The producer's buffer its tensor goes into (from its start).
     pub buffer: usize,
 }

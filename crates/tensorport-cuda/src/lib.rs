@@ -60,9 +60,7 @@ pub use gather::Gatherer;
 pub use gpu::Gpu;
 pub use gpu_producer::{GpuProducer, GpuProducerConfig, Sharing};
 pub use ipc::{live_imports, CudaImporter, Fence};
-pub use jpeg::{
-    GpuJpeg, JpegBackend, JpegJob, JpegRefused, JpegTimes, JpegWindow, ProducerJpeg, Upsampling,
-};
+pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegRefused, JpegTimes, ProducerJpeg, Upsampling};
 pub use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};
 pub use probe::{bench_h2d, probe, Capabilities, DeviceInfo, H2dBench};

@@ -11,8 +11,8 @@ use std::time::{Duration, Instant};
 
 use tensorport::TensorSpec;
 use tensorport_cuda::{
-    DeviceBuffer, Gpu, GpuJpeg, GpuProducer, GpuProducerConfig, JpegJob, JpegRefused, JpegWindow,
-    PinnedBuffer, ProducerJpeg,
+    DeviceBuffer, Gpu, GpuJpeg, GpuProducer, GpuProducerConfig, JpegJob, JpegRefused, PinnedBuffer,
+    ProducerJpeg,
 };
 use tensorport_vision::{Source, Transform, IMAGENET_MEAN, IMAGENET_STD};
 
@@ -43,16 +43,12 @@ pub fn jpeg_job<'a>(
     }
 }
 
-/// The window of a `size` image that `transform` keeps, as the GPU pipeline takes it.
-pub fn jpeg_window(transform: &Transform, size: (u32, u32)) -> JpegWindow {
-    let win = transform.window(size.0, size.1);
-    JpegWindow {
-        left: win.left,
-        top: win.top,
-        width: win.width,
-        height: win.height,
-        out: win.out,
-    }
+/// The window of a `size` image that `transform` keeps.
+pub fn jpeg_window(
+    transform: &Transform,
+    size: (u32, u32),
+) -> tensorport_vision::transform::Window {
+    transform.window(size.0, size.1)
 }
 
 /// An input of the batch being prepared, and where it goes.
