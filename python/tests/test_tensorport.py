@@ -1,5 +1,5 @@
-"""The Python package against real processes: the `tensorport` binary (`tensorport.find_binary()`) as the
-server or the producers, and Python processes killed with SIGKILL."""
+"""The Python package against real processes: the `tensorport` command line (`tensorport.command()`)
+as the server or the producers, and Python processes killed with SIGKILL."""
 
 import json
 import os
