@@ -178,16 +178,41 @@ fn farm_over_two_servers_survives_one_sigkilled_every_input_once() {
 fn farm_moves_producers_off_a_stalled_server_every_input_once() {
     // Two servers, four producers; one server is stopped (SIGSTOP): its producers get no results
     // while the other's keep going, so the farm moves one of them to the other server. Then the
-    // stopped server resumes and every input still gets exactly one line.
+    // stopped server resumes and every input still gets exactly one line. The inputs come on
+    // the farm's stdin, which stays open until the move: the run cannot end before it (idle
+    // producers would otherwise take the stopped server's inputs over at the end of the queue).
     let dir = tmp();
     let out = dir.path().join("r.jsonl");
-    // The stopped server's producers hold inputs only it can answer, so the run cannot end
-    // before it resumes: a small run is enough.
+    let images = Path::new(env!("CARGO_MANIFEST_DIR")).join("examples/images");
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&images)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
     let n = 600;
-    let mut child = farm_cmd(&out, n, 4)
-        .args(["--servers", "2"])
+    let list = |range: std::ops::Range<usize>| -> String {
+        range
+            .map(|i| format!("{}\n", files[i % files.len()].display()))
+            .collect()
+    };
+    let mut child = Command::new(EXE)
+        .args([
+            "farm",
+            "--input-list",
+            "-",
+            "--image-size",
+            &SIZE.to_string(),
+        ])
+        .args(["--producers", "4", "--in-flight", "4", "--servers", "2"])
+        .args(["--progress", "never", "--output"])
+        .arg(&out)
+        .stdin(Stdio::piped())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
         .spawn()
         .unwrap();
+    let mut stdin = child.stdin.take().unwrap();
+    std::io::Write::write_all(&mut stdin, list(0..n / 2).as_bytes()).unwrap();
     let farm_pid = child.id();
     let moved = Arc::new(AtomicBool::new(false));
     let stderr = {
@@ -223,6 +248,8 @@ fn farm_moves_producers_off_a_stalled_server_every_input_once() {
         std::thread::sleep(Duration::from_millis(20));
     }
     nix::sys::signal::kill(pid, nix::sys::signal::Signal::SIGCONT).unwrap();
+    std::io::Write::write_all(&mut stdin, list(n / 2..n).as_bytes()).unwrap();
+    drop(stdin);
     let o = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout).into_owned();
     let stderr = stderr.join().unwrap();
@@ -232,7 +259,7 @@ fn farm_moves_producers_off_a_stalled_server_every_input_once() {
         "no producer moved off the stopped server:\n{stderr}"
     );
     assert!(stdout.contains("moved to a faster server"), "{stdout}");
-    check_results(&out, n);
+    check_results(&out, n as u64);
 }
 
 #[test]
