@@ -201,6 +201,9 @@ impl Feed {
     }
 }
 
+/// The most withdrawals a feed keeps at once.
+const MAX_WITHDRAWN: usize = 1 << 16;
+
 /// The inputs of a worklist (NUL-terminated `record::work_record`s) read from `from`, until it
 /// ends; a withdrawal goes into `withdrawn`; a record that does not parse is logged and
 /// skipped.
@@ -214,7 +217,13 @@ fn worklist(
         .filter_map(move |rec| match crate::record::parse_work_record(&rec) {
             Ok(Work::Input(i, source)) => Some((i, source)),
             Ok(Work::Withdraw(i)) => {
-                withdrawn.lock().expect("not poisoned").insert(i);
+                let mut w = withdrawn.lock().expect("not poisoned");
+                // Bounded: a farm withdraws only inputs given twice, a handful at the end of a
+                // run; past the bound a withdrawal is not needed (the input is answered once
+                // anyway) and is dropped.
+                if w.len() < MAX_WITHDRAWN {
+                    w.insert(i);
+                }
                 None
             }
             Err(why) => {
@@ -305,6 +314,16 @@ mod tests {
             ]
         );
         assert_eq!(*withdrawn.lock().unwrap(), HashSet::from([3]));
+        // However many come, the withdrawals kept stay bounded.
+        let flood: Vec<u8> = (0..MAX_WITHDRAWN as u64 + 500)
+            .flat_map(crate::record::withdraw_record)
+            .collect();
+        let withdrawn = Arc::new(Mutex::new(HashSet::new()));
+        assert_eq!(
+            worklist(std::io::Cursor::new(flood), withdrawn.clone()).count(),
+            0
+        );
+        assert_eq!(withdrawn.lock().unwrap().len(), MAX_WITHDRAWN);
     }
 
     #[test]

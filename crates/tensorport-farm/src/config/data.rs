@@ -31,6 +31,57 @@ impl ServeConfig {
     }
 }
 
+/// A path as the OS has it: a string where it is UTF-8, else its bytes (a list of numbers), so
+/// every name a file can have round-trips.
+pub(super) mod path {
+    use super::*;
+    use std::os::unix::ffi::{OsStrExt, OsStringExt};
+    use std::path::{Path, PathBuf};
+
+    #[derive(Serialize, Deserialize)]
+    #[serde(untagged)]
+    pub(super) enum Form<'a> {
+        Text(std::borrow::Cow<'a, str>),
+        Bytes(Vec<u8>),
+    }
+
+    pub(super) fn form(p: &Path) -> Form<'_> {
+        match p.to_str() {
+            Some(s) => Form::Text(s.into()),
+            None => Form::Bytes(p.as_os_str().as_bytes().to_vec()),
+        }
+    }
+
+    pub(super) fn from_form(f: Form<'_>) -> PathBuf {
+        match f {
+            Form::Text(s) => PathBuf::from(s.into_owned()),
+            Form::Bytes(b) => PathBuf::from(std::ffi::OsString::from_vec(b)),
+        }
+    }
+
+    pub fn serialize<S: Serializer>(p: &Path, s: S) -> Result<S::Ok, S::Error> {
+        form(p).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<PathBuf, D::Error> {
+        Form::deserialize(d).map(from_form)
+    }
+}
+
+/// `Option<PathBuf>` as [`path`] writes a path, or null.
+pub(super) mod opt_path {
+    use super::*;
+    use std::path::PathBuf;
+
+    pub fn serialize<S: Serializer>(p: &Option<PathBuf>, s: S) -> Result<S::Ok, S::Error> {
+        p.as_deref().map(path::form).serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<PathBuf>, D::Error> {
+        Ok(Option::<path::Form>::deserialize(d)?.map(path::from_form))
+    }
+}
+
 /// `tensorport_dfdx::ModelConfig` as `{"image_size", "classes", "width"}`.
 pub(super) mod model_config {
     use super::*;
@@ -234,6 +285,28 @@ mod tests {
             t.model.device = Device::Cpu;
             assert_eq!(ServeConfig::from_data(&t.to_data()).unwrap(), t);
         }
+    }
+
+    #[test]
+    fn paths_that_are_not_utf8_round_trip() {
+        use std::os::unix::ffi::OsStringExt;
+        let odd = |tail: &[u8]| {
+            let mut b = b"/tmp/x\n".to_vec();
+            b.extend_from_slice(tail);
+            PathBuf::from(std::ffi::OsString::from_vec(b))
+        };
+        let p = ProduceConfig {
+            socket: odd(b"\xff.sock"),
+            inputs: Inputs::Dir(odd(b"\xfe")),
+            output: Output::File(odd(b"\x80.jsonl")),
+            ..producer()
+        };
+        assert_eq!(ProduceConfig::from_data(&p.to_data()).unwrap(), p);
+        let mut s = server();
+        s.socket = odd(b"\xc3");
+        s.model.kind = ModelKind::Onnx(odd(b"\xff.onnx"));
+        s.model.weights = Some(odd(b"\xfa.safetensors"));
+        assert_eq!(ServeConfig::from_data(&s.to_data()).unwrap(), s);
     }
 
     #[test]

@@ -66,7 +66,7 @@ pub enum ModelKind {
     /// DataLoader one).
     None,
     /// An ONNX model file, run by ONNX Runtime: its input sets the image size.
-    Onnx(PathBuf),
+    Onnx(#[serde(with = "data::path")] PathBuf),
 }
 
 impl ModelKind {
@@ -179,6 +179,7 @@ pub struct ModelOptions {
     #[serde(with = "data::model_config")]
     pub config: ModelConfig,
     /// Weights file (safetensors); without it, weights come from `seed`.
+    #[serde(with = "data::opt_path")]
     pub weights: Option<PathBuf>,
     pub seed: u64,
     pub device: Device,
@@ -386,7 +387,7 @@ impl PrepOptions {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Inputs {
     /// The PNG/JPEG files in a folder.
-    Dir(PathBuf),
+    Dir(#[serde(with = "data::path")] PathBuf),
     /// N generated images.
     Synthetic(u64),
     /// NUL-terminated `record::work_record`s on stdin, until end of input (how a farm drives
@@ -398,7 +399,7 @@ pub enum Inputs {
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub enum Output {
     Stdout,
-    File(PathBuf),
+    File(#[serde(with = "data::path")] PathBuf),
 }
 
 /// Decoding on the GPU (nvJPEG), handing over device memory.
@@ -420,6 +421,7 @@ pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// One producer process.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ProduceConfig {
+    #[serde(with = "data::path")]
     pub socket: PathBuf,
     pub inputs: Inputs,
     pub output: Output,
@@ -456,6 +458,7 @@ impl ProduceConfig {
 /// The inference server.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct ServeConfig {
+    #[serde(with = "data::path")]
     pub socket: PathBuf,
     pub model: ModelOptions,
     /// Slots per producer, unless the producer asks otherwise.
