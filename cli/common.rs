@@ -71,24 +71,8 @@ impl From<tensorport::Error> for CliError {
         CliError::new(format!("{e}{hint}"))
     }
 }
-/// Each transport operation's error, with the hints its crate-wide form gets.
-macro_rules! from_transport_ops {
-    ($($op:ty),*) => {$(
-        impl From<$op> for CliError {
-            fn from(e: $op) -> CliError {
-                CliError::from(tensorport::Error::from(e))
-            }
-        }
-    )*};
-}
-from_transport_ops!(
-    tensorport::ConnectError,
-    tensorport::LeaseError,
-    tensorport::SubmitError,
-    tensorport::RecvError,
-    tensorport::BindError,
-    tensorport::Stopped
-);
+// Each transport operation's error, through the transport's.
+tensorport::from_operation_errors!(CliError);
 
 impl From<tensorport_dfdx::Error> for CliError {
     fn from(e: tensorport_dfdx::Error) -> CliError {

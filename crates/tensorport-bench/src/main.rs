@@ -52,16 +52,8 @@ macro_rules! failed_from {
         }
     )*};
 }
-failed_from!(
-    tensorport::Error,
-    tensorport::ConnectError,
-    tensorport::LeaseError,
-    tensorport::SubmitError,
-    tensorport::RecvError,
-    tensorport::BindError,
-    tensorport::Stopped,
-    std::io::Error
-);
+failed_from!(tensorport::Error, std::io::Error);
+tensorport::from_operation_errors!(CliError);
 
 pub type CliResult<T> = Result<T, CliError>;
 

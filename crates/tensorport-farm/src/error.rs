@@ -148,24 +148,8 @@ pub enum Error {
     Other(String),
 }
 
-/// Each transport operation's error, as the transport's.
-macro_rules! from_transport_ops {
-    ($($op:ty),*) => {$(
-        impl From<$op> for Error {
-            fn from(e: $op) -> Error {
-                Error::Transport(tensorport::Error::from(e))
-            }
-        }
-    )*};
-}
-from_transport_ops!(
-    tensorport::ConnectError,
-    tensorport::LeaseError,
-    tensorport::SubmitError,
-    tensorport::RecvError,
-    tensorport::BindError,
-    tensorport::Stopped
-);
+// Each transport operation's error, through the transport's.
+tensorport::from_operation_errors!(Error);
 
 impl Error {
     /// Whether the same run would fail the same way again: configuration, inputs, a model

@@ -101,7 +101,12 @@ pub enum Keep {
 
 /// A row of scores as a result's payload: little-endian `f32`s (docs/protocol.md).
 pub fn scores_to_bytes(scores: &[f32]) -> Vec<u8> {
-    scores.iter().flat_map(|x| x.to_le_bytes()).collect()
+    if cfg!(target_endian = "little") {
+        // Every answer takes this path: one copy of the row as it lies.
+        bytemuck::cast_slice(scores).to_vec()
+    } else {
+        scores.iter().flat_map(|x| x.to_le_bytes()).collect()
+    }
 }
 
 /// The scores of a result's payload ([`scores_to_bytes`]); `None` if its length is not a

@@ -322,6 +322,25 @@ impl From<Error> for BindError {
     }
 }
 
+/// Implements `From` each operation's error (and [`Stopped`]) for an error type that already
+/// takes a [`tensorport::Error`](crate::Error), through it: a crate that keeps one error type
+/// writes `tensorport::from_operation_errors!(MyError);` and `?` works on every call.
+#[macro_export]
+macro_rules! from_operation_errors {
+    ($t:ty) => {
+        $crate::from_operation_errors!(@each $t;
+            $crate::ConnectError, $crate::LeaseError, $crate::SubmitError,
+            $crate::RecvError, $crate::BindError, $crate::Stopped);
+    };
+    (@each $t:ty; $($op:ty),*) => {$(
+        impl ::core::convert::From<$op> for $t {
+            fn from(e: $op) -> $t {
+                <$t>::from($crate::Error::from(e))
+            }
+        }
+    )*};
+}
+
 // Back into the crate-wide error, for callers that keep one type.
 impl From<ConnectError> for Error {
     fn from(e: ConnectError) -> Error {

@@ -271,24 +271,24 @@ impl Supervisor {
                 continue;
             }
             let room = if w.gpu { gpu_depth } else { self.depth };
-            let unhedged = |d: usize| -> Vec<u64> {
+            let ledger = &self.ledger;
+            let unhedged = |d: usize| {
                 self.workers[d]
                     .assigned
                     .iter()
                     .rev()
-                    .filter(|&&i| !self.ledger.is_hedged(i) && !self.ledger.is_done(i))
-                    .copied()
-                    .collect()
+                    .filter(|&&i| !ledger.is_hedged(i) && !ledger.is_done(i))
             };
-            let Some(take) = (0..self.workers.len())
+            let Some(donor) = (0..self.workers.len())
                 .filter(|&d| d != slot)
-                .map(unhedged)
-                .max_by_key(Vec::len)
-                .filter(|t| !t.is_empty())
+                .map(|d| (unhedged(d).count(), d))
+                .filter(|&(n, _)| n > 0)
+                .max()
+                .map(|(_, d)| d)
             else {
                 return;
             };
-            let take: Vec<u64> = take.into_iter().take(room).collect();
+            let take: Vec<u64> = unhedged(donor).take(room).copied().collect();
             let mut batch = Vec::new();
             for &i in &take {
                 batch.extend(crate::record::work_record(i, &self.inputs[i as usize]));
@@ -376,11 +376,7 @@ impl Supervisor {
         let Ok(r) = serde_json::from_str::<ResultLine>(line) else {
             return; // a line torn by a kill: the input is redone
         };
-        let (first, withdraw) = if r.index < self.ledger.len() {
-            self.ledger.result(r.index)
-        } else {
-            (false, false)
-        };
+        let (first, withdraw) = self.ledger.result(r.index);
         for (k, w) in self.workers.iter_mut().enumerate() {
             if w.assigned.remove(&r.index) && withdraw && k != slot {
                 // Another producer holds it too: it leaves it out if it has not started it.

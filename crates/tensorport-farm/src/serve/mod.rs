@@ -56,13 +56,7 @@ pub fn run(cfg: &ServeConfig, stop: &Stop) -> Result<()> {
         cfg,
         stop,
         Hooks::default(),
-        &|| {
-            let stack: Box<StackFn<Cpu>> =
-                Box::new(|dev, reqs, shape| stack_images(dev, reqs, shape));
-            // A CPU server takes no device tensors.
-            let release: Box<ReleaseFn> = Box::new(|_| Ok(()));
-            Ok((Cpu::default(), stack, release))
-        },
+        &cpu_worker,
         &move |dev: &Cpu| match &model.kind {
             ModelKind::Onnx(path) => onnx::load_on_cpu(path, model.config.image_size, threads),
             _ => load_dfdx(dev, &model),
@@ -108,17 +102,20 @@ where
         &cfg,
         stop,
         Hooks::default(),
-        &|| {
-            let stack: Box<StackFn<Cpu>> =
-                Box::new(|dev, reqs, shape| stack_images(dev, reqs, shape));
-            let release: Box<ReleaseFn> = Box::new(|_| Ok(()));
-            Ok((Cpu::default(), stack, release))
-        },
+        &cpu_worker,
         &|_: &Cpu| -> Result<Model<Cpu>> {
             let model = load().map_err(|e| Error::Other(format!("cannot load the model: {e}")))?;
             Ok(Box::new(own::Own(model)))
         },
     )
+}
+
+/// A worker on the CPU: its device and batch stacker (one copy of the images; a CPU server
+/// takes no device tensors, so there is nothing to release).
+fn cpu_worker() -> Result<(Cpu, Box<StackFn<Cpu>>, Box<ReleaseFn>)> {
+    let stack: Box<StackFn<Cpu>> = Box::new(|dev, reqs, shape| stack_images(dev, reqs, shape));
+    let release: Box<ReleaseFn> = Box::new(|_| Ok(()));
+    Ok((Cpu::default(), stack, release))
 }
 
 #[cfg(not(feature = "cuda"))]
