@@ -89,8 +89,16 @@ class Loader:
     loads, CPU producers for the other cores; logged, and in `loader.producers` and
     `loader.gpu_producers`); on the host, 4 CPU producers.
 
+    Batches are made on a thread of the loader's own, up to `prefetch` (2) ahead of the loop
+    that takes them, so the next batch is gathered while the model runs on this one; on a GPU
+    they are gathered on a CUDA stream of their own, and the batch handed out is safe to use
+    on the caller's current stream (which waits for its copies; the memory is kept from reuse
+    until the caller's work on it is done). `prefetch=0` gathers each batch when it is asked
+    for, on the current stream.
+
     DataLoader arguments and theirs: `batch_size`, `shuffle` (with `seed`: epoch e uses
-    `seed + e`), `drop_last` as there; `num_workers` → `producers`; `pin_memory` as there;
+    `seed + e`), `drop_last` as there; `num_workers` → `producers`; `prefetch_factor` →
+    `prefetch` (batches, not per worker); `pin_memory` as there;
     `collate_fn` and `sampler` → none (batches are stacked by the extension; pass the files in
     the order or subset you want).
     """
@@ -102,7 +110,7 @@ class Loader:
                  max_restarts: int = 8, pin_memory: bool = False, device=None,
                  gpu_producers: Optional[int] = None, shuffle: bool = False,
                  seed: Optional[int] = None, drop_last: bool = False, labels=None,
-                 on_error: str = "raise", persistent: bool = False):
+                 on_error: str = "raise", persistent: bool = False, prefetch: int = 2):
         import os
 
         # Paths as the OS has them: str, bytes (decoded as os.fsdecode does, so a name that is
@@ -160,6 +168,10 @@ class Loader:
         self.classes: Optional[List[str]] = None
         self.producer_pids: List[int] = []
         self.persistent = persistent
+        self._made = 0
+        if prefetch < 0:
+            raise ValueError(f"prefetch={prefetch}: 0 (gather each batch when asked) or more")
+        self.prefetch = prefetch
         # With `persistent`: the server, the farm and what reads its output, kept across epochs.
         self._kept: Optional[dict] = None
 
@@ -283,8 +295,9 @@ class Loader:
         kept["farm"].stdin.write(self._listing(order))
         kept["farm"].stdin.flush()
         kept["written"] += len(order)
-        yield from self._batches(kept["server"], kept["farm"], kept["stderr"], order,
-                                 kept["failures"], np, base)
+        yield from self._yielded(
+            lambda stop: self._batches(kept["server"], kept["farm"], kept["stderr"], order,
+                                       kept["failures"], np, base, stop), np)
 
     def _start_kept(self) -> dict:
         import os
@@ -367,7 +380,9 @@ class Loader:
             stderr: List[str] = []
             self._watch(farm, failures, stderr)
             try:
-                yield from self._batches(server, farm, stderr, order, failures, np)
+                yield from self._yielded(
+                    lambda stop: self._batches(server, farm, stderr, order, failures, np, 0,
+                                               stop), np)
             finally:
                 self._end_farm(farm)
                 self.producer_pids = []
@@ -419,8 +434,89 @@ class Loader:
             got = server._native._recv_into_address(address, want, row, 0.2, self.max_wait)
         return [(rid, start + k) for rid, k in got]
 
-    def _batches(self, server, farm, stderr, order, failures, np, base=0):
-        """This epoch's batches: request ids (and the farm's indices) `base + position`."""
+    def _yielded(self, batches, np):
+        """What the iteration yields: the batches `batches(stop)` makes, each with its labels
+        or indices. With `prefetch`, they are made on a thread of their own up to `prefetch`
+        batches ahead of the caller (which runs its model meanwhile); on a GPU, gathered on a
+        stream of their own, which the caller's current stream waits for."""
+        if self.prefetch == 0:
+            for images, indices in batches(None):
+                self.last_indices = indices
+                yield self._pair(images, indices, np)
+            return
+        import queue
+        import threading
+
+        ready: "queue.Queue" = queue.Queue(self.prefetch)
+        stop = threading.Event()
+        side = []  # the gathering thread's CUDA stream
+
+        def put(item) -> bool:
+            while not stop.is_set():
+                try:
+                    ready.put(item, timeout=0.1)
+                    return True
+                except queue.Full:
+                    continue
+            return False
+
+        self._made = 0  # batches made this epoch (those taken and those ahead)
+
+        def hand_over() -> bool:
+            for batch in batches(stop):
+                self._made += 1
+                if not put(("batch", batch)):
+                    return False
+            return True
+
+        def make():
+            try:
+                if self.device is None:
+                    if not hand_over():
+                        return
+                else:
+                    import torch
+
+                    torch.cuda.set_device(self.gpu)
+                    side.append(torch.cuda.Stream(self.gpu))
+                    # Batches are allocated and written on this thread's stream, so gathering
+                    # one never waits for the model's work on the caller's stream.
+                    with torch.cuda.stream(side[0]):
+                        if not hand_over():
+                            return
+                put(("end", None))
+            except BaseException as e:  # the caller raises it
+                put(("error", e))
+
+        thread = threading.Thread(target=make, name="tensorport-loader", daemon=True)
+        thread.start()
+        try:
+            while True:
+                kind, item = ready.get()
+                if kind == "end":
+                    return
+                if kind == "error":
+                    raise item
+                images, indices = item
+                if self.device is not None:
+                    import torch
+
+                    current = torch.cuda.current_stream(images.device)
+                    current.wait_stream(side[0])
+                    # The caching allocator keeps the memory from the gathering stream until
+                    # the caller's work on it is done.
+                    images.record_stream(current)
+                self.last_indices = indices
+                yield self._pair(images, indices, np)
+        finally:
+            # The thread sees `stop` after the fill it is in (0.2 s at most); it is joined
+            # before the farm is ended or the next epoch reads the server.
+            stop.set()
+            thread.join()
+
+    def _batches(self, server, farm, stderr, order, failures, np, base=0, stop=None):
+        """This epoch's batches `(images, indices)`: request ids (and the farm's indices)
+        `base + position`; it ends early once `stop` is set."""
         import queue
         import time
 
@@ -428,6 +524,8 @@ class Loader:
         done = set()  # positions in `order`
         last = time.monotonic()
         while len(done) < n:
+            if stop is not None and stop.is_set():
+                return
             want = min(self.batch_size, n - len(done))
             if self.drop_last and want < self.batch_size:
                 return
@@ -453,6 +551,8 @@ class Loader:
                     break
                 start = len(kept)
                 got = self._fill(server, images, start, min(want - start, n - len(done)))
+                if stop is not None and stop.is_set():
+                    return
                 if not got:
                     if farm.poll() is not None and len(done) < n and failures.empty():
                         if farm.returncode in (130, -signal.SIGINT):
@@ -484,9 +584,7 @@ class Loader:
             if self.drop_last and len(kept) < self.batch_size:
                 return
             images = images[:len(kept)]
-            indices = np.array([order[pos] for pos in kept], dtype=np.int64)
-            self.last_indices = indices
-            yield self._pair(images, indices, np)
+            yield images, np.array([order[pos] for pos in kept], dtype=np.int64)
 
     def _index(self, images, rows):
         if self.device is not None:

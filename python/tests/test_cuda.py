@@ -124,11 +124,15 @@ def check_loader_on_the_gpu(d):
                    check=True, stdout=subprocess.DEVNULL)
     files = sorted(os.path.join(images, f) for f in os.listdir(images))
 
-    def load(**kw):
+    def load(slow=False, **kw):
         got = {}
         for x, idx in tensorport.Loader(files, batch_size=8, image_size=64, device="cuda",
                                         binary=os.environ["TENSORPORT_BIN"], **kw):
             assert x.is_cuda and x.dtype == torch.float32 and x.shape[1:] == (3, 64, 64)
+            if slow:
+                # The caller's stream busy before it reads the batch: the batches gathered
+                # ahead meanwhile must not take its memory.
+                torch.cuda._sleep(20_000_000)
             for a, i in zip(x, idx.tolist()):
                 assert i not in got
                 got[i] = a.clone()
@@ -136,6 +140,11 @@ def check_loader_on_the_gpu(d):
         return got
 
     cpu = load(producers=2)
+    # Batches gathered ahead on the loader's stream equal those gathered when asked for, also
+    # when the caller's stream lags behind.
+    asked = load(producers=2, prefetch=0)
+    lagging = load(producers=2, prefetch=4, slow=True)
+    assert all(torch.equal(cpu[i], asked[i]) and torch.equal(cpu[i], lagging[i]) for i in cpu)
     gpu = load(producers=0, gpu_producers=1)
     mixed = load(producers=1, gpu_producers=1)
     # Persistent GPU producers: two epochs from one farm, every file once in each.
@@ -151,7 +160,8 @@ def check_loader_on_the_gpu(d):
     kept.close()
     diff = torch.stack([(cpu[i] - gpu[i]).abs().mean() for i in cpu])
     worst = max(float((cpu[i] - mixed[i]).abs().mean()) for i in cpu)
-    print(f"  Loader(device='cuda'): 40 files once each with CPU, GPU and mixed producers; mean "
+    print(f"  Loader(device='cuda'): 40 files once each with CPU, GPU and mixed producers, and "
+          f"prefetched (lagging caller) = gathered when asked; mean "
           f"|GPU - CPU| {float(diff.mean()):.4f} (worst file {float(diff.max()):.4f}); mixed "
           f"vs CPU worst file {worst:.4f}; two epochs from one persistent farm")
     assert float(diff.mean()) < 0.01 and worst < 0.05
