@@ -66,9 +66,28 @@ fn with_extra_scans(jpeg: &[u8], extra: usize) -> Vec<u8> {
     v
 }
 
+/// `jpeg` (a small sample) declaring a progressive frame of `side`² pixels: a file of a few
+/// kilobytes whose decoder would hold the coefficients of the whole frame.
+fn as_huge_progressive(jpeg: &[u8], side: u16) -> Vec<u8> {
+    let mut v = jpeg.to_vec();
+    let sof = v
+        .windows(2)
+        .position(|w| w[0] == 0xFF && matches!(w[1], 0xC0..=0xC2))
+        .expect("a frame");
+    v[sof + 1] = 0xC2;
+    v[sof + 5..sof + 9].copy_from_slice(&[
+        (side >> 8) as u8,
+        side as u8,
+        (side >> 8) as u8,
+        side as u8,
+    ]);
+    v
+}
+
 /// A folder of sample images plus: a copy of a sample JPEG whose name holds a newline (what a
 /// line-per-path list would split in two), one whose name is not UTF-8, a FIFO and a folder
-/// named `.jpg`, and a JPEG with 200 extra scans. One line each, in a farm that ends; the
+/// named `.jpg`, a JPEG with 200 extra scans and one of a few kilobytes declaring a progressive
+/// frame of 62 megapixels. One line each, in a farm that ends; the
 /// renamed copies get the scores of the file they copy; the others say why they were refused.
 #[test]
 fn awkward_names_and_things_that_are_not_images_get_one_line_each() {
@@ -89,6 +108,7 @@ fn awkward_names_and_things_that_are_not_images_get_one_line_each() {
     .unwrap();
     std::fs::create_dir(images.join("folder.jpg")).unwrap();
     std::fs::write(images.join("scans.jpg"), with_extra_scans(&jpeg, 200)).unwrap();
+    std::fs::write(images.join("huge.jpg"), as_huge_progressive(&jpeg, 7900)).unwrap();
 
     let out = dir.path().join("r.jsonl");
     let o = output_within(
@@ -115,11 +135,11 @@ fn awkward_names_and_things_that_are_not_images_get_one_line_each() {
     );
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let got = lines(&out);
-    // 4 samples, the 2 copies, the FIFO, the folder, the scans.
-    assert_eq!(got.len(), 9, "{got:?}");
+    // 4 samples, the 2 copies, the FIFO, the folder, the scans, the huge frame.
+    assert_eq!(got.len(), 10, "{got:?}");
     let mut indices: Vec<u64> = got.iter().map(|l| l["index"].as_u64().unwrap()).collect();
     indices.sort();
-    assert_eq!(indices, (0..9).collect::<Vec<u64>>());
+    assert_eq!(indices, (0..10).collect::<Vec<u64>>());
     let by_name = |needle: &str| {
         got.iter()
             .find(|l| l["input"].as_str().unwrap().contains(needle))
@@ -132,6 +152,10 @@ fn awkward_names_and_things_that_are_not_images_get_one_line_each() {
     );
     assert!(error("folder.jpg").is_some_and(|e| e.contains("a directory")));
     assert!(error("scans.jpg").is_some_and(|e| e.contains("decoding-work bomb")));
+    assert!(
+        error("huge.jpg").is_some_and(|e| e.contains("memory bomb") && e.contains("357 MiB")),
+        "{got:?}"
+    );
     // `--model none` answers with empty scores: the copies are simply not errors, and each has
     // one line under its own name.
     assert_eq!(error("copy\nsample-999.jpg"), None);

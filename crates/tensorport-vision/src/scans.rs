@@ -18,6 +18,18 @@ const MAX_SEGMENTS: usize = 1024;
 /// file with hundreds of refinement scans makes hundreds, each costing a full pass.
 pub const MAX_WORK_PASSES: u64 = 16;
 
+/// The coefficient memory any JPEG may have its decoder hold, in bytes: a progressive (or
+/// multi-scan) file is decoded through a buffer of every block's 64 coefficients (128 bytes a
+/// block) for the whole frame, whatever part of the image the transform keeps. Up to this much
+/// whatever the file's size: every frame to 22 megapixels at 4:2:0, 11 at 4:4:4.
+pub const COEFFICIENT_FLOOR: u64 = 64 << 20;
+
+/// Beyond [`COEFFICIENT_FLOOR`], a file may ask for this many bytes of coefficients per byte of
+/// itself: a photo holds at least one byte for every 64 coefficient bytes of its frame (its
+/// bits per pixel well above 0.1), while a crafted file of a few hundred bytes that declares
+/// a 64-megapixel progressive frame asks for 384 MB.
+pub const COEFFICIENT_BYTES_PER_FILE_BYTE: u64 = 64;
+
 /// Writes into `out` the JPEG `jpeg` without its AC refinement scans (those with a spectral
 /// start above 0 and a successive-approximation high bit above 0). Returns how many scans were
 /// left out: 0, with `out` empty, where there were none or the file's markers do not walk from
@@ -51,8 +63,10 @@ fn walk(jpeg: &[u8], out: &mut Vec<u8>) -> Option<usize> {
 
 /// Checks that decoding `jpeg` asks for at most [`MAX_WORK_PASSES`] passes over its blocks
 /// (see there), counting scan by scan, so a file is refused at the first scan past the bound
-/// even if it is cut short after it. A file whose markers do not walk is checked as far as
-/// they do; the decoder says what else is wrong with it.
+/// even if it is cut short after it; and that a file decoded through a whole-frame coefficient
+/// buffer (progressive, or a second scan) asks for at most [`COEFFICIENT_FLOOR`] or
+/// [`COEFFICIENT_BYTES_PER_FILE_BYTE`] times its size, whichever is more. A file whose markers
+/// do not walk is checked as far as they do; the decoder says what else is wrong with it.
 pub(crate) fn check_work(jpeg: &[u8]) -> Result<(), String> {
     let Some(segments) = Segments::new(jpeg) else {
         return Ok(());
@@ -61,12 +75,35 @@ pub(crate) fn check_work(jpeg: &[u8]) -> Result<(), String> {
     let mut comps: Vec<(u8, u64)> = Vec::new();
     let mut frame_blocks = 0u64;
     let mut work = 0u64;
+    let mut scans = 0u32;
+    let memory_bound =
+        COEFFICIENT_FLOOR.max(COEFFICIENT_BYTES_PER_FILE_BYTE.saturating_mul(jpeg.len() as u64));
+    let check_memory = |frame_blocks: u64| {
+        let bytes = frame_blocks.saturating_mul(128);
+        if bytes > memory_bound {
+            return Err(format!(
+                "decoding it needs {} MiB of coefficients ({frame_blocks} blocks) for a file \
+                 of {} bytes (at most {} MiB): refused as a memory bomb",
+                bytes >> 20,
+                jpeg.len(),
+                memory_bound >> 20
+            ));
+        }
+        Ok(())
+    };
     for seg in segments {
         if is_frame(seg.code) {
             (comps, frame_blocks) = frame_blocks_of(seg.header).unwrap_or_default();
+            if is_progressive(seg.code) {
+                check_memory(frame_blocks)?;
+            }
             continue;
         }
         let Some(scan) = seg.scan() else { continue };
+        scans += 1;
+        if scans == 2 {
+            check_memory(frame_blocks)?;
+        }
         for id in scan.components {
             work += comps.iter().find(|c| c.0 == *id).map_or(0, |c| c.1);
         }
@@ -83,6 +120,11 @@ pub(crate) fn check_work(jpeg: &[u8]) -> Result<(), String> {
 /// A start-of-frame marker (SOF0–SOF15 but DHT, JPG and DAC, which share the range).
 fn is_frame(code: u8) -> bool {
     matches!(code, 0xC0..=0xCF) && !matches!(code, 0xC4 | 0xC8 | 0xCC)
+}
+
+/// A progressive frame (SOF2, SOF6, SOF10, SOF14).
+fn is_progressive(code: u8) -> bool {
+    matches!(code, 0xC2 | 0xC6 | 0xCA | 0xCE)
 }
 
 /// A frame header's components (id, 8×8 blocks) and their total, or `None` if it is malformed.
@@ -404,5 +446,49 @@ mod tests {
         assert_eq!(check_work(b"\x89PNG\r\n"), Ok(()));
         let short_frame = seg(0xC0, &[8, 0, 64, 0, 64, 3, 1, 0x22]);
         assert_eq!(check_work(&file(&[short_frame, y_refine])), Ok(()));
+    }
+
+    #[test]
+    fn coefficient_memory_is_bounded_by_the_files_size() {
+        // 8000×8000 at 4:4:4: 3 × 1000 × 1000 blocks, 384 MB of coefficients.
+        let frame = |code| {
+            seg(
+                code,
+                &[
+                    8, 0x1F, 0x40, 0x1F, 0x40, 3, 1, 0x11, 0, 2, 0x11, 1, 3, 0x11, 1,
+                ],
+            )
+        };
+        let dc = {
+            let mut v = seg(0xDA, &[3, 1, 0, 2, 0, 3, 0, 0, 0, 0x01]);
+            v.push(0x12);
+            v
+        };
+        // Progressive and a few hundred bytes: refused at its frame.
+        let tiny = file(&[frame(0xC2), dc.clone()]);
+        let why = check_work(&tiny).unwrap_err();
+        assert!(
+            why.contains("366 MiB of coefficients") && why.contains("at most 64 MiB"),
+            "{why}"
+        );
+        // The same frame in a file of 6 MB (as a photo of that size is): decoded.
+        let mut big = file(&[frame(0xC2), dc.clone()]);
+        let end = big.split_off(big.len() - 2);
+        big.resize(6_100_000, 0x00);
+        big.extend_from_slice(&end);
+        assert_eq!(check_work(&big), Ok(()));
+        // Baseline, one scan: no whole-frame buffer, nothing to bound here (the pixel limit
+        // applies); a second scan makes libjpeg buffer the frame.
+        assert_eq!(check_work(&file(&[frame(0xC0), dc.clone()])), Ok(()));
+        let two = file(&[frame(0xC0), dc.clone(), dc.clone()]);
+        assert!(check_work(&two).unwrap_err().contains("memory bomb"));
+        // 1000×1000 progressive in a tiny file: under the floor.
+        let small = seg(
+            0xC2,
+            &[
+                8, 0x03, 0xE8, 0x03, 0xE8, 3, 1, 0x11, 0, 2, 0x11, 1, 3, 0x11, 1,
+            ],
+        );
+        assert_eq!(check_work(&file(&[small, dc])), Ok(()));
     }
 }
