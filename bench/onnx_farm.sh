@@ -18,6 +18,9 @@
 #
 #   bench/onnx_farm.sh TENSORPORT MODELS_DIR SETS_DIR [REPEAT] [REPEAT_VARIED]
 #
+# ALONE=0 leaves out the model alone (measured once, in an earlier run); PIPELINES picks
+# onnx_pipelines.py's pipelines (default: all four).
+#
 # TENSORPORT_ORT names onnxruntime-gpu's libonnxruntime.so; LD_LIBRARY_PATH must reach CUDA 13,
 # cuBLAS and cuDNN 9 (scripts/gpu-env.sh). TENSORPORT_TIMEOUT: seconds any one command may take.
 set -euo pipefail
@@ -32,6 +35,7 @@ for s in varied mixed; do
 done
 cores=$(nproc)
 for m in resnet50 resnet50_f16; do
+  [[ ${ALONE:-1} == 0 ]] && break
   "${lim[@]}" "$tp" --log warn model-bench --device cuda --model "$models/$m.onnx" \
     --batch 32,128,256 --seconds 2 | grep '|'
   if [[ ${PEERS:-0} == 1 ]]; then
@@ -54,7 +58,7 @@ for s in ${SETS:-uniform varied}; do
   if [[ ${PEERS:-0} == 1 ]]; then
     for m in resnet50 resnet50_f16; do
       "${lim[@]}" python3 "$here/peers/onnx_pipelines.py" "$lists/$s" "$models/$m.onnx" \
-        2>&1 | sed "s/^/$s, $m, /" | grep -v Warning || echo "$s, $m: onnx_pipelines.py failed"
+        ${PIPELINES:+--pipelines "$PIPELINES"} 2>&1 | sed "s/^/$s, $m, /" | grep -v Warning || echo "$s, $m: onnx_pipelines.py failed"
     done
   fi
 done
