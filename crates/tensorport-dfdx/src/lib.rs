@@ -76,11 +76,7 @@ pub type Result<T> = std::result::Result<T, Error>;
 pub type Tensor4<D> = Tensor<(usize, usize, usize, usize), f32, D>;
 
 #[cfg(feature = "cuda")]
-mod cuda;
-#[cfg(feature = "cuda")]
 mod cudnn_model;
-#[cfg(feature = "cuda")]
-pub use cuda::{gather_on_device, release_unread};
 #[cfg(feature = "cuda")]
 pub use cudnn_model::CudnnClassifier;
 #[cfg(feature = "cuda")]
@@ -240,8 +236,9 @@ pub fn stack_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3]
 /// with `copy_from` and stacks those on the device. On `Cuda` with pools registered by
 /// `tensorport_cuda::CudaPin`, each copy is a DMA from the pinned slot, and no CPU copy is made;
 /// the copies are synchronous, so the slots may be released as soon as this returns. It works on
-/// any dfdx build; `gather_on_device` (the `cuda` feature, built with the dfdx patch) is what
-/// `serve --device cuda` uses: asynchronous copies straight into the batch, and device tensors.
+/// any dfdx build; the serve layer's `CudaBatcher` (the `cuda` feature, built with the dfdx patch)
+/// is what `serve --device cuda` uses: asynchronous copies straight into the batch, and device
+/// tensors.
 pub fn upload_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3]) -> Stacked<D> {
     let mut images = Vec::with_capacity(reqs.len());
     let mut used = Vec::with_capacity(reqs.len());

@@ -15,14 +15,35 @@ use super::metrics::Metrics;
 use crate::error::Result;
 use crate::record::scores_to_bytes;
 
-/// Builds a batch's model input from its requests (on the CPU: one copy; on the GPU: DMA). A
-/// GPU stacker whose copy stream stalls keeps the requests (held for good: a copy may still
-/// read them), leaving the batch empty.
-pub type StackFn<D> = dyn Fn(&D, &mut Vec<Request>, [usize; 3]) -> Stacked<D>;
+/// Builds each batch's model input from its requests: the one place a model worker's batches
+/// are assembled. [`CpuBatcher`] stacks them on the host; on the GPU, `CudaBatcher` copies host
+/// slots by DMA and GPU producers' tensors after their fences straight into the batch, and
+/// settles a batch's failures (a misfit is rejected, a late fence rejects its request and ends
+/// its producer's session, a stalled copy stream quarantines the batch and ends the worker's
+/// GPU batches).
+pub trait Batcher<D: Device<f32>> {
+    /// The model input for `reqs`, row by row, with the requests it could not take and why. A
+    /// batcher whose copy stream stalls keeps the requests (held for good: a copy may still
+    /// read them), leaving `reqs` and the batch empty.
+    fn stack(&mut self, dev: &D, reqs: &mut Vec<Request>, shape: [usize; 3]) -> Stacked<D>;
 
-/// Signals "released" for the device tensors a sink answers without reading (on the GPU: each
-/// producer's next write of its buffer waits for it); nothing on the CPU.
-pub type ReleaseFn = dyn Fn(&[Request]) -> Result<(), String>;
+    /// Signals "released" for the device tensors among `reqs`, which a sink answers without
+    /// reading (each producer's next write of its buffer waits for it); nothing on the CPU.
+    fn release_unread(&mut self, reqs: &[Request]) -> Result<(), String>;
+}
+
+/// Batches on the host: one copy of each image (normalised if it came as 8-bit planes).
+pub struct CpuBatcher;
+
+impl<D: Device<f32>> Batcher<D> for CpuBatcher {
+    fn stack(&mut self, dev: &D, reqs: &mut Vec<Request>, shape: [usize; 3]) -> Stacked<D> {
+        tensorport_dfdx::stack_images(dev, reqs, shape)
+    }
+
+    fn release_unread(&mut self, _: &[Request]) -> Result<(), String> {
+        Ok(())
+    }
+}
 
 /// A worker's model.
 pub type Model<D> = Box<dyn Classify<D>>;
@@ -59,8 +80,7 @@ impl BatchLoop<'_> {
     pub fn run<D: Device<f32>>(
         &self,
         dev: &D,
-        stack: &StackFn<D>,
-        release: &ReleaseFn,
+        batcher: &mut dyn Batcher<D>,
         mut model: Option<&mut Model<D>>,
     ) -> Result<()> {
         let mut draining = false;
@@ -92,7 +112,7 @@ impl BatchLoop<'_> {
             let taken = Instant::now();
             let size = batch.len();
             if self.sink {
-                if let Err(e) = release(&batch) {
+                if let Err(e) = batcher.release_unread(&batch) {
                     // The producers' buffers are not released on the GPU: their requests fail
                     // (their next writes would wait for good).
                     tracing::error!("a sink could not release device tensors: {e}");
@@ -111,7 +131,7 @@ impl BatchLoop<'_> {
                 continue;
             }
             let mut batch = batch;
-            let stacked = stack(dev, &mut batch, self.shape);
+            let stacked = batcher.stack(dev, &mut batch, self.shape);
             // The batch owns a copy of the pixels now: give the slots back before the model runs.
             let mut responders: Vec<Option<Responder>> =
                 batch.into_iter().map(|r| Some(r.release())).collect();

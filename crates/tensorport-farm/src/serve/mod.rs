@@ -8,8 +8,13 @@
 //! dfdx's own kernels where cuDNN cannot be loaded.
 
 mod batch;
+// Naming a batch's device memory as the copies' destination: unsafe (with the next, the crate's
+// only unsafe code).
+#[cfg(feature = "cuda")]
+#[allow(unsafe_code)]
+mod cuda_batch;
 pub mod metrics;
-// The device batch handed to ONNX Runtime's session thread by address: the crate's only unsafe.
+// The device batch handed to ONNX Runtime's session thread by address.
 #[allow(unsafe_code)]
 mod onnx;
 mod own;
@@ -21,9 +26,11 @@ use std::time::{Duration, Instant};
 
 use tensorport::{DeviceImporter, PinHook, Server, ServerConfig};
 use tensorport_dfdx::dfdx::prelude::{Cpu, Device as DfdxDevice};
-use tensorport_dfdx::{stack_images, ImageClassifier};
+use tensorport_dfdx::ImageClassifier;
 
-pub use batch::{BatchLoop, Model, ReleaseFn, StackFn};
+pub use batch::{BatchLoop, Batcher, CpuBatcher, Model};
+#[cfg(feature = "cuda")]
+pub use cuda_batch::CudaBatcher;
 pub use own::{HostBatch, HostModel};
 
 use crate::config::{Device, ModelKind, ModelOptions, ServeConfig};
@@ -110,12 +117,9 @@ where
     )
 }
 
-/// A worker on the CPU: its device and batch stacker (one copy of the images; a CPU server
-/// takes no device tensors, so there is nothing to release).
-fn cpu_worker() -> Result<(Cpu, Box<StackFn<Cpu>>, Box<ReleaseFn>)> {
-    let stack: Box<StackFn<Cpu>> = Box::new(|dev, reqs, shape| stack_images(dev, reqs, shape));
-    let release: Box<ReleaseFn> = Box::new(|_| Ok(()));
-    Ok((Cpu::default(), stack, release))
+/// A worker on the CPU: its device and batcher.
+fn cpu_worker() -> Result<(Cpu, Box<dyn Batcher<Cpu>>)> {
+    Ok((Cpu::default(), Box::new(CpuBatcher)))
 }
 
 #[cfg(not(feature = "cuda"))]
@@ -147,7 +151,7 @@ fn run_cuda(cfg: &ServeConfig, ordinal: u32, stop: &Stop) -> Result<()> {
     let model = cfg.model.clone();
     let model_gpu = gpu.clone();
     let load = move |dev: &Cuda| -> Result<Model<Cuda>> { load_cuda(dev, &model_gpu, &model) };
-    // Each worker thread builds its own dfdx device and copy stream (neither may be shared).
+    // Each worker thread builds its own dfdx device and batcher (neither may be shared).
     serve_on(
         cfg,
         stop,
@@ -156,29 +160,9 @@ fn run_cuda(cfg: &ServeConfig, ordinal: u32, stop: &Stop) -> Result<()> {
             let dev = Cuda::try_build(ordinal as usize, seed).map_err(|e| {
                 Error::Other(format!("cannot start dfdx on CUDA device {ordinal}: {e:?}"))
             })?;
-            let stream = tensorport_cuda::Stream::new(&gpu)?;
-            // u8 images are normalised on the GPU with the producers' table.
-            let norm =
-                tensorport_cuda::GpuNormaliser::new(&gpu, tensorport_dfdx::normaliser().table())?;
-            let norm = std::sync::Mutex::new(norm);
-            let gatherer = gatherer.clone();
-            let release: Box<ReleaseFn> = {
-                let (stream, gatherer) = (tensorport_cuda::Stream::new(&gpu)?, gatherer.clone());
-                Box::new(move |reqs| tensorport_dfdx::release_unread(&stream, &gatherer, reqs))
-            };
-            let stack: Box<StackFn<Cuda>> = Box::new(move |dev: &Cuda, reqs, shape| {
-                let mut norm = norm.lock().unwrap_or_else(|p| p.into_inner());
-                tensorport_dfdx::gather_on_device(
-                    dev,
-                    &stream,
-                    &mut norm,
-                    &gatherer,
-                    reqs,
-                    shape,
-                    fence_timeout,
-                )
-            });
-            Ok((dev, stack, release))
+            let batcher: Box<dyn Batcher<Cuda>> =
+                Box::new(CudaBatcher::new(&gpu, gatherer.clone(), fence_timeout)?);
+            Ok((dev, batcher))
         },
         &load,
     )
@@ -191,8 +175,8 @@ struct Hooks {
     device: Option<Arc<dyn DeviceImporter>>,
 }
 
-/// Makes one worker's device and batch stacker (called on the worker's own thread).
-type WorkerFn<D> = dyn Fn() -> Result<(D, Box<StackFn<D>>, Box<ReleaseFn>)> + Sync;
+/// Makes one worker's device and batcher (called on the worker's own thread).
+type WorkerFn<D> = dyn Fn() -> Result<(D, Box<dyn Batcher<D>>)> + Sync;
 
 /// Loads one worker's model on its device (on the worker's own thread).
 type LoadFn<'a, D> = dyn Fn(&D) -> Result<Model<D>> + Sync + 'a;
@@ -282,9 +266,8 @@ fn serve_on<D: DfdxDevice<f32>>(
         metrics: metrics.as_ref(),
         images: &images,
     };
-    let work = |(dev, stack, release): (D, Box<StackFn<D>>, Box<ReleaseFn>),
-                mut model: Option<Model<D>>| {
-        shared.run(&dev, &*stack, &*release, model.as_mut())
+    let work = |(dev, mut batcher): (D, Box<dyn Batcher<D>>), mut model: Option<Model<D>>| {
+        shared.run(&dev, &mut *batcher, model.as_mut())
     };
     std::thread::scope(|s| -> Result<()> {
         let others: Vec<_> = (1..workers)
