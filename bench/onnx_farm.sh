@@ -18,6 +18,9 @@
 #
 #   bench/onnx_farm.sh TENSORPORT MODELS_DIR SETS_DIR [REPEAT] [REPEAT_VARIED]
 #
+# With PEERS=1 the model alone also runs as the network in PyTorch (bench/peers/resnet50_torch.py:
+# eager, and under torch.compile with TORCH_COMPILE=1).
+#
 # ALONE=0 leaves out the model alone (measured once, in an earlier run); PIPELINES picks
 # onnx_pipelines.py's pipelines (default: all four).
 #
@@ -43,6 +46,12 @@ for m in resnet50 resnet50_f16; do
       --batch 32,128,256 --seconds 2 | grep '|' || echo "onnx_model.py $m failed"
   fi
 done
+if [[ ${PEERS:-0} == 1 && ${ALONE:-1} == 1 ]]; then
+  # The network itself in PyTorch, eager (and with TORCH_COMPILE=1 under torch.compile).
+  engines=eager; [[ ${TORCH_COMPILE:-0} == 1 ]] && engines=eager,compile
+  "${lim[@]}" python3 "$here/peers/resnet50_torch.py" --batch 32,128,256 --seconds 2 \
+    --engines "$engines" | grep '|' || echo "resnet50_torch.py failed"
+fi
 for s in ${SETS:-uniform varied}; do
   echo "$s: $(wc -l < "$lists/$s") inputs"
   for m in none resnet50 resnet50_f16; do
