@@ -5,6 +5,7 @@ bf16, channels_last, batch 128, eager) alone on a resident batch, then fed by
   loader            tensorport.Loader(files, device="cuda", batch_size=128): its defaults (the
                     farm's producer mix, batches gathered ahead, `prefetch=2`)
   loader-prefetch0  the same with prefetch=0 (each batch gathered when asked for)
+  loader-gpu2       an explicit mix: 2 GPU producers, no CPU producer
   dali              NVIDIA DALI's mixed pipeline (bench/peers/onnx_pipelines.py's)
   dataloader        torch's DataLoader, 15 workers, pinned (the same script's)
 
@@ -81,7 +82,7 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("list")
-    ap.add_argument("--pipelines", default="loader,loader-prefetch0,dali,dataloader")
+    ap.add_argument("--pipelines", default="loader,loader-prefetch0,loader-gpu2,dali,dataloader")
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--binary", default=os.environ.get("TENSORPORT_BIN"))
     ap.add_argument("--workers", type=int, default=15, help="DataLoader worker processes")
@@ -97,6 +98,8 @@ def main():
             batches = loader_batches(files, a.batch, a.binary)
         elif p == "loader-prefetch0":
             batches = loader_batches(files, a.batch, a.binary, prefetch=0)
+        elif p == "loader-gpu2":
+            batches = loader_batches(files, a.batch, a.binary, producers=0, gpu_producers=2)
         elif p == "dali":
             batches = dali_batches(files, a.batch, a.threads)
         else:
