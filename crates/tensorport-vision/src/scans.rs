@@ -76,6 +76,7 @@ pub(crate) fn check_work(jpeg: &[u8]) -> Result<(), String> {
     let mut frame_blocks = 0u64;
     let mut work = 0u64;
     let mut scans = 0u32;
+    let mut progressive = false;
     let memory_bound =
         COEFFICIENT_FLOOR.max(COEFFICIENT_BYTES_PER_FILE_BYTE.saturating_mul(jpeg.len() as u64));
     let check_memory = |frame_blocks: u64| {
@@ -94,14 +95,17 @@ pub(crate) fn check_work(jpeg: &[u8]) -> Result<(), String> {
     for seg in segments {
         if is_frame(seg.code) {
             (comps, frame_blocks) = frame_blocks_of(seg.header).unwrap_or_default();
-            if is_progressive(seg.code) {
+            progressive = is_progressive(seg.code);
+            if progressive {
                 check_memory(frame_blocks)?;
             }
             continue;
         }
         let Some(scan) = seg.scan() else { continue };
         scans += 1;
-        if scans == 2 {
+        // A sequential file buffers its frame from its second scan on (a progressive one was
+        // checked at its frame).
+        if scans == 2 && !progressive {
             check_memory(frame_blocks)?;
         }
         for id in scan.components {
