@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod cli;
+mod confine;
 
 /// Feed a tensorport server from other hosts. On the inference host, `gateway` takes remote
 /// producers' tensors over Arrow Flight (gRPC, TLS) into the local server's pools, as local
@@ -45,6 +46,9 @@ struct NixlReaderArgs {
     slot_size: u64,
     #[arg(long)]
     name: String,
+    /// The only addresses it may connect to (the producer's).
+    #[arg(long, required = true, value_delimiter = ',')]
+    connect_only: Vec<std::net::IpAddr>,
 }
 
 fn main() -> ExitCode {
@@ -69,12 +73,24 @@ fn main() -> ExitCode {
         Command::Produce(a) => cli::produce::run(a),
         Command::Token(a) => cli::token::run(a),
         Command::NixlReader(a) => {
+            // Before NIXL loads: UCX connects where the producer's metadata says.
+            confine::only(&a.connect_only);
+            let allowed: Vec<String> = a.connect_only.iter().map(|ip| ip.to_string()).collect();
+            let note = || {
+                confine::refused().map(|to| {
+                    format!(
+                        "refused to connect to {to}, which the producer's NIXL metadata names: a NIXL stream is read only from the address it came from ({}); a producer with several network interfaces sets UCX_NET_DEVICES to the one it reaches the gateway on",
+                        allowed.join(", ")
+                    )
+                })
+            };
             return ExitCode::from(tensorport_bridge::nixl_reader::serve(
                 &a.pool,
                 a.slots,
                 a.slot_size,
                 &a.name,
-            ))
+                &note,
+            ));
         }
     };
     match r {

@@ -237,10 +237,15 @@ pub(crate) fn peer_of(hello: &Hello, name: &str) -> Result<(Agent, tensorport_ni
 impl Inbound {
     /// Starts a reader process that loads the producer's set-up into an agent of its own
     /// (named `name`) and reads into `pool` — the local session's, whose slots hold at least
-    /// one of the set-up's tensors.
-    pub fn open(hello: &Hello, name: &str, pool: Arc<HostPool>) -> Result<Inbound, String> {
+    /// one of the set-up's tensors — connecting to the producer at `peer` alone.
+    pub fn open(
+        hello: &Hello,
+        name: &str,
+        pool: Arc<HostPool>,
+        peer: std::net::IpAddr,
+    ) -> Result<Inbound, String> {
         Ok(Inbound {
-            reader: ReaderProcess::start(hello, name, &pool)?,
+            reader: ReaderProcess::start(hello, name, &pool, peer)?,
         })
     }
 

@@ -5,7 +5,9 @@
 //! process (`tensorport-bridge nixl-reader`, this executable) that maps only the one pool it
 //! reads into — the stream's own session's — loads the metadata, and reads the producer's slots
 //! into that pool's slots on the gateway's word. If it dies, that stream's reads fail and the
-//! stream ends; the gateway and every other stream go on.
+//! stream ends; the gateway and every other stream go on. It connects only to the address the
+//! producer's stream came from (`--connect-only`; the executable's `connect` enforces it, since
+//! the metadata names where UCX connects).
 //!
 //! The protocol, text lines on the reader's standard input and output:
 //! - the gateway sends the set-up ([`Hello::to_json`]) first, then `R <from> <into>` for each
@@ -17,6 +19,7 @@
 
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader, Read, Write};
+use std::net::IpAddr;
 use std::path::Path;
 use std::process::{Child, ChildStdin, Command, Stdio};
 use std::sync::mpsc;
@@ -65,9 +68,15 @@ pub struct ReaderProcess {
 }
 
 impl ReaderProcess {
-    /// Starts a reader of `hello`'s slots into `pool` (NIXL agent `name`) and waits for its
-    /// set-up; an error says why it could not (the reader's own words, or how it ended).
-    pub fn start(hello: &Hello, name: &str, pool: &Arc<HostPool>) -> Result<ReaderProcess, String> {
+    /// Starts a reader of `hello`'s slots into `pool` (NIXL agent `name`), which may connect
+    /// to `peer` alone, and waits for its set-up; an error says why it could not (the reader's
+    /// own words, or how it ended).
+    pub fn start(
+        hello: &Hello,
+        name: &str,
+        pool: &Arc<HostPool>,
+        peer: IpAddr,
+    ) -> Result<ReaderProcess, String> {
         // This executable, which has the subcommand; a program that embeds the gateway names
         // a `tensorport-bridge` executable in TENSORPORT_BRIDGE_EXE.
         let exe = match std::env::var_os(BRIDGE_EXE_ENV) {
@@ -87,6 +96,7 @@ impl ReaderProcess {
             ])
             .args(["--slots", &pool.slot_count().to_string()])
             .args(["--slot-size", &pool.slot_size().to_string()])
+            .args(["--connect-only", &peer.to_string()])
             .stdin(Stdio::piped())
             .stdout(Stdio::piped())
             .stderr(Stdio::inherit())
@@ -307,10 +317,31 @@ fn parse(line: &str) -> Said {
 /// The reader process's side (`tensorport-bridge nixl-reader`): maps the pool at `pool_path`
 /// (`slots` slots of `slot_size` bytes), reads the set-up from standard input, loads it into
 /// NIXL agent `name`, says `OK`, and reads slots as told until its input ends. Returns its exit
-/// status.
-pub fn serve(pool_path: &Path, slots: u32, slot_size: u64, name: &str) -> u8 {
-    let mut out = std::io::stdout().lock();
+/// status. `note` says what the process refused, if anything, for its failures' answers (the
+/// executable confines its connections before this starts).
+pub fn serve(
+    pool_path: &Path,
+    slots: u32,
+    slot_size: u64,
+    name: &str,
+    note: &dyn Fn() -> Option<String>,
+) -> u8 {
+    // Answers go on a copy of standard output, and standard output itself becomes standard
+    // error: UCX writes its own messages to standard output, which must not read as answers.
+    let mut out = match nix::unistd::dup(std::io::stdout())
+        .and_then(|fd| nix::unistd::dup2_stdout(std::io::stderr()).map(|()| fd))
+    {
+        Ok(fd) => std::fs::File::from(fd),
+        Err(e) => {
+            eprintln!("tensorport-bridge nixl-reader: cannot set its output aside: {e}");
+            return 1;
+        }
+    };
     let mut say = |line: String| {
+        let line = match note() {
+            Some(n) if !line.starts_with('D') && line != "OK" => format!("{line} ({n})"),
+            _ => line,
+        };
         let _ = writeln!(out, "{line}").and_then(|()| out.flush());
     };
     let mut lines = BufReader::new(std::io::stdin()).lines();

@@ -241,6 +241,7 @@ impl FlightService for Gateway {
     ) -> Result<Response<Self::DoExchangeStream>, Status> {
         self.authorize(&req)?;
         let peer = peer_of(&req);
+        let peer_ip = req.remote_addr().map(|a| a.ip());
         let permit = self.permits.clone().try_acquire_owned().map_err(|_| {
             Status::resource_exhausted(format!(
                 "the gateway serves at most {} remote producers at once (--max-remotes); retry later",
@@ -289,7 +290,7 @@ impl FlightService for Gateway {
                 .name("tp-bridge-session".into())
                 .spawn(move || {
                     // Made on its thread: a session of device tensors stays on it.
-                    session::Session::new(cfg, who, in_rx, out_tx, handle, counters).run();
+                    session::Session::new(cfg, who, peer_ip, in_rx, out_tx, handle, counters).run();
                     drop(held);
                 })
                 .expect("spawn a session thread");

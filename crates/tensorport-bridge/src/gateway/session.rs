@@ -2,6 +2,7 @@
 //! producer session; its results go back as result batches.
 
 use std::collections::{HashSet, VecDeque};
+use std::net::IpAddr;
 use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -94,6 +95,9 @@ impl Local {
 pub(super) struct Session {
     cfg: Arc<GatewayConfig>,
     who: String,
+    /// The address the producer connected from: the only one a NIXL stream's reads may
+    /// connect to.
+    peer: Option<IpAddr>,
     input: mpsc::Receiver<Input>,
     out: Out,
     rt: Handle,
@@ -113,6 +117,7 @@ impl Session {
     pub(super) fn new(
         cfg: Arc<GatewayConfig>,
         who: String,
+        peer: Option<IpAddr>,
         input: mpsc::Receiver<Input>,
         out: Out,
         rt: Handle,
@@ -121,6 +126,7 @@ impl Session {
         Session {
             cfg,
             who,
+            peer,
             input,
             out,
             rt,
@@ -301,11 +307,17 @@ impl Session {
         let local = match &hello {
             Some(h) => {
                 // The producer's slots are read straight into the local session's pool.
-                let inbound = Inbound::open(h, &gateway_agent_name(), p.pool()).map_err(|e| {
-                    End::Tell(Status::failed_precondition(format!(
-                        "the gateway cannot read this stream's tensors with NIXL: {e}"
-                    )))
+                let peer = self.peer.ok_or_else(|| {
+                    End::Tell(Status::failed_precondition(
+                        "the gateway cannot tell this stream's address, and reads a NIXL stream only from the address it came from",
+                    ))
                 })?;
+                let inbound =
+                    Inbound::open(h, &gateway_agent_name(), p.pool(), peer).map_err(|e| {
+                        End::Tell(Status::failed_precondition(format!(
+                            "the gateway cannot read this stream's tensors with NIXL: {e}"
+                        )))
+                    })?;
                 tracing::info!(remote = %self.who, agent = %h.agent, slots = h.slots.slots, "NIXL stream: reading the producer's slots");
                 Local::Pool { inbound, p }
             }

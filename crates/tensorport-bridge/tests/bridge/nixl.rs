@@ -398,3 +398,91 @@ fn nixl_metadata_that_aborts_ucx_ends_only_its_own_stream() {
     run_ok(&mut f.producer("after-mutants", 32, &["--transport", "nixl"]));
     assert_each_input_once(&f.lines("after-mutants"), 32);
 }
+
+/// The machine's first IPv4 interface other than loopback, and its address.
+fn network_interface() -> Option<(String, std::net::Ipv4Addr)> {
+    nix::ifaddrs::getifaddrs().ok()?.find_map(|i| {
+        let ip = i.address.as_ref()?.as_sockaddr_in()?.ip();
+        (!ip.is_loopback()).then_some((i.interface_name, ip))
+    })
+}
+
+/// NIXL metadata that names another host than the one the stream came from: the stream comes
+/// over loopback, and the producer's UCX worker address names the machine's network address
+/// (where its UCX listens). The gateway's reader, on that network interface, does not connect
+/// there (before, it connected wherever the metadata said, and the stream was served): the
+/// stream ends with an error that names the refused address, the gateway lives on, and a
+/// Flight producer beside it is served.
+#[test]
+fn nixl_metadata_naming_another_host_is_not_connected_to() {
+    use tensorport_bridge::nixl::{slot_batch, Hello, Outbound};
+    use tensorport_bridge::remote::{connect, Exchange};
+    use tensorport_bridge::schema::TensorLayout;
+
+    let Some(mut env) = nixl_env() else { return };
+    let Some((iface, ip)) = network_interface() else {
+        eprintln!("SKIPPED: no network interface besides loopback");
+        return;
+    };
+    env.push(("UCX_TCP_MAX_CONN_RETRIES".into(), "1".into()));
+    let args = [
+        "--allow-plaintext".to_string(),
+        "--nixl-interface".into(),
+        iface,
+    ];
+    let mut f = Fixture::with(&args, env);
+    if let Some(mut g) = f.gateway.take() {
+        let _ = g.kill();
+        let _ = g.wait();
+    }
+    f.start_gateway("0.0.0.0:0");
+    f.url = f.url.replace("0.0.0.0", "127.0.0.1");
+    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
+    let out = Outbound::new(
+        &format!("elsewhere-{}", std::process::id()),
+        4,
+        &layout,
+        None,
+    )
+    .unwrap();
+    let h: Hello = out.hello().clone();
+    assert!(
+        h.metadata.windows(4).any(|w| w == ip.octets()),
+        "the producer's metadata names {ip}"
+    );
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = f.remote_config("elsewhere");
+    let answered = rt.block_on(async {
+        let mut client = connect(&cfg).await.unwrap();
+        let schema = h.schema();
+        let mut ex = Exchange::open_with(&mut client, schema.clone(), "elsewhere", 4)
+            .await
+            .unwrap();
+        let _ = ex.send(slot_batch(&schema, &[(0, 0)]).unwrap()).await;
+        ex.finish();
+        match tokio::time::timeout(Duration::from_secs(60), ex.results()).await {
+            Ok(Some(Ok(r))) => r.len(),
+            Ok(_) => 0,
+            Err(_) => panic!("the gateway neither answered nor ended the stream"),
+        }
+    });
+    assert_eq!(
+        answered,
+        0,
+        "a stream from 127.0.0.1 was read from {ip}:\n{}",
+        f.gateway_log()
+    );
+    assert!(
+        f.gateway_log()
+            .contains(&format!("refused to connect to {ip}:")),
+        "{}",
+        f.gateway_log()
+    );
+    let gateway = f.gateway.as_mut().unwrap();
+    assert!(gateway.try_wait().unwrap().is_none(), "{}", f.gateway_log());
+    run_ok(&mut f.producer("flight-beside", 8, &[]));
+    assert_each_input_once(&f.lines("flight-beside"), 8);
+}
