@@ -2,7 +2,7 @@
 # Device tensors from a remote GPU producer through the gateway with NIXL, against the local
 # device path and NIXL's own reads, on one GPU host, in one run. [32,3,224,224] f32 tensors
 # (19,267,584 bytes), ready (written once into the producer's GPU slots):
-#   - local device path: `tensorport gpu bench-ipc` (a GPU producer process hands ready device
+#   - local device path: `tensorport-dev gpu bench-ipc` (a GPU producer process hands ready device
 #     tensors to a server process, which fences and copies each: no gateway);
 #   - NIXL's reads alone: `nixl-bench hold --gpu 0 | nixl-bench read --gpu 0` (GPU memory to GPU
 #     memory, 8 in flight), and its writes (`read --op write`: UCX picks its protocols for
@@ -30,8 +30,8 @@ W=$(mktemp -d); chmod 700 "$W"
 trap 'pkill -TERM -P $$ 2>/dev/null || true; rm -rf "$W"' EXIT
 bytes=19267584
 echo "machine: $(nproc) cores, $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1), $(date -u +%F); NIXL $(cat "$TENSORPORT_NIXL/VERSION")"
-echo "== local device path (tensorport gpu bench-ipc, ready tensors, timeline fences)"
-"$B/tensorport" --log warn gpu bench-ipc --handoffs 20000 --producer-work none --fence timeline \
+echo "== local device path (tensorport-dev gpu bench-ipc, ready tensors, timeline fences)"
+"$B/tensorport-dev" --log warn gpu bench-ipc --handoffs 20000 --producer-work none --fence timeline \
   --server-sync none --bytes $bytes 2>&1 | grep -vE "^\s*$" | tail -4
 echo "== NIXL's reads and writes alone, GPU to GPU, 16 slots, 8 in flight, 3 s"
 choice="(UCX's choice)"

@@ -1,8 +1,10 @@
 //! The `tensorport` command line as a library: the inference server, the producer, the farm
-//! that runs both, and a control tool, each a thin face over `tensorport-farm`, and the developer
-//! tools. The `tensorport` executable runs [`run`] on its arguments; so does the Python package's
-//! extension (`python -m tensorport`, the `tensorport` command a wheel installs), which starts its
-//! child processes through Python instead of an executable of its own.
+//! that runs both, a control tool and the measuring tools a user needs (`model-bench`, `prep`),
+//! each a thin face over `tensorport-farm`. The `tensorport` executable runs [`run`] on its
+//! arguments; so does the Python package's extension (`python -m tensorport`, the `tensorport`
+//! command a wheel installs), which starts its child processes through Python instead of an
+//! executable of its own. The developer tools (`gpu`, `soak`) are another executable,
+//! `tensorport-dev`, which runs [`run_dev`].
 
 mod common;
 mod ctl;
@@ -38,13 +40,13 @@ struct Cli {
     command: Command,
 }
 
-/// The user's commands first, then the developer tools (measuring and checking).
+/// The user's commands first, then the tools that measure and check.
 #[derive(Subcommand, Debug)]
 enum Command {
     /// Run a server and N supervised producers over a set of images; print progress and a summary.
     Farm(farm::Args),
     /// Run the inference server: serve the bundled image classifier (dfdx on the CPU, cuDNN on
-    /// the GPU) to producers over the socket.
+    /// the GPU) or an ONNX model (ONNX Runtime) to producers over the socket.
     Serve(serve::Args),
     /// Run one producer: preprocess images into shared memory, submit them, write the scores.
     Produce(produce::Args),
@@ -54,17 +56,33 @@ enum Command {
     Images(tools::ImagesArgs),
     /// Write a weights file for the model (safetensors), from a seed.
     Weights(tools::WeightsArgs),
-    /// Developer tool: the bundled model alone on its device, a table of images/s per batch
-    /// size, engine and precision.
+    /// The model alone on its device (the bundled one, or an ONNX file): a table of images/s
+    /// per batch size, engine and precision.
     ModelBench(model_bench::Args),
-    /// Developer tool: the producers' preprocessing alone on one thread: cost per step, and its
-    /// tensors (--dump).
+    /// The producers' preprocessing alone on one thread: cost per step, and its tensors
+    /// (--dump), to check against another pipeline's.
     Prep(prep::Args),
-    /// Developer tool: what this machine's CUDA can do, and host-to-device bandwidth from pinned
-    /// pools.
+}
+
+/// Tools for developing tensorport itself. They start the tensorport executable beside this one.
+#[derive(Parser, Debug)]
+#[command(name = "tensorport-dev", version, propagate_version = true)]
+struct DevCli {
+    /// Log level for messages on stderr: off, error, warn, info, debug, trace, or a filter such
+    /// as `warn,tensorport=debug` [default: info].
+    #[arg(long, global = true, env = "TENSORPORT_LOG", value_parser = common::parse_log_filter)]
+    log: Option<String>,
+    #[command(subcommand)]
+    command: DevCommand,
+}
+
+#[derive(Subcommand, Debug)]
+enum DevCommand {
+    /// What this machine's CUDA can do, host-to-device bandwidth from pinned pools, and the
+    /// device path's hand-offs between processes.
     Gpu(gpu::Args),
-    /// Developer tool: long load with random producer kills, checking the server for leaks (not
-    /// for CI).
+    /// Long load with random producer kills, checking the server for leaks (not for CI); runs
+    /// the `tensorport` executable beside this one.
     Soak(soak::Args),
 }
 
@@ -82,7 +100,7 @@ pub(crate) fn launcher() -> Launcher {
 /// Runs the command line `args` (the program's name first, as `std::env::args_os` gives it) and
 /// returns the process's exit status: 0 on success, 2 for a usage error (after printing it), else
 /// the failed command's own code (after printing `error: …` on stderr). `launcher` is how this
-/// process's children (a farm's servers and producers, `soak`'s) start the same command line;
+/// process's children (a farm's servers and producers) start the same command line;
 /// the first call's stays for the life of the process.
 pub fn run<I, T>(args: I, launcher: Launcher) -> u8
 where
@@ -91,27 +109,50 @@ where
 {
     let cli = match Cli::try_parse_from(args) {
         Ok(cli) => cli,
-        Err(e) => {
-            // --help and --version land here too, with status 0.
-            let _ = e.print();
-            return u8::try_from(e.exit_code()).unwrap_or(2);
-        }
+        Err(e) => return usage(e),
     };
     let _ = LAUNCHER.set(launcher);
     common::init_logging(cli.log.as_deref().unwrap_or("info"));
     tensorport_farm::process::die_with_farm();
-    let r = match cli.command {
+    finish(match cli.command {
         Command::Serve(a) => serve::run(a),
         Command::Produce(a) => produce::run(a),
         Command::Farm(a) => farm::run(a),
         Command::ModelBench(a) => model_bench::run(a),
         Command::Ctl(a) => ctl::run(a),
-        Command::Soak(a) => soak::run(a),
-        Command::Gpu(a) => gpu::run(a),
         Command::Prep(a) => prep::run(a),
         Command::Weights(a) => tools::weights(a),
         Command::Images(a) => tools::images(a),
+    })
+}
+
+/// Runs the `tensorport-dev` command line `args` as [`run`] runs `tensorport`'s; `tensorport` is
+/// how its tools start the product's commands (`soak`'s server and producers).
+pub fn run_dev<I, T>(args: I, tensorport: Launcher) -> u8
+where
+    I: IntoIterator<Item = T>,
+    T: Into<OsString> + Clone,
+{
+    let cli = match DevCli::try_parse_from(args) {
+        Ok(cli) => cli,
+        Err(e) => return usage(e),
     };
+    let _ = LAUNCHER.set(tensorport);
+    common::init_logging(cli.log.as_deref().unwrap_or("info"));
+    finish(match cli.command {
+        DevCommand::Gpu(a) => gpu::run(a),
+        DevCommand::Soak(a) => soak::run(a),
+    })
+}
+
+/// Prints a usage error (or --help, --version: status 0) and returns its status.
+fn usage(e: clap::Error) -> u8 {
+    let _ = e.print();
+    u8::try_from(e.exit_code()).unwrap_or(2)
+}
+
+/// The status of a command's result, after printing its error.
+fn finish(r: common::CliResult<u8>) -> u8 {
     let code = match r {
         Ok(code) => code,
         Err(e) => {

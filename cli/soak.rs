@@ -1,4 +1,4 @@
-//! `tensorport soak`: long farm load with random producer kills, watching the server for leaks.
+//! `tensorport-dev soak`: long farm load with random producer kills, watching the server for leaks.
 
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# Builds the GPU binaries — `tensorport` with `--features cuda`, the GPU test binary and
-# `tensorport-bridge` (for the harness's NIXL test) — into
+# Builds the GPU binaries — `tensorport` and `tensorport-dev` with `--features cuda`, the GPU test
+# binary and `tensorport-bridge` (for the harness's NIXL test) — into
 # dist/gpu/, on any machine, GPU or not.
 #
 # dfdx 0.13's CUDA build needs a CUDA toolkit at build time (nvcc for its kernels, cuBLAS and
@@ -34,7 +34,7 @@ patch --quiet -p1 -d "$patched" < patches/dfdx-0.13.0-device-ptr.patch
 cp Cargo.lock "$CARGO_TARGET_DIR/Cargo.lock.orig"
 trap 'cp "$CARGO_TARGET_DIR/Cargo.lock.orig" Cargo.lock' EXIT
 with_patch=(--config "patch.crates-io.dfdx.path=\"$patched\"")
-cargo build --release --features cuda "${with_patch[@]}" --bin tensorport --example gpu_producer
+cargo build --release --features cuda "${with_patch[@]}" --bin tensorport --bin tensorport-dev --example gpu_producer
 # The bridge, for the GPU harness's NIXL test (its CUDA is loaded at run time: no feature).
 cargo build --release "${with_patch[@]}" -p tensorport-bridge --bin tensorport-bridge
 test_bin=$(cargo test --release --features cuda "${with_patch[@]}" --test gpu --no-run --message-format=json 2>/dev/null \
@@ -42,11 +42,12 @@ test_bin=$(cargo test --release --features cuda "${with_patch[@]}" --test gpu --
 out=dist/gpu
 rm -rf "$out" && mkdir -p "$out/nvrtc"
 cp "$CARGO_TARGET_DIR/release/tensorport" "$out/tensorport"
+cp "$CARGO_TARGET_DIR/release/tensorport-dev" "$out/tensorport-dev"
 cp "$test_bin" "$out/gpu-tests"
 cp "$CARGO_TARGET_DIR/release/examples/gpu_producer" "$out/gpu_producer"
 cp "$CARGO_TARGET_DIR/release/tensorport-bridge" "$out/tensorport-bridge"
 cp scripts/gpu-env.sh "$out/gpu-env.sh"
-strip "$out/tensorport" "$out/gpu-tests" "$out/gpu_producer" "$out/tensorport-bridge" 2>/dev/null || true
+strip "$out/tensorport" "$out/tensorport-dev" "$out/gpu-tests" "$out/gpu_producer" "$out/tensorport-bridge" 2>/dev/null || true
 dfdx_out=$(dirname "$(ls -td "$CARGO_TARGET_DIR"/release/build/dfdx-*/out/cuda_utils.cuh | head -1)")
 cp "$dfdx_out"/*.cuh "$out/nvrtc/"
 cat > "$out/install-nvrtc-paths.sh" <<SH

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """torch.multiprocessing hand-off between processes: the peer of `tensorport bench` (CPU
-tensors) and `tensorport gpu bench-ipc` (CUDA tensors).
+tensors) and `tensorport-dev gpu bench-ipc` (CUDA tensors).
 
   cpu    producer processes put CPU tensors on a torch.multiprocessing Queue (shared memory,
          file-descriptor strategy); the consumer reads one element of each

@@ -1,4 +1,4 @@
-//! `tensorport gpu bench-ipc`: its settings, the producer process (`--producer-socket`) and the
+//! `tensorport-dev gpu bench-ipc`: its settings, the producer process (`--producer-socket`) and the
 //! server that times the hand-offs, and the per-step trace of both.
 
 use crate::common::{CliError, CliResult};

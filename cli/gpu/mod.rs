@@ -1,4 +1,4 @@
-//! `tensorport gpu`: the CUDA probe, the host-to-device benchmark, and the CUDA IPC hand-off
+//! `tensorport-dev gpu`: the CUDA probe, the host-to-device benchmark, and the CUDA IPC hand-off
 //! benchmark (its two sides in `ipc_bench.rs`).
 
 use crate::common::{CliError, CliResult};

@@ -248,8 +248,13 @@ fn impossible_configurations_fail_at_once() {
             "{args:?}: expected a clear refusal, got:\n{err}"
         );
     }
-    // `gpu probe` without a driver names no option it does not have.
-    let (ok, _, err) = run(&["gpu", "probe"]);
+    // `tensorport-dev gpu probe` without a driver names no option it does not have.
+    let o = Command::new(DEV_EXE)
+        .args(["gpu", "probe"])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let (ok, err) = (o.status.success(), String::from_utf8_lossy(&o.stderr));
     if !ok {
         assert!(
             err.contains("libcuda") && !err.contains("--device"),
@@ -284,4 +289,41 @@ fn gpu_in_flight_alone_takes_a_batch_that_fits_it() {
     let err = std::fs::read_to_string(dir.path().join("err")).unwrap();
     assert!(status.success(), "`farm --gpu-in-flight 16` failed:\n{err}");
     check_results(&out, 4);
+}
+
+/// The developer tools are an executable of their own: `tensorport` neither lists nor takes
+/// them, `tensorport-dev` explains them.
+#[test]
+fn developer_tools_are_their_own_executable() {
+    let (ok, out, _) = run(&["--help"]);
+    assert!(ok);
+    for tool in ["soak", "gpu "] {
+        assert!(
+            !out.contains(&format!("  {tool}")),
+            "tensorport --help lists {tool}:\n{out}"
+        );
+    }
+    let (ok, _, err) = run(&["soak"]);
+    assert!(!ok && err.contains("unrecognized subcommand"), "{err}");
+    for (sub, needles) in [
+        (vec![], vec!["gpu", "soak"]),
+        (vec!["gpu"], vec!["probe", "bench-h2d", "bench-ipc"]),
+        (
+            vec!["soak"],
+            vec!["--seconds", "--kill-every-ms", "tensorport"],
+        ),
+    ] {
+        let mut args = sub.clone();
+        args.push("--help");
+        let o = Command::new(DEV_EXE).args(&args).output().unwrap();
+        let out = String::from_utf8_lossy(&o.stdout);
+        assert!(o.status.success(), "{args:?}");
+        for n in needles {
+            assert!(
+                out.contains(n),
+                "`tensorport-dev {}` --help does not mention {n}",
+                sub.join(" ")
+            );
+        }
+    }
 }

@@ -21,6 +21,8 @@ mod ops;
 mod results;
 
 const EXE: &str = env!("CARGO_BIN_EXE_tensorport");
+/// The developer tools' executable, beside it.
+const DEV_EXE: &str = env!("CARGO_BIN_EXE_tensorport-dev");
 
 const SIZE: usize = 32;
 
