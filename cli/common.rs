@@ -3,7 +3,7 @@
 
 use std::path::PathBuf;
 
-use tensorport_cuda::Precision;
+use tensorport_cudnn::Precision;
 pub use tensorport_farm::config::{Device, ModelKind, OrtProvider, Pixels, TransformKind};
 use tensorport_farm::{ModelOptions, PrepOptions};
 use tensorport_vision::JpegDecoder;

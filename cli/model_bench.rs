@@ -83,7 +83,7 @@ fn print_header() {
 
 #[cfg(feature = "cuda")]
 fn cuda(n: u32, a: &Args) -> CliResult<()> {
-    use tensorport_cuda::Precision;
+    use tensorport_cudnn::Precision;
     let dev = Cuda::try_build(n as usize, a.model.seed)
         .map_err(|e| CliError::new(format!("cannot start dfdx on CUDA device {n}: {e:?}")))?;
     let gpu = tensorport_cuda::Gpu::open(n as i32).map_err(|e| CliError::new(e.to_string()))?;
@@ -97,9 +97,9 @@ fn cuda(n: u32, a: &Args) -> CliResult<()> {
         .dfdx_model(&dev)
         .map_err(tensorport_farm::Error::from)?;
     for &b in &a.batch {
-        match tensorport_cuda::ConvNet::cudnn_version() {
+        match tensorport_cudnn::ConvNet::cudnn_version() {
             Ok(_) => {
-                for layout in tensorport_cuda::Layout::ALL {
+                for layout in tensorport_cudnn::Layout::ALL {
                     for &p in &precisions {
                         let mut m = a
                             .model

@@ -47,7 +47,7 @@ pub(crate) fn cudnn_model_matches_the_cpu_model() {
     let gpu = tensorport_cuda::Gpu::open(0).unwrap();
     println!(
         "  cuDNN {}",
-        tensorport_cuda::ConvNet::cudnn_version().unwrap()
+        tensorport_cudnn::ConvNet::cudnn_version().unwrap()
     );
     // (precision, bound on the relative difference, rows that may pick another class).
     let cases = [

@@ -1,5 +1,6 @@
-//! Kernels of this crate: CUDA C compiled at run time with NVRTC (loaded like libcuda, so
-//! nothing here needs CUDA at build time), loaded into the device's primary context.
+//! Kernels: CUDA C compiled at run time with NVRTC (loaded like libcuda, so nothing here needs
+//! CUDA at build time), loaded into the device's primary context. This crate's, and those of
+//! crates on it (`tensorport-cudnn`'s model).
 
 use std::ffi::{CStr, CString};
 use std::sync::Arc;
@@ -9,7 +10,7 @@ use cudarc::driver::sys;
 use crate::{Error, Gpu, Result, Stream};
 
 /// One compiled kernel and its module, unloaded on drop.
-pub(crate) struct Kernel {
+pub struct Kernel {
     gpu: Arc<Gpu>,
     module: sys::CUmodule,
     func: sys::CUfunction,
@@ -25,14 +26,14 @@ unsafe impl Sync for Kernel {}
 
 impl Kernel {
     /// Compiles `src` for `gpu`'s architecture and loads its `entry` function.
-    pub(crate) fn compile(gpu: &Arc<Gpu>, src: &str, file: &str, entry: &CStr) -> Result<Kernel> {
+    pub fn compile(gpu: &Arc<Gpu>, src: &str, file: &str, entry: &CStr) -> Result<Kernel> {
         gpu.bind()?;
         let ptx = compile(gpu, src, file)?;
         Kernel::load(gpu, &ptx, entry)
     }
 
     /// Compiles `src` once and loads each of `entries` from it (each kernel its own module).
-    pub(crate) fn compile_all<const N: usize>(
+    pub fn compile_all<const N: usize>(
         gpu: &Arc<Gpu>,
         src: &str,
         file: &str,
@@ -75,7 +76,7 @@ impl Kernel {
     /// # Safety
     /// `params` must point at values matching the kernel's parameters in number, order and
     /// types, and every memory the kernel touches must stay valid until it has run.
-    pub(crate) unsafe fn launch(
+    pub unsafe fn launch(
         &self,
         grid: (u32, u32, u32),
         block: (u32, u32, u32),

@@ -21,8 +21,8 @@
 //!   over in place, their allocations found and registered through the driver.
 //! - [`GpuJpeg`]: JPEG batches decoded with nvJPEG (the GPU's hardware decoder where it has
 //!   one) and resized, cropped and normalised by one kernel, into device buffers.
-//! - [`ConvNet`]: a chain of convolutions (bias, residual, ReLU) and a global average, on
-//!   cuDNN in fp32, TF32, bf16 or fp16 ([`Precision`]): the bundled model's GPU path.
+//! - [`Kernel`]: CUDA C compiled with NVRTC for this GPU and launched on a stream (the
+//!   kernels of this crate, and of `tensorport-cudnn`'s model).
 //! - [`bench_h2d`]: host-to-device bandwidth from a registered memfd pool, from `cuMemAllocHost`
 //!   memory and from pageable memory, measured in one run.
 #![warn(missing_docs)]
@@ -31,9 +31,6 @@
 
 mod buffer;
 mod clock;
-mod convnet;
-mod cudnn;
-mod cudnn_graph;
 pub mod driver;
 mod external;
 mod gather;
@@ -52,7 +49,6 @@ mod stall;
 mod stream;
 
 pub use buffer::{DeviceBuffer, PinnedBuffer};
-pub use convnet::{ConvLayer, ConvNet, Layout, Precision};
 pub use cudarc::driver::sys;
 pub use driver::Driver;
 pub use external::ExternalDevice;
@@ -61,6 +57,7 @@ pub use gpu::Gpu;
 pub use gpu_producer::{GpuProducer, GpuProducerConfig, Sharing};
 pub use ipc::{live_imports, CudaImporter, Fence};
 pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegRefused, JpegTimes, ProducerJpeg, Upsampling};
+pub use kernel::Kernel;
 pub use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};
 pub use probe::{bench_h2d, probe, Capabilities, DeviceInfo, H2dBench};
@@ -113,17 +110,6 @@ pub enum Error {
     /// event-fenced producer's, or a wait enqueued for tensors not passed in).
     #[error("the stream is still stalled {0:?} after its late timeline fences were let through: it waits on an event-fenced producer, or on tensors not passed to synchronize")]
     Stalled(std::time::Duration),
-    /// cuDNN (for the model's convolutions) cannot be loaded.
-    #[error("{0}")]
-    NoCudnn(String),
-    /// A cuDNN call failed, or a network it was asked to run is malformed.
-    #[error("{call}: {status}")]
-    Cudnn {
-        /// The cuDNN function (or the operation).
-        call: &'static str,
-        /// Its status, or what is wrong.
-        status: String,
-    },
     /// The server answered something this crate cannot use (the protocol was broken).
     #[error("the server sent {0}")]
     BadAnswer(&'static str),

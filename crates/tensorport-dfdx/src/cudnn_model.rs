@@ -1,6 +1,6 @@
 //! The bundled classifier on cuDNN: the same network and weights as [`ImageClassifier`], its
 //! convolutions run by cuDNN at a chosen [`Precision`] and [`Layout`] (see
-//! `tensorport_cuda::ConvNet`), the
+//! `tensorport_cudnn::ConvNet`), the
 //! head on the host as on the CPU.
 
 use std::collections::HashMap;
@@ -8,7 +8,8 @@ use std::path::Path;
 use std::sync::Arc;
 
 use dfdx::prelude::*;
-use tensorport_cuda::{ConvLayer, ConvNet, Gpu, Layout, Precision};
+use tensorport_cuda::Gpu;
+use tensorport_cudnn::{ConvLayer, ConvNet, Layout, Precision};
 
 use crate::model::{head, load_params, seeded_params};
 use crate::{Classify, Error, ModelConfig, Result, Submitted, Tensor4};

@@ -80,7 +80,7 @@ mod cudnn_model;
 #[cfg(feature = "cuda")]
 pub use cudnn_model::CudnnClassifier;
 #[cfg(feature = "cuda")]
-pub use tensorport_cuda::{Layout, Precision};
+pub use tensorport_cudnn::{Layout, Precision};
 
 /// A model the server runs on each batch: class scores for images `[B, C, H, W]` on `D`, one
 /// row per image.

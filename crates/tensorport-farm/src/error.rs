@@ -18,10 +18,10 @@ pub enum ConfigError {
     MaxBatch,
     /// A reduced precision was asked of a model on the CPU.
     #[error("precision {0}: reduced precision is for the GPU model")]
-    PrecisionNeedsGpu(tensorport_cuda::Precision),
+    PrecisionNeedsGpu(tensorport_cudnn::Precision),
     /// A reduced precision was asked where cuDNN cannot be loaded.
     #[error("precision {0}: {1}")]
-    PrecisionNeedsCudnn(tensorport_cuda::Precision, tensorport_cuda::Error),
+    PrecisionNeedsCudnn(tensorport_cudnn::Precision, tensorport_cudnn::Error),
     /// A configuration document (`--config-data`) that is not one.
     #[error("not a configuration document: {0}")]
     Data(String),

@@ -36,5 +36,5 @@ pub use config::{FarmConfig, ModelOptions, PrepOptions, ProduceConfig, ServeConf
 pub use error::{ConfigError, Error, Result};
 
 /// The largest `--max-batch` a server takes: the most images one batch of the GPU model
-/// covers ([`tensorport_cuda::ConvNet::MAX_BATCH`]), far above what any batch needs.
-pub const MAX_BATCH: usize = tensorport_cuda::ConvNet::MAX_BATCH;
+/// covers ([`tensorport_cudnn::ConvNet::MAX_BATCH`]), far above what any batch needs.
+pub const MAX_BATCH: usize = tensorport_cudnn::ConvNet::MAX_BATCH;

@@ -123,10 +123,10 @@ fn by_name<'de, D: Deserializer<'de>, T>(
     parse(&name).ok_or_else(|| serde::de::Error::custom(format!("{name:?} is not a {what}")))
 }
 
-/// `Option<tensorport_cuda::Precision>` by name (`"f32"`, `"bf16"`, …), or null.
+/// `Option<tensorport_cudnn::Precision>` by name (`"f32"`, `"bf16"`, …), or null.
 pub(super) mod precision {
     use super::*;
-    use tensorport_cuda::Precision;
+    use tensorport_cudnn::Precision;
 
     pub fn serialize<S: Serializer>(p: &Option<Precision>, s: S) -> Result<S::Ok, S::Error> {
         p.map(|p| p.name()).serialize(s)
@@ -232,7 +232,7 @@ mod tests {
                 device: Device::Cuda(2),
                 max_batch: 77,
                 max_wait: Duration::from_micros(1_500),
-                precision: Some(tensorport_cuda::Precision::Bf16),
+                precision: Some(tensorport_cudnn::Precision::Bf16),
                 ort_provider: OrtProvider::Tensorrt,
             },
             slots: 17,

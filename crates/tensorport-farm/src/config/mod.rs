@@ -5,7 +5,7 @@
 use std::path::PathBuf;
 use std::time::Duration;
 
-use tensorport_cuda::Precision;
+use tensorport_cudnn::Precision;
 use tensorport_dfdx::ModelConfig;
 use tensorport_vision::{JpegDecoder, Source, Transform};
 
@@ -320,7 +320,7 @@ impl ModelOptions {
         &self,
         dev: &tensorport_dfdx::dfdx::prelude::Cuda,
         gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
-        how: (Precision, tensorport_cuda::Layout),
+        how: (Precision, tensorport_cudnn::Layout),
     ) -> Result<tensorport_dfdx::CudnnClassifier, ConfigError> {
         use tensorport_dfdx::CudnnClassifier;
         Ok(match &self.weights {

@@ -318,14 +318,14 @@ fn load_cuda(
         return onnx::load_on_cuda(path, model.config.image_size, gpu, provider);
     }
     let precision = model.precision.unwrap_or_default();
-    if let Err(e) = tensorport_cuda::ConvNet::cudnn_version() {
-        if precision != tensorport_cuda::Precision::F32 {
+    if let Err(e) = tensorport_cudnn::ConvNet::cudnn_version() {
+        if precision != tensorport_cudnn::Precision::F32 {
             return Err(ConfigError::PrecisionNeedsCudnn(precision, e).into());
         }
         tracing::warn!("{e}; the model runs on dfdx's own CUDA kernels, several times slower");
         return load_dfdx(dev, model);
     }
-    let layout = tensorport_cuda::Layout::preferred(precision, model.max_batch);
+    let layout = tensorport_cudnn::Layout::preferred(precision, model.max_batch);
     let mut m = model.cudnn_model(dev, gpu, (precision, layout))?;
     m.prepare(model.max_batch)?;
     Ok(Box::new(m))

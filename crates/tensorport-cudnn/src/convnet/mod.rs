@@ -17,8 +17,8 @@ use std::sync::Arc;
 
 use crate::cudnn::{self, Algo, ConvDesc, DataType, FilterDesc, Handle, Relu, TensorDesc};
 use crate::cudnn_graph::{ConvShape, GraphConv};
-use crate::kernel::Kernel;
-use crate::{DeviceBuffer, Error, Gpu, PinnedBuffer, Result, Stream};
+use crate::{Error, Result};
+use tensorport_cuda::{DeviceBuffer, Gpu, Kernel, PinnedBuffer, Stream};
 
 mod plan;
 mod precision;
@@ -135,7 +135,7 @@ impl std::fmt::Debug for ConvNet {
 /// Launch shape for `n` elements, 256 threads a block.
 fn blocks(n: usize) -> Result<(u32, u32, u32)> {
     let b = u32::try_from(n.div_ceil(256))
-        .map_err(|_| Error::BadAnswer("a tensor too large for one launch"))?;
+        .map_err(|_| Error::TooLarge("a tensor too large for one launch"))?;
     Ok((b.max(1), 1, 1))
 }
 
@@ -440,7 +440,7 @@ unsafe fn launch_convert(
     (channels, plane): (usize, usize),
     layout: Layout,
 ) -> Result<()> {
-    let too_large = |_| Error::BadAnswer("a tensor too large for one launch");
+    let too_large = |_| Error::TooLarge("a tensor too large for one launch");
     let (mut s, mut d) = (src, dst);
     let (mut c, mut p, mut nhwc) = (
         u32::try_from(channels).map_err(too_large)?,
@@ -456,7 +456,7 @@ unsafe fn launch_convert(
     ];
     let grid = (blocks(plane)?.0, images(images_)?, 1);
     // SAFETY: the parameters match `tp_net_convert`'s; the caller's contract covers the memory.
-    unsafe { convert.launch(grid, (256, 1, 1), stream, &mut params) }
+    Ok(unsafe { convert.launch(grid, (256, 1, 1), stream, &mut params) }?)
 }
 
 /// Runs of a layer timed to choose between cuDNN's legacy call and a graph plan.
@@ -468,7 +468,7 @@ const MEAN_CHUNK: usize = 64;
 /// `n` images as a grid's second dimension.
 fn images(n: usize) -> Result<u32> {
     if n > ConvNet::MAX_BATCH {
-        return Err(Error::BadAnswer("a batch of more than 65,535 images"));
+        return Err(Error::TooLarge("a batch of more than 65,535 images"));
     }
     Ok(n as u32)
 }

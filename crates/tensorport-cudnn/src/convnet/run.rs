@@ -123,7 +123,7 @@ impl ConvNet {
         let pooled = self.pooled.as_ref().expect("made by grow");
         let plane = (last.out[1] * last.out[2]) as u32;
         let channels = last.out[0] as u32;
-        let too_large = |_| Error::BadAnswer("a batch too large");
+        let too_large = |_| Error::TooLarge("a batch too large");
         match self.layout {
             Layout::Nchw => {
                 let (mut src, mut dst, mut plane) = (act(self.layers.len()), pooled.ptr(), plane);

@@ -256,7 +256,7 @@ impl ConvNet {
         // read the caller's input); the workspace was sized for every candidate; the stream
         // is waited for before this returns. What the runs compute is thrown away.
         let run = || unsafe { self.run_layer(i, batch, ptrs, descs, algo, graph, workspace) };
-        let result = (|| {
+        let result = (|| -> Result<f32> {
             run()?;
             let start = self.stream.record()?;
             for _ in 0..TIMING_RUNS {
@@ -264,7 +264,7 @@ impl ConvNet {
             }
             let end = self.stream.record()?;
             end.wait()?;
-            end.elapsed_since(&start)
+            Ok(end.elapsed_since(&start)?)
         })();
         // Whatever failed, nothing may still be running on the buffers.
         self.stream.synchronize()?;

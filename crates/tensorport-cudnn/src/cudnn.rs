@@ -7,7 +7,8 @@ use std::sync::Arc;
 
 use cudarc::cudnn::sys;
 
-use crate::{Error, Gpu, Result, Stream};
+use crate::{Error, Result};
+use tensorport_cuda::{Gpu, Stream};
 
 pub(crate) use sys::cudnnConvolutionFwdAlgo_t as Algo;
 pub(crate) use sys::cudnnDataType_t as DataType;
