@@ -95,6 +95,16 @@ impl From<tensorport_cuda::Error> for CliError {
         CliError::new(e.to_string())
     }
 }
+impl From<tensorport_nvjpeg::Error> for CliError {
+    fn from(e: tensorport_nvjpeg::Error) -> CliError {
+        CliError::new(e.to_string())
+    }
+}
+impl From<tensorport_cudnn::Error> for CliError {
+    fn from(e: tensorport_cudnn::Error) -> CliError {
+        CliError::new(e.to_string())
+    }
+}
 
 /// The application layer's errors, with the options that help.
 impl From<tensorport_farm::Error> for CliError {
@@ -376,11 +386,11 @@ pub struct PrepArgs {
     /// 4:4:4 JPEGs have nothing to upsample either way.
     #[arg(long, value_parser = parse_upsampling, value_name = "interpolate|replicate",
           default_value = "interpolate")]
-    pub gpu_upsampling: tensorport_cuda::Upsampling,
+    pub gpu_upsampling: tensorport_nvjpeg::Upsampling,
 }
 
-fn parse_upsampling(s: &str) -> Result<tensorport_cuda::Upsampling, String> {
-    tensorport_cuda::Upsampling::parse(s)
+fn parse_upsampling(s: &str) -> Result<tensorport_nvjpeg::Upsampling, String> {
+    tensorport_nvjpeg::Upsampling::parse(s)
         .ok_or_else(|| format!("{s:?}: expected interpolate or replicate"))
 }
 

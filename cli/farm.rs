@@ -208,7 +208,7 @@ impl Args {
         if self.producers.is_none() && self.gpu_producers.is_none() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             let gpus = cfg.gpus();
-            let nvjpeg = gpus > 0 && tensorport_cuda::nvjpeg::Nvjpeg::load().is_ok();
+            let nvjpeg = gpus > 0 && tensorport_nvjpeg::nvjpeg::Nvjpeg::load().is_ok();
             (cfg.producers, cfg.gpu_producers) = default_producers(gpus, cores, nvjpeg);
         }
         Ok(cfg)

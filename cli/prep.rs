@@ -213,20 +213,24 @@ fn file_name(path: &std::path::Path) -> String {
 
 /// What `--nvjpeg` measured: the best pass's time, the first pass's tensors, the images
 /// decoded, and where the GPU's time went.
-type GpuRun = (Duration, Dumped, usize, Option<tensorport_cuda::JpegTimes>);
+type GpuRun = (
+    Duration,
+    Dumped,
+    usize,
+    Option<tensorport_nvjpeg::JpegTimes>,
+);
 
 /// `--nvjpeg`: every file nvJPEG decodes in batches through the GPU pipeline, a batch at a
 /// time, waiting for each batch (the others are left out, saying how many).
 fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
-    use tensorport_cuda::{DeviceBuffer, Gpu, GpuJpeg, JpegJob, Stream};
-    let cuda = |e: tensorport_cuda::Error| CliError::new(e.to_string());
-    let gpu = Gpu::open(a.gpu as i32).map_err(cuda)?;
+    use tensorport_cuda::{DeviceBuffer, Gpu, Stream};
+    use tensorport_nvjpeg::{GpuJpeg, JpegJob};
+    let gpu = Gpu::open(a.gpu as i32)?;
     let mut jpeg = GpuJpeg::new(
         &gpu,
         tensorport_vision::IMAGENET_MEAN,
         tensorport_vision::IMAGENET_STD,
-    )
-    .map_err(cuda)?;
+    )?;
     jpeg.set_upsampling(a.prep.gpu_upsampling);
     println!(
         "{} (from {}), chroma upsampling: {}",
@@ -255,8 +259,8 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
     jpeg.set_timing(true);
     let batch = a.batch.max(1);
     let image_bytes = 3 * (a.image_size as usize).pow(2) * 4;
-    let out = DeviceBuffer::new(&gpu, batch * image_bytes).map_err(cuda)?;
-    let stream = Stream::new(&gpu).map_err(cuda)?;
+    let out = DeviceBuffer::new(&gpu, batch * image_bytes)?;
+    let stream = Stream::new(&gpu)?;
     let mut best: Option<Duration> = None;
     let mut dumped = Vec::new();
     for pass in 0..a.repeat {
@@ -276,11 +280,11 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
                 .collect();
             // SAFETY: `sized` and `out` outlive the loop, and the stream is synchronised
             // right after, before either changes.
-            unsafe { jpeg.run(&jobs, &stream) }.map_err(cuda)?;
-            stream.synchronize().map_err(cuda)?;
+            unsafe { jpeg.run(&jobs, &stream) }?;
+            stream.synchronize()?;
             if pass == 0 && a.dump.is_some() {
                 let mut host = vec![0u8; chunk.len() * image_bytes];
-                out.copy_to_host(&mut host).map_err(cuda)?;
+                out.copy_to_host(&mut host)?;
                 for (k, (path, _, _)) in chunk.iter().enumerate() {
                     dumped.push((
                         file_name(path),
@@ -294,7 +298,7 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
             best = Some(wall);
         }
     }
-    jpeg.wait_idle().map_err(cuda)?;
+    jpeg.wait_idle()?;
     Ok((
         best.expect("at least one pass"),
         dumped,

@@ -105,7 +105,7 @@ impl Drop for Kernel {
 fn compile(gpu: &Arc<Gpu>, src: &str, file: &str) -> Result<CString> {
     // SAFETY: only tries to dlopen the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
-        return Err(Error::NoNvjpeg(
+        return Err(Error::NoNvrtc(
             "libnvrtc could not be loaded (the GPU kernels are compiled at run time); install \
              the CUDA toolkit or `pip install nvidia-cuda-nvrtc` and put its lib folder on \
              LD_LIBRARY_PATH"

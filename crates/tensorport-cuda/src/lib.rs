@@ -19,8 +19,6 @@
 //!   batches with.
 //! - [`ExternalDevice`]: tensors another library allocated (PyTorch's caching allocator) handed
 //!   over in place, their allocations found and registered through the driver.
-//! - [`GpuJpeg`]: JPEG batches decoded with nvJPEG (the GPU's hardware decoder where it has
-//!   one) and resized, cropped and normalised by one kernel, into device buffers.
 //! - [`Kernel`]: CUDA C compiled with NVRTC for this GPU and launched on a stream (the
 //!   kernels of this crate, and of `tensorport-cudnn`'s model).
 //! - [`bench_h2d`]: host-to-device bandwidth from a registered memfd pool, from `cuMemAllocHost`
@@ -37,10 +35,8 @@ mod gather;
 mod gpu;
 mod gpu_producer;
 mod ipc;
-mod jpeg;
 mod kernel;
 mod normalise;
-pub mod nvjpeg;
 mod pin;
 mod probe;
 mod rows;
@@ -56,7 +52,6 @@ pub use gather::Gatherer;
 pub use gpu::Gpu;
 pub use gpu_producer::{GpuProducer, GpuProducerConfig, Sharing};
 pub use ipc::{live_imports, CudaImporter, Fence};
-pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegRefused, JpegTimes, ProducerJpeg, Upsampling};
 pub use kernel::Kernel;
 pub use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};
@@ -97,9 +92,9 @@ pub enum Error {
     /// The host pool could not be made or pinned.
     #[error(transparent)]
     Host(#[from] tensorport_shm::ShmError),
-    /// nvJPEG or NVRTC (for the GPU JPEG pipeline) cannot be loaded.
+    /// NVRTC (which compiles the GPU kernels at run time) cannot be loaded.
     #[error("{0}")]
-    NoNvjpeg(String),
+    NoNvrtc(String),
     /// A stream of another GPU than the one the call works on.
     #[error(
         "the stream belongs to another GPU than {0}'s: pass a stream of the GPU it was made for"

@@ -109,6 +109,9 @@ pub enum Error {
     /// The GPU failed.
     #[error(transparent)]
     Cuda(#[from] tensorport_cuda::Error),
+    /// The GPU's JPEG pipeline (nvJPEG) failed, or cannot be loaded.
+    #[error(transparent)]
+    Jpeg(#[from] tensorport_nvjpeg::Error),
     /// A read or write failed.
     #[error(transparent)]
     Io(#[from] std::io::Error),

@@ -161,10 +161,10 @@ pub(super) mod jpeg_decoder {
     }
 }
 
-/// `tensorport_cuda::Upsampling` by name.
+/// `tensorport_nvjpeg::Upsampling` by name.
 pub(super) mod upsampling {
     use super::*;
-    use tensorport_cuda::Upsampling;
+    use tensorport_nvjpeg::Upsampling;
 
     pub fn serialize<S: Serializer>(u: &Upsampling, s: S) -> Result<S::Ok, S::Error> {
         u.name().serialize(s)
@@ -199,7 +199,7 @@ mod tests {
                 dct_scaling: true,
                 coarse_progressive: false,
                 pixels: Pixels::U8,
-                gpu_upsampling: tensorport_cuda::Upsampling::parse("replicate")
+                gpu_upsampling: tensorport_nvjpeg::Upsampling::parse("replicate")
                     .expect("an upsampling"),
             },
             profile: true,
@@ -253,7 +253,7 @@ mod tests {
     fn every_field_of_a_producers_configuration_round_trips() {
         let p = producer();
         assert_ne!(
-            tensorport_cuda::Upsampling::default(),
+            tensorport_nvjpeg::Upsampling::default(),
             p.prep.gpu_upsampling
         );
         let back = ProduceConfig::from_data(&p.to_data()).unwrap();

@@ -347,7 +347,7 @@ pub struct PrepOptions {
     pub pixels: Pixels,
     /// How GPU producers' JPEG engines upsample subsampled chroma.
     #[serde(with = "data::upsampling")]
-    pub gpu_upsampling: tensorport_cuda::Upsampling,
+    pub gpu_upsampling: tensorport_nvjpeg::Upsampling,
 }
 
 impl Default for PrepOptions {
@@ -359,7 +359,7 @@ impl Default for PrepOptions {
             dct_scaling: false,
             coarse_progressive: true,
             pixels: Pixels::F32,
-            gpu_upsampling: tensorport_cuda::Upsampling::default(),
+            gpu_upsampling: tensorport_nvjpeg::Upsampling::default(),
         }
     }
 }

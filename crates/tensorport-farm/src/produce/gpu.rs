@@ -10,10 +10,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorport::TensorSpec;
-use tensorport_cuda::{
-    DeviceBuffer, Gpu, GpuJpeg, GpuProducer, GpuProducerConfig, JpegJob, JpegRefused, PinnedBuffer,
-    ProducerJpeg,
-};
+use tensorport_cuda::{DeviceBuffer, Gpu, GpuProducer, GpuProducerConfig, PinnedBuffer};
+use tensorport_nvjpeg::{GpuJpeg, JpegJob, JpegRefused, ProducerJpeg};
 use tensorport_vision::{Source, Transform, IMAGENET_MEAN, IMAGENET_STD};
 
 use super::lane::{Done, Job, Lane};

@@ -10,9 +10,9 @@
 use std::sync::Arc;
 use tensorport_vision::transform::Window;
 
-use crate::kernel::Kernel;
 use crate::nvjpeg::{self, Nvjpeg};
-use crate::{DeviceBuffer, Error, Gpu, GpuProducer, PinnedBuffer, Result, Stream};
+use crate::{Error, Result};
+use tensorport_cuda::{DeviceBuffer, Gpu, GpuProducer, Kernel, PinnedBuffer, Stream};
 
 /// The resize / crop / normalise kernel. One thread per output pixel (x), one block row per
 /// output row (y), one grid layer per image (z). Two passes as PIL does them: each source row in
@@ -158,7 +158,7 @@ pub struct GpuJpeg {
     jobs_host: Option<PinnedBuffer>,
     jobs_dev: Option<DeviceBuffer>,
     /// Set after a batch's kernel; waited on before the scratch is reused.
-    last: Option<crate::Event>,
+    last: Option<tensorport_cuda::Event>,
     /// The bytes of the last batch [`GpuJpeg::decode_into`] enqueued: read until `last`.
     held: Vec<Vec<u8>>,
     /// Where the time goes, once [`GpuJpeg::set_timing`] asked.
@@ -186,7 +186,7 @@ pub struct JpegTimes {
 #[derive(Debug, Default)]
 struct Timing {
     /// Start, decoded and done events of the batch in flight.
-    marks: Vec<crate::Event>,
+    marks: Vec<tensorport_cuda::Event>,
     /// Its images and pixels.
     pending: (u64, u64),
     totals: JpegTimes,
@@ -452,7 +452,7 @@ impl GpuJpeg {
         self.settle_timing()?;
         let out = jobs[0].window.out;
         if jobs.iter().any(|j| j.window.out != out) {
-            return Err(Error::BadAnswer("jobs of one batch with different sizes"));
+            return Err(Error::Refused("jobs of one batch with different sizes"));
         }
         // Planar RGB for every image, each image 256-byte aligned.
         let mut offsets = Vec::with_capacity(jobs.len());
@@ -461,7 +461,7 @@ impl GpuJpeg {
         for j in jobs {
             let info = self.header_info(j.data);
             if info.map(|i| (i.width, i.height)) != Some(j.size) {
-                return Err(Error::BadAnswer(
+                return Err(Error::Refused(
                     "a job's size is not its JPEG's (or the JPEG is not one this decodes)",
                 ));
             }
@@ -477,9 +477,7 @@ impl GpuJpeg {
                 .checked_add(need)
                 .is_none_or(|end| end > j.dst.0.len())
             {
-                return Err(Error::BadAnswer(
-                    "an output buffer too small for its tensor",
-                ));
+                return Err(Error::Refused("an output buffer too small for its tensor"));
             }
             offsets.push(total);
             total += (3 * w * h).next_multiple_of(256);
