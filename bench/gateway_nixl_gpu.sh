@@ -55,7 +55,7 @@ row() { # LABEL ENV... -- ARGS: a gateway and a producer with ENV (the gateway d
   while [[ $1 != -- ]]; do envs+=("$1"); shift; done
   shift
   rm -f "$W/gw"
-  env "${envs[@]}" "$B/tensorport-bridge" gateway --listen 127.0.0.1:0 --socket "$W/s" --token-file "$W/tok" \
+  env "${envs[@]}" "$B/tensorport-bridge" gateway --listen 127.0.0.1:0 --nixl-device --socket "$W/s" --token-file "$W/tok" \
     --in-flight 16 --max-tensor-mib 32 > "$W/gw" 2> "$W/gwlog" &
   local gpid=$! t0 t1 n url
   for _ in $(seq 100); do grep -q listening "$W/gw" 2> /dev/null && break; sleep 0.1; done

@@ -46,7 +46,14 @@ fn start_gateway(bridge: &Path, nixl: &Path, dir: &Path, sock: &Path) -> (ChildG
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     let mut g = ChildGuard(Some(
         Command::new(bridge)
-            .args(["gateway", "--listen", "127.0.0.1:0", "--in-flight", "32"])
+            .args([
+                "gateway",
+                "--listen",
+                "127.0.0.1:0",
+                "--in-flight",
+                "32",
+                "--nixl-device",
+            ])
             .arg("--socket")
             .arg(sock)
             .arg("--token-file")

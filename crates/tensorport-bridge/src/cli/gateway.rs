@@ -85,6 +85,12 @@ pub struct Args {
     /// every interface (0.0.0.0, ::), none, and NIXL streams are refused].
     #[arg(long, value_name = "IFACE")]
     pub nixl_interface: Option<String>,
+    /// Take NIXL streams of GPU memory (`produce --transport nixl --gpu`). The gateway reads
+    /// them in its own process (host-memory streams each get a process of their own), so a
+    /// producer whose NIXL set-up makes UCX abort ends the gateway and every stream on it: give
+    /// this only where every token holder is trusted.
+    #[arg(long)]
+    pub nixl_device: bool,
 }
 
 /// The interface holding `ip`: `lo` for a loopback address, else the one `getifaddrs` lists
@@ -163,6 +169,7 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
             .nixl_interface
             .clone()
             .or_else(|| interface_of(a.listen.ip())),
+        nixl_device: a.nixl_device,
     };
     confine_ucx(cfg.nixl_interface.as_deref());
     let io_threads = a.io_threads.unwrap_or_else(|| {

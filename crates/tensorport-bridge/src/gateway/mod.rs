@@ -78,6 +78,11 @@ pub struct GatewayConfig {
     /// (`UCX_NET_DEVICES`); `None` refuses NIXL streams (a gateway listening on every address
     /// that was not told which one NIXL may use).
     pub nixl_interface: Option<String>,
+    /// Whether NIXL streams of GPU memory are taken. They are read by the gateway process
+    /// itself (host-memory streams in a reader process of their own), where a set-up that makes
+    /// UCX abort ends the gateway and every stream on it: off unless the operator trusts its
+    /// producers.
+    pub nixl_device: bool,
 }
 
 /// What the gateway has done, for its logs and summary.

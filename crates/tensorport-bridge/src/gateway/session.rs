@@ -21,6 +21,10 @@ use crate::nixl::{slot_rows, DeviceInbound, Hello, Inbound};
 use crate::schema::{results_batch, ResultRow, TensorLayout, TensorRows};
 
 /// Why a NIXL stream is refused by a gateway that was not told which interface NIXL may use.
+const NO_NIXL_DEVICE: &str = "this gateway takes no NIXL streams of GPU memory: they are read in \
+    the gateway's own process, where a set-up that makes UCX abort ends it; send from host memory \
+    (produce without --gpu), or start the gateway with --nixl-device to take them from producers \
+    you trust";
 const NO_NIXL_INTERFACE: &str = "this gateway takes no NIXL streams: it listens on every \
      address and was not told which interface NIXL may use (gateway --nixl-interface)";
 
@@ -333,6 +337,9 @@ impl Session {
     fn device_inbound(&self, h: &Hello, layout: &TensorLayout) -> Result<DeviceInbound, End> {
         if self.cfg.nixl_interface.is_none() {
             return Err(End::Tell(Status::failed_precondition(NO_NIXL_INTERFACE)));
+        }
+        if !self.cfg.nixl_device {
+            return Err(End::Tell(Status::failed_precondition(NO_NIXL_DEVICE)));
         }
         let unable = |e: String| {
             End::Tell(Status::failed_precondition(format!(

@@ -486,3 +486,48 @@ fn nixl_metadata_naming_another_host_is_not_connected_to() {
     run_ok(&mut f.producer("flight-beside", 8, &[]));
     assert_each_input_once(&f.lines("flight-beside"), 8);
 }
+
+/// A NIXL set-up of GPU memory at a gateway not given --nixl-device: such streams are read in
+/// the gateway's own process, so it refuses the stream before loading any of it, saying how to
+/// allow it, and serves the next NIXL producer.
+#[test]
+fn nixl_streams_of_gpu_memory_are_refused_unless_allowed() {
+    use tensorport_bridge::nixl::{slot_batch, Hello, Outbound};
+    use tensorport_bridge::remote::{connect, Exchange};
+    use tensorport_bridge::schema::TensorLayout;
+
+    let Some(env) = nixl_env() else { return };
+    let mut f = Fixture::with(&[], env);
+    let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
+    let out = Outbound::new(&format!("device-{}", std::process::id()), 4, &layout, None).unwrap();
+    let mut h: Hello = out.hello().clone();
+    h.slots.memory = tensorport_nixl::Memory::Device(0);
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let cfg = f.remote_config("device");
+    let said = rt.block_on(async {
+        let mut client = connect(&cfg).await.unwrap();
+        let schema = h.schema();
+        let mut ex = Exchange::open_with(&mut client, schema.clone(), "device", 4)
+            .await
+            .unwrap();
+        let _ = ex.send(slot_batch(&schema, &[(0, 0)]).unwrap()).await;
+        ex.finish();
+        match tokio::time::timeout(Duration::from_secs(60), ex.results()).await {
+            Ok(Some(Err(e))) => e.to_string(),
+            Ok(other) => panic!("a stream of GPU memory was not refused: {other:?}"),
+            Err(_) => panic!("the gateway neither answered nor ended the stream"),
+        }
+    });
+    assert!(said.contains("--nixl-device"), "{said}");
+    assert!(
+        f.received("device").is_empty(),
+        "a tensor reached the server"
+    );
+    let gateway = f.gateway.as_mut().unwrap();
+    assert!(gateway.try_wait().unwrap().is_none(), "{}", f.gateway_log());
+    run_ok(&mut f.producer("after-device", 16, &["--transport", "nixl"]));
+    assert_each_input_once(&f.lines("after-device"), 16);
+}
