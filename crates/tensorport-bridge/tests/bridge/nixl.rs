@@ -233,7 +233,8 @@ fn a_nixl_set_up_that_lies_is_refused_and_harms_no_one() {
     use tensorport_bridge::schema::TensorLayout;
 
     let Some(env) = nixl_env() else { return };
-    let f = Fixture::with(&[], env);
+    // GPU memory allowed, so that a set-up claiming it gets as far as the server.
+    let f = Fixture::with(&["--nixl-device".into()], env);
     let layout = TensorLayout::new(tensorport::DType::F32, &[3, SIZE as u64, SIZE as u64]).unwrap();
     let out = Outbound::new(&format!("liar-{}", std::process::id()), 4, &layout, None).unwrap();
     let rt = tokio::runtime::Builder::new_current_thread()
