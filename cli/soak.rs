@@ -90,6 +90,12 @@ use tensorport_farm::config::Launcher;
 
 pub fn run(a: Args) -> CliResult<u8> {
     let exe = crate::launcher();
+    if !exe.program.is_file() {
+        return Err(CliError::new(format!(
+            "soak runs the tensorport executable beside this one, {}, which is not there: build both (cargo build --release)",
+            exe.program.display()
+        )));
+    }
     let tmp = tempfile::Builder::new()
         .prefix("tensorport-soak-")
         .tempdir()?;
