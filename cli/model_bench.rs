@@ -210,8 +210,10 @@ fn onnx(path: &std::path::Path, a: &Args) -> CliResult<()> {
                 stream.synchronize().map_err(cuda)?;
                 // SAFETY: `buf` holds `b` images of the model's input type on its GPU, written
                 // and synchronised above, alive and unchanged while the rows are timed.
-                let mut run =
-                    || unsafe { m.run_on_device(buf.ptr(), b) }.map_or_else(fail, |s| s.len() == b);
+                let mut run = || {
+                    unsafe { m.run_on_device(buf.ptr().raw(), b) }
+                        .map_or_else(fail, |s| s.len() == b)
+                };
                 time_row(&mut run, b, &engine, precision, a);
             }
         }

@@ -16,7 +16,7 @@
 use std::time::Duration;
 
 use tensorport::{DType, TensorSpec};
-use tensorport_cuda::{Gpu, GpuProducer, GpuProducerConfig};
+use tensorport_cuda::{DevicePtr, Gpu, GpuProducer, GpuProducerConfig};
 use tensorport_dfdx::dfdx::prelude::*;
 use tensorport_dfdx::{ImageClassifier, ModelConfig};
 use tensorport_farm::record::scores_from_bytes;
@@ -79,7 +79,7 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         unsafe {
             p.stream().copy_device_to_device_async(
                 p.buffer(b).ptr(),
-                x.tensorport_device_ptr(),
+                DevicePtr::new(x.tensorport_device_ptr()).expect("a tensor of images has memory"),
                 bytes,
             )?
         };

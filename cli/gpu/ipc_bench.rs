@@ -241,7 +241,7 @@ pub(super) fn ipc_server(gpu: &std::sync::Arc<tensorport_cuda::Gpu>, run: IpcRun
                 .enumerate()
                 .map(|(k, r)| {
                     r.device()
-                        .map(|t| (t, dst.ptr() + (k * bytes) as u64))
+                        .map(|t| (t, dst.ptr().offset(k * bytes)))
                         .ok_or_else(|| CliError::new("expected a device tensor"))
                 })
                 .collect::<CliResult<Vec<_>>>()?;
@@ -277,8 +277,12 @@ pub(super) fn ipc_server(gpu: &std::sync::Arc<tensorport_cuda::Gpu>, run: IpcRun
             unsafe {
                 dt.wait_ready(stream.raw()).map_err(CliError::new)?;
                 tr.step(1);
-                dst.copy_from_device_async(dt.ptr(), dt.len() as usize, &stream)
-                    .map_err(cuda)?;
+                dst.copy_from_device_async(
+                    tensorport_cuda::DevicePtr::of(&dt),
+                    dt.len() as usize,
+                    &stream,
+                )
+                .map_err(cuda)?;
                 tr.step(2);
                 dt.record_release(stream.raw()).map_err(CliError::new)?;
                 tr.step(3);

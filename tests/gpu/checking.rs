@@ -57,7 +57,8 @@ impl GpuServer {
                     // bounds were checked against the registered buffer.
                     unsafe {
                         dt.wait_ready(stream.raw()).unwrap();
-                        dev.copy_from_device_async(dt.ptr(), n, &stream).unwrap();
+                        dev.copy_from_device_async(tensorport_cuda::DevicePtr::of(&dt), n, &stream)
+                            .unwrap();
                         dt.record_release(stream.raw()).unwrap();
                     }
                     let responder = req.release();
@@ -126,7 +127,7 @@ pub(crate) fn gathered_loop(
             .map(|(k, r)| {
                 let t = r.device().unwrap();
                 assert!(t.len() as usize <= ROW);
-                (t, rows.ptr() + (k * ROW) as u64)
+                (t, rows.ptr().offset(k * ROW))
             })
             .collect();
         // SAFETY: our stream is in the server's context, where the buffers were imported; row

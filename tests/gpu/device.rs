@@ -248,7 +248,7 @@ pub(crate) fn lying_device(socket: &str) {
         };
     // Legacy IPC, timeline-fenced: 1 MiB allocated (data, then 16 bytes of semaphores).
     let mem = DeviceBuffer::new(&gpu, 1 << 20).unwrap();
-    let handle = gpu.driver().ipc_get_mem_handle(mem.ptr()).unwrap();
+    let handle = gpu.driver().ipc_get_mem_handle(mem.ptr().raw()).unwrap();
     let ipc = || RawDeviceHandle::LegacyIpcTimeline {
         memory: handle.to_vec(),
     };
@@ -258,7 +258,7 @@ pub(crate) fn lying_device(socket: &str) {
     assert!(why.contains("register its true length"), "{why}");
     // Eight bytes too many for what the driver says the allocation holds: the semaphores would
     // not fit. Its true length is accepted.
-    let (_, held) = gpu.driver().mem_address_range(mem.ptr()).unwrap();
+    let (_, held) = gpu.driver().mem_address_range(mem.ptr().raw()).unwrap();
     let (code, _) = register(&mut r, 0, held as u64 - 8, ipc(), None).unwrap_err();
     assert_eq!(code, ErrorCode::OutOfBounds);
     register(&mut r, 0, held as u64 - 16, ipc(), None).unwrap();

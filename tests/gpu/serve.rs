@@ -251,14 +251,14 @@ pub(crate) fn event_fence_signalled_late() {
     let d = gpu.driver();
     // SAFETY: both streams and the 8-byte flag are live allocations of this context.
     unsafe {
-        d.stream_write_value64(side.raw().cast(), flag.ptr(), 0)
+        d.stream_write_value64(side.raw().cast(), flag.ptr().raw(), 0)
             .unwrap();
     }
     side.synchronize().unwrap();
     let b = late.acquire(Duration::from_secs(20)).unwrap();
     // SAFETY: as above; the producer's stream waits until the flag reaches 1.
     unsafe {
-        d.stream_wait_value64(late.stream().raw().cast(), flag.ptr(), 1)
+        d.stream_wait_value64(late.stream().raw().cast(), flag.ptr().raw(), 1)
             .unwrap();
     }
     let t0 = std::time::Instant::now();
@@ -275,7 +275,7 @@ pub(crate) fn event_fence_signalled_late() {
     // Now the event fires, long after: nothing of the server's waits for it any more.
     // SAFETY: as above.
     unsafe {
-        d.stream_write_value64(side.raw().cast(), flag.ptr(), 1)
+        d.stream_write_value64(side.raw().cast(), flag.ptr().raw(), 1)
             .unwrap();
     }
     side.synchronize().unwrap();

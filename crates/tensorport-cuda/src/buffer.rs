@@ -6,6 +6,37 @@ use cudarc::driver::sys;
 
 use crate::{Gpu, Result, Stream};
 
+/// An address in a GPU's memory (never null: `Option<DevicePtr>` where there may be none):
+/// what device buffers and rows hand out and what copies and kernels take, so that a host
+/// address, a length or a count cannot be passed for one. [`DevicePtr::raw`] gives the number
+/// at the driver and kernel boundary.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+#[repr(transparent)]
+pub struct DevicePtr(std::num::NonZeroU64);
+
+impl DevicePtr {
+    /// The address `raw`; `None` for null.
+    pub fn new(raw: u64) -> Option<DevicePtr> {
+        std::num::NonZeroU64::new(raw).map(DevicePtr)
+    }
+    /// The address of a device tensor another process handed over.
+    pub fn of(t: &tensorport::DeviceTensor) -> DevicePtr {
+        DevicePtr::new(t.ptr()).expect("an imported device tensor has an address")
+    }
+    /// The address as a number, for the driver and for kernel parameters.
+    pub fn raw(self) -> u64 {
+        self.0.get()
+    }
+    /// The address `bytes` further on.
+    pub fn offset(self, bytes: usize) -> DevicePtr {
+        let raw = self
+            .raw()
+            .checked_add(bytes as u64)
+            .expect("a device address past 2^64");
+        DevicePtr::new(raw).expect("a non-null address plus an offset is not null")
+    }
+}
+
 /// Device memory from `cuMemAlloc`, or exportable VMM memory (`cuMemCreate`), freed on drop.
 #[derive(Debug)]
 pub struct DeviceBuffer {
@@ -58,8 +89,8 @@ impl DeviceBuffer {
         self.gpu.driver().vmm_export_fd(h)
     }
     /// Device address.
-    pub fn ptr(&self) -> sys::CUdeviceptr {
-        self.ptr
+    pub fn ptr(&self) -> DevicePtr {
+        DevicePtr::new(self.ptr).expect("the driver allocates at non-null addresses")
     }
     /// Bytes.
     pub fn len(&self) -> usize {
@@ -127,7 +158,7 @@ impl DeviceBuffer {
     /// written) until the copy has run, e.g. a `tensorport::DeviceTensor` after `wait_ready`.
     pub unsafe fn copy_from_device_async(
         &self,
-        src: u64,
+        src: DevicePtr,
         len: usize,
         stream: &Stream,
     ) -> Result<()> {
@@ -137,7 +168,7 @@ impl DeviceBuffer {
         unsafe {
             self.gpu
                 .driver()
-                .memcpy_dtod_async(self.ptr, src, len, stream.raw().cast())
+                .memcpy_dtod_async(self.ptr, src.raw(), len, stream.raw().cast())
         }
     }
 
@@ -270,5 +301,25 @@ impl Drop for PinnedBuffer {
             }
             let _ = self.gpu.driver().mem_free_host(self.ptr);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::DevicePtr;
+
+    #[test]
+    fn a_device_address_is_never_null_and_moves_by_bytes() {
+        assert_eq!(DevicePtr::new(0), None);
+        let p = DevicePtr::new(0x7000_0000).unwrap();
+        assert_eq!(p.raw(), 0x7000_0000);
+        assert_eq!(p.offset(16).raw(), 0x7000_0010);
+        assert_eq!(p.offset(0), p);
+    }
+
+    #[test]
+    #[should_panic(expected = "past 2^64")]
+    fn an_offset_past_the_address_space_is_a_bug() {
+        let _ = DevicePtr::new(u64::MAX - 1).unwrap().offset(2);
     }
 }

@@ -11,7 +11,7 @@ use tensorport::DeviceTensor;
 use crate::driver::{MemOp, MAX_MEM_OPS};
 use crate::ipc::{event_late, timeline, Imported};
 use crate::kernel::Kernel;
-use crate::{Error, Gpu, Result, Stream};
+use crate::{DevicePtr, Error, Gpu, Result, Stream};
 
 /// Copies per kernel launch (the launch's parameters carry them by value).
 const PER_LAUNCH: usize = 32;
@@ -86,7 +86,11 @@ impl Gatherer {
     /// `stream` must be a stream of this gatherer's GPU, the one the server's `CudaImporter`
     /// opened the tensors in; each `dst..dst + tensor.len()` must be device memory of that
     /// context that nothing else reads or writes until the copies have run.
-    pub unsafe fn gather(&self, stream: &Stream, copies: &[(&DeviceTensor, u64)]) -> Result<()> {
+    pub unsafe fn gather(
+        &self,
+        stream: &Stream,
+        copies: &[(&DeviceTensor, DevicePtr)],
+    ) -> Result<()> {
         let tensors: Vec<&DeviceTensor> = copies.iter().map(|c| c.0).collect();
         // SAFETY: the caller's contract, passed on.
         unsafe {
@@ -204,12 +208,18 @@ impl Gatherer {
     ///
     /// # Safety
     /// As for [`Gatherer::gather`], with the tensors' producers' writes already waited for.
-    pub unsafe fn copy_all(&self, stream: &Stream, copies: &[(&DeviceTensor, u64)]) -> Result<()> {
+    pub unsafe fn copy_all(
+        &self,
+        stream: &Stream,
+        copies: &[(&DeviceTensor, DevicePtr)],
+    ) -> Result<()> {
         self.check_stream(stream)?;
         let Some(kernel) = &self.kernel else {
             for (t, dst) in copies {
                 // SAFETY: the caller's contract.
-                unsafe { stream.copy_device_to_device_async(*dst, t.ptr(), t.len() as usize)? };
+                unsafe {
+                    stream.copy_device_to_device_async(*dst, DevicePtr::of(t), t.len() as usize)?
+                };
             }
             return Ok(());
         };
@@ -221,7 +231,7 @@ impl Gatherer {
             };
             for (k, (t, dst)) in chunk.iter().enumerate() {
                 c.src[k] = t.ptr();
-                c.dst[k] = *dst;
+                c.dst[k] = dst.raw();
                 c.len[k] = t.len();
             }
             // Enough blocks of 256 threads for the longest copy at 16 bytes a thread, at most

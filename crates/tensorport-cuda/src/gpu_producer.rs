@@ -175,7 +175,7 @@ impl GpuProducer {
                 continue;
             }
             let mem = DeviceBuffer::new(gpu, alloc)?;
-            let memory = d.ipc_get_mem_handle(mem.ptr())?.to_vec();
+            let memory = d.ipc_get_mem_handle(mem.ptr().raw())?.to_vec();
             let (ready, handle) = match fence {
                 Fence::Event => {
                     let ready = d.event_create_interprocess()?;
@@ -242,7 +242,7 @@ impl GpuProducer {
                 Fence::Event => d.stream_wait_event(self.stream.raw().cast(), b.released)?,
                 Fence::Timeline if b.seq > 0 => d.stream_wait_value64(
                     self.stream.raw().cast(),
-                    b.mem.ptr() + b.len as u64 + 8,
+                    b.mem.ptr().offset(b.len + 8).raw(),
                     b.seq,
                 )?,
                 Fence::Timeline => {}
@@ -325,7 +325,7 @@ impl GpuProducer {
             Fence::Timeline => {
                 b.seq += 1;
                 // SAFETY: the semaphore is inside our own live allocation.
-                unsafe { d.stream_write_value64(stream, b.mem.ptr() + b.len as u64, b.seq)? };
+                unsafe { d.stream_write_value64(stream, b.mem.ptr().offset(b.len).raw(), b.seq)? };
                 Some(b.seq)
             }
         };

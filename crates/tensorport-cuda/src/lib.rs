@@ -44,7 +44,7 @@ mod stage;
 mod stall;
 mod stream;
 
-pub use buffer::{DeviceBuffer, PinnedBuffer};
+pub use buffer::{DeviceBuffer, DevicePtr, PinnedBuffer};
 pub use cudarc::driver::sys;
 pub use driver::Driver;
 pub use external::ExternalDevice;

@@ -5,7 +5,7 @@
 use std::sync::Arc;
 
 use crate::kernel::Kernel;
-use crate::{DeviceBuffer, Gpu, Result, Stream};
+use crate::{DeviceBuffer, DevicePtr, Gpu, Result, Stream};
 
 /// `out[i] = lut[c][in[i]]`, `c = (i / plane) % 3`, over `n` values (whole images of three
 /// planes each, one after the other).
@@ -66,8 +66,8 @@ impl GpuNormaliser {
     /// holding as many floats, both valid until the kernel has run on `stream`.
     pub unsafe fn normalise(
         &self,
-        src: u64,
-        dst: u64,
+        src: DevicePtr,
+        dst: DevicePtr,
         plane: usize,
         images: usize,
         stream: &Stream,
@@ -76,7 +76,8 @@ impl GpuNormaliser {
         let threads = 256u32;
         let blocks = u32::try_from(n.div_ceil(u64::from(threads)))
             .map_err(|_| crate::Error::BadAnswer("an image too large to normalise"))?;
-        let (mut s, mut d, mut l, mut p, mut count) = (src, dst, self.lut.ptr(), plane as u64, n);
+        let (mut s, mut d, mut l, mut p, mut count) =
+            (src.raw(), dst.raw(), self.lut.ptr().raw(), plane as u64, n);
         let mut params: [*mut std::ffi::c_void; 5] = [
             (&mut s as *mut u64).cast(),
             (&mut d as *mut u64).cast(),

@@ -16,13 +16,13 @@ use std::time::Duration;
 
 use tensorport::{DeviceTensor, Request};
 
-use crate::{Error, Gatherer, Gpu, Result, Stream};
+use crate::{DevicePtr, Error, Gatherer, Gpu, Result, Stream};
 
 /// Device memory a batch is gathered into: `len` bytes at `addr` in a GPU's context.
 #[derive(Debug)]
 pub struct Rows {
     gpu: Arc<Gpu>,
-    addr: u64,
+    addr: DevicePtr,
     len: usize,
 }
 
@@ -35,7 +35,7 @@ impl Rows {
     /// nothing else (no read, no write, no free) while a `gather_rows` into it runs; and if one
     /// fails with [`RowsError::Stalled`], never freed or reused afterwards (hold its owner in
     /// [`crate::quarantine`]).
-    pub unsafe fn from_raw(gpu: &Arc<Gpu>, addr: u64, len: usize) -> Rows {
+    pub unsafe fn from_raw(gpu: &Arc<Gpu>, addr: DevicePtr, len: usize) -> Rows {
         Rows {
             gpu: gpu.clone(),
             addr,
@@ -44,7 +44,7 @@ impl Rows {
     }
 
     /// The device address of the first byte.
-    pub fn addr(&self) -> u64 {
+    pub fn addr(&self) -> DevicePtr {
         self.addr
     }
 
@@ -132,8 +132,8 @@ impl Gatherer {
         let mut gathered = Gathered::default();
         // The copies, and each device tensor's place as (address, length, index in the batch).
         let (outcome, device_places) = {
-            let mut host: Vec<(&[u8], u64)> = Vec::new();
-            let mut device: Vec<(&DeviceTensor, u64)> = Vec::new();
+            let mut host: Vec<(&[u8], DevicePtr)> = Vec::new();
+            let mut device: Vec<(&DeviceTensor, DevicePtr)> = Vec::new();
             let mut device_places = Vec::new();
             for (i, (r, place)) in batch.iter().zip(places).enumerate() {
                 let Some(p) = place else { continue };
@@ -151,7 +151,7 @@ impl Gatherer {
                         p.len, p.offset, p.rows.len
                     )));
                 }
-                let dst = p.rows.addr + p.offset as u64;
+                let dst = p.rows.addr.offset(p.offset);
                 match r.device() {
                     None if r.bytes().len() < p.len => gathered.misfits.push((
                         i,

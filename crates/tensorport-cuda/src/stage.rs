@@ -7,7 +7,7 @@
 use std::sync::Arc;
 
 use crate::kernel::Kernel;
-use crate::{DeviceBuffer, Gpu, Result, Stream};
+use crate::{DeviceBuffer, DevicePtr, Gpu, Result, Stream};
 
 /// `dst[i] = (half)src[i]` over `n` values, with the PTX conversion instruction (no header).
 const KERNEL: &str = include_str!("kernels/stage.cu");
@@ -67,11 +67,11 @@ impl BatchStage {
     /// written before this is called, and valid until it returns.
     pub unsafe fn stage(
         &mut self,
-        src: u64,
+        src: DevicePtr,
         rows: usize,
         padded: usize,
         len: usize,
-    ) -> Result<u64> {
+    ) -> Result<DevicePtr> {
         let size = if self.half.is_some() { 2 } else { 4 };
         let need = padded.max(rows) * len * size;
         if self.buf.as_ref().is_none_or(|b| b.len() < need) {
@@ -95,7 +95,7 @@ impl BatchStage {
                 let threads = 256u32;
                 let blocks = u32::try_from((n as u64).div_ceil(u64::from(threads)))
                     .map_err(|_| crate::Error::BadAnswer("a batch too large to convert"))?;
-                let (mut s, mut d, mut count) = (src, dst, n as u64);
+                let (mut s, mut d, mut count) = (src.raw(), dst.raw(), n as u64);
                 let mut params: [*mut std::ffi::c_void; 3] = [
                     (&mut s as *mut u64).cast(),
                     (&mut d as *mut u64).cast(),

@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use cudarc::driver::sys;
 
-use crate::{Gpu, Result};
+use crate::{DevicePtr, Gpu, Result};
 
 /// A CUDA stream.
 #[derive(Debug)]
@@ -65,13 +65,13 @@ impl Stream {
     /// # Safety
     /// `dst..dst+src.len()` must be device memory of this context, and `src` must stay valid
     /// and unchanged until the copy has run (synchronise before releasing it).
-    pub unsafe fn copy_host_to_device_async(&self, dst: u64, src: &[u8]) -> Result<()> {
+    pub unsafe fn copy_host_to_device_async(&self, dst: DevicePtr, src: &[u8]) -> Result<()> {
         self.gpu.bind()?;
         // SAFETY: the caller's contract.
         unsafe {
             self.gpu
                 .driver()
-                .memcpy_htod_async(dst, src.as_ptr(), src.len(), self.raw)
+                .memcpy_htod_async(dst.raw(), src.as_ptr(), src.len(), self.raw)
         }
     }
 
@@ -80,10 +80,19 @@ impl Stream {
     /// # Safety
     /// Both ranges must be device memory of (or imported into) this context, valid until the
     /// copy has run.
-    pub unsafe fn copy_device_to_device_async(&self, dst: u64, src: u64, len: usize) -> Result<()> {
+    pub unsafe fn copy_device_to_device_async(
+        &self,
+        dst: DevicePtr,
+        src: DevicePtr,
+        len: usize,
+    ) -> Result<()> {
         self.gpu.bind()?;
         // SAFETY: the caller's contract.
-        unsafe { self.gpu.driver().memcpy_dtod_async(dst, src, len, self.raw) }
+        unsafe {
+            self.gpu
+                .driver()
+                .memcpy_dtod_async(dst.raw(), src.raw(), len, self.raw)
+        }
     }
 
     /// Makes this stream wait (on the GPU) for the work enqueued so far on `other`, a stream of

@@ -256,7 +256,7 @@ impl Agent {
         let cuda = |e: tensorport_cuda::Error| Error::Cuda(e.to_string());
         let buffer = DeviceBuffer::new(gpu, len).map_err(cuda)?;
         let stream = Stream::new(gpu).map_err(cuda)?;
-        let base = buffer.ptr();
+        let base = buffer.ptr().raw();
         let addrs = (0..u64::from(slots)).map(|i| base + i * slot_len).collect();
         let memory = Memory::Device(gpu.ordinal() as u32);
         let mem = Mem::Device {
@@ -546,10 +546,12 @@ impl Region {
         if i >= self.slots || bytes.len() as u64 > self.slot_len {
             return Err(Error::Refused("no such slot, or more bytes than a slot"));
         }
+        let dst = tensorport_cuda::DevicePtr::new(self.addrs[i as usize])
+            .ok_or(Error::Refused("a slot at a null address"))?;
         // SAFETY: slot `i` lies inside the region's one allocation, of the stream's context;
         // `bytes` stays borrowed until the stream has run the copy (synchronised below, also
         // after an error in enqueueing it).
-        let r = unsafe { stream.copy_host_to_device_async(self.addrs[i as usize], bytes) };
+        let r = unsafe { stream.copy_host_to_device_async(dst, bytes) };
         let synced = stream.synchronize();
         r.and(synced).map_err(|e| Error::Cuda(e.to_string()))
     }

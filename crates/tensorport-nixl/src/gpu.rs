@@ -44,7 +44,7 @@ impl GpuReader {
             ));
         }
         let n = producer.buffer_count();
-        let addrs = (0..n).map(|i| producer.buffer(i).ptr()).collect();
+        let addrs = (0..n).map(|i| producer.buffer(i).ptr().raw()).collect();
         let gpu = producer.stream().gpu().ordinal() as u32;
         // SAFETY: the buffers belong to `producer`, which this reader owns from now on and drops
         // only after the region (or never, if a read into them could not be finished: `Drop`).

@@ -534,7 +534,7 @@ impl GpuJpeg {
                 let (w, h) = (j.size.0 as usize, j.size.1 as usize);
                 let mut im = nvjpeg::Image::default();
                 for c in 0..3 {
-                    im.channel[c] = (base as usize + off + c * w * h) as *mut u8;
+                    im.channel[c] = base.offset(off + c * w * h).raw() as *mut u8;
                     im.pitch[c] = w;
                 }
                 im
@@ -584,7 +584,7 @@ impl GpuJpeg {
                 let (w, h) = (j.size.0 as usize, j.size.1 as usize);
                 let out = f64::from(j.window.out);
                 RawJob {
-                    src: base + off as u64,
+                    src: base.offset(off).raw(),
                     pitch: w as u64,
                     plane: (w * h) as u64,
                     w: w as i32,
@@ -593,7 +593,7 @@ impl GpuJpeg {
                     top: j.window.top as f32,
                     sx: (j.window.width / out) as f32,
                     sy: (j.window.height / out) as f32,
-                    dst: j.dst.0.ptr() + j.dst.1 as u64,
+                    dst: j.dst.0.ptr().offset(j.dst.1).raw(),
                 }
             })
             .collect();
@@ -614,7 +614,7 @@ impl GpuJpeg {
         // above to hold its tensor.
         unsafe {
             stream.copy_host_to_device_async(dev.ptr(), table)?;
-            let mut table_ptr = dev.ptr();
+            let mut table_ptr = dev.ptr().raw();
             let mut out_i = out as i32;
             let mut as_u8 = i32::from(self.as_u8);
             let [mut m0, mut m1, mut m2] = self.mean;

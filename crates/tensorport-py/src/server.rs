@@ -90,6 +90,8 @@ impl Server {
             ));
         }
         let rows = batch_rows(address as usize, rows, row)?;
+        // Not null: `batch_rows` refused an address of 0.
+        let address = tensorport_cuda::DevicePtr::new(address).expect("checked above");
         let server = this.inner.clone();
         crate::without_gil(slf.py(), move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;

@@ -257,7 +257,7 @@ impl ConvNet {
                         launch_convert(
                             &convert,
                             &stream,
-                            (f.ptr(), weight.ptr()),
+                            (f.ptr().raw(), weight.ptr().raw()),
                             spec.out_channels,
                             (spec.in_channels, spec.kernel * spec.kernel),
                             layout,
@@ -275,7 +275,7 @@ impl ConvNet {
                     launch_convert(
                         &convert,
                         &stream,
-                        (bias.ptr(), t.ptr()),
+                        (bias.ptr().raw(), t.ptr().raw()),
                         spec.bias.len(),
                         (1, 1),
                         Layout::Nchw,

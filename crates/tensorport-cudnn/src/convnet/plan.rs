@@ -244,13 +244,13 @@ impl ConvNet {
         algo: (Algo, usize),
         graph: Option<&GraphConv>,
     ) -> Result<f32> {
-        let acts: Vec<u64> = self.acts.iter().map(|b| b.ptr()).collect();
+        let acts: Vec<u64> = self.acts.iter().map(|b| b.ptr().raw()).collect();
         let l = &self.layers[i];
         let ptrs = (acts[i], acts[i + 1], l.spec.residual.map_or(0, |r| acts[r]));
         let workspace = self
             .workspace
             .as_ref()
-            .map_or((0, 0), |w| (w.ptr(), w.len()));
+            .map_or((0, 0), |w| (w.ptr().raw(), w.len()));
         // SAFETY: the network's own activations, sized by `grow` for at least `batch` images
         // (activation i is layer i's input: `graph_candidates` leaves out a layer 0 that would
         // read the caller's input); the workspace was sized for every candidate; the stream

@@ -57,7 +57,7 @@ impl ConvNet {
         self.grow(batch)?;
         self.plan(batch)?;
         let plan = &self.plans[&batch];
-        let acts: Vec<u64> = self.acts.iter().map(|b| b.ptr()).collect();
+        let acts: Vec<u64> = self.acts.iter().map(|b| b.ptr().raw()).collect();
         // Activation 0: the caller's floats, or their copy in the network's type and layout.
         let converts = self.converts_input();
         let act = |i: usize| if i == 0 && !converts { x } else { acts[i] };
@@ -80,11 +80,12 @@ impl ConvNet {
         let workspace = self
             .workspace
             .as_ref()
-            .map_or((0, 0), |w| (w.ptr(), w.len()));
+            .map_or((0, 0), |w| (w.ptr().raw(), w.len()));
         let mut refused = Vec::new();
         for (i, l) in self.layers.iter().enumerate() {
             if let (0, Some((weight, kernel))) = (i, stem) {
-                let (mut src, mut w, mut b, mut y) = (x, weight.ptr(), l.bias.ptr(), act(1));
+                let (mut src, mut w, mut b, mut y) =
+                    (x, weight.ptr().raw(), l.bias.ptr().raw(), act(1));
                 let (mut h, mut wd) = (self.input[1] as u32, self.input[2] as u32);
                 let (mut oh, mut ow) = (l.out[1] as u32, l.out[2] as u32);
                 let mut params: [*mut std::ffi::c_void; 9] = [
@@ -126,7 +127,8 @@ impl ConvNet {
         let too_large = |_| Error::TooLarge("a batch too large");
         match self.layout {
             Layout::Nchw => {
-                let (mut src, mut dst, mut plane) = (act(self.layers.len()), pooled.ptr(), plane);
+                let (mut src, mut dst, mut plane) =
+                    (act(self.layers.len()), pooled.ptr().raw(), plane);
                 let mut params: [*mut std::ffi::c_void; 3] = [
                     (&mut src as *mut u64).cast(),
                     (&mut dst as *mut u64).cast(),
@@ -144,7 +146,7 @@ impl ConvNet {
                 let partial = self.partial.as_ref().expect("made by grow for NHWC");
                 let chunks = self.mean_chunks() as u32;
                 let (mut src, mut part, mut plane_, mut channels_) =
-                    (act(self.layers.len()), partial.ptr(), plane, channels);
+                    (act(self.layers.len()), partial.ptr().raw(), plane, channels);
                 let mut params: [*mut std::ffi::c_void; 4] = [
                     (&mut src as *mut u64).cast(),
                     (&mut part as *mut u64).cast(),
@@ -162,8 +164,13 @@ impl ConvNet {
                         &mut params,
                     )?
                 };
-                let (mut part, mut dst, mut chunks_, mut channels_, mut plane_) =
-                    (partial.ptr(), pooled.ptr(), chunks, channels, plane);
+                let (mut part, mut dst, mut chunks_, mut channels_, mut plane_) = (
+                    partial.ptr().raw(),
+                    pooled.ptr().raw(),
+                    chunks,
+                    channels,
+                    plane,
+                );
                 let mut params: [*mut std::ffi::c_void; 5] = [
                     (&mut part as *mut u64).cast(),
                     (&mut dst as *mut u64).cast(),
@@ -191,7 +198,7 @@ impl ConvNet {
         unsafe {
             self.gpu.driver().memcpy_dtoh_async(
                 host.as_mut_slice().as_mut_ptr(),
-                pooled.ptr(),
+                pooled.ptr().raw(),
                 rows * 4,
                 self.stream.raw().cast(),
             )?
@@ -226,17 +233,19 @@ impl ConvNet {
         let mut refused = false;
         match graph {
             // SAFETY: the caller's contract; the plan was made for these shapes.
-            Some(g) => unsafe { g.execute(&self.handle, (x, l.weight.ptr(), y), workspace.0)? },
+            Some(g) => unsafe {
+                g.execute(&self.handle, (x, l.weight.ptr().raw(), y), workspace.0)?
+            },
             None => {
                 let work = (workspace.0, ws.min(workspace.1));
                 if l.fused && fuse_at(self.precision, batch) {
-                    let bias = l.bias_t.as_ref().unwrap_or(&l.bias).ptr();
+                    let bias = l.bias_t.as_ref().unwrap_or(&l.bias).ptr().raw();
                     // SAFETY: the caller's contract; the weights and bias match their
                     // descriptors.
                     let done = unsafe {
                         self.handle.forward_bias_relu(
                             (x_desc, x),
-                            (&l.filter, l.weight.ptr()),
+                            (&l.filter, l.weight.ptr().raw()),
                             (&l.conv, algo),
                             work,
                             ((z != 0).then_some(z), (&l.bias_desc, bias), &self.relu),
@@ -255,7 +264,7 @@ impl ConvNet {
                 unsafe {
                     self.handle.forward(
                         (x_desc, x),
-                        (&l.filter, l.weight.ptr()),
+                        (&l.filter, l.weight.ptr().raw()),
                         &l.conv,
                         algo,
                         work,
@@ -266,7 +275,7 @@ impl ConvNet {
         }
         let plane = l.out[1] * l.out[2];
         let per_image = l.out[0] * plane;
-        let (mut y, mut b, mut z) = (y, l.bias.ptr(), z);
+        let (mut y, mut b, mut z) = (y, l.bias.ptr().raw(), z);
         let (mut p, mut c) = (plane as u32, l.out[0] as u32);
         let mut nhwc = i32::from(self.layout == Layout::Nhwc);
         let mut params: [*mut std::ffi::c_void; 6] = [

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tensorport::{DType, Request};
-use tensorport_cuda::{Gatherer, Gpu, GpuNormaliser, Place, Rows, RowsError, Stream};
+use tensorport_cuda::{DevicePtr, Gatherer, Gpu, GpuNormaliser, Place, Rows, RowsError, Stream};
 use tensorport_dfdx::dfdx::prelude::*;
 use tensorport_dfdx::{check_shape, Error, Stacked, Tensor4};
 
@@ -73,10 +73,11 @@ impl CudaBatcher {
         // The zeros are written on dfdx's stream; our copies must come after them.
         dev.try_synchronize()
             .map_err(|e| failed(format!("{e:?}")))?;
+        let at = DevicePtr::new(input.tensorport_device_ptr())
+            .ok_or_else(|| failed("a batch with no device memory".into()))?;
         // SAFETY: `input` is this batch's alone, `used.len()` rows of `row` bytes, and is never
         // freed should the stream stall (held by the batcher for good).
-        let rows =
-            unsafe { Rows::from_raw(&self.gpu, input.tensorport_device_ptr(), used.len() * row) };
+        let rows = unsafe { Rows::from_raw(&self.gpu, at, used.len() * row) };
         // 8-bit images land in the staging buffer at their row's place, and each run of
         // consecutive 8-bit rows is normalised into the batch by one kernel launch (usually one
         // per batch: producers hand over one kind).
@@ -122,8 +123,8 @@ impl CudaBatcher {
                 // just before, on the same stream), and rows k..k+run of `input` are theirs.
                 unsafe {
                     norm.normalise(
-                        s.addr() + (k * row_u8) as u64,
-                        rows.addr() + (k * row) as u64,
+                        s.addr().offset(k * row_u8),
+                        rows.addr().offset(k * row),
                         plane,
                         run,
                         stream,

@@ -204,14 +204,16 @@ impl OnCuda {
             self.holding = Some(x);
             input
         } else {
+            let at =
+                tensorport_cuda::DevicePtr::new(x.tensorport_device_ptr()).ok_or_else(|| {
+                    tensorport_dfdx::Error::Device("a batch with no device memory".into())
+                })?;
             // SAFETY: the server's gather has finished writing `x` (it waits for its copies),
             // which holds `rows` images of floats on this GPU and lives until this returns;
             // the stage waits for its copy.
-            unsafe {
-                self.stage
-                    .stage(x.tensorport_device_ptr(), rows, padded, self.image_len)
-            }
-            .map_err(|e| tensorport_dfdx::Error::Device(e.to_string()))?
+            unsafe { self.stage.stage(at, rows, padded, self.image_len) }
+                .map_err(|e| tensorport_dfdx::Error::Device(e.to_string()))?
+                .raw()
         };
         self.runner.submit(Job::Device {
             input,
