@@ -338,9 +338,11 @@ pub fn serve(
         }
     };
     let mut say = |line: String| {
-        let line = match note() {
-            Some(n) if !line.starts_with('D') && line != "OK" => format!("{line} ({n})"),
-            _ => line,
+        // Only failures carry the note: a landed read (`D`, once per read) does not look.
+        let failure = line.starts_with('F') || line.starts_with('E');
+        let line = match failure.then(&note).flatten() {
+            Some(n) => format!("{line} ({n})"),
+            None => line,
         };
         let _ = writeln!(out, "{line}").and_then(|()| out.flush());
     };

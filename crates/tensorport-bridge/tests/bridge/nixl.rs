@@ -400,6 +400,37 @@ fn nixl_metadata_that_aborts_ucx_ends_only_its_own_stream() {
     assert_each_input_once(&f.lines("after-mutants"), 32);
 }
 
+/// One stream with the set-up `hello`, named `name`, asking for producer slot 0 into pool slot
+/// 0: the first results message's length (0 if none), or the error the gateway ended it with.
+/// A minute's watchdog.
+fn one_read(
+    cfg: &tensorport_bridge::remote::RemoteConfig,
+    hello: &tensorport_bridge::nixl::Hello,
+    name: &str,
+) -> Result<usize, String> {
+    use tensorport_bridge::nixl::slot_batch;
+    use tensorport_bridge::remote::{connect, Exchange};
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let mut client = connect(cfg).await.unwrap();
+        let schema = hello.schema();
+        let mut ex = Exchange::open_with(&mut client, schema.clone(), name, 4)
+            .await
+            .unwrap();
+        let _ = ex.send(slot_batch(&schema, &[(0, 0)]).unwrap()).await;
+        ex.finish();
+        match tokio::time::timeout(Duration::from_secs(60), ex.results()).await {
+            Ok(Some(Ok(r))) => Ok(r.len()),
+            Ok(Some(Err(e))) => Err(e.to_string()),
+            Ok(None) => Ok(0),
+            Err(_) => panic!("the gateway neither answered nor ended the stream"),
+        }
+    })
+}
+
 /// The machine's first IPv4 interface other than loopback, and its address.
 fn network_interface() -> Option<(String, std::net::Ipv4Addr)> {
     nix::ifaddrs::getifaddrs().ok()?.find_map(|i| {
@@ -416,8 +447,7 @@ fn network_interface() -> Option<(String, std::net::Ipv4Addr)> {
 /// Flight producer beside it is served.
 #[test]
 fn nixl_metadata_naming_another_host_is_not_connected_to() {
-    use tensorport_bridge::nixl::{slot_batch, Hello, Outbound};
-    use tensorport_bridge::remote::{connect, Exchange};
+    use tensorport_bridge::nixl::{Hello, Outbound};
     use tensorport_bridge::schema::TensorLayout;
 
     let Some(mut env) = nixl_env() else { return };
@@ -451,25 +481,7 @@ fn nixl_metadata_naming_another_host_is_not_connected_to() {
         h.metadata.windows(4).any(|w| w == ip.octets()),
         "the producer's metadata names {ip}"
     );
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let cfg = f.remote_config("elsewhere");
-    let answered = rt.block_on(async {
-        let mut client = connect(&cfg).await.unwrap();
-        let schema = h.schema();
-        let mut ex = Exchange::open_with(&mut client, schema.clone(), "elsewhere", 4)
-            .await
-            .unwrap();
-        let _ = ex.send(slot_batch(&schema, &[(0, 0)]).unwrap()).await;
-        ex.finish();
-        match tokio::time::timeout(Duration::from_secs(60), ex.results()).await {
-            Ok(Some(Ok(r))) => r.len(),
-            Ok(_) => 0,
-            Err(_) => panic!("the gateway neither answered nor ended the stream"),
-        }
-    });
+    let answered = one_read(&f.remote_config("elsewhere"), &h, "elsewhere").unwrap_or(0);
     assert_eq!(
         answered,
         0,
@@ -493,8 +505,7 @@ fn nixl_metadata_naming_another_host_is_not_connected_to() {
 /// allow it, and serves the next NIXL producer.
 #[test]
 fn nixl_streams_of_gpu_memory_are_refused_unless_allowed() {
-    use tensorport_bridge::nixl::{slot_batch, Hello, Outbound};
-    use tensorport_bridge::remote::{connect, Exchange};
+    use tensorport_bridge::nixl::{Hello, Outbound};
     use tensorport_bridge::schema::TensorLayout;
 
     let Some(env) = nixl_env() else { return };
@@ -503,25 +514,10 @@ fn nixl_streams_of_gpu_memory_are_refused_unless_allowed() {
     let out = Outbound::new(&format!("device-{}", std::process::id()), 4, &layout, None).unwrap();
     let mut h: Hello = out.hello().clone();
     h.slots.memory = tensorport_nixl::Memory::Device(0);
-    let rt = tokio::runtime::Builder::new_current_thread()
-        .enable_all()
-        .build()
-        .unwrap();
-    let cfg = f.remote_config("device");
-    let said = rt.block_on(async {
-        let mut client = connect(&cfg).await.unwrap();
-        let schema = h.schema();
-        let mut ex = Exchange::open_with(&mut client, schema.clone(), "device", 4)
-            .await
-            .unwrap();
-        let _ = ex.send(slot_batch(&schema, &[(0, 0)]).unwrap()).await;
-        ex.finish();
-        match tokio::time::timeout(Duration::from_secs(60), ex.results()).await {
-            Ok(Some(Err(e))) => e.to_string(),
-            Ok(other) => panic!("a stream of GPU memory was not refused: {other:?}"),
-            Err(_) => panic!("the gateway neither answered nor ended the stream"),
-        }
-    });
+    let said = match one_read(&f.remote_config("device"), &h, "device") {
+        Err(e) => e,
+        Ok(n) => panic!("a stream of GPU memory was not refused ({n} answered)"),
+    };
     assert!(said.contains("--nixl-device"), "{said}");
     assert!(
         f.received("device").is_empty(),
