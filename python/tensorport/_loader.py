@@ -570,11 +570,16 @@ class Loader:
                             f"{n - len(done)} of {n} images never came within {self.timeout} s")
                     continue
                 last = time.monotonic()
-                # A file handed over twice (its producer killed after its hand-off) is kept once.
-                # Ids outside this epoch's are an earlier one's, left early: not this epoch's.
-                fresh = [(rid - base, r) for rid, r in got
-                         if 0 <= rid - base < n and rid - base not in done]
-                done.update(rid for rid, _ in fresh)
+                # A file handed over twice (its producer killed after its hand-off, or a second
+                # copy given to an idle producer at the end of the queue: both copies may come
+                # in one fill) is kept once. Ids outside this epoch's are an earlier one's,
+                # left early: not this epoch's.
+                fresh = []
+                for rid, r in got:
+                    pos = rid - base
+                    if 0 <= pos < n and pos not in done:
+                        done.add(pos)
+                        fresh.append((pos, r))
                 rows = [r for _, r in fresh]
                 if rows != list(range(start, start + len(rows))):
                     images[start:start + len(rows)] = images[self._index(images, rows)]

@@ -100,3 +100,30 @@ def test_leaving_a_prefetching_loop_early_ends_its_thread_and_farm(tmp_path):
         assert sorted(seen) == list(range(40))
     finally:
         kept.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 2])
+def test_a_file_handed_over_twice_in_one_fill_is_kept_once(tmp_path, monkeypatch, prefetch):
+    """At the end of the queue the farm gives an idle producer a second copy of a file another
+    still holds, and both copies can arrive in one fill of the batch: the file is kept once."""
+    files = images(tmp_path, 12)
+    real = tensorport.Loader._fill
+    doubled = []
+
+    def fill(self, server, imgs, start, want):
+        if want < 2 or doubled:
+            return real(self, server, imgs, start, want)
+        got = real(self, server, imgs, start, want - 1)
+        if got:
+            rid, row = got[0]
+            imgs[start + len(got)] = imgs[row]
+            got.append((rid, start + len(got)))
+            doubled.append(rid)
+        return got
+
+    monkeypatch.setattr(tensorport.Loader, "_fill", fill)
+    loader = tensorport.Loader(files, batch_size=4, producers=2, image_size=16, binary=CMD,
+                               timeout=PATIENCE, prefetch=prefetch)
+    seen = rows_by_index(loader)
+    assert doubled
+    assert sorted(seen) == list(range(12))
