@@ -57,7 +57,7 @@ pub use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};
 pub use probe::{bench_h2d, probe, Capabilities, DeviceInfo, H2dBench};
 pub use rows::{Gathered, Place, Rows, RowsError};
-pub use stage::{padded_rows, BatchStage};
+pub use stage::BatchStage;
 pub use stall::{quarantine, DEFAULT_FENCE_TIMEOUT};
 pub use stream::{Event, Stream};
 

@@ -1,8 +1,7 @@
 //! A model's batch staged for a framework that runs it on the GPU (ONNX Runtime): the rows the
 //! server gathered, copied — or converted to `f16` (round to nearest even, as PyTorch's
-//! `.half()`) for an `f16` model — into a buffer of a padded row count, so the framework sees
-//! few distinct batch shapes (each new shape costs it planning) and the batch stays on the
-//! device.
+//! `.half()`) for an `f16` model — into a buffer of a padded row count (the row count of the
+//! framework's session that takes it), so the batch stays on the device.
 
 use std::sync::Arc;
 
@@ -11,15 +10,6 @@ use crate::{DeviceBuffer, DevicePtr, Gpu, Result, Stream};
 
 /// `dst[i] = (half)src[i]` over `n` values, with the PTX conversion instruction (no header).
 const KERNEL: &str = include_str!("kernels/stage.cu");
-
-/// The rows a batch of `rows` images is padded to: a power of two up to 32, then a multiple of
-/// 32 (at most 9 shapes up to 128 rows).
-pub fn padded_rows(rows: usize) -> usize {
-    match rows {
-        0..=32 => rows.next_power_of_two(),
-        _ => rows.div_ceil(32) * 32,
-    }
-}
 
 /// The staging buffer, its stream, and the conversion kernel for an `f16` model.
 pub struct BatchStage {
@@ -110,20 +100,5 @@ impl BatchStage {
         }
         self.stream.synchronize()?;
         Ok(dst)
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::padded_rows;
-
-    #[test]
-    fn batches_pad_to_few_shapes() {
-        let shapes: std::collections::BTreeSet<usize> = (1..=128).map(padded_rows).collect();
-        assert_eq!(
-            shapes.into_iter().collect::<Vec<_>>(),
-            [1, 2, 4, 8, 16, 32, 64, 96, 128]
-        );
-        assert!((1..=4096).all(|r| padded_rows(r) >= r && padded_rows(r) < r + 32.max(r)));
     }
 }

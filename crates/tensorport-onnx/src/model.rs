@@ -85,9 +85,21 @@ impl OnnxModel {
             // (cuDNN's refused plans, tried and passed over, each an "error") are left out.
             .with_log_level(ort::logging::LogLevel::Fatal)
             .map_err(|e| invalid(e.to_string()))?;
-        if let Some(n) = opts.threads {
+        // On a GPU the operators run there: one host thread issues them, and none spins
+        // waiting for work (ONNX Runtime's default, a spinning thread per core, took the cores
+        // the farm's producers prepare images on).
+        let threads = match opts.provider {
+            Provider::Cpu => opts.threads,
+            Provider::Cuda(_) | Provider::TensorRt(_) => Some(opts.threads.unwrap_or(1)),
+        };
+        if let Some(n) = threads {
             builder = builder
                 .with_intra_threads(n.max(1))
+                .map_err(|e| invalid(e.to_string()))?;
+        }
+        if opts.provider != Provider::Cpu {
+            builder = builder
+                .with_intra_op_spinning(false)
                 .map_err(|e| invalid(e.to_string()))?;
         }
         builder = match opts.provider {

@@ -54,10 +54,15 @@ pub fn environment() -> Result<ort::environment::Environment> {
             e => e.to_string(),
         })?;
         let builder = ort::init_from(&path).map_err(|e| format!("{}: {e}", path.display()))?;
-        builder
+        let env = builder
             .with_name("tensorport")
             .build()
-            .map_err(|e| format!("{}: {e}", path.display()))
+            .map_err(|e| format!("{}: {e}", path.display()))?;
+        // What goes wrong in a run comes back as its error. ONNX Runtime's own lines — on a GPU
+        // an "error" for each cuDNN plan tried and passed over, at every new batch shape — are
+        // left out, for the sessions (`OnnxModel::open`) and the execution providers alike.
+        env.set_log_level(ort::logging::LogLevel::Fatal);
+        Ok(env)
     })
     .clone()
     .map_err(|why| Error::NoRuntime { why })

@@ -315,7 +315,13 @@ fn load_cuda(
 ) -> Result<Model<tensorport_dfdx::dfdx::prelude::Cuda>> {
     if let ModelKind::Onnx(path) = &model.kind {
         let provider = model.ort_provider.on(gpu.ordinal() as u32);
-        return onnx::load_on_cuda(path, model.config.image_size, gpu, provider);
+        return onnx::load_on_cuda(
+            path,
+            model.config.image_size,
+            model.max_batch,
+            gpu,
+            provider,
+        );
     }
     let precision = model.precision.unwrap_or_default();
     if let Err(e) = tensorport_cudnn::ConvNet::cudnn_version() {

@@ -168,14 +168,33 @@ fn session_thread(e: std::io::Error) -> crate::error::Error {
     crate::error::Error::Other(format!("cannot start the ONNX session's thread: {e}"))
 }
 
+/// The batch shapes a GPU worker runs, smallest first: a batch of `rows` runs in a session of
+/// the first that holds it. ONNX Runtime's CUDA convolutions plan anew whenever a session's
+/// input shape differs from its last run's (for ResNet-50, about a hundred milliseconds), so
+/// each shape has a session of its own that only ever sees it: up to 32 rows (what a lightly
+/// loaded server's batches hold) and the largest batch.
+#[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+pub(super) fn session_rows(max_batch: usize) -> Vec<usize> {
+    let max = max_batch.max(1);
+    match max <= SMALL_ROWS {
+        true => vec![max],
+        false => vec![SMALL_ROWS, max],
+    }
+}
+
+/// The smaller GPU session's rows.
+const SMALL_ROWS: usize = 32;
+
 /// An ONNX model on a GPU (CUDA or TensorRT execution provider), fed the gathered batch on the
-/// device: where it lies when it has one of a few row counts (`tensorport_cuda::padded_rows`:
-/// ONNX Runtime plans each new batch shape anew, and a server's batches come in every size)
-/// and the model takes `f32`; otherwise staged into a buffer of the padded row count, and
-/// converted to `f16` there for an `f16` model.
+/// device: a session per batch shape ([`session_rows`]); a batch of exactly a session's rows in
+/// the model's type runs where it lies; otherwise it is staged into a buffer of that many rows,
+/// and converted to `f16` there for an `f16` model.
 #[cfg(feature = "cuda")]
 struct OnCuda {
-    runner: Runner,
+    /// Each session's rows and its runner, smallest first.
+    sessions: Vec<(usize, Runner)>,
+    /// The session with a batch in flight.
+    busy: Option<usize>,
     stage: tensorport_cuda::BatchStage,
     /// A full f32 batch handed over where it was gathered (no copy), kept until its scores
     /// are collected.
@@ -187,18 +206,24 @@ struct OnCuda {
 #[cfg(feature = "cuda")]
 impl OnCuda {
     /// Stages `x` (after collecting a batch still in flight, whose input the stage holds) and
-    /// starts it.
+    /// starts it in the session of its shape.
     fn start(
         &mut self,
         x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
     ) -> tensorport_dfdx::Result<Submitted> {
-        if self.runner.in_flight {
+        if self.busy.is_some() {
             let _ = self.collect();
         }
         let rows = x.shape().0;
-        let padded = tensorport_cuda::padded_rows(rows);
+        let Some(k) = self.sessions.iter().position(|(n, _)| *n >= rows) else {
+            let max = self.sessions.last().map_or(0, |(n, _)| *n);
+            return Err(tensorport_dfdx::Error::Device(format!(
+                "a batch of {rows} images; this worker's largest batch is {max}"
+            )));
+        };
+        let padded = self.sessions[k].0;
         let input = if padded == rows && !self.half {
-            // A batch of one of the few shapes, in the model's type: run where it lies, `x`
+            // A batch of the session's shape, in the model's type: run where it lies, `x`
             // kept until its scores are collected.
             let input = x.tensorport_device_ptr();
             self.holding = Some(x);
@@ -215,16 +240,21 @@ impl OnCuda {
                 .map_err(|e| tensorport_dfdx::Error::Device(e.to_string()))?
                 .raw()
         };
-        self.runner.submit(Job::Device {
+        let submitted = self.sessions[k].1.submit(Job::Device {
             input,
             rows: padded,
             keep: rows,
-        })
+        })?;
+        self.busy = Some(k);
+        Ok(submitted)
     }
 
     /// The scores of the batch in flight; its input is let go.
     fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
-        let scores = self.runner.collect();
+        let scores = match self.busy.take() {
+            Some(k) => self.sessions[k].1.collect(),
+            None => Ok(Vec::new()),
+        };
         self.holding = None;
         scores
     }
@@ -252,11 +282,13 @@ impl Classify<tensorport_dfdx::dfdx::prelude::Cuda> for OnCuda {
     }
 }
 
-/// Opens the model at `path` for a worker on GPU `ordinal` with `provider`.
+/// Opens the model at `path` for a worker on GPU `gpu` with `provider`: a session for each of
+/// [`session_rows`]`(max_batch)`.
 #[cfg(feature = "cuda")]
 pub(super) fn load_on_cuda(
     path: &Path,
     image_size: usize,
+    max_batch: usize,
     gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
     provider: Provider,
 ) -> Result<Model<tensorport_dfdx::dfdx::prelude::Cuda>> {
@@ -265,20 +297,47 @@ pub(super) fn load_on_cuda(
         threads: None,
         image_size: Some(image_size),
     };
-    let model = OnnxModel::open(path, &opts).map_err(ConfigError::from)?;
-    let half = model.spec().input_elem == tensorport_onnx::Elem::F16;
+    let rows = session_rows(max_batch);
+    let mut sessions = Vec::with_capacity(rows.len());
+    for &n in &rows {
+        let model = OnnxModel::open(path, &opts).map_err(ConfigError::from)?;
+        if sessions.is_empty() {
+            let how = format!(
+                "ONNX model loaded (ONNX Runtime's {} provider, sessions for batches of {rows:?}; the batch stays on the GPU)",
+                provider.name()
+            );
+            log_loaded(&model, &how);
+        }
+        sessions.push((n, model));
+    }
+    let first = &sessions[0].1;
+    let half = first.spec().input_elem == tensorport_onnx::Elem::F16;
+    let image_len = first.image_len();
     let stage = tensorport_cuda::BatchStage::new(gpu, half)?;
-    let how = format!(
-        "ONNX model loaded (ONNX Runtime's {} provider; the batch stays on the GPU)",
-        provider.name()
-    );
-    log_loaded(&model, &how);
-    let image_len = model.image_len();
+    let sessions = sessions
+        .into_iter()
+        .map(|(n, m)| Ok((n, Runner::start(m).map_err(session_thread)?)))
+        .collect::<Result<Vec<_>>>()?;
     Ok(Box::new(OnCuda {
-        runner: Runner::start(model).map_err(session_thread)?,
+        sessions,
+        busy: None,
         stage,
         holding: None,
         half,
         image_len,
     }))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::session_rows;
+
+    #[test]
+    fn a_gpu_worker_has_a_session_per_batch_shape() {
+        assert_eq!(session_rows(128), [32, 128]);
+        assert_eq!(session_rows(33), [32, 33]);
+        assert_eq!(session_rows(32), [32]);
+        assert_eq!(session_rows(8), [8]);
+        assert_eq!(session_rows(0), [1]);
+    }
 }
