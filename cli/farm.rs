@@ -96,9 +96,10 @@ pub struct Args {
     #[command(flatten)]
     pub model: ModelArgs,
     /// Requests each producer keeps in flight. The farm hands each producer up to twice as many
-    /// inputs, so the next ones are ready; progress shows them as "handed out".
-    #[arg(long, default_value_t = 8)]
-    pub in_flight: u32,
+    /// inputs, so the next ones are ready; progress shows them as "handed out" [default: 8; 32
+    /// with an ONNX model on a GPU, whose batches fill only with more outstanding].
+    #[arg(long)]
+    pub in_flight: Option<u32>,
     /// Requests each GPU producer keeps in flight: its device buffers on the GPU, 1 to 256
     /// (each buffer holds one image). The farm hands it up to twice as many inputs.
     #[arg(long, default_value_t = tensorport_farm::farm::DEFAULT_GPU_IN_FLIGHT)]
@@ -167,6 +168,10 @@ impl Args {
                 ))
             }
         };
+        let model = match self.devices.first() {
+            Some(&gpu) => self.model.options_on(Device::Cuda(gpu)),
+            None => self.model.options(),
+        };
         let mut cfg = FarmConfig {
             inputs,
             producers: self.producers.unwrap_or(DEFAULT_CPU_PRODUCERS),
@@ -180,11 +185,10 @@ impl Args {
                 None => Servers::Gpus(self.devices.clone()),
             },
             output: self.output.clone(),
-            model: match self.devices.first() {
-                Some(&gpu) => self.model.options_on(Device::Cuda(gpu)),
-                None => self.model.options(),
-            },
-            in_flight: self.in_flight,
+            in_flight: self
+                .in_flight
+                .unwrap_or_else(|| tensorport_farm::farm::default_in_flight(&model)),
+            model,
             gpu_in_flight: self.gpu_in_flight,
             gpu_batch: self
                 .gpu_batch

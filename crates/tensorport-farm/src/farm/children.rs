@@ -75,6 +75,23 @@ pub const DEFAULT_GPU_BATCH: u32 = 64;
 pub fn default_gpu_batch(gpu_in_flight: u32) -> u32 {
     (gpu_in_flight / 2).clamp(1, DEFAULT_GPU_BATCH)
 }
+/// A CPU producer's requests in flight unless the farm is told otherwise
+/// (`FarmConfig::in_flight`).
+pub const DEFAULT_IN_FLIGHT: u32 = 8;
+/// The same with an ONNX model on a GPU: a network that keeps the GPU busy (ResNet-50) runs
+/// full batches only with about three batches outstanding across the producers (one running,
+/// one gathered, one being prepared), and each CPU producer then takes more of the plain JPEGs
+/// (it holds up to twice its requests), leaving the GPU to the model (docs/benchmarks.md).
+pub const DEFAULT_IN_FLIGHT_ONNX_GPU: u32 = 32;
+
+/// A CPU producer's requests in flight for `model` unless the farm is told otherwise.
+pub fn default_in_flight(model: &crate::config::ModelOptions) -> u32 {
+    match (&model.kind, model.device.is_cuda()) {
+        (crate::config::ModelKind::Onnx(_), true) => DEFAULT_IN_FLIGHT_ONNX_GPU,
+        _ => DEFAULT_IN_FLIGHT,
+    }
+}
+
 /// A GPU producer's threads for the images nvJPEG does not take, where CPU producers take most
 /// of those (see `route.rs`).
 pub(super) const GPU_CPU_THREADS: usize = 4;
@@ -345,6 +362,23 @@ impl Farm {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn an_onnx_model_on_a_gpu_gets_more_requests_in_flight() {
+        use crate::config::{Device, ModelKind, ModelOptions};
+        let onnx = |device| ModelOptions {
+            kind: ModelKind::Onnx("m.onnx".into()),
+            device,
+            ..ModelOptions::default()
+        };
+        assert_eq!(default_in_flight(&onnx(Device::Cuda(0))), 32);
+        assert_eq!(default_in_flight(&onnx(Device::Cpu)), 8);
+        let bundled = ModelOptions {
+            device: Device::Cuda(0),
+            ..ModelOptions::default()
+        };
+        assert_eq!(default_in_flight(&bundled), 8);
+    }
 
     #[test]
     fn the_default_gpu_batch_keeps_two_batches_in_flight() {
