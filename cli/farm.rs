@@ -185,9 +185,10 @@ impl Args {
                 None => Servers::Gpus(self.devices.clone()),
             },
             output: self.output.clone(),
-            in_flight: self
-                .in_flight
-                .unwrap_or_else(|| tensorport_farm::farm::default_in_flight(&model)),
+            in_flight: self.in_flight.unwrap_or_else(|| {
+                let on_gpu = model.device.is_cuda() || !self.devices.is_empty();
+                tensorport_farm::farm::default_in_flight(&model.kind, on_gpu)
+            }),
             model,
             gpu_in_flight: self.gpu_in_flight,
             gpu_batch: self

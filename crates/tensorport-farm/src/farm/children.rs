@@ -84,9 +84,10 @@ pub const DEFAULT_IN_FLIGHT: u32 = 8;
 /// (it holds up to twice its requests), leaving the GPU to the model (docs/benchmarks.md).
 pub const DEFAULT_IN_FLIGHT_ONNX_GPU: u32 = 32;
 
-/// A CPU producer's requests in flight for `model` unless the farm is told otherwise.
-pub fn default_in_flight(model: &crate::config::ModelOptions) -> u32 {
-    match (&model.kind, model.device.is_cuda()) {
+/// A CPU producer's requests in flight for a model of `kind`, on servers on a GPU or not,
+/// unless the farm is told otherwise.
+pub fn default_in_flight(kind: &crate::config::ModelKind, on_gpu: bool) -> u32 {
+    match (kind, on_gpu) {
         (crate::config::ModelKind::Onnx(_), true) => DEFAULT_IN_FLIGHT_ONNX_GPU,
         _ => DEFAULT_IN_FLIGHT,
     }
@@ -365,19 +366,12 @@ mod tests {
 
     #[test]
     fn an_onnx_model_on_a_gpu_gets_more_requests_in_flight() {
-        use crate::config::{Device, ModelKind, ModelOptions};
-        let onnx = |device| ModelOptions {
-            kind: ModelKind::Onnx("m.onnx".into()),
-            device,
-            ..ModelOptions::default()
-        };
-        assert_eq!(default_in_flight(&onnx(Device::Cuda(0))), 32);
-        assert_eq!(default_in_flight(&onnx(Device::Cpu)), 8);
-        let bundled = ModelOptions {
-            device: Device::Cuda(0),
-            ..ModelOptions::default()
-        };
-        assert_eq!(default_in_flight(&bundled), 8);
+        use crate::config::ModelKind;
+        let onnx = ModelKind::Onnx("m.onnx".into());
+        assert_eq!(default_in_flight(&onnx, true), 32);
+        assert_eq!(default_in_flight(&onnx, false), 8);
+        assert_eq!(default_in_flight(&ModelKind::Classifier, true), 8);
+        assert_eq!(default_in_flight(&ModelKind::None, true), 8);
     }
 
     #[test]
