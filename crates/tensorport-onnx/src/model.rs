@@ -86,8 +86,8 @@ impl OnnxModel {
             .with_log_level(ort::logging::LogLevel::Fatal)
             .map_err(|e| invalid(e.to_string()))?;
         // On a GPU the operators run there: one host thread issues them, and none spins
-        // waiting for work (ONNX Runtime's default, a spinning thread per core, took the cores
-        // the farm's producers prepare images on).
+        // waiting for work (ONNX Runtime's default, a spinning thread per core, would take the
+        // cores the farm's producers prepare images on).
         let threads = match opts.provider {
             Provider::Cpu => opts.threads,
             Provider::Cuda(_) | Provider::TensorRt(_) => Some(opts.threads.unwrap_or(1)),

@@ -103,7 +103,7 @@ pub(crate) fn check_work(jpeg: &[u8]) -> Result<(), String> {
         }
         let Some(scan) = seg.scan() else { continue };
         scans += 1;
-        // A sequential file buffers its frame from its second scan on (a progressive one was
+        // A sequential file buffers its frame from its second scan on (a progressive one is
         // checked at its frame).
         if scans == 2 && !progressive {
             check_memory(frame_blocks)?;

@@ -442,7 +442,7 @@ fn network_interface() -> Option<(String, std::net::Ipv4Addr)> {
 /// NIXL metadata that names another host than the one the stream came from: the stream comes
 /// over loopback, and the producer's UCX worker address names the machine's network address
 /// (where its UCX listens). The gateway's reader, on that network interface, does not connect
-/// there (before, it connected wherever the metadata said, and the stream was served): the
+/// there (a reader that connected wherever the metadata said would serve the stream): the
 /// stream ends with an error that names the refused address, the gateway lives on, and a
 /// Flight producer beside it is served.
 #[test]
