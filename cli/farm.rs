@@ -168,10 +168,6 @@ impl Args {
                 ))
             }
         };
-        let model = match self.devices.first() {
-            Some(&gpu) => self.model.options_on(Device::Cuda(gpu)),
-            None => self.model.options(),
-        };
         let mut cfg = FarmConfig {
             inputs,
             producers: self.producers.unwrap_or(DEFAULT_CPU_PRODUCERS),
@@ -185,11 +181,13 @@ impl Args {
                 None => Servers::Gpus(self.devices.clone()),
             },
             output: self.output.clone(),
-            in_flight: self.in_flight.unwrap_or_else(|| {
-                let on_gpu = model.device.is_cuda() || !self.devices.is_empty();
-                tensorport_farm::farm::default_in_flight(&model.kind, on_gpu)
-            }),
-            model,
+            model: match self.devices.first() {
+                Some(&gpu) => self.model.options_on(Device::Cuda(gpu)),
+                None => self.model.options(),
+            },
+            in_flight: self
+                .in_flight
+                .unwrap_or(tensorport_farm::farm::DEFAULT_IN_FLIGHT),
             gpu_in_flight: self.gpu_in_flight,
             gpu_batch: self
                 .gpu_batch
@@ -210,6 +208,10 @@ impl Args {
                 RoutingArg::Shared => Routing::Shared,
             },
         };
+        if self.in_flight.is_none() {
+            cfg.in_flight =
+                tensorport_farm::farm::default_in_flight(&cfg.model.kind, cfg.gpus() > 0);
+        }
         if self.producers.is_none() && self.gpu_producers.is_none() {
             let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
             let gpus = cfg.gpus();
