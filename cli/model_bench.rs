@@ -208,10 +208,8 @@ fn onnx(path: &std::path::Path, a: &Args) -> CliResult<()> {
                 // `bytes` or `buf` is used again.
                 unsafe { stream.copy_host_to_device_async(buf.ptr(), &bytes) }.map_err(cuda)?;
                 stream.synchronize().map_err(cuda)?;
-                // SAFETY: `buf` holds `b` images of the model's input type on its GPU, written
-                // and synchronised above, alive and unchanged while the rows are timed.
                 let mut run = || {
-                    unsafe { m.run_on_device(buf.ptr().raw(), b) }
+                    m.run_on_device(gpu, &buf, b)
                         .map_or_else(fail, |s| s.len() == b)
                 };
                 time_row(&mut run, b, &engine, precision, a);

@@ -8,6 +8,7 @@ mod support;
 mod checking;
 mod device;
 mod farm;
+mod memory;
 #[cfg(feature = "cuda")]
 mod model;
 /// The in-process model tests need the CUDA build of tensorport-dfdx.
@@ -29,6 +30,7 @@ use std::time::Duration;
 use checking::*;
 use device::*;
 use farm::*;
+use memory::*;
 use model::*;
 use nixl::*;
 use onnx::*;
@@ -99,6 +101,10 @@ fn main() {
         (
             "device_vmm_killed_producer_frees_gpu_memory",
             device_vmm_killed_producer,
+        ),
+        (
+            "device_regions_are_checked_before_use",
+            device_regions_are_checked_before_use,
         ),
         (
             "device_registrations_that_lie_about_their_length_are_refused",

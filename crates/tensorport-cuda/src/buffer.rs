@@ -88,6 +88,10 @@ impl DeviceBuffer {
         let (h, _) = self.vmm.ok_or(crate::Error::NotExportable)?;
         self.gpu.driver().vmm_export_fd(h)
     }
+    /// The GPU it was allocated on.
+    pub(crate) fn gpu(&self) -> &Arc<Gpu> {
+        &self.gpu
+    }
     /// Device address.
     pub fn ptr(&self) -> DevicePtr {
         DevicePtr::new(self.ptr).expect("the driver allocates at non-null addresses")

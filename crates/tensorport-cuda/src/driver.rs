@@ -457,6 +457,22 @@ impl Driver {
         Ok(id)
     }
 
+    /// `cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)`: the GPU whose memory `p`
+    /// is.
+    pub fn pointer_ordinal(&self, p: sys::CUdeviceptr) -> Result<i32> {
+        let mut ordinal: i32 = -1;
+        // SAFETY: the attribute is a 32-bit integer, written into `ordinal`; the driver checks
+        // `p`.
+        check("cuPointerGetAttribute", unsafe {
+            sys::cuPointerGetAttribute(
+                (&mut ordinal as *mut i32).cast(),
+                sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                p,
+            )
+        })?;
+        Ok(ordinal)
+    }
+
     /// `cuIpcCloseMemHandle`.
     ///
     /// # Safety

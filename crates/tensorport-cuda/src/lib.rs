@@ -14,9 +14,9 @@
 //! - [`Gatherer`]: a batch of device tensors copied into the server's memory with one batched
 //!   wait, one kernel launch and one batched release; [`Gatherer::synchronize`] waits for the
 //!   batch without letting a producer that never signals stall the server.
-//! - [`Gatherer::gather_rows`]: a batch of requests (host slots and device tensors) copied
-//!   into rows of device memory and waited for, safely: what every GPU server builds its
-//!   batches with.
+//! - [`RowBatcher`]: a batch of requests (host slots and device tensors) copied into rows of
+//!   device memory its caller owns ([`DeviceMemoryMut`]), 8-bit images normalised there, waited
+//!   for and settled ([`Fault`]), safely: what every GPU server builds its batches with.
 //! - [`ExternalDevice`]: tensors another library allocated (PyTorch's caching allocator) handed
 //!   over in place, their allocations found and registered through the driver.
 //! - [`Kernel`]: CUDA C compiled with NVRTC for this GPU and launched on a stream (the
@@ -27,6 +27,7 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+mod batcher;
 mod buffer;
 mod clock;
 pub mod driver;
@@ -36,6 +37,7 @@ mod gpu;
 mod gpu_producer;
 mod ipc;
 mod kernel;
+mod memory;
 mod normalise;
 mod pin;
 mod probe;
@@ -44,6 +46,7 @@ mod stage;
 mod stall;
 mod stream;
 
+pub use batcher::{BatchError, Fault, Filled, RowBatcher, RowKind};
 pub use buffer::{DeviceBuffer, DevicePtr, PinnedBuffer};
 pub use cudarc::driver::sys;
 pub use driver::Driver;
@@ -53,11 +56,11 @@ pub use gpu::Gpu;
 pub use gpu_producer::{GpuProducer, GpuProducerConfig, Sharing};
 pub use ipc::{live_imports, CudaImporter, Fence};
 pub use kernel::Kernel;
-pub use normalise::GpuNormaliser;
+pub use memory::{DeviceMemory, DeviceMemoryMut, DeviceRegion};
+pub(crate) use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};
 pub use probe::{bench_h2d, probe, Capabilities, DeviceInfo, H2dBench};
-pub use rows::{Gathered, Place, Rows, RowsError};
-pub use stage::BatchStage;
+pub use stage::{BatchStage, Staged};
 pub use stall::{quarantine, DEFAULT_FENCE_TIMEOUT};
 pub use stream::{Event, Stream};
 

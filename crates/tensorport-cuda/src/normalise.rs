@@ -5,6 +5,7 @@
 use std::sync::Arc;
 
 use crate::kernel::Kernel;
+use crate::rows::Rows;
 use crate::{DeviceBuffer, DevicePtr, Gpu, Result, Stream};
 
 /// `out[i] = lut[c][in[i]]`, `c = (i / plane) % 3`, over `n` values (whole images of three
@@ -12,7 +13,7 @@ use crate::{DeviceBuffer, DevicePtr, Gpu, Result, Stream};
 const KERNEL: &str = include_str!("kernels/normalise.cu");
 
 /// The normalising kernel, the table on the device, and a staging buffer for the bytes.
-pub struct GpuNormaliser {
+pub(crate) struct GpuNormaliser {
     gpu: Arc<Gpu>,
     kernel: Kernel,
     lut: DeviceBuffer,
@@ -28,7 +29,7 @@ impl std::fmt::Debug for GpuNormaliser {
 impl GpuNormaliser {
     /// Compiles the kernel for `gpu` and uploads `table` (`table[c][v]`: byte `v` of channel
     /// `c`, normalised).
-    pub fn new(gpu: &Arc<Gpu>, table: &[[f32; 256]; 3]) -> Result<GpuNormaliser> {
+    pub(crate) fn new(gpu: &Arc<Gpu>, table: &[[f32; 256]; 3]) -> Result<GpuNormaliser> {
         let kernel = Kernel::compile(gpu, KERNEL, "tensorport_normalise.cu", c"tp_normalise_u8")?;
         let lut = DeviceBuffer::new(gpu, 3 * 256 * 4)?;
         let bytes: Vec<u8> = table
@@ -48,14 +49,58 @@ impl GpuNormaliser {
         })
     }
 
-    /// A device buffer of at least `len` bytes for the 8-bit images of a batch (reused; grown
-    /// when too small — the caller must have waited for the previous batch's kernels).
-    pub fn staging(&mut self, len: usize) -> Result<&DeviceBuffer> {
+    /// Makes the staging buffer for a batch's 8-bit images at least `len` bytes (reused;
+    /// grown when too small — the caller must have waited for the previous batch's kernels).
+    pub(crate) fn reserve_staging(&mut self, len: usize) -> Result<()> {
         if self.staging.as_ref().is_none_or(|b| b.len() < len) {
             self.staging = None;
             self.staging = Some(DeviceBuffer::new(&self.gpu, len.max(1))?);
         }
-        Ok(self.staging.as_ref().expect("just set"))
+        Ok(())
+    }
+
+    /// The staging buffer as rows to gather into (after [`GpuNormaliser::reserve_staging`]).
+    pub(crate) fn staging(&self) -> Option<Rows<'_>> {
+        self.staging.as_ref().map(Rows::of_buffer)
+    }
+
+    /// Enqueues on `stream`: `images` images of `3 × plane` bytes at `src_offset` of `src`,
+    /// normalised into as many images of floats at `dst_offset` of `dst` (one launch).
+    ///
+    /// # Safety
+    /// The rows must stay allocated, and be used by nothing else, until the kernel has run on
+    /// `stream` (a gather waits for its stream, or holds the rows for good).
+    #[allow(clippy::too_many_arguments)]
+    pub(crate) unsafe fn normalise_rows(
+        &self,
+        src: &Rows<'_>,
+        src_offset: usize,
+        dst: &Rows<'_>,
+        dst_offset: usize,
+        plane: usize,
+        images: usize,
+        stream: &Stream,
+    ) -> Result<()> {
+        let bytes = images * 3 * plane;
+        let fits = |rows: &Rows<'_>, offset: usize, len: usize| {
+            offset.checked_add(len).is_some_and(|end| end <= rows.len())
+        };
+        if !fits(src, src_offset, bytes) || !fits(dst, dst_offset, bytes * 4) {
+            return Err(crate::Error::Refused(
+                "images to normalise past the end of their rows",
+            ));
+        }
+        // SAFETY: both ranges lie inside their rows (checked above), which the caller keeps
+        // until the kernel has run.
+        unsafe {
+            self.normalise(
+                src.addr().offset(src_offset),
+                dst.addr().offset(dst_offset),
+                plane,
+                images,
+                stream,
+            )
+        }
     }
 
     /// Enqueues on `stream`: `images` images of `3 × plane` bytes each, one after the other at
@@ -64,7 +109,7 @@ impl GpuNormaliser {
     /// # Safety
     /// `src` must be device memory of this context holding `images × 3 × plane` bytes and `dst`
     /// holding as many floats, both valid until the kernel has run on `stream`.
-    pub unsafe fn normalise(
+    unsafe fn normalise(
         &self,
         src: DevicePtr,
         dst: DevicePtr,

@@ -1,70 +1,71 @@
-//! A batch of requests gathered into rows of device memory: the one way the servers (the
-//! farm's model workers, the Python `Loader`'s batches, the device benchmark) build a batch on
-//! the GPU, and a safe one. [`Gatherer::gather_rows`] copies each request — a host slot by DMA,
-//! a producer's device tensor after its fence — into its [`Place`], waits for the copies
-//! (letting no producer that never signals stall the stream), and only then gives the batch
-//! back, so a slot or buffer is released only after the copies that read it have run. If the
-//! stream does not drain, the requests are held for good ([`crate::quarantine`]) instead of
-//! released, and the error says the rows' memory must be held too.
-//!
-//! The one `unsafe` step is naming the destination: [`Rows::from_raw`] wraps device memory
-//! another library allocated (dfdx's tensor, torch's) with the promise that nothing else uses
-//! it meanwhile.
+//! A batch of requests gathered into rows of device memory, under [`crate::RowBatcher`]:
+//! [`Gatherer::gather_rows`] copies each request — a host slot by DMA, a producer's device
+//! tensor after its fence — into its [`Place`], waits for the copies (letting no producer that
+//! never signals stall the stream), and only then gives the batch back, so a slot or buffer is
+//! released only after the copies that read it have run. If the stream does not drain, the
+//! requests are held for good ([`crate::quarantine`]) instead of released, and the error says
+//! the rows' memory must be held too. [`Rows`] borrow what owns the memory
+//! ([`crate::DeviceMemoryMut`]), so nothing else touches it while they live.
 
+use std::marker::PhantomData;
 use std::sync::Arc;
 use std::time::Duration;
 
 use tensorport::{DeviceTensor, Request};
 
-use crate::{DevicePtr, Error, Gatherer, Gpu, Result, Stream};
+use crate::{DeviceBuffer, DeviceMemoryMut, DevicePtr, Error, Gatherer, Gpu, Result, Stream};
 
-/// Device memory a batch is gathered into: `len` bytes at `addr` in a GPU's context.
+/// Device memory a batch is gathered into: `len` bytes at `addr` in a GPU's context, which
+/// nothing else uses while the `Rows` lives (it borrows what owns the memory).
 #[derive(Debug)]
-pub struct Rows {
+pub(crate) struct Rows<'a> {
     gpu: Arc<Gpu>,
     addr: DevicePtr,
     len: usize,
+    _owner: PhantomData<&'a mut ()>,
 }
 
-impl Rows {
-    /// Names `len` bytes of device memory at `addr` as a destination for
-    /// [`Gatherer::gather_rows`].
-    ///
-    /// # Safety
-    /// `addr..addr + len` must be device memory of `gpu`'s context, allocated and used by
-    /// nothing else (no read, no write, no free) while a `gather_rows` into it runs; and if one
-    /// fails with [`RowsError::Stalled`], never freed or reused afterwards (hold its owner in
-    /// [`crate::quarantine`]).
-    pub unsafe fn from_raw(gpu: &Arc<Gpu>, addr: DevicePtr, len: usize) -> Rows {
+impl<'a> Rows<'a> {
+    /// The memory of `owner`, which only its owner uses ([`DeviceMemoryMut`]), borrowed for
+    /// as long as the rows live.
+    pub(crate) fn owned<T: DeviceMemoryMut>(gpu: &Arc<Gpu>, owner: &'a mut T) -> Rows<'a> {
+        let region = owner.device_memory();
         Rows {
             gpu: gpu.clone(),
-            addr,
-            len,
+            addr: region.addr,
+            len: region.len,
+            _owner: PhantomData,
+        }
+    }
+
+    /// A buffer of this crate that only the borrower uses meanwhile (a batcher's staging
+    /// buffer, behind its `&mut self`).
+    pub(crate) fn of_buffer(buf: &'a DeviceBuffer) -> Rows<'a> {
+        Rows {
+            gpu: buf.gpu().clone(),
+            addr: buf.ptr(),
+            len: buf.len(),
+            _owner: PhantomData,
         }
     }
 
     /// The device address of the first byte.
-    pub fn addr(&self) -> DevicePtr {
+    pub(crate) fn addr(&self) -> DevicePtr {
         self.addr
     }
 
     /// The size in bytes.
-    pub fn len(&self) -> usize {
+    pub(crate) fn len(&self) -> usize {
         self.len
-    }
-
-    /// Whether it has no bytes.
-    pub fn is_empty(&self) -> bool {
-        self.len == 0
     }
 }
 
 /// Where one request of a batch goes: the first `len` bytes of the request are copied to
 /// `offset..offset + len` of `rows`.
 #[derive(Debug, Clone, Copy)]
-pub struct Place<'a> {
+pub(crate) struct Place<'a> {
     /// The destination memory.
-    pub rows: &'a Rows,
+    pub rows: &'a Rows<'a>,
     /// Byte offset into `rows`.
     pub offset: usize,
     /// Bytes to copy: a host request must have at least this many, a device tensor exactly.
@@ -73,7 +74,7 @@ pub struct Place<'a> {
 
 /// What [`Gatherer::gather_rows`] did with a batch, by index into the batch.
 #[derive(Debug, Default)]
-pub struct Gathered {
+pub(crate) struct Gathered {
     /// Device tensors whose producers did not signal them ready within the fence timeout:
     /// their places hold zeros; fail their requests and end their sessions
     /// (`Request::fail_and_end_session` with `ErrorCode::FenceTimeout`).
@@ -86,7 +87,7 @@ pub struct Gathered {
 /// Why [`Gatherer::gather_rows`] gave up on a batch.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
-pub enum RowsError {
+pub(crate) enum RowsError {
     /// A place outside its rows, or rows or a stream of another GPU: nothing was copied.
     #[error("{0}")]
     Misplaced(String),
@@ -109,7 +110,7 @@ impl Gatherer {
     /// [`Gatherer::synchronize`]). When it returns `Ok` or [`RowsError::Failed`], no copy reads
     /// the requests any more: answer or fail them. With [`RowsError::Stalled`] they are gone
     /// from `batch` (held for good).
-    pub fn gather_rows(
+    pub(crate) fn gather_rows(
         &self,
         stream: &Stream,
         batch: &mut Vec<Request>,
@@ -175,7 +176,7 @@ impl Gatherer {
             let enqueued = (|| -> Result<()> {
                 for (bytes, dst) in &host {
                     // SAFETY: `dst..dst + len` lies inside its `Rows` (checked above), memory
-                    // of this context that nothing else uses meanwhile (`Rows::from_raw`); the
+                    // of this context that nothing else uses meanwhile (`Rows` borrow its owner); the
                     // slot is a request of `batch`, which is given back only after the stream
                     // has run (below) or held for good.
                     unsafe { stream.copy_host_to_device_async(*dst, bytes)? };

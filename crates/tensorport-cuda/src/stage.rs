@@ -6,7 +6,7 @@
 use std::sync::Arc;
 
 use crate::kernel::Kernel;
-use crate::{DeviceBuffer, DevicePtr, Gpu, Result, Stream};
+use crate::{DeviceBuffer, DeviceMemory, DeviceRegion, Gpu, Result, Stream};
 
 /// `dst[i] = (half)src[i]` over `n` values, with the PTX conversion instruction (no header).
 const KERNEL: &str = include_str!("kernels/stage.cu");
@@ -47,40 +47,49 @@ impl BatchStage {
         })
     }
 
-    /// Copies (or converts) `rows` images of `len` floats each from `src` into the buffer,
-    /// which holds `padded` images (rows past `rows` keep an earlier batch's images, or zeros:
-    /// their results are the caller's to drop), waits for it, and returns its address, valid
-    /// until the next call.
-    ///
-    /// # Safety
-    /// `src` must be device memory of this GPU's primary context holding `rows × len` floats,
-    /// written before this is called, and valid until it returns.
-    pub unsafe fn stage(
+    /// Copies (or converts) `rows` images of `len` floats each from the start of `src` into
+    /// a buffer of `padded` images (rows past `rows` hold an earlier batch's images, or zeros:
+    /// their results are the caller's to drop), waits for it, and returns the buffer. Give it
+    /// back ([`BatchStage::give_back`]) once read, and the next batch reuses it.
+    pub fn stage(
         &mut self,
-        src: DevicePtr,
+        src: &impl DeviceMemory,
         rows: usize,
         padded: usize,
         len: usize,
-    ) -> Result<DevicePtr> {
+    ) -> Result<Staged> {
+        let from = src.device_memory();
+        if rows
+            .checked_mul(len)
+            .and_then(|n| n.checked_mul(4))
+            .is_none_or(|n| n > from.len)
+        {
+            return Err(crate::Error::Refused(
+                "a batch larger than the memory it is staged from",
+            ));
+        }
+        self.gpu.check_region(from)?;
         let size = if self.half.is_some() { 2 } else { 4 };
         let need = padded.max(rows) * len * size;
-        if self.buf.as_ref().is_none_or(|b| b.len() < need) {
-            self.buf = None;
-            let buf = DeviceBuffer::new(&self.gpu, need.max(size))?;
+        let mut buf = self.buf.take().filter(|b| b.len() >= need);
+        if buf.is_none() {
+            let fresh = DeviceBuffer::new(&self.gpu, need.max(size))?;
             // Zeros in the padding rows until real images have been there.
-            let zeros = vec![0u8; buf.len()];
-            // SAFETY: `buf` holds exactly these bytes; the copy is waited for below, before
+            let zeros = vec![0u8; fresh.len()];
+            // SAFETY: `fresh` holds exactly these bytes; the copy is waited for below, before
             // `zeros` goes.
-            unsafe { self.stream.copy_host_to_device_async(buf.ptr(), &zeros)? };
+            unsafe { self.stream.copy_host_to_device_async(fresh.ptr(), &zeros)? };
             self.stream.synchronize()?;
-            self.buf = Some(buf);
+            buf = Some(fresh);
         }
-        let dst = self.buf.as_ref().expect("just set").ptr();
+        let buf = buf.expect("just set");
+        let (dst, src) = (buf.ptr(), from.addr);
         let n = rows * len;
-        match &self.half {
-            // SAFETY: the caller's contract covers `src`; `dst` holds `need` bytes, ours until
-            // the next call.
-            None => unsafe { self.stream.copy_device_to_device_async(dst, src, n * 4)? },
+        let copied = (|| match &self.half {
+            // SAFETY: `src` holds `n` floats of this GPU (checked above), allocated while the
+            // borrow lasts (`DeviceMemory`), which outlasts the copy (waited for below); `dst`
+            // holds `need` bytes and is ours.
+            None => unsafe { self.stream.copy_device_to_device_async(dst, src, n * 4) },
             Some(kernel) => {
                 let threads = 256u32;
                 let blocks = u32::try_from((n as u64).div_ceil(u64::from(threads)))
@@ -92,13 +101,45 @@ impl BatchStage {
                     (&mut count as *mut u64).cast(),
                 ];
                 // SAFETY: the parameters match the kernel's (two pointers, a 64-bit count);
-                // the caller's contract covers `src`, and `dst` holds `2 n` bytes or more.
-                unsafe {
-                    kernel.launch((blocks, 1, 1), (threads, 1, 1), &self.stream, &mut params)?
-                };
+                // `src` as above, and `dst` holds `2 n` bytes or more.
+                unsafe { kernel.launch((blocks, 1, 1), (threads, 1, 1), &self.stream, &mut params) }
             }
+        })()
+        .and_then(|()| self.stream.synchronize());
+        if let Err(e) = copied {
+            // Kept (not freed) should a copy into it still be pending.
+            self.buf = Some(buf);
+            return Err(e);
         }
-        self.stream.synchronize()?;
-        Ok(dst)
+        Ok(Staged { buf, rows: padded })
+    }
+
+    /// Takes back a staged batch's buffer for the next batch.
+    pub fn give_back(&mut self, staged: Staged) {
+        if self.buf.as_ref().is_none_or(|b| b.len() < staged.buf.len()) {
+            self.buf = Some(staged.buf);
+        }
+    }
+}
+
+/// A batch staged on the device: its buffer (a framework reads it in place), owned until given
+/// back to its [`BatchStage`].
+#[derive(Debug)]
+pub struct Staged {
+    buf: DeviceBuffer,
+    rows: usize,
+}
+
+impl Staged {
+    /// The images it holds (the padded count).
+    pub fn rows(&self) -> usize {
+        self.rows
+    }
+}
+
+// SAFETY: the buffer's allocation, owned by the `Staged` and written by nothing once staged.
+unsafe impl DeviceMemory for Staged {
+    fn device_memory(&self) -> DeviceRegion {
+        self.buf.device_memory()
     }
 }

@@ -10,6 +10,8 @@
 //!   Weights come from a safetensors file (PyTorch layouts) or a fixed seed.
 //! - `CudnnClassifier` (CUDA build): the same network and weights with cuDNN convolutions, in
 //!   fp32, TF32, bf16 or fp16 — the GPU server's model. Both are [`Classify`].
+//! - `GpuInput`, `GpuTensor` (CUDA build): a tensor's storage as `tensorport_cuda::DeviceMemory`
+//!   — a batch a gather writes into, and a batch read in place on another thread.
 //!
 //! Determinism: dfdx's CPU conv runs image by image and the head runs row by row, so an image's
 //! scores are bitwise the same whatever batch it was in.
@@ -55,18 +57,6 @@ pub enum Error {
     /// A model of the user's own failed on a batch.
     #[error("the model failed: {0}")]
     Model(String),
-    /// A GPU producer did not signal its device tensor ready within the fence timeout: the
-    /// wait was let through, the row holds no tensor of its; fail the request and end the
-    /// producer's session (`Request::fail_and_end_session`, `ErrorCode::FenceTimeout`).
-    #[error("request {request_id} from {producer}: its device tensor was not signalled ready within {timeout:?}; its session ends")]
-    FenceTimeout {
-        /// The request.
-        request_id: u64,
-        /// Its producer's name.
-        producer: String,
-        /// The fence timeout.
-        timeout: std::time::Duration,
-    },
 }
 
 /// Results of this crate.
@@ -79,6 +69,10 @@ pub type Tensor4<D> = Tensor<(usize, usize, usize, usize), f32, D>;
 mod cudnn_model;
 #[cfg(feature = "cuda")]
 pub use cudnn_model::CudnnClassifier;
+#[cfg(feature = "cuda")]
+mod gpu_input;
+#[cfg(feature = "cuda")]
+pub use gpu_input::{GpuInput, GpuTensor};
 #[cfg(feature = "cuda")]
 pub use tensorport_cudnn::{Layout, Precision};
 
@@ -200,9 +194,7 @@ pub struct Stacked<D: Device<f32>> {
     pub input: Option<Tensor4<D>>,
     /// Indices (into the requests given) of the images in `input`, row by row.
     pub used: Vec<usize>,
-    /// Indices of requests that do not fit the model, and why. A request may be here and in
-    /// `used` (a late device tensor whose row stays in `input`, zeroed): fail it, and skip its
-    /// row's result.
+    /// Indices of requests that do not fit the model, and why.
     pub rejected: Vec<(usize, Error)>,
 }
 

@@ -21,7 +21,7 @@
 //! # Ok::<(), tensorport_farm::Error>(())
 //! ```
 
-#![deny(unsafe_code)]
+#![forbid(unsafe_code)]
 
 pub mod config;
 mod error;

@@ -208,45 +208,68 @@ impl OnnxModel {
         }
     }
 
-    /// Runs `rows` images that lie in the model's GPU's memory at `input` (NCHW, of the
-    /// model's input type, [`ModelSpec::input_elem`]) in place: ONNX Runtime reads them there,
-    /// and only the scores come back to the host.
-    ///
-    /// # Safety
-    /// `input` must be device memory of the primary context of the model's GPU holding
-    /// `rows × 3 × S × S` values of the input's type, every write to them finished, and left
-    /// unchanged until this returns.
-    pub unsafe fn run_on_device(&mut self, input: u64, rows: usize) -> Result<Vec<Vec<f32>>> {
+    /// Runs the first `rows` images of `input` (NCHW, of the model's input type,
+    /// [`ModelSpec::input_elem`], every write to them finished), device memory of the model's
+    /// GPU (`gpu`), in place: ONNX Runtime reads them there, and only the scores come back to
+    /// the host.
+    pub fn run_on_device(
+        &mut self,
+        gpu: &tensorport_cuda::Gpu,
+        input: &dyn tensorport_cuda::DeviceMemory,
+        rows: usize,
+    ) -> Result<Vec<Vec<f32>>> {
         let run = |e: ort::Error| Error::Run(e.to_string());
-        let Some(gpu) = self.gpu() else {
+        let Some(ordinal) = self.gpu() else {
             return Err(Error::Run(
                 "the model runs on the CPU: hand it the batch in host memory".into(),
             ));
         };
-        if rows == 0 || input == 0 {
+        if rows == 0 {
             return Err(Error::BatchSize {
                 got: 0,
                 rows,
                 per: self.image_len(),
             });
         }
+        let region = input.device_memory();
+        let elem = match self.spec.input_elem {
+            Elem::F32 => 4,
+            Elem::F16 => 2,
+        };
+        if rows
+            .checked_mul(self.image_len() * elem)
+            .is_none_or(|n| n > region.len)
+        {
+            return Err(Error::Run(format!(
+                "{rows} images do not fit the {} bytes of device memory given",
+                region.len
+            )));
+        }
+        if i64::from(gpu.ordinal()) != i64::from(ordinal) {
+            return Err(Error::Run(format!(
+                "memory of GPU {} for a model on GPU {ordinal}",
+                gpu.ordinal()
+            )));
+        }
+        gpu.check_region(region)
+            .map_err(|e| Error::Run(e.to_string()))?;
         let s = self.image_size as i64;
         let shape = Shape::new([rows as i64, 3, s, s]);
         let on_gpu = MemoryInfo::new(
             AllocationDevice::CUDA,
-            gpu as i32,
+            ordinal as i32,
             AllocatorType::Device,
             MemoryType::Default,
         )
         .map_err(run)?;
-        let data = input as usize as *mut ort::sys::c_void;
+        let data = region.addr.raw() as usize as *mut ort::sys::c_void;
         // The input is given to `run` as a view of device memory (ONNX Runtime uses it where
         // it lies, and returns the outputs in host memory). Not through `IoBinding`: binding
         // clones the value, and ort 2.0.0-rc.15 deadlocks cloning a tensor in device memory.
         //
-        // SAFETY: the caller's contract: `rows` images of the input's type at `input`, on this
-        // model's GPU, finished and unchanged until the run below has returned (the views live
-        // only within this call).
+        // SAFETY: `rows` images of the input's type lie in `input`'s memory, on this model's
+        // GPU (both checked above), allocated and unwritten while `input` is borrowed
+        // (`DeviceMemory`), which outlasts the run (the views live only within this call).
         let outputs = match self.spec.input_elem {
             Elem::F32 => {
                 let x =

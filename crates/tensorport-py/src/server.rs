@@ -7,16 +7,34 @@ use crate::*;
 #[pyclass(module = "tensorport._native")]
 pub(crate) struct Server {
     inner: Arc<tensorport::Server>,
-    /// With `cuda_device`: the GPU device tensors are opened in, a stream for the copies, and
-    /// what moves a batch's device tensors together.
-    cuda: Option<(
-        Arc<tensorport_cuda::Gpu>,
-        tensorport_cuda::Stream,
-        tensorport_cuda::Gatherer,
-    )>,
-    /// The copy stream did not drain once: a batch is quarantined and no more are taken.
-    stalled: std::sync::atomic::AtomicBool,
+    /// With `cuda_device`: what builds and settles the batches on the GPU the producers'
+    /// device tensors are opened in.
+    cuda: Option<std::sync::Mutex<tensorport_cuda::RowBatcher>>,
 }
+
+/// Device memory torch allocated for one `_recv_into_device` call.
+struct TorchRows(tensorport_cuda::DeviceRegion);
+
+impl TorchRows {
+    /// # Safety
+    /// `region` must be device memory of one GPU that the caller allocated for this batch and
+    /// holds, unused by anything else, until the batch has been gathered — and for good should
+    /// the gather stall (the package keeps the tensor in `_QUARANTINED` once a "quarantined"
+    /// error is raised) — with the work already queued on it put before the copies.
+    unsafe fn new(region: tensorport_cuda::DeviceRegion) -> TorchRows {
+        TorchRows(region)
+    }
+}
+
+// SAFETY: `TorchRows::new`'s contract.
+unsafe impl tensorport_cuda::DeviceMemory for TorchRows {
+    fn device_memory(&self) -> tensorport_cuda::DeviceRegion {
+        self.0
+    }
+}
+
+// SAFETY: `TorchRows::new`'s contract: the memory is this batch's alone.
+unsafe impl tensorport_cuda::DeviceMemoryMut for TorchRows {}
 
 #[pymethods]
 impl Server {
@@ -43,15 +61,16 @@ impl Server {
                 let gpu = tensorport_cuda::Gpu::open(n).map_err(cuda_err)?;
                 cfg.pin = Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone())));
                 cfg.device = Some(Arc::new(tensorport_cuda::CudaImporter::new(gpu.clone())));
-                let stream = tensorport_cuda::Stream::new(&gpu).map_err(cuda_err)?;
-                let gatherer = tensorport_cuda::Gatherer::new(&gpu);
-                Some((gpu, stream, gatherer))
+                let gatherer = Arc::new(tensorport_cuda::Gatherer::new(&gpu));
+                let timeout = tensorport_cuda::DEFAULT_FENCE_TIMEOUT;
+                let batcher = tensorport_cuda::RowBatcher::new(&gpu, gatherer, timeout, None)
+                    .map_err(cuda_err)?;
+                Some(std::sync::Mutex::new(batcher))
             }
         };
         Ok(Server {
             inner: Arc::new(tensorport::Server::bind(cfg).map_err(py_err)?),
             cuda,
-            stalled: Default::default(),
         })
     }
 
@@ -77,21 +96,29 @@ impl Server {
     ) -> PyResult<Vec<(u64, usize)>> {
         let (t, w) = (secs(timeout)?, secs(max_wait)?);
         let this: &Server = &slf;
-        let Some((gpu, ours, gatherer)) = &this.cuda else {
+        let Some(batcher) = &this.cuda else {
             return Err(PyValueError::new_err(
                 "this server was made without cuda_device: it cannot write into GPU memory",
             ));
         };
-        let stalled = &this.stalled;
-        if stalled.load(std::sync::atomic::Ordering::SeqCst) {
+        let lock = || batcher.lock().unwrap_or_else(|p| p.into_inner());
+        if lock().is_quarantined() {
             return Err(coded(
-                "this server's copy stream did not drain (a batch is quarantined): make a new Server".into(),
+                tensorport_cuda::BatchError::Quarantined.to_string(),
                 None,
             ));
         }
         let rows = batch_rows(address as usize, rows, row)?;
-        // Not null: `batch_rows` refused an address of 0.
-        let address = tensorport_cuda::DevicePtr::new(address).expect("checked above");
+        let region = tensorport_cuda::DeviceRegion {
+            // Not null: `batch_rows` refused an address of 0.
+            addr: tensorport_cuda::DevicePtr::new(address).expect("checked above"),
+            len: rows * row,
+        };
+        // SAFETY: the `rows × row` bytes at `address` are device memory the package allocated
+        // for this call (a torch CUDA tensor) and holds until it returns, and for good once it
+        // raises a "quarantined" error (`_QUARANTINED`); torch's work on it is put before the
+        // copies below.
+        let target = unsafe { TorchRows::new(region) };
         let server = this.inner.clone();
         crate::without_gil(slf.py(), move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
@@ -99,52 +126,33 @@ impl Server {
             if batch.is_empty() {
                 return Ok(Vec::new());
             }
+            let mut batcher = lock();
             // SAFETY: `stream` is torch's current stream of this device (the package passes
             // `torch.cuda.current_stream().cuda_stream`); the rows may be memory torch just
             // freed and reused, so our copies wait for its work first.
-            unsafe { ours.wait_for_raw(stream as *mut std::ffi::c_void) }.map_err(cuda_err)?;
-            // SAFETY: the `rows × row` bytes at `address` are device memory of this GPU the
-            // package allocated for this call and holds until it returns (and for good once
-            // it raises a "quarantined" error: `_QUARANTINED`); torch's work on it was waited
-            // for above.
-            let dst = unsafe { tensorport_cuda::Rows::from_raw(gpu, address, rows * row) };
-            let places: Vec<_> = (0..batch.len())
-                .map(|k| {
-                    Some(tensorport_cuda::Place {
-                        rows: &dst,
-                        offset: k * row,
-                        len: row,
-                    })
-                })
-                .collect();
-            let timeout = tensorport_cuda::DEFAULT_FENCE_TIMEOUT;
-            let gathered =
-                match gatherer.gather_rows(ours, &mut batch, &places, timeout, |_| Ok(())) {
-                    Ok(g) => g,
-                    Err(e @ tensorport_cuda::RowsError::Stalled(_)) => {
-                        stalled.store(true, std::sync::atomic::Ordering::SeqCst);
-                        return Err(coded(
-                            format!(
-                                "{e}; this server takes no more GPU batches: make a new Server"
-                            ),
-                            None,
-                        ));
-                    }
-                    // Dropped unanswered: each producer gets a failure for its request.
-                    Err(e) => return Err(coded(e.to_string(), None)),
-                };
+            unsafe {
+                batcher
+                    .stream()
+                    .wait_for_raw(stream as *mut std::ffi::c_void)
+            }
+            .map_err(cuda_err)?;
+            let kinds = vec![Some(tensorport_cuda::RowKind::Bytes); batch.len()];
+            // On an error the batch is dropped unanswered (each producer gets a failure for its
+            // request), or held for good if the stream stalled.
+            let filled = batcher
+                .gather(target, &mut batch, &kinds, row)
+                .map_err(|e| coded(e.to_string(), None))?;
+            drop(batcher);
             let mut written = Vec::with_capacity(batch.len());
             for (k, r) in batch.into_iter().enumerate() {
-                if gathered.late.contains(&k) {
-                    let _ = r.fail_and_end_session(
-                        tensorport::wire::ErrorCode::FenceTimeout,
-                        format!("the device tensor was not signalled ready within {timeout:?}"),
-                    );
-                } else if let Some((_, why)) = gathered.misfits.iter().find(|m| m.0 == k) {
-                    let _ = r.fail(why.clone());
-                } else {
-                    written.push((r.request_id(), k));
-                    let _ = r.respond(&[]);
+                match filled.faults.iter().find(|(i, _)| *i == k) {
+                    Some((_, fault)) => {
+                        let _ = fault.answer(r.release());
+                    }
+                    None => {
+                        written.push((r.request_id(), k));
+                        let _ = r.respond(&[]);
+                    }
                 }
             }
             Ok(written)

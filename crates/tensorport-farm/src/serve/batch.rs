@@ -9,18 +9,69 @@ use std::time::{Duration, Instant};
 
 use tensorport::{Request, Responder, Server};
 use tensorport_dfdx::dfdx::prelude::Device;
-use tensorport_dfdx::{Classify, Stacked, Submitted};
+use tensorport_dfdx::{Classify, Submitted, Tensor4};
 
 use super::metrics::Metrics;
 use crate::error::Result;
 use crate::record::scores_to_bytes;
 
+/// A batch's model input, built from its requests.
+pub struct Stacked<D: Device<f32>> {
+    /// `[B, C, H, W]`, the images of `used` in order; `None` if no request fit.
+    pub input: Option<Tensor4<D>>,
+    /// Indices (into the requests) of the images in `input`, row by row.
+    pub used: Vec<usize>,
+    /// The requests the batch could not take, and why. A request may be here and in `used` (a
+    /// late device tensor whose row stays in `input`, zeroed): it gets its rejection, and its
+    /// row's result is skipped.
+    pub rejected: Vec<(usize, Rejection)>,
+}
+
+impl<D: Device<f32>> From<tensorport_dfdx::Stacked<D>> for Stacked<D> {
+    fn from(s: tensorport_dfdx::Stacked<D>) -> Stacked<D> {
+        Stacked {
+            input: s.input,
+            used: s.used,
+            rejected: s
+                .rejected
+                .into_iter()
+                .map(|(i, e)| (i, Rejection::Input(e)))
+                .collect(),
+        }
+    }
+}
+
+/// Why a request got no row of a batch.
+#[derive(Debug)]
+pub enum Rejection {
+    /// It does not fit the model's input, or the batch failed: the request is failed.
+    Input(tensorport_dfdx::Error),
+    /// What the GPU gather found (a misfit, a late fence), answered as
+    /// [`tensorport_cuda::Fault::answer`] says.
+    Gather(tensorport_cuda::Fault),
+}
+
+impl std::fmt::Display for Rejection {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Rejection::Input(e) => e.fmt(f),
+            Rejection::Gather(fault) => fault.fmt(f),
+        }
+    }
+}
+
+impl Rejection {
+    fn answer(&self, r: Responder) -> tensorport::Result<()> {
+        match self {
+            Rejection::Input(e) => r.fail(e.to_string()),
+            Rejection::Gather(fault) => fault.answer(r),
+        }
+    }
+}
+
 /// Builds each batch's model input from its requests: the one place a model worker's batches
-/// are assembled. [`CpuBatcher`] stacks them on the host; on the GPU, `CudaBatcher` copies host
-/// slots by DMA and GPU producers' tensors after their fences straight into the batch, and
-/// settles a batch's failures (a misfit is rejected, a late fence rejects its request and ends
-/// its producer's session, a stalled copy stream quarantines the batch and ends the worker's
-/// GPU batches).
+/// are assembled. [`CpuBatcher`] stacks them on the host; on the GPU, `CudaBatcher` gathers
+/// them into the batch with [`tensorport_cuda::RowBatcher`], which settles a batch's failures.
 pub trait Batcher<D: Device<f32>> {
     /// The model input for `reqs`, row by row, with the requests it could not take and why. A
     /// batcher whose copy stream stalls keeps the requests (held for good: a copy may still
@@ -37,7 +88,7 @@ pub struct CpuBatcher;
 
 impl<D: Device<f32>> Batcher<D> for CpuBatcher {
     fn stack(&mut self, dev: &D, reqs: &mut Vec<Request>, shape: [usize; 3]) -> Stacked<D> {
-        tensorport_dfdx::stack_images(dev, reqs, shape)
+        tensorport_dfdx::stack_images(dev, reqs, shape).into()
     }
 
     fn release_unread(&mut self, _: &[Request]) -> Result<(), String> {
@@ -208,18 +259,12 @@ impl BatchLoop<'_> {
     }
 }
 
-/// Fails the requests the batch could not take (a device tensor whose fence never came ends its
-/// producer's session: the producer broke the hand-off).
-fn reject(responders: &mut [Option<Responder>], rejected: Vec<(usize, tensorport_dfdx::Error)>) {
-    for (i, e) in rejected {
-        tracing::warn!("{e}");
+/// Answers the requests the batch could not take.
+fn reject(responders: &mut [Option<Responder>], rejected: Vec<(usize, Rejection)>) {
+    for (i, why) in rejected {
+        tracing::warn!("{why}");
         if let Some(r) = responders.get_mut(i).and_then(Option::take) {
-            let _ = match e {
-                tensorport_dfdx::Error::FenceTimeout { .. } => {
-                    r.fail_and_end_session(tensorport::wire::ErrorCode::FenceTimeout, e.to_string())
-                }
-                e => r.fail(e.to_string()),
-            };
+            let _ = why.answer(r);
         }
     }
 }

@@ -8,14 +8,9 @@
 //! dfdx's own kernels where cuDNN cannot be loaded.
 
 mod batch;
-// Naming a batch's device memory as the copies' destination: unsafe (with the next, the crate's
-// only unsafe code).
 #[cfg(feature = "cuda")]
-#[allow(unsafe_code)]
 mod cuda_batch;
 pub mod metrics;
-// The device batch handed to ONNX Runtime's session thread by address.
-#[allow(unsafe_code)]
 mod onnx;
 mod own;
 
@@ -28,7 +23,7 @@ use tensorport::{DeviceImporter, PinHook, Server, ServerConfig};
 use tensorport_dfdx::dfdx::prelude::{Cpu, Device as DfdxDevice};
 use tensorport_dfdx::ImageClassifier;
 
-pub use batch::{BatchLoop, Batcher, CpuBatcher, Model};
+pub use batch::{BatchLoop, Batcher, CpuBatcher, Model, Rejection, Stacked};
 #[cfg(feature = "cuda")]
 pub use cuda_batch::CudaBatcher;
 pub use own::{HostBatch, HostModel};

@@ -1,6 +1,7 @@
 //! An ONNX model as the server's model: each worker opens its own ONNX Runtime session, run on
 //! a thread of its own so that the worker gathers the next batch while ONNX Runtime runs this
-//! one ([`Submitted::InFlight`]). The batch the server stacked (`[B, 3, S, S]`, normalised
+//! one ([`Submitted::InFlight`]); each batch goes to that thread and comes back with its
+//! scores. The batch the server stacked (`[B, 3, S, S]`, normalised
 //! `f32`) is run as it is: on the CPU from host memory; on a GPU where the server gathered it,
 //! staged on the device into a buffer of a padded row count (converted to `f16` there for an
 //! `f16` model), only the scores coming back to the host.
@@ -15,55 +16,87 @@ use tensorport_onnx::{OnnxModel, OnnxOptions, Provider};
 use super::Model;
 use crate::error::{ConfigError, Result};
 
-/// A batch for the session's thread.
+/// A batch for the session's thread, which sends it back with its scores.
 enum Job {
     /// `rows` images in host memory.
     Host(Vec<f32>, usize),
-    /// `rows` images in device memory at `input` (a [`Runner`]'s owner's staging buffer,
-    /// unchanged until the job's scores are collected), of which the first `keep` are wanted.
-    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
-    Device {
-        input: u64,
-        rows: usize,
-        keep: usize,
-    },
+    /// Images on the model's GPU, of which the first `keep` are wanted.
+    #[cfg(feature = "cuda")]
+    Device { input: OnDevice, keep: usize },
 }
+
+/// A GPU batch as ONNX Runtime reads it.
+#[cfg(feature = "cuda")]
+enum OnDevice {
+    /// Staged into a buffer of a session's row count (and type).
+    Staged(tensorport_cuda::Staged),
+    /// The gathered batch itself: of a session's row count, in the model's type.
+    InPlace(tensorport_dfdx::GpuTensor),
+}
+
+#[cfg(feature = "cuda")]
+impl OnDevice {
+    fn memory(&self) -> &dyn tensorport_cuda::DeviceMemory {
+        match self {
+            OnDevice::Staged(s) => s,
+            OnDevice::InPlace(t) => t,
+        }
+    }
+
+    fn rows(&self) -> usize {
+        match self {
+            OnDevice::Staged(s) => s.rows(),
+            OnDevice::InPlace(t) => t.rows(),
+        }
+    }
+}
+
+type Scores = tensorport_onnx::Result<Vec<Vec<f32>>>;
 
 /// The session on its thread, and the batch it runs, if any.
 struct Runner {
     jobs: Option<mpsc::Sender<Job>>,
-    scores: mpsc::Receiver<tensorport_onnx::Result<Vec<Vec<f32>>>>,
+    done: mpsc::Receiver<(Scores, Job)>,
     thread: Option<std::thread::JoinHandle<()>>,
     in_flight: bool,
 }
 
 impl Runner {
-    fn start(mut model: OnnxModel) -> std::io::Result<Runner> {
+    /// The session's thread for `model`, whose device batches are memory of `gpu`.
+    fn start(
+        mut model: OnnxModel,
+        gpu: Option<std::sync::Arc<tensorport_cuda::Gpu>>,
+    ) -> std::io::Result<Runner> {
         let (jobs, todo) = mpsc::channel::<Job>();
-        let (done, scores) = mpsc::channel();
+        let (done, finished) = mpsc::channel();
         let thread = std::thread::Builder::new()
             .name("onnx-session".into())
             .spawn(move || {
                 for job in todo {
-                    let r = match job {
-                        Job::Host(batch, rows) => model.run(&batch, rows),
-                        // SAFETY: the owner keeps the staging buffer unchanged until it has
-                        // collected these scores (`Runner::submit` collects first).
-                        Job::Device { input, rows, keep } => {
-                            unsafe { model.run_on_device(input, rows) }.map(|mut s| {
-                                s.truncate(keep);
-                                s
-                            })
-                        }
+                    let r = match &job {
+                        Job::Host(batch, rows) => model.run(batch, *rows),
+                        #[cfg(feature = "cuda")]
+                        Job::Device { input, keep } => match &gpu {
+                            Some(gpu) => model
+                                .run_on_device(gpu, input.memory(), input.rows())
+                                .map(|mut s| {
+                                    s.truncate(*keep);
+                                    s
+                                }),
+                            None => Err(tensorport_onnx::Error::Run(
+                                "a device batch for a session on the CPU".into(),
+                            )),
+                        },
                     };
-                    if done.send(r).is_err() {
+                    if done.send((r, job)).is_err() {
                         break;
                     }
                 }
+                drop(gpu);
             })?;
         Ok(Runner {
             jobs: Some(jobs),
-            scores,
+            done: finished,
             thread: Some(thread),
             in_flight: false,
         })
@@ -84,23 +117,29 @@ impl Runner {
         Ok(Submitted::InFlight)
     }
 
-    /// The scores of the batch in flight (none when there is none).
-    fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
+    /// The scores of the batch in flight (none when there is none), and the batch.
+    fn collect(&mut self) -> (tensorport_dfdx::Result<Vec<Vec<f32>>>, Option<Job>) {
         if !std::mem::replace(&mut self.in_flight, false) {
-            return Ok(Vec::new());
+            return (Ok(Vec::new()), None);
         }
-        match self.scores.recv() {
-            Ok(r) => r.map_err(|e| tensorport_dfdx::Error::Device(e.to_string())),
-            Err(_) => Err(tensorport_dfdx::Error::Device(
-                "the ONNX session's thread ended".into(),
-            )),
+        match self.done.recv() {
+            Ok((r, job)) => (
+                r.map_err(|e| tensorport_dfdx::Error::Device(e.to_string())),
+                Some(job),
+            ),
+            Err(_) => (
+                Err(tensorport_dfdx::Error::Device(
+                    "the ONNX session's thread ended".into(),
+                )),
+                None,
+            ),
         }
     }
 
     /// Runs `job` and waits for its scores.
     fn run(&mut self, job: Job) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
         self.submit(job)?;
-        self.collect()
+        self.collect().0
     }
 }
 
@@ -130,7 +169,7 @@ impl Classify<Cpu> for OnCpu {
     }
 
     fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
-        self.0.collect()
+        self.0.collect().0
     }
 }
 
@@ -148,7 +187,7 @@ pub(super) fn load_on_cpu(
     let model = OnnxModel::open(path, &opts).map_err(ConfigError::from)?;
     log_loaded(&model, "ONNX model loaded (ONNX Runtime, CPU)");
     Ok(Box::new(OnCpu(
-        Runner::start(model).map_err(session_thread)?,
+        Runner::start(model, None).map_err(session_thread)?,
     )))
 }
 
@@ -187,8 +226,8 @@ const SMALL_ROWS: usize = 32;
 
 /// An ONNX model on a GPU (CUDA or TensorRT execution provider), fed the gathered batch on the
 /// device: a session per batch shape ([`session_rows`]); a batch of exactly a session's rows in
-/// the model's type runs where it lies; otherwise it is staged into a buffer of that many rows,
-/// and converted to `f16` there for an `f16` model.
+/// the model's type runs where it lies (its storage goes to the session's thread); otherwise it
+/// is staged into a buffer of that many rows, and converted to `f16` there for an `f16` model.
 #[cfg(feature = "cuda")]
 struct OnCuda {
     /// Each session's rows and its runner, smallest first.
@@ -196,17 +235,14 @@ struct OnCuda {
     /// The session with a batch in flight.
     busy: Option<usize>,
     stage: tensorport_cuda::BatchStage,
-    /// A full f32 batch handed over where it was gathered (no copy), kept until its scores
-    /// are collected.
-    holding: Option<Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>>,
     half: bool,
     image_len: usize,
 }
 
 #[cfg(feature = "cuda")]
 impl OnCuda {
-    /// Stages `x` (after collecting a batch still in flight, whose input the stage holds) and
-    /// starts it in the session of its shape.
+    /// Stages `x` (after collecting a batch still in flight, whose staging buffer comes back
+    /// with it) and starts it in the session of its shape.
     fn start(
         &mut self,
         x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
@@ -222,40 +258,36 @@ impl OnCuda {
             )));
         };
         let padded = self.sessions[k].0;
-        let input = if padded == rows && !self.half {
-            // A batch of the session's shape, in the model's type: run where it lies, `x`
-            // kept until its scores are collected.
-            let input = x.tensorport_device_ptr();
-            self.holding = Some(x);
-            input
-        } else {
-            let at =
-                tensorport_cuda::DevicePtr::new(x.tensorport_device_ptr()).ok_or_else(|| {
-                    tensorport_dfdx::Error::Device("a batch with no device memory".into())
-                })?;
-            // SAFETY: the server's gather has finished writing `x` (it waits for its copies),
-            // which holds `rows` images of floats on this GPU and lives until this returns;
-            // the stage waits for its copy.
-            unsafe { self.stage.stage(at, rows, padded, self.image_len) }
-                .map_err(|e| tensorport_dfdx::Error::Device(e.to_string()))?
-                .raw()
+        let x = tensorport_dfdx::GpuTensor::new(x)?;
+        let input = match padded == rows && !self.half {
+            // A batch of the session's shape, in the model's type: run where it lies.
+            true => OnDevice::InPlace(x),
+            false => OnDevice::Staged(
+                self.stage
+                    .stage(&x, rows, padded, self.image_len)
+                    .map_err(|e| tensorport_dfdx::Error::Device(e.to_string()))?,
+            ),
         };
-        let submitted = self.sessions[k].1.submit(Job::Device {
-            input,
-            rows: padded,
-            keep: rows,
-        })?;
+        let submitted = self.sessions[k]
+            .1
+            .submit(Job::Device { input, keep: rows })?;
         self.busy = Some(k);
         Ok(submitted)
     }
 
-    /// The scores of the batch in flight; its input is let go.
+    /// The scores of the batch in flight; its staging buffer goes back to the stage.
     fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
-        let scores = match self.busy.take() {
-            Some(k) => self.sessions[k].1.collect(),
-            None => Ok(Vec::new()),
+        let Some(k) = self.busy.take() else {
+            return Ok(Vec::new());
         };
-        self.holding = None;
+        let (scores, job) = self.sessions[k].1.collect();
+        if let Some(Job::Device {
+            input: OnDevice::Staged(staged),
+            ..
+        }) = job
+        {
+            self.stage.give_back(staged);
+        }
         scores
     }
 }
@@ -316,13 +348,17 @@ pub(super) fn load_on_cuda(
     let stage = tensorport_cuda::BatchStage::new(gpu, half)?;
     let sessions = sessions
         .into_iter()
-        .map(|(n, m)| Ok((n, Runner::start(m).map_err(session_thread)?)))
+        .map(|(n, m)| {
+            Ok((
+                n,
+                Runner::start(m, Some(gpu.clone())).map_err(session_thread)?,
+            ))
+        })
         .collect::<Result<Vec<_>>>()?;
     Ok(Box::new(OnCuda {
         sessions,
         busy: None,
         stage,
-        holding: None,
         half,
         image_len,
     }))
