@@ -102,7 +102,7 @@ pub enum BatchError {
     #[error("{0}")]
     Stalled(String),
     /// An earlier batch's copy stream did not drain: this batcher takes no more batches.
-    #[error("the copy stream stalled on an earlier batch, which is quarantined: this server takes no more GPU batches (restart it)")]
+    #[error("the copy stream stalled on an earlier batch, which is quarantined: this batcher takes no more GPU batches")]
     Quarantined,
 }
 
@@ -303,7 +303,7 @@ impl RowBatcher {
                     crate::quarantine(norm);
                 }
                 Err(BatchError::Stalled(format!(
-                    "{}; this server takes no more GPU batches (restart it)",
+                    "{}; this batcher takes no more GPU batches",
                     RowsError::Stalled(e)
                 )))
             }

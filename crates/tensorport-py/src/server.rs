@@ -104,7 +104,10 @@ impl Server {
         let lock = || batcher.lock().unwrap_or_else(|p| p.into_inner());
         if lock().is_quarantined() {
             return Err(coded(
-                tensorport_cuda::BatchError::Quarantined.to_string(),
+                format!(
+                    "{}: make a new Server",
+                    tensorport_cuda::BatchError::Quarantined
+                ),
                 None,
             ));
         }
@@ -141,7 +144,12 @@ impl Server {
             // request), or held for good if the stream stalled.
             let filled = batcher
                 .gather(target, &mut batch, &kinds, row)
-                .map_err(|e| coded(e.to_string(), None))?;
+                .map_err(|e| match e {
+                    tensorport_cuda::BatchError::Stalled(_) => {
+                        coded(format!("{e}: make a new Server"), None)
+                    }
+                    e => coded(e.to_string(), None),
+                })?;
             drop(batcher);
             let mut written = Vec::with_capacity(batch.len());
             for (k, r) in batch.into_iter().enumerate() {

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tensorport::{DType, Request};
-use tensorport_cuda::{Gatherer, Gpu, RowBatcher, RowKind};
+use tensorport_cuda::{BatchError, Gatherer, Gpu, RowBatcher, RowKind};
 use tensorport_dfdx::dfdx::prelude::*;
 use tensorport_dfdx::{check_shape, Error, GpuInput};
 
@@ -73,9 +73,12 @@ impl Batcher<Cuda> for CudaBatcher {
         let gathered = GpuInput::zeros(dev, used.len(), shape)
             .map_err(|e| e.to_string())
             .and_then(|input| {
-                self.0
-                    .gather(input, reqs, &rows, row)
-                    .map_err(|e| e.to_string())
+                self.0.gather(input, reqs, &rows, row).map_err(|e| match e {
+                    BatchError::Stalled(_) | BatchError::Quarantined => {
+                        format!("{e} (restart the server)")
+                    }
+                    e => e.to_string(),
+                })
             });
         match gathered {
             Ok(filled) => {
