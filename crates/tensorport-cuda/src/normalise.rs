@@ -6,7 +6,7 @@ use std::sync::Arc;
 
 use crate::kernel::Kernel;
 use crate::rows::Rows;
-use crate::{DeviceBuffer, DevicePtr, Gpu, Result, Stream};
+use crate::{DeviceBuffer, Gpu, Result, Stream};
 
 /// `out[i] = lut[c][in[i]]`, `c = (i / plane) % 3`, over `n` values (whole images of three
 /// planes each, one after the other).
@@ -90,34 +90,8 @@ impl GpuNormaliser {
                 "images to normalise past the end of their rows",
             ));
         }
-        // SAFETY: both ranges lie inside their rows (checked above), which the caller keeps
-        // until the kernel has run.
-        unsafe {
-            self.normalise(
-                src.addr().offset(src_offset),
-                dst.addr().offset(dst_offset),
-                plane,
-                images,
-                stream,
-            )
-        }
-    }
-
-    /// Enqueues on `stream`: `images` images of `3 × plane` bytes each, one after the other at
-    /// `src`, normalised into as many images of floats at `dst` (one launch).
-    ///
-    /// # Safety
-    /// `src` must be device memory of this context holding `images × 3 × plane` bytes and `dst`
-    /// holding as many floats, both valid until the kernel has run on `stream`.
-    unsafe fn normalise(
-        &self,
-        src: DevicePtr,
-        dst: DevicePtr,
-        plane: usize,
-        images: usize,
-        stream: &Stream,
-    ) -> Result<()> {
-        let n = (images * 3 * plane) as u64;
+        let (src, dst) = (src.addr().offset(src_offset), dst.addr().offset(dst_offset));
+        let n = bytes as u64;
         let threads = 256u32;
         let blocks = u32::try_from(n.div_ceil(u64::from(threads)))
             .map_err(|_| crate::Error::BadAnswer("an image too large to normalise"))?;
@@ -130,8 +104,9 @@ impl GpuNormaliser {
             (&mut p as *mut u64).cast(),
             (&mut count as *mut u64).cast(),
         ];
-        // SAFETY: the parameters match the kernel's (three pointers, two 64-bit counts); the
-        // caller's contract covers the memory; the table lives as long as `self`.
+        // SAFETY: the parameters match the kernel's (three pointers, two 64-bit counts); both
+        // ranges lie inside their rows (checked above), which the caller keeps until the kernel
+        // has run; the table lives as long as `self`.
         unsafe {
             self.kernel
                 .launch((blocks, 1, 1), (threads, 1, 1), stream, &mut params)

@@ -55,13 +55,6 @@ impl Batcher<Cuda> for CudaBatcher {
                 }
             }
         }
-        let fail_all =
-            |used: &mut Vec<usize>, rejected: &mut Vec<(usize, Rejection)>, why: String| {
-                rejected.extend(
-                    used.drain(..)
-                        .map(|i| (i, Rejection::Input(Error::Device(why.clone())))),
-                );
-            };
         if used.is_empty() {
             return Stacked {
                 input: None,
@@ -70,16 +63,13 @@ impl Batcher<Cuda> for CudaBatcher {
             };
         }
         let row = shape.iter().product::<usize>() * 4;
-        let gathered = GpuInput::zeros(dev, used.len(), shape)
-            .map_err(|e| e.to_string())
-            .and_then(|input| {
-                self.0.gather(input, reqs, &rows, row).map_err(|e| match e {
-                    BatchError::Stalled(_) | BatchError::Quarantined => {
-                        format!("{e} (restart the server)")
-                    }
-                    e => e.to_string(),
-                })
-            });
+        // A quarantined batcher takes nothing: no input is made for it.
+        let gathered = match self.0.is_quarantined() {
+            true => Err(what_to_do(BatchError::Quarantined)),
+            false => GpuInput::zeros(dev, used.len(), shape)
+                .map_err(|e| e.to_string())
+                .and_then(|input| self.0.gather(input, reqs, &rows, row).map_err(what_to_do)),
+        };
         match gathered {
             Ok(filled) => {
                 // A late tensor's row stays in the input (zeroed), so `used` still lines up
@@ -99,7 +89,10 @@ impl Batcher<Cuda> for CudaBatcher {
             Err(why) => {
                 // A stalled stream took the requests (held for good): `reqs` is empty then,
                 // and failing their indices answers nothing.
-                fail_all(&mut used, &mut rejected, why);
+                rejected.extend(
+                    used.drain(..)
+                        .map(|i| (i, Rejection::Input(Error::Device(why.clone())))),
+                );
                 Stacked {
                     input: None,
                     used,
@@ -114,5 +107,13 @@ impl Batcher<Cuda> for CudaBatcher {
     /// GPU producer once its buffers were used.
     fn release_unread(&mut self, reqs: &[Request]) -> std::result::Result<(), String> {
         self.0.release_unread(reqs).map_err(|e| e.to_string())
+    }
+}
+
+/// A batch error as the worker's requests get it: after a stall, what the operator does.
+fn what_to_do(e: BatchError) -> String {
+    match e {
+        BatchError::Stalled(_) | BatchError::Quarantined => format!("{e} (restart the server)"),
+        e => e.to_string(),
     }
 }
