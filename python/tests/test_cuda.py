@@ -222,6 +222,33 @@ def test_device_views(tmp_path):
     check_device_views(str(tmp_path))
 
 
+def check_device_rows_refused(d):
+    """Memory that is not one allocation of the server's GPU is refused before a batch is
+    taken: rows past a torch tensor's allocation, and host memory."""
+    import torch
+
+    server = tensorport.Server(os.path.join(d, "r.sock"), cuda_device=0)
+    stream = torch.cuda.current_stream().cuda_stream
+    x = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+    host = np.zeros(1 << 20, dtype=np.uint8)
+    refused = []
+    for address, why in [(x.data_ptr() + x.numel(), "past its allocation"),
+                         (host.ctypes.data, "host memory")]:
+        try:
+            # 1 GiB of rows: past any segment torch's allocator holds for a 1 MiB tensor.
+            server._native._recv_into_device(address, 4, 1 << 28, stream, timeout=0)
+        except ValueError as e:
+            refused.append(f"{why}: {e}")
+        else:
+            raise AssertionError(f"{why} was taken")
+    assert torch.ones(1, device="cuda").item() == 1.0
+    print("  " + "; ".join(refused))
+
+
+def test_device_rows_refused(tmp_path):
+    check_device_rows_refused(str(tmp_path))
+
+
 if __name__ == "__main__":
     why = _why_not()
     if why:
@@ -233,4 +260,6 @@ if __name__ == "__main__":
         check_loader_on_the_gpu(d)
     with tempfile.TemporaryDirectory() as d:
         check_device_views(d)
-    print("3 passed")
+    with tempfile.TemporaryDirectory() as d:
+        check_device_rows_refused(d)
+    print("4 passed")

@@ -56,7 +56,10 @@ impl Gpu {
     pub fn check_region(&self, region: DeviceRegion) -> Result<()> {
         self.bind()?;
         let d = self.driver();
-        let ordinal = d.pointer_ordinal(region.addr.raw())?;
+        // The driver knows no such device address: host memory, or memory already freed.
+        let ordinal = d
+            .pointer_ordinal(region.addr.raw())
+            .map_err(|_| crate::Error::Refused("not device memory (host memory, or freed)"))?;
         if ordinal != self.ordinal() {
             return Err(crate::Error::Refused("device memory of another GPU"));
         }

@@ -122,6 +122,11 @@ impl Server {
         // raises a "quarantined" error (`_QUARANTINED`); torch's work on it is put before the
         // copies below.
         let target = unsafe { TorchRows::new(region) };
+        // Memory that is not one allocation of this GPU is refused before a batch is taken
+        // (the batcher checks again; a batch taken and then refused would fail its requests).
+        lock().gpu().check_region(region).map_err(|e| {
+            PyValueError::new_err(format!("address {address:#x}, {} bytes: {e}", region.len))
+        })?;
         let server = this.inner.clone();
         crate::without_gil(slf.py(), move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
