@@ -431,6 +431,11 @@ pub struct HandOverArgs {
     /// "class" stays.
     #[arg(long, value_name = "K", value_parser = clap::value_parser!(u32).range(1..))]
     pub top_k: Option<u32>,
+    /// Scores that are not finite numbers (NaN, infinities: an f16 model that overflows):
+    /// `strings` writes each as "NaN", "Infinity" or "-Infinity" among the numbers; `error`
+    /// gives that input an error line instead.
+    #[arg(long, value_enum, default_value_t, value_name = "HOW")]
+    pub non_finite: tensorport_farm::record::NonFinite,
 }
 
 impl HandOverArgs {

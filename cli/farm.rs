@@ -201,6 +201,7 @@ impl Args {
             prep: self.hand_over.prep_options(),
             profile: self.hand_over.profile,
             keep: self.hand_over.keep(),
+            non_finite: self.hand_over.non_finite,
             child_log: self.child_log.clone(),
             launcher: crate::launcher(),
             routing: match self.routing {

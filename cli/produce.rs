@@ -99,6 +99,7 @@ impl Args {
             prep: self.hand_over.prep_options(),
             profile: self.hand_over.profile,
             keep: self.hand_over.keep(),
+            non_finite: self.hand_over.non_finite,
             name: self.name.clone(),
             timeout: Duration::from_secs(self.timeout),
             spin: Duration::from_micros(self.spin_us),

@@ -6,40 +6,10 @@
 use std::ffi::OsStr;
 use std::os::unix::ffi::OsStrExt;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Output, Stdio};
-use std::sync::atomic::{AtomicBool, Ordering};
-use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::process::{Command, Stdio};
+use std::time::Duration;
 
-use super::{run, tmp, EXE, SIZE};
-
-/// Runs `cmd` to its end, killing it after `limit` (the test then fails on its status).
-fn output_within(cmd: &mut Command, limit: Duration) -> Output {
-    let child = cmd
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
-    let pid = child.id() as i32;
-    let finished = Arc::new(AtomicBool::new(false));
-    let f = finished.clone();
-    std::thread::spawn(move || {
-        let start = Instant::now();
-        while !f.load(Ordering::SeqCst) {
-            if start.elapsed() > limit {
-                let _ = nix::sys::signal::kill(
-                    nix::unistd::Pid::from_raw(pid),
-                    nix::sys::signal::Signal::SIGKILL,
-                );
-                return;
-            }
-            std::thread::sleep(Duration::from_millis(100));
-        }
-    });
-    let o = child.wait_with_output().unwrap();
-    finished.store(true, Ordering::SeqCst);
-    o
-}
+use super::{output_within, run, tmp, EXE, SIZE};
 
 /// The result lines of `path`, in the order written.
 fn lines(path: &Path) -> Vec<serde_json::Value> {
@@ -160,6 +130,18 @@ fn awkward_names_and_things_that_are_not_images_get_one_line_each() {
     // one line under its own name.
     assert_eq!(error("copy\nsample-999.jpg"), None);
     assert_eq!(error("sample-001-\u{fffd}\u{fffd}.jpg"), None);
+    // The name that is not UTF-8 is shown lossily, and kept exactly in "input_bytes".
+    let exact: Vec<u8> =
+        serde_json::from_value(by_name("sample-001-\u{fffd}\u{fffd}.jpg")["input_bytes"].clone())
+            .unwrap();
+    assert_eq!(exact, not_utf8.as_os_str().as_bytes());
+    assert_eq!(
+        got.iter()
+            .filter(|l| l.get("input_bytes").is_some())
+            .count(),
+        1,
+        "{got:?}"
+    );
     assert_eq!(
         got.iter()
             .filter(|l| l["input"].as_str().unwrap().contains("sample-001"))
@@ -248,4 +230,51 @@ fn prep_leaves_out_a_fifo_instead_of_blocking_on_it() {
         stderr.contains("left out") && stderr.contains("pipe.jpg") && stderr.contains("a FIFO"),
         "{stderr}"
     );
+}
+
+/// A file named `synthetic:5` in an input list is a file: its line says `./synthetic:5` (the
+/// same file), never what a generated image's line says.
+#[test]
+fn a_file_named_like_a_generated_image_is_not_taken_for_one() {
+    let dir = tmp();
+    let images = dir.path().join("images");
+    let (ok, _, err) = run(&["images", "--out", images.to_str().unwrap(), "--count", "1"]);
+    assert!(ok, "{err}");
+    let first = std::fs::read_dir(&images).unwrap().next().unwrap().unwrap();
+    std::fs::copy(first.path(), images.join("synthetic:5")).unwrap();
+    std::fs::write(dir.path().join("list"), "synthetic:5\n").unwrap();
+    let out = dir.path().join("r.jsonl");
+    let o = output_within(
+        Command::new(EXE)
+            .current_dir(&images)
+            .args(["farm", "--input-list"])
+            .arg(dir.path().join("list"))
+            .args(["--image-size", &SIZE.to_string(), "-p", "1"])
+            .args(["--progress", "never", "--output"])
+            .arg(&out)
+            .stdin(Stdio::null()),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let got = lines(&out);
+    assert_eq!(got.len(), 1, "{got:?}");
+    assert_eq!(got[0]["input"], "./synthetic:5", "{got:?}");
+    assert!(got[0].get("error").is_none(), "{got:?}");
+    // A generated image keeps its name.
+    let o = output_within(
+        Command::new(EXE)
+            .args([
+                "farm",
+                "--synthetic",
+                "6",
+                "--image-size",
+                &SIZE.to_string(),
+            ])
+            .args(["-p", "1", "--progress", "never", "--output"])
+            .arg(&out)
+            .stdin(Stdio::null()),
+        Duration::from_secs(120),
+    );
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert!(lines(&out).iter().any(|l| l["input"] == "synthetic:5"));
 }

@@ -4,7 +4,7 @@
 use std::collections::HashMap;
 use std::io::{BufRead, BufReader};
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -179,6 +179,34 @@ fn assert_one_line_error(args: &[&str], hint: &str) {
     assert_eq!(lines.len(), 1, "{args:?}: expected one line, got:\n{err}");
     assert!(lines[0].starts_with("error: "), "{err}");
     assert!(lines[0].contains(hint), "{args:?}: {err} lacks {hint:?}");
+}
+
+/// Runs `cmd` to its end, killing it after `limit` (the test then fails on its status).
+pub(crate) fn output_within(cmd: &mut Command, limit: Duration) -> Output {
+    let child = cmd
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = child.id() as i32;
+    let finished = Arc::new(AtomicBool::new(false));
+    let f = finished.clone();
+    std::thread::spawn(move || {
+        let start = Instant::now();
+        while !f.load(Ordering::SeqCst) {
+            if start.elapsed() > limit {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+    });
+    let o = child.wait_with_output().unwrap();
+    finished.store(true, Ordering::SeqCst);
+    o
 }
 
 /// Whether process `pid` is gone (or a zombie) within a minute.

@@ -10,11 +10,11 @@
 
 use std::collections::HashMap;
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::{Command, Output, Stdio};
 use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
-use super::{children, count_lines, run, tmp, EXE};
+use super::{children, count_lines, output_within, run, tmp, EXE};
 
 /// The packages, pinned: the library the server loads is this onnxruntime's.
 const PACKAGES: &[&str] = &["numpy", "onnx==1.23.2", "onnxruntime==1.31.1"];
@@ -177,6 +177,8 @@ fn onnx_models_score_as_onnxruntime_python_does() {
         ("classifier_f16", 1e-2),
         ("two_outputs", 1e-5),
         ("any_size", 1e-5),
+        // Its weights in external.bin beside it: read by the server, put into the model.
+        ("external", 1e-5),
     ] {
         let model = models.join(format!("{name}.onnx"));
         let want = reference(python, lib, &model, &images);
@@ -320,6 +322,11 @@ fn unfit_models_are_refused_in_one_line_before_anything_starts() {
         ("corrupt", "cannot load it"),
         ("huge", "over the limit"),
         ("missing", "No such file"),
+        // External data outside the model's folder: refused by the server itself, naming the
+        // tensor, whatever ONNX Runtime's version would do.
+        ("escape_absolute", "\"w1\": its data file"),
+        ("escape_parent", "is not a path inside the model's folder"),
+        ("escape_link", "leads outside the model's folder"),
     ] {
         let model = models.join(format!("{name}.onnx"));
         let m = model.to_str().unwrap();
@@ -395,4 +402,236 @@ fn without_onnx_runtime_the_error_says_how_to_get_it() {
         .unwrap();
     assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
     assert_eq!(count_lines(&dir.path().join("r.jsonl")), 4);
+}
+
+/// A farm of `model` over `images`, to its end (a two-minute watchdog), with `extra` flags.
+fn farm_over(lib: &Path, model: &Path, images: &Path, out: &Path, extra: &[&str]) -> Output {
+    output_within(
+        tp(lib)
+            .args(["farm", "--input"])
+            .arg(images)
+            .arg("--model")
+            .arg(model)
+            .args(["-p", "2", "--stall-secs", "30", "--progress", "never"])
+            .args(extra)
+            .arg("--output")
+            .arg(out),
+        Duration::from_secs(120),
+    )
+}
+
+/// A model whose every image's scores hold NaN, an infinity and a negative infinity: each
+/// input gets its line at once, the non-finite scores written as "NaN", "Infinity" and
+/// "-Infinity" among the numbers (no producer killed as stalled, no input redone); with
+/// `--non-finite error`, an error line naming the first such score instead.
+#[test]
+fn non_finite_scores_are_written_as_data_not_taken_for_torn_lines() {
+    let Some((python, lib)) = onnx_env() else {
+        return;
+    };
+    let (dir, models, images) = models_and_images(python);
+    let model = models.join("nonfinite.onnx");
+    let want = reference(python, lib, &models.join("classifier.onnx"), &images);
+    let out = dir.path().join("r.jsonl");
+    let o = farm_over(lib, &model, &images, &out, &[]);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        !stderr.contains("restarting"),
+        "a producer was restarted:\n{stderr}"
+    );
+    let lines: Vec<serde_json::Value> = std::fs::read_to_string(&out)
+        .unwrap()
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(lines.len(), 12, "one line per input");
+    for l in &lines {
+        let s = l["scores"].as_array().unwrap_or_else(|| panic!("{l}"));
+        assert_eq!(s[0], "NaN", "{l}");
+        // The classifier's score times +inf and -inf: an infinity of either sign.
+        for x in &s[1..3] {
+            assert!(x == "Infinity" || x == "-Infinity", "{l}");
+        }
+        // The rest are the classifier's own.
+        let name = Path::new(l["input"].as_str().unwrap()).file_name().unwrap();
+        let expect = &want[name.to_string_lossy().as_ref()];
+        for (got, exp) in s[3..].iter().zip(&expect[3..]) {
+            assert!((got.as_f64().unwrap() as f32 - exp).abs() <= 1e-5, "{l}");
+        }
+        let class = l["class"].as_u64().unwrap() as usize;
+        assert!(s[class] == "Infinity", "{l}");
+    }
+    let o = farm_over(lib, &model, &images, &out, &["--non-finite", "error"]);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(text.lines().count(), 12);
+    for l in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        let e = v["error"].as_str().unwrap_or_else(|| panic!("{l}"));
+        assert!(e.contains("not a finite number (NaN for class 0)"), "{e}");
+        assert!(v.get("scores").is_none(), "{l}");
+    }
+}
+
+/// The external-data model's weights file truncated while a farm serves it (as a deploy tool
+/// rewriting it in place does): the server runs on the weights it read at start, every input
+/// gets its line with the reference's scores, and the change is named in the farm's log.
+#[test]
+fn a_weights_file_truncated_under_a_running_farm_costs_nothing() {
+    let Some((python, lib)) = onnx_env() else {
+        return;
+    };
+    let (dir, models, images) = models_and_images(python);
+    let model = models.join("external.onnx");
+    let data = models.join("external.bin");
+    let want = reference(python, lib, &model, &images);
+    let mut files: Vec<PathBuf> = std::fs::read_dir(&images)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let list: String = (0..60)
+        .flat_map(|_| files.iter())
+        .map(|f| format!("{}\n", f.display()))
+        .collect();
+    let list_file = dir.path().join("list");
+    std::fs::write(&list_file, list).unwrap();
+    let out = dir.path().join("r.jsonl");
+    let mut farm = tp(lib)
+        .args(["farm", "--input-list"])
+        .arg(&list_file)
+        .arg("--model")
+        .arg(&model)
+        .args([
+            "-p",
+            "2",
+            "--in-flight",
+            "2",
+            "--progress",
+            "never",
+            "--output",
+        ])
+        .arg(&out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    let t = Instant::now();
+    while count_lines(&out) < 24 {
+        if t.elapsed() > Duration::from_secs(120) {
+            let _ = farm.kill();
+            panic!("the farm wrote no 24 results in 2 minutes");
+        }
+        std::thread::sleep(Duration::from_millis(5));
+    }
+    std::fs::OpenOptions::new()
+        .write(true)
+        .open(&data)
+        .unwrap()
+        .set_len(0)
+        .unwrap();
+    let pid = farm.id() as i32;
+    let watchdog = std::thread::spawn(move || {
+        let t = Instant::now();
+        while t.elapsed() < Duration::from_secs(180) {
+            if std::fs::metadata(format!("/proc/{pid}")).is_err() {
+                return;
+            }
+            std::thread::sleep(Duration::from_millis(100));
+        }
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    });
+    let o = farm.wait_with_output().unwrap();
+    let _ = watchdog.join();
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{stderr}");
+    assert!(
+        !stderr.contains("server-0 ended"),
+        "the server died:\n{stderr}"
+    );
+    check_against(&out, 720, &want, 1e-5);
+    assert!(
+        stderr.contains("changed under the running server")
+            && stderr.contains("external.bin: 0 bytes"),
+        "the change was not named:\n{stderr}"
+    );
+}
+
+/// An ONNX Runtime older than the oldest the server runs with is refused in one line, naming
+/// its version and how to get a newer one, before it is set up (1.22 aborts the process on the
+/// sessions the server opens). The library comes from PyPI's wheel; without PyPI the test says
+/// so and skips.
+#[test]
+fn an_onnx_runtime_too_old_is_refused_in_one_line() {
+    let Some((python, _)) = onnx_env() else {
+        return;
+    };
+    let target = Path::new(EXE).parent().unwrap().parent().unwrap();
+    let dir = target.join("onnxruntime-1.22.0");
+    let lib = dir.join("libonnxruntime.so.1.22.0");
+    if !lib.is_file() {
+        let fetched = Command::new(python)
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--quiet",
+                "--no-deps",
+                "--only-binary=:all:",
+            ])
+            .args(["--disable-pip-version-check", "--retries", "2", "-d"])
+            .arg(&dir)
+            .arg("onnxruntime==1.22.0")
+            .status()
+            .is_ok_and(|s| s.success());
+        let unpacked = fetched
+            && Command::new(python)
+                .arg("-c")
+                .arg(
+                    "import glob, sys, zipfile\n\
+                     w = zipfile.ZipFile(glob.glob(sys.argv[1] + '/onnxruntime-1.22.0-*.whl')[0])\n\
+                     open(sys.argv[2], 'wb').write(w.read('onnxruntime/capi/libonnxruntime.so.1.22.0'))",
+                )
+                .arg(&dir)
+                .arg(&lib)
+                .status()
+                .is_ok_and(|s| s.success());
+        if !unpacked {
+            eprintln!("skipped: onnxruntime 1.22.0's wheel could not be fetched from PyPI");
+            return;
+        }
+    }
+    let d = tmp();
+    let models = d.path().join("models");
+    make_models(python, &models);
+    let m = models.join("classifier.onnx");
+    let m = m.to_str().unwrap();
+    for args in [
+        &[
+            "farm",
+            "--synthetic",
+            "4",
+            "--model",
+            m,
+            "--progress",
+            "never",
+        ][..],
+        &["serve", "--model", m],
+    ] {
+        let line = one_line_error(
+            tp(&lib)
+                .args(args)
+                .arg("--socket")
+                .arg(d.path().join("s.sock")),
+        );
+        assert!(
+            line.contains("ONNX Runtime 1.22.0 is older than 1.23.2")
+                && line.contains("scripts/fetch-onnxruntime.sh"),
+            "{line}"
+        );
+    }
 }

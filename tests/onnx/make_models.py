@@ -9,12 +9,18 @@ Taken (input [N, 3, S, S], first output [N, K]):
   classifier_f16.onnx  the same in f16 (input, weights and scores)
   two_outputs.onnx     scores [N, 10] first, then the pooled features [N, 16]
   any_size.onnx        the classifier with its image sides left dynamic [N, 3, ?, ?]
+  external.onnx        the classifier with its weights in external.bin beside it
+  nonfinite.onnx       the classifier whose scores are multiplied by [NaN, inf, -inf, 1, ...]:
+                       every image's scores hold NaN and infinities
 Refused:
   fixed_batch.onnx     [8, 3, S, S]: no dynamic batch axis
   two_inputs.onnx      an image and a second input
   int_input.onnx       an int64 image
   rank3.onnx           [N, 3, S*S]
   bad_output.onnx      first output [N, 10, 1]
+  escape_absolute.onnx external.onnx with its data named by an absolute path to ../outside.bin
+  escape_parent.onnx   the same named "../outside.bin"
+  escape_link.onnx     the same named "outside_link.bin", a symbolic link to ../outside.bin
 """
 
 import os
@@ -109,8 +115,35 @@ def main():
             [image], [helper.make_tensor_value_info("out", f32, ["N", 10, 1])],
             w32 + [numpy_helper.from_array(np.array([2], np.int64), "axes")], "bad_output"),
     }
+    nonfinite = np.ones(10, np.float32)
+    nonfinite[:3] = [np.nan, np.inf, -np.inf]
+    models["nonfinite"] = model(
+        body("images") + [helper.make_node("Mul", ["scores", "odd"], ["out"])],
+        [image], [helper.make_tensor_value_info("out", f32, ["N", 10])],
+        w32 + [numpy_helper.from_array(nonfinite, "odd")], "nonfinite")
     for name, m in models.items():
         onnx.save(m, os.path.join(out, f"{name}.onnx"))
+    # The classifier with its weights in a file beside it, and copies of it whose data file
+    # lies outside the model's folder, named three ways.
+    external = model(body("images"), [image], [scores], w32, "external")
+    onnx.save(external, os.path.join(out, "external.onnx"), save_as_external_data=True,
+              all_tensors_to_one_file=True, location="external.bin", size_threshold=0)
+    outside = os.path.join(os.path.dirname(os.path.abspath(out)), "outside.bin")
+    with open(os.path.join(out, "external.bin"), "rb") as src, open(outside, "wb") as dst:
+        dst.write(src.read())
+    link = os.path.join(out, "outside_link.bin")
+    if not os.path.lexists(link):
+        os.symlink(outside, link)
+    for name, location in [("escape_absolute", outside), ("escape_parent", "../outside.bin"),
+                           ("escape_link", "outside_link.bin")]:
+        m = onnx.load(os.path.join(out, "external.onnx"), load_external_data=False)
+        for t in m.graph.initializer:
+            for entry in t.external_data:
+                if entry.key == "location":
+                    entry.value = location
+        onnx.save(m, os.path.join(out, f"{name}.onnx"))
+        models[name] = m
+    models["external"] = external
     print(" ".join(sorted(models)))
 
 

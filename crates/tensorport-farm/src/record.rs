@@ -12,17 +12,31 @@ use tensorport_vision::Source;
 pub struct ResultLine {
     /// Position of the input in the input list.
     pub index: u64,
-    /// The file, or `synthetic:N`.
+    /// The file as it was given, or `synthetic:N` for generated image N ([`InputName`]: a file
+    /// whose name would read as a generated image is written `./synthetic:N`).
     pub input: String,
+    /// The file name's bytes, where they are not UTF-8 (`input` then shows each byte that is
+    /// not as U+FFFD); absent otherwise.
+    #[serde(skip_serializing_if = "Option::is_none", default)]
+    pub input_bytes: Option<Vec<u8>>,
     /// Index of the highest score (absent on error).
     #[serde(skip_serializing_if = "Option::is_none", default)]
     pub class: Option<usize>,
-    /// Class scores (logits), exactly as the model computed them.
-    #[serde(skip_serializing_if = "Option::is_none", default)]
+    /// Class scores (logits), exactly as the model computed them; a score that is not a finite
+    /// number is the string `"NaN"`, `"Infinity"` or `"-Infinity"` ([`score_form`]).
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        default,
+        with = "score_form::scores"
+    )]
     pub scores: Option<Vec<f32>>,
     /// In place of `scores` when only the best are kept ([`Keep::Top`]): `[class, score]` pairs,
     /// the highest score first.
-    #[serde(skip_serializing_if = "Option::is_none", default)]
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        default,
+        with = "score_form::top"
+    )]
     pub top_k: Option<Vec<(usize, f32)>>,
     /// What went wrong for this input, if anything.
     #[serde(skip_serializing_if = "Option::is_none", default)]
@@ -67,19 +81,64 @@ impl std::ops::AddAssign for StageTimes {
     }
 }
 
-/// Index of the largest score.
+/// How an input is named in its result line: `input` is the file's path as given, or
+/// `synthetic:N`; a file whose path would read as `synthetic:N` gets `./` in front (the same
+/// file), so the two never look alike; a path that is not UTF-8 is shown lossily in `input`,
+/// its exact bytes in `input_bytes`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct InputName {
+    pub input: String,
+    pub input_bytes: Option<Vec<u8>>,
+}
+
+impl InputName {
+    pub fn of(source: &Source) -> InputName {
+        use std::os::unix::ffi::OsStrExt;
+        match source {
+            Source::Synthetic(n) => InputName {
+                input: format!("synthetic:{n}"),
+                input_bytes: None,
+            },
+            Source::File(p) => {
+                let bytes = p.as_os_str().as_bytes();
+                let (text, exact) = match std::str::from_utf8(bytes) {
+                    Ok(t) => (t.to_string(), true),
+                    Err(_) => (String::from_utf8_lossy(bytes).into_owned(), false),
+                };
+                let input = if text.starts_with("synthetic:") {
+                    format!("./{text}")
+                } else {
+                    text
+                };
+                InputName {
+                    input,
+                    input_bytes: (!exact).then(|| bytes.to_vec()),
+                }
+            }
+        }
+    }
+}
+
+/// Index of the largest score, NaN left out (`None` where every score is NaN, or none).
 pub fn argmax(v: &[f32]) -> Option<usize> {
     v.iter()
         .enumerate()
+        .filter(|(_, s)| !s.is_nan())
         .max_by(|a, b| a.1.total_cmp(b.1))
         .map(|(i, _)| i)
 }
 
 /// The `k` highest scores as `(class, score)`, the highest first (equal scores: the lower
-/// class first).
+/// class first; NaN after every number).
 pub fn top_k(v: &[f32], k: usize) -> Vec<(usize, f32)> {
     let mut all: Vec<(usize, f32)> = v.iter().copied().enumerate().collect();
-    let by_score = |a: &(usize, f32), b: &(usize, f32)| b.1.total_cmp(&a.1).then(a.0.cmp(&b.0));
+    let key = |s: f32| if s.is_nan() { f32::NEG_INFINITY } else { s };
+    let by_score = |a: &(usize, f32), b: &(usize, f32)| {
+        key(b.1)
+            .total_cmp(&key(a.1))
+            .then(a.1.is_nan().cmp(&b.1.is_nan()))
+            .then(a.0.cmp(&b.0))
+    };
     if k < all.len() {
         all.select_nth_unstable_by(k, by_score);
         all.truncate(k);
@@ -97,6 +156,135 @@ pub enum Keep {
     /// The `k` highest, with their classes (`top_k`): for models with many classes, or
     /// embeddings whose lines would otherwise be large.
     Top(usize),
+}
+
+/// What a result line holds when the model gives a score that is not a finite number (NaN,
+/// an infinity: an f16 model that overflows, a division by zero in the graph).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum NonFinite {
+    /// The scores as they are, each non-finite one as the string `"NaN"`, `"Infinity"` or
+    /// `"-Infinity"` (the form of protobuf's JSON mapping); "class" is the largest score that
+    /// is not NaN.
+    #[default]
+    Strings,
+    /// An error line for that input, naming the first such score.
+    Error,
+}
+
+impl NonFinite {
+    pub fn name(self) -> &'static str {
+        match self {
+            NonFinite::Strings => "strings",
+            NonFinite::Error => "error",
+        }
+    }
+}
+
+/// The first score of `v` that is not a finite number, as `(class, score)`.
+pub fn first_non_finite(v: &[f32]) -> Option<(usize, f32)> {
+    v.iter().copied().enumerate().find(|(_, s)| !s.is_finite())
+}
+
+/// Scores in result lines: a finite score as a JSON number, the others as the strings `"NaN"`,
+/// `"Infinity"` and `"-Infinity"`, so that every value the model gives travels and reads back
+/// (JSON has no number for them; serde_json would write `null`).
+pub mod score_form {
+    use serde::de::{self, Deserializer, Visitor};
+    use serde::ser::Serializer;
+    use serde::{Deserialize, Serialize};
+
+    /// One score in its JSON form.
+    #[derive(Debug, Clone, Copy, PartialEq)]
+    pub struct Score(pub f32);
+
+    /// The string a non-finite score is written as.
+    pub fn name(x: f32) -> Option<&'static str> {
+        if x.is_nan() {
+            Some("NaN")
+        } else if x == f32::INFINITY {
+            Some("Infinity")
+        } else if x == f32::NEG_INFINITY {
+            Some("-Infinity")
+        } else {
+            None
+        }
+    }
+
+    impl Serialize for Score {
+        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
+            match name(self.0) {
+                Some(n) => s.serialize_str(n),
+                None => s.serialize_f32(self.0),
+            }
+        }
+    }
+
+    impl<'de> Deserialize<'de> for Score {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Score, D::Error> {
+            struct V;
+            impl Visitor<'_> for V {
+                type Value = Score;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a number, \"NaN\", \"Infinity\" or \"-Infinity\"")
+                }
+                fn visit_f64<E: de::Error>(self, v: f64) -> Result<Score, E> {
+                    Ok(Score(v as f32))
+                }
+                fn visit_i64<E: de::Error>(self, v: i64) -> Result<Score, E> {
+                    Ok(Score(v as f32))
+                }
+                fn visit_u64<E: de::Error>(self, v: u64) -> Result<Score, E> {
+                    Ok(Score(v as f32))
+                }
+                fn visit_str<E: de::Error>(self, v: &str) -> Result<Score, E> {
+                    match v {
+                        "NaN" => Ok(Score(f32::NAN)),
+                        "Infinity" => Ok(Score(f32::INFINITY)),
+                        "-Infinity" => Ok(Score(f32::NEG_INFINITY)),
+                        _ => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
+                    }
+                }
+            }
+            d.deserialize_any(V)
+        }
+    }
+
+    /// `Option<Vec<f32>>` as a list of [`Score`]s.
+    pub mod scores {
+        use super::*;
+
+        pub fn serialize<S: Serializer>(v: &Option<Vec<f32>>, s: S) -> Result<S::Ok, S::Error> {
+            v.as_ref()
+                .map(|v| v.iter().map(|&x| Score(x)).collect::<Vec<_>>())
+                .serialize(s)
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<f32>>, D::Error> {
+            Ok(Option::<Vec<Score>>::deserialize(d)?.map(|v| v.into_iter().map(|s| s.0).collect()))
+        }
+    }
+
+    /// `Option<Vec<(usize, f32)>>` as a list of `[class, Score]` pairs.
+    pub mod top {
+        use super::*;
+
+        pub fn serialize<S: Serializer>(
+            v: &Option<Vec<(usize, f32)>>,
+            s: S,
+        ) -> Result<S::Ok, S::Error> {
+            v.as_ref()
+                .map(|v| v.iter().map(|&(c, x)| (c, Score(x))).collect::<Vec<_>>())
+                .serialize(s)
+        }
+
+        pub fn deserialize<'de, D: Deserializer<'de>>(
+            d: D,
+        ) -> Result<Option<Vec<(usize, f32)>>, D::Error> {
+            Ok(Option::<Vec<(usize, Score)>>::deserialize(d)?
+                .map(|v| v.into_iter().map(|(c, s)| (c, s.0)).collect()))
+        }
+    }
 }
 
 /// A row of scores as a result's payload: little-endian `f32`s (docs/protocol.md).
@@ -190,18 +378,26 @@ pub struct LineWriter {
     producer: String,
     profile: bool,
     keep: Keep,
+    non_finite: NonFinite,
     written: u64,
 }
 
 impl LineWriter {
     /// Lines for producer `producer`, with stage times if `profile`, keeping `keep` of each
-    /// input's scores.
-    pub fn new(out: Box<dyn Write>, producer: String, profile: bool, keep: Keep) -> LineWriter {
+    /// input's scores, and scores that are not finite numbers as `non_finite` says.
+    pub fn new(
+        out: Box<dyn Write>,
+        producer: String,
+        profile: bool,
+        keep: Keep,
+        non_finite: NonFinite,
+    ) -> LineWriter {
         LineWriter {
             out,
             producer,
             profile,
             keep,
+            non_finite,
             written: 0,
         }
     }
@@ -228,9 +424,11 @@ impl LineWriter {
         t0: Option<Instant>,
         stages: Option<StageTimes>,
     ) -> std::io::Result<()> {
+        let name = InputName::of(source);
         let line = ResultLine {
             index,
-            input: source.to_string(),
+            input: name.input,
+            input_bytes: name.input_bytes,
             class: None,
             scores: None,
             top_k: None,
@@ -258,7 +456,16 @@ impl LineWriter {
         stages.result_ms = ms(submitted.elapsed());
         let (scores, error) = match result {
             Ok(b) => match scores_from_bytes(&b) {
-                Some(s) => (Some(s), None),
+                Some(s) => match (self.non_finite, first_non_finite(&s)) {
+                    (NonFinite::Error, Some((class, x))) => (
+                        None,
+                        Some(format!(
+                            "the model gave a score that is not a finite number ({} for class {class})",
+                            score_form::name(x).unwrap_or("?")
+                        )),
+                    ),
+                    _ => (Some(s), None),
+                },
                 None => (None, Some("the server sent a malformed result".to_string())),
             },
             Err(e) => (None, Some(e.to_string())),
@@ -270,7 +477,8 @@ impl LineWriter {
         };
         let line = ResultLine {
             index,
-            input,
+            input: input.input,
+            input_bytes: input.input_bytes,
             class,
             scores,
             top_k: top,
@@ -288,7 +496,7 @@ impl LineWriter {
 pub struct Submitted {
     pub index: u64,
     /// The input's name in its line.
-    pub input: String,
+    pub input: InputName,
     /// When its slot or buffer was taken.
     pub taken: Instant,
     /// When it was submitted.
@@ -375,5 +583,96 @@ mod tests {
     fn argmax_takes_the_largest() {
         assert_eq!(argmax(&[0.1, 3.0, -2.0]), Some(1));
         assert_eq!(argmax(&[]), None);
+        // NaN is no score to pick; an infinity is.
+        assert_eq!(argmax(&[0.1, f32::NAN, -2.0]), Some(0));
+        assert_eq!(argmax(&[0.1, f32::INFINITY, f32::NAN]), Some(1));
+        assert_eq!(argmax(&[f32::NAN, f32::NAN]), None);
+        assert_eq!(
+            top_k(&[f32::NAN, 1.0, f32::NEG_INFINITY], 3)
+                .iter()
+                .map(|p| p.0)
+                .collect::<Vec<_>>(),
+            vec![1, 2, 0]
+        );
+    }
+
+    /// A writer's line for `scores` with `non_finite`, read back as JSON.
+    fn line_for(scores: &[f32], keep: Keep, non_finite: NonFinite) -> serde_json::Value {
+        #[derive(Clone)]
+        struct Shared(std::sync::Arc<std::sync::Mutex<Vec<u8>>>);
+        impl Write for Shared {
+            fn write(&mut self, b: &[u8]) -> std::io::Result<usize> {
+                self.0.lock().unwrap().extend_from_slice(b);
+                Ok(b.len())
+            }
+            fn flush(&mut self) -> std::io::Result<()> {
+                Ok(())
+            }
+        }
+        let buf = Shared(Default::default());
+        let mut w = LineWriter::new(Box::new(buf.clone()), "p".into(), false, keep, non_finite);
+        let input = Submitted {
+            index: 4,
+            input: InputName::of(&Source::Synthetic(4)),
+            taken: Instant::now(),
+            submitted: Instant::now(),
+            stages: StageTimes::default(),
+        };
+        w.answered(input, Ok(scores_to_bytes(scores))).unwrap();
+        let text = String::from_utf8(buf.0.lock().unwrap().clone()).unwrap();
+        assert!(text.ends_with('\n') && text.lines().count() == 1, "{text}");
+        // Whatever the scores, the line reads back as a result line.
+        let back: ResultLine = serde_json::from_str(text.trim_end()).unwrap();
+        assert_eq!(back.index, 4);
+        serde_json::from_str(&text).unwrap()
+    }
+
+    #[test]
+    fn non_finite_scores_travel_as_strings_or_make_an_error_line() {
+        let s = [1.5, f32::NAN, f32::INFINITY, f32::NEG_INFINITY, -0.25];
+        let v = line_for(&s, Keep::All, NonFinite::Strings);
+        assert_eq!(
+            v["scores"],
+            serde_json::json!([1.5, "NaN", "Infinity", "-Infinity", -0.25])
+        );
+        assert_eq!(v["class"], 2);
+        let back: ResultLine = serde_json::from_value(v).unwrap();
+        let got = back.scores.unwrap();
+        assert_eq!(got[0], 1.5);
+        assert!(got[1].is_nan());
+        assert_eq!(&got[2..], &s[2..]);
+        let v = line_for(&s, Keep::Top(2), NonFinite::Strings);
+        assert_eq!(v["top_k"], serde_json::json!([[2, "Infinity"], [0, 1.5]]));
+        let v = line_for(&s, Keep::All, NonFinite::Error);
+        assert!(v.get("scores").is_none() && v.get("class").is_none(), "{v}");
+        let e = v["error"].as_str().unwrap();
+        assert!(e.contains("NaN for class 1"), "{e}");
+        // Finite scores are numbers either way.
+        let v = line_for(&[0.5, 2.0], Keep::All, NonFinite::Error);
+        assert_eq!(v["scores"], serde_json::json!([0.5, 2.0]));
+        // A string that names no number is refused.
+        let bad = r#"{"index":1,"input":"a","scores":["nan"],"latency_ms":0,"producer":"p"}"#;
+        assert!(serde_json::from_str::<ResultLine>(bad).is_err());
+    }
+
+    #[test]
+    fn input_names_keep_every_file_apart_from_generated_images() {
+        use std::os::unix::ffi::OsStrExt;
+        let file = |b: &[u8]| Source::File(std::ffi::OsStr::from_bytes(b).into());
+        let n = InputName::of(&Source::Synthetic(5));
+        assert_eq!((n.input.as_str(), n.input_bytes), ("synthetic:5", None));
+        let n = InputName::of(&file(b"synthetic:5"));
+        assert_eq!((n.input.as_str(), n.input_bytes), ("./synthetic:5", None));
+        // `./synthetic:5` is that same file.
+        assert_eq!(n.input.parse::<Source>().unwrap(), file(b"./synthetic:5"));
+        let n = InputName::of(&file(b"/p/a\xff.jpg"));
+        assert_eq!(n.input, "/p/a\u{fffd}.jpg");
+        assert_eq!(n.input_bytes.as_deref(), Some(&b"/p/a\xff.jpg"[..]));
+        // Two names that show alike are told apart by their bytes.
+        let m = InputName::of(&file(b"/p/a\xfe.jpg"));
+        assert_eq!(m.input, n.input);
+        assert_ne!(m.input_bytes, n.input_bytes);
+        let n = InputName::of(&file("/p/é.jpg".as_bytes()));
+        assert_eq!((n.input.as_str(), n.input_bytes), ("/p/é.jpg", None));
     }
 }

@@ -2,6 +2,8 @@
 
 use std::path::PathBuf;
 
+use crate::runtime::MIN_VERSION;
+
 /// Errors of this crate.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -10,7 +12,7 @@ pub enum Error {
     #[error(
         "ONNX Runtime is needed for ONNX models and was not found ({why}); run \
          scripts/fetch-onnxruntime.sh (add --gpu for CUDA), or set TENSORPORT_ORT to a \
-         libonnxruntime.so (1.22 or newer)"
+         libonnxruntime.so ({MIN_VERSION} or newer)"
     )]
     NoRuntime { why: String },
     /// The model file cannot be read.
@@ -20,15 +22,33 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// The model file is larger than any model this takes.
+    /// The ONNX Runtime library found is older than the oldest this runs with.
     #[error(
-        "{path}: {size} bytes, over the limit of {limit} (a single-file ONNX model is at most \
-         2 GiB; models with external weights are not taken)"
+        "{path}: ONNX Runtime {version} is older than {MIN_VERSION}, the oldest tensorport runs \
+         models with; run scripts/fetch-onnxruntime.sh (add --gpu for CUDA), or set \
+         TENSORPORT_ORT to a libonnxruntime.so of {MIN_VERSION} or newer"
+    )]
+    OldRuntime { path: PathBuf, version: String },
+    /// The model, with its external data, is larger than any model this takes.
+    #[error(
+        "{path}: {size} bytes with its external data, over the limit of {limit} (protobuf's \
+         limit for one model)"
     )]
     TooLarge {
         path: PathBuf,
         size: u64,
         limit: u64,
+    },
+    /// The file is not well-formed protobuf, so not an ONNX model.
+    #[error("{path}: cannot load it: not a well-formed ONNX model ({why})")]
+    Malformed { path: PathBuf, why: String },
+    /// A tensor's external data is refused: a file outside the model's folder, not a regular
+    /// file, missing, or too short.
+    #[error("{path}: tensor {tensor:?}: {why}")]
+    ExternalData {
+        path: PathBuf,
+        tensor: String,
+        why: String,
     },
     /// ONNX Runtime could not load the file (corrupt, truncated, not ONNX, an operator it lacks).
     #[error("{path}: ONNX Runtime cannot load it: {why}")]

@@ -9,12 +9,20 @@
 //! - [`model`]: a session on the CPU (or CUDA) that takes a batch of normalised `f32` images
 //!   and returns each image's `K` scores.
 //!
-//! Nothing from the file is trusted: its size is bounded before ONNX Runtime reads it, a file
-//! ONNX Runtime cannot parse is refused with its message, and the graph's declared input and
-//! output are checked before the first batch.
+//! - [`external`]: the model's bytes as ONNX Runtime gets them: the file read once, every
+//!   tensor's external data read by the server from the model's own folder and put inside, so
+//!   ONNX Runtime opens no file itself.
+//!
+//! Nothing from the file is trusted: its size is bounded before it is read, its protobuf walked
+//! with every length checked, its external data confined to its folder, a file ONNX Runtime
+//! cannot parse refused with its message, a library older than [`runtime::MIN_VERSION`] refused
+//! before it is set up, and the graph's declared input and output checked before the first
+//! batch.
 
 mod error;
+pub mod external;
 pub mod model;
+mod proto;
 pub mod runtime;
 pub mod spec;
 

@@ -54,6 +54,8 @@ pub struct OnnxModel {
     /// The side of the images it takes (the graph's, or the options' where it is dynamic).
     image_size: usize,
     path: PathBuf,
+    /// The files it was read from, as they were then; `true` once a change is reported.
+    files: Vec<(crate::external::Stamp, bool)>,
     /// An f16 model's input, converted (kept between batches).
     staging: Vec<f16>,
 }
@@ -69,10 +71,12 @@ impl std::fmt::Debug for OnnxModel {
 
 impl OnnxModel {
     /// Loads ONNX Runtime if need be, opens the model at `path` and checks that it fits the
-    /// server. Every refusal is one line naming the file and the problem.
+    /// server. Every refusal is one line naming the file and the problem. The model and its
+    /// external data are read into memory first ([`crate::external`]): ONNX Runtime opens no
+    /// file.
     pub fn open(path: &Path, opts: &OnnxOptions) -> Result<OnnxModel> {
-        spec::check_file(path)?;
         let env = crate::runtime::environment()?;
+        let model = crate::external::read_model(path)?;
         let invalid = |why: String| Error::Invalid {
             path: path.to_owned(),
             why,
@@ -118,8 +122,9 @@ impl OnnxModel {
                 .map_err(|e| provider_error(opts.provider, e))?,
         };
         let session = builder
-            .commit_from_file(path)
+            .commit_from_memory(&model.bytes)
             .map_err(|e| invalid(e.to_string()))?;
+        let files = model.files.into_iter().map(|s| (s, false)).collect();
         let declared = |outlets: &[ort::value::Outlet]| -> Vec<(String, ort::value::ValueType)> {
             outlets
                 .iter()
@@ -147,8 +152,22 @@ impl OnnxModel {
             provider: opts.provider,
             image_size,
             path: path.to_owned(),
+            files,
             staging: Vec::new(),
         })
+    }
+
+    /// The files the model was read from that changed since (rewritten, truncated, replaced,
+    /// removed), each named with how, once: the model runs on as it was read.
+    pub fn changed_files(&mut self) -> Vec<String> {
+        let mut out = Vec::new();
+        for (stamp, told) in self.files.iter_mut().filter(|(_, told)| !told) {
+            if let Some(how) = stamp.change() {
+                *told = true;
+                out.push(format!("{}: {how}", stamp.path.display()));
+            }
+        }
+        out
     }
 
     /// The model's interface.

@@ -12,7 +12,59 @@ use crate::{Error, Result};
 /// The environment variable naming the library to load.
 pub const ORT_ENV: &str = "TENSORPORT_ORT";
 
-static ENV: OnceLock<std::result::Result<ort::environment::Environment, String>> = OnceLock::new();
+/// The oldest ONNX Runtime this runs models with: the oldest that passes the ONNX tests
+/// (older ones abort the process on the sessions this opens).
+pub const MIN_VERSION: &str = "1.23.2";
+
+/// `a.b.c` as numbers, for comparing (a part that is not a number counts as 0).
+fn parts(v: &str) -> [u64; 3] {
+    let mut out = [0; 3];
+    for (o, p) in out.iter_mut().zip(v.trim().split('.')) {
+        *o = p
+            .chars()
+            .take_while(char::is_ascii_digit)
+            .collect::<String>()
+            .parse()
+            .unwrap_or(0);
+    }
+    out
+}
+
+/// Whether version `v` is [`MIN_VERSION`] or newer.
+pub fn new_enough(v: &str) -> bool {
+    parts(v) >= parts(MIN_VERSION)
+}
+
+/// The version the library at `path` says it is, read before ONNX Runtime is set up (a library
+/// too old for the sessions this opens is refused before it can abort the process).
+fn library_version(path: &std::path::Path) -> std::result::Result<String, String> {
+    let shown = path.display();
+    // SAFETY: loading a shared library runs its initialisers; the file is the ONNX Runtime the
+    // user chose (or the one beside the executable), which the binding loads next all the same.
+    let lib = unsafe { libloading::Library::new(path) }.map_err(|e| format!("{shown}: {e}"))?;
+    type GetBase = unsafe extern "C" fn() -> *const ort::sys::OrtApiBase;
+    // SAFETY: `OrtGetApiBase` takes nothing and returns a pointer to a static table (ONNX
+    // Runtime's C API, stable across versions), or null.
+    let version = unsafe {
+        let get: libloading::Symbol<GetBase> = lib
+            .get(b"OrtGetApiBase\0")
+            .map_err(|_| format!("{shown} is no ONNX Runtime (no OrtGetApiBase)"))?;
+        let base = get();
+        if base.is_null() {
+            return Err(format!("{shown}: OrtGetApiBase gave nothing"));
+        }
+        let s = ((*base).GetVersionString)();
+        if s.is_null() {
+            return Err(format!("{shown}: no version string"));
+        }
+        std::ffi::CStr::from_ptr(s).to_string_lossy().into_owned()
+    };
+    // The binding loads the same library next: it stays loaded for the process.
+    std::mem::forget(lib);
+    Ok(version)
+}
+
+static ENV: OnceLock<std::result::Result<ort::environment::Environment, Failure>> = OnceLock::new();
 
 /// The places looked at, in order: the path an environment variable names (only that one,
 /// where one is set), else the copies beside the executable.
@@ -46,18 +98,30 @@ pub fn library() -> Result<PathBuf> {
     })
 }
 
+/// Why the library could not be set up (kept for the process: each caller gets the same).
+#[derive(Debug, Clone)]
+enum Failure {
+    Missing(String),
+    Old { path: PathBuf, version: String },
+}
+
 /// The process's ONNX Runtime environment, loading the library the first time.
 pub fn environment() -> Result<ort::environment::Environment> {
     ENV.get_or_init(|| {
         let path = library().map_err(|e| match e {
-            Error::NoRuntime { why } => why,
-            e => e.to_string(),
+            Error::NoRuntime { why } => Failure::Missing(why),
+            e => Failure::Missing(e.to_string()),
         })?;
-        let builder = ort::init_from(&path).map_err(|e| format!("{}: {e}", path.display()))?;
+        let version = library_version(&path).map_err(Failure::Missing)?;
+        if !new_enough(&version) {
+            return Err(Failure::Old { path, version });
+        }
+        let builder = ort::init_from(&path)
+            .map_err(|e| Failure::Missing(format!("{}: {e}", path.display())))?;
         let env = builder
             .with_name("tensorport")
             .build()
-            .map_err(|e| format!("{}: {e}", path.display()))?;
+            .map_err(|e| Failure::Missing(format!("{}: {e}", path.display())))?;
         // What goes wrong in a run comes back as its error. ONNX Runtime's own lines — on a GPU
         // an "error" for each cuDNN plan tried and passed over, at every new batch shape — are
         // left out, for the sessions (`OnnxModel::open`) and the execution providers alike.
@@ -65,11 +129,30 @@ pub fn environment() -> Result<ort::environment::Environment> {
         Ok(env)
     })
     .clone()
-    .map_err(|why| Error::NoRuntime { why })
+    .map_err(|f| match f {
+        Failure::Missing(why) => Error::NoRuntime { why },
+        Failure::Old { path, version } => Error::OldRuntime { path, version },
+    })
 }
 
 /// ONNX Runtime's version, loading it if need be.
 pub fn version() -> Result<String> {
     environment()?;
     Ok(ort::info().to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_compare_as_numbers() {
+        assert!(new_enough(MIN_VERSION));
+        for v in ["1.31.1", "1.24.1", "2.0.0", "1.23.10", "1.100.0-dev"] {
+            assert!(new_enough(v), "{v}");
+        }
+        for v in ["1.22.0", "1.23.1", "1.9.9", "0.99.0", "", "garbage"] {
+            assert!(!new_enough(v), "{v}");
+        }
+    }
 }

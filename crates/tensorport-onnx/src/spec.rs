@@ -9,8 +9,7 @@ use ort::value::{TensorElementType, ValueType};
 
 use crate::{Error, Result};
 
-/// The largest model file taken: protobuf's limit for one message (a model with external
-/// weights beside it is not taken).
+/// The largest model taken, its external data included: protobuf's limit for one message.
 pub const MAX_MODEL_BYTES: u64 = 2 << 30;
 
 /// An input or output element type the server hands over.
@@ -158,29 +157,6 @@ pub(crate) fn check(path: &Path, (inputs, outputs): Outlets<'_>) -> Result<Model
     })
 }
 
-/// Refuses a file that is not there, not a regular file, or over [`MAX_MODEL_BYTES`], before
-/// ONNX Runtime reads a byte of it.
-pub(crate) fn check_file(path: &Path) -> Result<()> {
-    let meta = std::fs::metadata(path).map_err(|source| Error::Unreadable {
-        path: path.to_owned(),
-        source,
-    })?;
-    if !meta.is_file() {
-        return Err(Error::Unfit {
-            path: path.to_owned(),
-            why: "not a regular file".into(),
-        });
-    }
-    if meta.len() > MAX_MODEL_BYTES {
-        return Err(Error::TooLarge {
-            path: path.to_owned(),
-            size: meta.len(),
-            limit: MAX_MODEL_BYTES,
-        });
-    }
-    Ok(())
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -283,23 +259,5 @@ mod tests {
             assert!(e.starts_with("m.onnx: ") && e.contains(want), "{want}: {e}");
             assert!(!e.contains('\n'), "{e}");
         }
-    }
-
-    #[test]
-    fn files_are_checked_before_they_are_read() {
-        let dir = std::env::temp_dir().join(format!("tp-onnx-spec-{}", std::process::id()));
-        std::fs::create_dir_all(&dir).unwrap();
-        assert!(matches!(
-            check_file(&dir.join("missing.onnx")),
-            Err(Error::Unreadable { .. })
-        ));
-        assert!(check_file(&dir)
-            .unwrap_err()
-            .to_string()
-            .contains("regular file"));
-        let f = dir.join("m.onnx");
-        std::fs::write(&f, b"x").unwrap();
-        assert!(check_file(&f).is_ok());
-        std::fs::remove_dir_all(&dir).unwrap();
     }
 }

@@ -155,6 +155,7 @@ impl Run {
         let line = ResultLine {
             index,
             input: input.to_string(),
+            input_bytes: None,
             class,
             scores,
             top_k: None,

@@ -204,6 +204,7 @@ mod tests {
             },
             profile: true,
             keep: Keep::Top(5),
+            non_finite: crate::record::NonFinite::Error,
             name: "producer-7".into(),
             timeout: Duration::from_millis(12_345),
             spin: Duration::from_micros(33),

@@ -12,7 +12,7 @@ use tensorport_vision::{JpegDecoder, Source, Transform};
 use serde::{Deserialize, Serialize};
 
 use crate::error::{ConfigError, Result};
-use crate::record::Keep;
+use crate::record::{Keep, NonFinite};
 
 mod data;
 
@@ -436,6 +436,9 @@ pub struct ProduceConfig {
     pub profile: bool,
     /// Which of each input's scores its line keeps.
     pub keep: Keep,
+    /// What its line holds for scores that are not finite numbers.
+    #[serde(default)]
+    pub non_finite: NonFinite,
     /// Name shown in the server's logs and status, and in the result lines.
     pub name: String,
     /// How long to wait for a free slot or a result before giving up.
@@ -591,6 +594,8 @@ pub struct FarmConfig {
     pub profile: bool,
     /// Which of each input's scores its line keeps.
     pub keep: Keep,
+    /// What a line holds for scores that are not finite numbers.
+    pub non_finite: NonFinite,
     /// Log filter of the children.
     pub child_log: String,
     /// How to start the children (`tensorport serve`, `tensorport produce`).

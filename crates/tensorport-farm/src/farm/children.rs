@@ -15,10 +15,24 @@ use crate::config::{Device, FarmConfig, GpuPrep, Inputs, Output, ProduceConfig, 
 use crate::error::{Error, Result};
 
 pub(super) enum Ev {
-    Line { slot: usize, line: String },
-    Eof { slot: usize, generation: u64 },
-    ServerReady { server: usize, generation: u64 },
-    ServerEof { server: usize, generation: u64 },
+    /// A line of producer `slot`'s output; `whole` if it ended with a newline.
+    Line {
+        slot: usize,
+        line: String,
+        whole: bool,
+    },
+    Eof {
+        slot: usize,
+        generation: u64,
+    },
+    ServerReady {
+        server: usize,
+        generation: u64,
+    },
+    ServerEof {
+        server: usize,
+        generation: u64,
+    },
 }
 
 /// Whose output a pump reads.
@@ -141,7 +155,8 @@ pub(super) fn backoff(failures: u32) -> Duration {
     Duration::from_millis((100u64 << failures.min(6)).min(5_000))
 }
 
-/// Sends each line of `r` as an event, then EOF.
+/// Sends each line of `r` as an event (a last one without its newline too, marked as not
+/// whole), then EOF.
 pub(super) fn pump_lines(
     r: impl std::io::Read + Send + 'static,
     tx: Sender<Ev>,
@@ -149,14 +164,25 @@ pub(super) fn pump_lines(
     generation: u64,
 ) {
     std::thread::spawn(move || {
-        for line in BufReader::new(r).lines() {
-            let Ok(line) = line else { break };
+        let mut r = BufReader::new(r);
+        let mut buf = Vec::new();
+        loop {
+            buf.clear();
+            match r.read_until(b'\n', &mut buf) {
+                Ok(0) | Err(_) => break,
+                Ok(_) => {}
+            }
+            let whole = buf.last() == Some(&b'\n');
+            if whole {
+                buf.pop();
+            }
+            let line = String::from_utf8_lossy(&buf).into_owned();
             let ev = match from {
                 OutputOf::Server(server) if line.starts_with("ready") => {
                     Ev::ServerReady { server, generation }
                 }
                 OutputOf::Server(_) => continue,
-                OutputOf::Producer(slot) => Ev::Line { slot, line },
+                OutputOf::Producer(slot) => Ev::Line { slot, line, whole },
             };
             if tx.send(ev).is_err() {
                 return;
@@ -295,6 +321,7 @@ impl Farm {
             prep: cfg.prep,
             profile: cfg.profile,
             keep: cfg.keep,
+            non_finite: cfg.non_finite,
             name: name.to_string(),
             timeout: ProduceConfig::DEFAULT_TIMEOUT,
             spin: ProduceConfig::DEFAULT_SPIN,

@@ -10,6 +10,7 @@ mod balance;
 mod children;
 mod ledger;
 mod lifecycle;
+mod lines;
 mod results;
 mod route;
 mod rundir;

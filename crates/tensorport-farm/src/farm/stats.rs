@@ -84,6 +84,7 @@ mod tests {
         ResultLine {
             index: 0,
             input: "synthetic:0".into(),
+            input_bytes: None,
             class: None,
             scores: None,
             top_k: None,

@@ -13,6 +13,7 @@ use super::balance::{pick_move, Load, Window, MIN_RESULTS};
 use super::children::{describe, unfixable_start, Ev, Farm, State, Worker};
 use super::ledger::Ledger;
 use super::lifecycle::{Restarts, Verdict};
+use super::lines::{self, Line};
 use super::route::{cpu_takes_plain, GpuState, Queue, Side};
 use super::stats::RunStats;
 use super::{ChildRow, ChildState, ResultsFile, Snapshot, Summary};
@@ -360,7 +361,7 @@ impl Supervisor {
         let mut next = Some(first);
         while let Some(ev) = next {
             match ev {
-                Ev::Line { slot, line } => self.on_line(slot, &line, out),
+                Ev::Line { slot, line, whole } => self.on_line(slot, &line, whole, out),
                 Ev::Eof { slot, generation } => self.on_producer_end(slot, generation),
                 Ev::ServerReady { server, generation } => self.on_server_ready(server, generation),
                 Ev::ServerEof { server, generation } => self.on_server_end(server, generation),
@@ -372,9 +373,38 @@ impl Supervisor {
         }
     }
 
-    fn on_line(&mut self, slot: usize, line: &str, out: &mut ResultsFile) {
-        let Ok(r) = serde_json::from_str::<ResultLine>(line) else {
-            return; // a line torn by a kill: the input is redone
+    fn on_line(&mut self, slot: usize, line: &str, whole: bool, out: &mut ResultsFile) {
+        let (r, line) = match lines::read(line, whole) {
+            Line::Result(r) => (r, std::borrow::Cow::Borrowed(line)),
+            Line::Torn => return, // cut by a kill: the input is redone
+            Line::Unreadable { index, why } => {
+                let w = &self.workers[slot];
+                let Some(index) = index.filter(|i| w.assigned.contains(i)) else {
+                    self.farm.report.log(&format!(
+                        "{} wrote a line that is no result line ({why}); left out",
+                        w.name
+                    ));
+                    return;
+                };
+                let name = crate::record::InputName::of(&self.inputs[index as usize]);
+                let r = ResultLine {
+                    index,
+                    input: name.input,
+                    input_bytes: name.input_bytes,
+                    class: None,
+                    scores: None,
+                    top_k: None,
+                    error: Some(format!(
+                        "{} wrote a result for this input that the farm cannot read: {why}",
+                        w.name
+                    )),
+                    latency_ms: 0.0,
+                    producer: w.name.clone(),
+                    stages: None,
+                };
+                let text = serde_json::to_string(&r).expect("a result line serialises");
+                (r, std::borrow::Cow::Owned(text))
+            }
         };
         let (first, withdraw) = self.ledger.result(r.index);
         for (k, w) in self.workers.iter_mut().enumerate() {
@@ -393,7 +423,7 @@ impl Supervisor {
             return;
         }
         self.stats.record(&r);
-        if let Err(e) = out.push(line) {
+        if let Err(e) = out.push(&line) {
             self.failure = Some(e);
             return;
         }

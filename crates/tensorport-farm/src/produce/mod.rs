@@ -33,7 +33,7 @@ pub fn run(cfg: &ProduceConfig) -> Result<u64> {
     };
     let feed = Feed::start(&cfg.inputs, ahead, cfg.read_timeout)?;
     let out = open_output(&cfg.output)?;
-    let mut lines = LineWriter::new(out, cfg.name.clone(), cfg.profile, cfg.keep);
+    let mut lines = LineWriter::new(out, cfg.name.clone(), cfg.profile, cfg.keep, cfg.non_finite);
     match cfg.gpu {
         Some(g) => gpu::run(cfg, g, &feed, &mut lines)?,
         None => cpu::run(cfg, &feed, &mut lines)?,
@@ -132,7 +132,7 @@ fn submitted(
 ) -> Submitted {
     Submitted {
         index,
-        input: source.to_string(),
+        input: crate::record::InputName::of(source),
         taken,
         submitted: Instant::now(),
         stages,

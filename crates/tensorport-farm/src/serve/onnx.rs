@@ -73,6 +73,14 @@ impl Runner {
             .name("onnx-session".into())
             .spawn(move || {
                 for job in todo {
+                    // The model was read into memory at start: a file changed since is named
+                    // (a `stat` of each of its files per batch), and the model runs on as read.
+                    for what in model.changed_files() {
+                        tracing::warn!(
+                            "the model's file changed under the running server ({what}); it \
+                             runs the model as read at start: restart it to serve the new one"
+                        );
+                    }
                     let r = match &job {
                         Job::Host(batch, rows) => model.run(batch, *rows),
                         #[cfg(feature = "cuda")]
