@@ -188,11 +188,16 @@ const LEVELS: [&str; 6] = ["off", "error", "warn", "info", "debug", "trace"];
 /// unknown target and hides every line; it is refused instead.
 /// A duration in seconds: a finite number from 0.001 to a day.
 pub fn parse_seconds(s: &str) -> Result<f64, String> {
-    match s.parse::<f64>() {
-        Ok(v) if (0.001..=86_400.0).contains(&v) => Ok(v),
-        _ => Err(format!("{s:?}: give seconds from 0.001 to 86400")),
-    }
+    tensorport_farm::config::bounds::seconds(s, std::time::Duration::from_millis(1))
+        .map(|d| d.as_secs_f64())
 }
+
+/// The longest duration a flag takes, in the unit a flag counts in.
+pub const MAX_SECS: u64 = tensorport_farm::config::bounds::MAX_DURATION.as_secs();
+/// [`MAX_SECS`] in milliseconds.
+pub const MAX_MS: u64 = MAX_SECS * 1000;
+/// The longest spin, in microseconds.
+pub const MAX_SPIN_US: u64 = tensorport_farm::config::bounds::MAX_SPIN.as_micros() as u64;
 
 pub fn parse_log_filter(s: &str) -> Result<String, String> {
     let hint = "use off, error, warn, info, debug or trace, or directives such as \
@@ -310,7 +315,7 @@ pub struct ModelArgs {
     #[arg(long)]
     pub max_batch: Option<usize>,
     /// How long a batch waits for more requests after its first, in milliseconds.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(0..=MAX_MS))]
     pub max_wait_ms: u64,
     /// Arithmetic of the model's convolutions on the GPU (cuDNN): f32 (no TF32), tf32, bf16 or
     /// f16; the 16-bit ones keep fp32 sums, biases and scores. The CPU model is always f32.

@@ -12,7 +12,7 @@ pub struct Args {
     #[command(flatten)]
     pub socket: SocketArg,
     /// Seconds to wait for the server's answer.
-    #[arg(long, default_value_t = 5)]
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(1..=crate::common::MAX_SECS))]
     pub timeout: u64,
     #[command(subcommand)]
     pub what: What,

@@ -128,7 +128,7 @@ pub struct Args {
     /// A producer that holds inputs but returns no result for this many seconds, while the
     /// server runs, is taken as hung (stopped, deadlocked in its preprocessing): the farm kills
     /// it, restarts it and hands its inputs out again.
-    #[arg(long, default_value_t = 60.0, value_name = "SECONDS")]
+    #[arg(long, default_value_t = 60.0, value_name = "SECONDS", value_parser = crate::common::parse_seconds)]
     pub stall_secs: f64,
     #[command(flatten)]
     pub hand_over: HandOverArgs,
@@ -196,7 +196,7 @@ impl Args {
             threads: self.threads,
             socket: self.socket.clone(),
             max_restarts: self.max_restarts,
-            stall: Duration::from_secs_f64(self.stall_secs.max(0.0)),
+            stall: Duration::from_secs_f64(self.stall_secs),
             ready: self.hand_over.ready,
             prep: self.hand_over.prep_options(),
             profile: self.hand_over.profile,

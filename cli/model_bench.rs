@@ -23,7 +23,7 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', default_value = "32,256")]
     pub batch: Vec<usize>,
     /// How long to measure each row, in seconds (after three warm-up batches).
-    #[arg(long, default_value_t = 3.0)]
+    #[arg(long, default_value_t = 3.0, value_parser = crate::common::parse_seconds)]
     pub seconds: f64,
     /// On a GPU, also measure every convolution run by cuDNN apart from its bias, residual
     /// and ReLU (a kernel of ours after each): no fused cuDNN call, and the first layer on

@@ -46,10 +46,10 @@ pub struct Args {
     #[arg(long, default_value = "producer")]
     pub name: String,
     /// How long to wait for a free slot or a result before giving up, in seconds.
-    #[arg(long, default_value_t = ProduceConfig::DEFAULT_TIMEOUT.as_secs())]
+    #[arg(long, default_value_t = ProduceConfig::DEFAULT_TIMEOUT.as_secs(), value_parser = clap::value_parser!(u64).range(1..=crate::common::MAX_SECS))]
     pub timeout: u64,
     /// Microseconds to poll for results before sleeping on the doorbell (see `serve --spin-us`).
-    #[arg(long, default_value_t = ProduceConfig::DEFAULT_SPIN.as_micros() as u64)]
+    #[arg(long, default_value_t = ProduceConfig::DEFAULT_SPIN.as_micros() as u64, value_parser = clap::value_parser!(u64).range(0..=crate::common::MAX_SPIN_US))]
     pub spin_us: u64,
     /// A file whose read has not returned after this many seconds (a hung network mount, say)
     /// gets an error line, "hung while reading"; the inputs after it wait for the read.

@@ -39,7 +39,7 @@ pub struct Args {
     pub threads: Option<usize>,
     /// Microseconds to poll the producers' queues before sleeping on their doorbells: more costs
     /// CPU while idle and saves the wake-up (tens of µs) when work comes soon.
-    #[arg(long, default_value_t = ServeConfig::DEFAULT_SPIN.as_micros() as u64)]
+    #[arg(long, default_value_t = ServeConfig::DEFAULT_SPIN.as_micros() as u64, value_parser = clap::value_parser!(u64).range(0..=crate::common::MAX_SPIN_US))]
     pub spin_us: u64,
     /// Serve Prometheus metrics on http://ADDR/metrics (e.g. 127.0.0.1:9464; port 0 picks a free
     /// one): the counters of `ctl status`, batch sizes, model time per batch and request service
@@ -61,7 +61,7 @@ pub struct Args {
     /// GPU producers' device tensors (--device cuda): milliseconds a batch waits for a
     /// producer's "ready" fence. A tensor still not signalled then is failed (FenceTimeout) and
     /// its producer's session ended, so a producer that never signals cannot stall the others.
-    #[arg(long, default_value_t = ServeConfig::DEFAULT_FENCE_TIMEOUT.as_millis() as u64, value_name = "MS")]
+    #[arg(long, default_value_t = ServeConfig::DEFAULT_FENCE_TIMEOUT.as_millis() as u64, value_name = "MS", value_parser = clap::value_parser!(u64).range(1..=crate::common::MAX_MS))]
     pub fence_timeout_ms: u64,
     /// The whole configuration as one JSON document, in place of the flags above (how
     /// `tensorport farm` starts its servers).

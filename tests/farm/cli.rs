@@ -327,3 +327,88 @@ fn developer_tools_are_their_own_executable() {
         }
     }
 }
+
+/// Durations and counts at the ends of their types, or not numbers at all, are refused as they
+/// are read — exit 2 with a sentence saying what to give — never a panic further in; a
+/// configuration document goes through the same checks and names a field it does not know.
+#[test]
+fn durations_and_counts_out_of_range_are_refused_not_panics() {
+    let max = "18446744073709551615";
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &["produce", "--synthetic", "1", "--timeout", max],
+            "1..=604800",
+        ),
+        (
+            &["produce", "--synthetic", "1", "--spin-us", max],
+            "0..=1000000",
+        ),
+        (
+            &["produce", "--synthetic", "1", "--read-timeout", "inf"],
+            "give seconds",
+        ),
+        (
+            &["farm", "--synthetic", "4", "--stall-secs", "1e30"],
+            "give seconds",
+        ),
+        (
+            &["farm", "--synthetic", "4", "--stall-secs", "inf"],
+            "give seconds",
+        ),
+        (
+            &["farm", "--synthetic", "4", "--stall-secs", "NaN"],
+            "give seconds",
+        ),
+        (&["model-bench", "--seconds", "inf"], "give seconds"),
+        (&["serve", "--fence-timeout-ms", max], "1..=604800000"),
+        (&["serve", "--max-wait-ms", max], "0..=604800000"),
+        (&["ctl", "--timeout", max, "status"], "1..=604800"),
+        (
+            &["serve", "--image-size", "16384"],
+            "image size 16384 is out of range",
+        ),
+        (
+            &["farm", "--synthetic", "4", "--image-size", "1099511627776"],
+            "out of range",
+        ),
+    ];
+    for (args, want) in cases {
+        let o = Command::new(EXE)
+            .args(*args)
+            .env("TENSORPORT_SOCKET", "/nonexistent/tp.sock")
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{args:?}: {err}");
+        assert!(
+            err.contains(want) && !err.contains("panicked"),
+            "{args:?}: {err}"
+        );
+    }
+    // A document with a field the configuration lacks, or a timeout past the end of time.
+    let doc = r#"{"socket":"/nonexistent/tp.sock","inputs":{"Synthetic":1},"output":"Stdout","image_size":32,"in_flight":2,"ready":false,"prep":{"transform":"Standard","jpeg_decoder":"zune-jpeg","max_pixels":64000000,"dct_scaling":false,"coarse_progressive":true,"pixels":"F32","gpu_upsampling":"replicate"},"profile":false,"keep":"All","name":"p","timeout":{"secs":60,"nanos":0},"spin":{"secs":0,"nanos":20000},"read_timeout":{"secs":10,"nanos":0},"gpu":null}"#;
+    let huge = doc.replace(
+        r#""timeout":{"secs":60,"nanos":0}"#,
+        r#""timeout":{"secs":18446744073709551615,"nanos":0}"#,
+    );
+    let unknown = doc.replacen('{', r#"{"slotz":4,"#, 1);
+    for (data, want) in [(huge, "timeout"), (unknown, "unknown field `slotz`")] {
+        let o = Command::new(EXE)
+            .args(["produce", "--config-data", &data])
+            .stdin(Stdio::null())
+            .output()
+            .unwrap();
+        let err = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "{err}");
+        assert!(err.contains(want) && !err.contains("panicked"), "{err}");
+    }
+    // The document itself is sound: only the socket is missing.
+    let o = Command::new(EXE)
+        .args(["produce", "--config-data", doc])
+        .stdin(Stdio::null())
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(err.contains("no tensorport server"), "{err}");
+}

@@ -82,6 +82,13 @@ pub enum ConfigError {
     /// An ONNX model that cannot be run: no ONNX Runtime, or a file the server cannot take.
     #[error("{0}")]
     Onnx(#[from] tensorport_onnx::Error),
+    /// A duration or count outside its bounds ([`crate::config::bounds`]).
+    #[error("{field} {value} is out of range: give {range}")]
+    OutOfRange {
+        field: &'static str,
+        value: String,
+        range: String,
+    },
     /// A weights file given with an ONNX model (whose weights are in the file).
     #[error("an ONNX model carries its own weights: give no weights file with it")]
     WeightsForOnnx,

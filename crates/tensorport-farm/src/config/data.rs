@@ -13,9 +13,12 @@ impl ProduceConfig {
         serde_json::to_string(self).expect("a configuration serialises")
     }
 
-    /// A configuration from [`ProduceConfig::to_data`]'s document.
+    /// A configuration from [`ProduceConfig::to_data`]'s document: every field known, each
+    /// within its bounds ([`ProduceConfig::check`], as for flags).
     pub fn from_data(data: &str) -> Result<ProduceConfig, ConfigError> {
-        serde_json::from_str(data).map_err(|e| ConfigError::Data(e.to_string()))
+        let c: ProduceConfig = decode(data)?;
+        c.check()?;
+        Ok(c)
     }
 }
 
@@ -25,10 +28,18 @@ impl ServeConfig {
         serde_json::to_string(self).expect("a configuration serialises")
     }
 
-    /// A configuration from [`ServeConfig::to_data`]'s document.
+    /// A configuration from [`ServeConfig::to_data`]'s document: every field known, each within
+    /// its bounds ([`ServeConfig::check`], as for flags).
     pub fn from_data(data: &str) -> Result<ServeConfig, ConfigError> {
-        serde_json::from_str(data).map_err(|e| ConfigError::Data(e.to_string()))
+        let c: ServeConfig = decode(data)?;
+        c.check()?;
+        Ok(c)
     }
+}
+
+/// A document read as `T`, every field known; not checked.
+fn decode<T: serde::de::DeserializeOwned>(data: &str) -> Result<T, ConfigError> {
+    serde_json::from_str(data).map_err(|e| ConfigError::Data(e.to_string()))
 }
 
 /// A path as the OS has it: a string where it is UTF-8, else its bytes (a list of numbers), so
@@ -88,6 +99,7 @@ pub(super) mod model_config {
     use tensorport_dfdx::ModelConfig;
 
     #[derive(Serialize, Deserialize)]
+    #[serde(deny_unknown_fields)]
     struct Form {
         image_size: usize,
         classes: usize,
@@ -181,6 +193,7 @@ mod tests {
     use std::time::Duration;
 
     use super::super::*;
+    use super::decode;
     use crate::record::Keep;
 
     /// A producer's configuration with every field away from its default.
@@ -257,7 +270,7 @@ mod tests {
             tensorport_nvjpeg::Upsampling::default(),
             p.prep.gpu_upsampling
         );
-        let back = ProduceConfig::from_data(&p.to_data()).unwrap();
+        let back = decode::<ProduceConfig>(&p.to_data()).unwrap();
         assert_eq!(back, p);
         // The other inputs and outputs too.
         for (inputs, output) in [
@@ -271,20 +284,20 @@ mod tests {
                 keep: Keep::All,
                 ..producer()
             };
-            assert_eq!(ProduceConfig::from_data(&q.to_data()).unwrap(), q);
+            assert_eq!(decode::<ProduceConfig>(&q.to_data()).unwrap(), q);
         }
     }
 
     #[test]
     fn every_field_of_a_servers_configuration_round_trips() {
         let s = server();
-        assert_eq!(ServeConfig::from_data(&s.to_data()).unwrap(), s);
+        assert_eq!(decode::<ServeConfig>(&s.to_data()).unwrap(), s);
         for kind in [ModelKind::Classifier, ModelKind::None] {
             let mut t = server();
             t.model.kind = kind;
             t.model.precision = None;
             t.model.device = Device::Cpu;
-            assert_eq!(ServeConfig::from_data(&t.to_data()).unwrap(), t);
+            assert_eq!(decode::<ServeConfig>(&t.to_data()).unwrap(), t);
         }
     }
 
@@ -302,22 +315,84 @@ mod tests {
             output: Output::File(odd(b"\x80.jsonl")),
             ..producer()
         };
-        assert_eq!(ProduceConfig::from_data(&p.to_data()).unwrap(), p);
+        assert_eq!(decode::<ProduceConfig>(&p.to_data()).unwrap(), p);
         let mut s = server();
         s.socket = odd(b"\xc3");
         s.model.kind = ModelKind::Onnx(odd(b"\xff.onnx"));
         s.model.weights = Some(odd(b"\xfa.safetensors"));
-        assert_eq!(ServeConfig::from_data(&s.to_data()).unwrap(), s);
+        assert_eq!(decode::<ServeConfig>(&s.to_data()).unwrap(), s);
     }
 
     #[test]
     fn a_document_that_is_not_a_configuration_is_refused_with_why() {
-        let e = ServeConfig::from_data("{\"socket\": 3}").unwrap_err();
+        let e = decode::<ServeConfig>("{\"socket\": 3}").unwrap_err();
         assert!(matches!(e, ConfigError::Data(_)), "{e}");
         let bad = producer()
             .to_data()
             .replace("\"zune-jpeg\"", "\"no-such-decoder\"");
-        let e = ProduceConfig::from_data(&bad).unwrap_err();
+        let e = decode::<ProduceConfig>(&bad).unwrap_err();
         assert!(e.to_string().contains("no-such-decoder"), "{e}");
+    }
+
+    /// A consistent producer and server, as a farm hands its children.
+    fn sound() -> (ProduceConfig, ServeConfig) {
+        let p = ProduceConfig {
+            gpu: None,
+            ..producer()
+        };
+        let s = ServeConfig::new("/run/x/tp.sock", ModelOptions::default());
+        (p, s)
+    }
+
+    #[test]
+    fn documents_pass_the_checks_flags_pass_and_name_no_unknown_field() {
+        let (p, s) = sound();
+        assert_eq!(ProduceConfig::from_data(&p.to_data()).unwrap(), p);
+        assert_eq!(ServeConfig::from_data(&s.to_data()).unwrap(), s);
+        // A field the configuration does not have, at the top and inside.
+        let extra = p.to_data().replacen('{', "{\"slotz\":3,", 1);
+        let e = ProduceConfig::from_data(&extra).unwrap_err().to_string();
+        assert!(e.contains("unknown field `slotz`"), "{e}");
+        let extra = s.to_data().replace("\"seed\":", "\"sead\":1,\"seed\":");
+        let e = ServeConfig::from_data(&extra).unwrap_err().to_string();
+        assert!(e.contains("unknown field `sead`"), "{e}");
+        let extra = s.to_data().replace("\"width\":", "\"depth\":1,\"width\":");
+        assert!(ServeConfig::from_data(&extra).is_err());
+        // Values out of bounds: each refused with its field named, none panics later.
+        let huge = "{\"secs\":18446744073709551615,\"nanos\":999999999}";
+        // The document with the value at `pointer` (a JSON pointer) replaced.
+        let at = |doc: String, pointer: &str, value: &str| {
+            let mut v: serde_json::Value = serde_json::from_str(&doc).unwrap();
+            *v.pointer_mut(pointer).unwrap() = serde_json::from_str(value).unwrap();
+            v.to_string()
+        };
+        for (field, value, want) in [
+            ("/timeout", huge, "timeout"),
+            ("/read_timeout", huge, "read_timeout"),
+            ("/spin", huge, "spin"),
+            ("/in_flight", "0", "in_flight 0"),
+            ("/image_size", "1099511627776", "image size"),
+            ("/image_size", "0", "image size"),
+            ("/prep/max_pixels", "0", "max_pixels 0"),
+        ] {
+            let e = ProduceConfig::from_data(&at(p.to_data(), field, value))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{field}={value}: {e}");
+        }
+        for (field, value, want) in [
+            ("/model/max_wait", huge, "max_wait"),
+            ("/fence_timeout", huge, "fence_timeout"),
+            ("/slots", "0", "slots 0"),
+            ("/workers", "0", "workers 0"),
+            ("/max_sessions", "0", "max_sessions 0"),
+            ("/model/config/image_size", "1099511627776", "image size"),
+            ("/model/max_batch", "0", "largest batch"),
+        ] {
+            let e = ServeConfig::from_data(&at(s.to_data(), field, value))
+                .unwrap_err()
+                .to_string();
+            assert!(e.contains(want), "{field}={value}: {e}");
+        }
     }
 }

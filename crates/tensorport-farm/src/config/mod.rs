@@ -14,7 +14,10 @@ use serde::{Deserialize, Serialize};
 use crate::error::{ConfigError, Result};
 use crate::record::{Keep, NonFinite};
 
+pub mod bounds;
 mod data;
+
+use bounds::{duration, within, MAX_DURATION, MAX_IMAGE_SIZE, MAX_IN_FLIGHT, MAX_THREADS};
 
 /// Where the model runs.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -173,6 +176,7 @@ impl TransformKind {
 
 /// The model, and how the server runs it; server and producers must agree on the image size.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ModelOptions {
     pub kind: ModelKind,
     /// Image size, classes, width.
@@ -271,6 +275,8 @@ impl ModelOptions {
         if !(1..=crate::MAX_BATCH).contains(&self.max_batch) {
             return Err(ConfigError::MaxBatch);
         }
+        within("image size", self.config.image_size, 1, MAX_IMAGE_SIZE)?;
+        duration("max_wait", self.max_wait, Duration::ZERO, MAX_DURATION)?;
         if let Some(p) = self.precision.filter(|&p| p != Precision::F32) {
             if !self.device.is_cuda() {
                 return Err(ConfigError::PrecisionNeedsGpu(p));
@@ -296,6 +302,12 @@ impl ModelOptions {
             ..Default::default()
         };
         let model = tensorport_onnx::OnnxModel::open(path, &opts)?;
+        within(
+            "the model's image size",
+            model.image_size(),
+            1,
+            MAX_IMAGE_SIZE,
+        )?;
         self.config.image_size = model.image_size();
         self.config.classes = model.spec().classes;
         Ok(())
@@ -332,6 +344,7 @@ impl ModelOptions {
 
 /// How a producer prepares an image on the CPU.
 #[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct PrepOptions {
     pub transform: TransformKind,
     #[serde(with = "data::jpeg_decoder")]
@@ -365,6 +378,11 @@ impl Default for PrepOptions {
 }
 
 impl PrepOptions {
+    /// Refuses options out of their bounds.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        within("max_pixels", self.max_pixels, 1, 1 << 40)
+    }
+
     /// A CPU preprocessor for images of `size`×`size`.
     pub fn preprocessor(&self, size: u32) -> Result<tensorport_vision::Preprocessor, ConfigError> {
         let mut p = self.cpu_preprocessor(size);
@@ -404,6 +422,7 @@ pub enum Output {
 
 /// Decoding on the GPU (nvJPEG), handing over device memory.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct GpuPrep {
     /// The GPU's ordinal.
     pub ordinal: u32,
@@ -420,6 +439,7 @@ pub const DEFAULT_READ_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// One producer process.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ProduceConfig {
     #[serde(with = "data::path")]
     pub socket: PathBuf,
@@ -452,6 +472,39 @@ pub struct ProduceConfig {
 }
 
 impl ProduceConfig {
+    /// Refuses a configuration out of its bounds ([`bounds`]), before anything starts: what
+    /// the command line and a configuration document give alike.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        if self.image_size == 0 {
+            return Err(ConfigError::ImageSize);
+        }
+        within("image size", self.image_size, 1, MAX_IMAGE_SIZE)?;
+        within("in_flight", self.in_flight, 1, MAX_IN_FLIGHT)?;
+        let ms = Duration::from_millis(1);
+        duration("timeout", self.timeout, ms, MAX_DURATION)?;
+        duration("read_timeout", self.read_timeout, ms, MAX_DURATION)?;
+        duration("spin", self.spin, Duration::ZERO, bounds::MAX_SPIN)?;
+        within(
+            "name length",
+            self.name.len(),
+            0,
+            tensorport::wire::MAX_NAME_LEN,
+        )?;
+        if let Keep::Top(k) = self.keep {
+            within("top_k", k, 1, usize::MAX)?;
+        }
+        self.prep.check()?;
+        if let Some(g) = self.gpu {
+            if !(1..=tensorport::wire::MAX_DEVICE_BUFFERS).contains(&self.in_flight)
+                || !(1..=self.in_flight as usize).contains(&g.batch)
+            {
+                return Err(ConfigError::GpuInFlight);
+            }
+            within("cpu_threads", g.cpu_threads, 0, MAX_THREADS)?;
+        }
+        Ok(())
+    }
+
     /// How long a producer waits for a free slot or a result before giving up.
     pub const DEFAULT_TIMEOUT: Duration = Duration::from_secs(60);
     /// How long a producer polls for results before sleeping on its doorbell.
@@ -460,6 +513,7 @@ impl ProduceConfig {
 
 /// The inference server.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
 pub struct ServeConfig {
     #[serde(with = "data::path")]
     pub socket: PathBuf,
@@ -489,6 +543,34 @@ pub struct ServeConfig {
 }
 
 impl ServeConfig {
+    /// Refuses a configuration out of its bounds ([`bounds`]) or whose model options contradict
+    /// each other, before anything starts: what the command line and a configuration document
+    /// give alike.
+    pub fn check(&self) -> Result<(), ConfigError> {
+        self.model.check()?;
+        within("slots", self.slots, 1, MAX_IN_FLIGHT)?;
+        if let Some(b) = self.slot_size {
+            within("slot_size", b, 1, 1 << 40)?;
+        }
+        within("max_sessions", self.max_sessions, 1, bounds::MAX_SESSIONS)?;
+        for (field, b) in [
+            ("memory_budget", self.memory_budget),
+            ("max_session_memory", self.max_session_memory),
+        ] {
+            if let Some(b) = b {
+                within(field, b, 1, u64::MAX)?;
+            }
+        }
+        if let Some(t) = self.threads {
+            within("threads", t, 1, MAX_THREADS)?;
+        }
+        within("workers", self.workers, 1, MAX_THREADS)?;
+        duration("spin", self.spin, Duration::ZERO, bounds::MAX_SPIN)?;
+        let ms = Duration::from_millis(1);
+        duration("fence_timeout", self.fence_timeout, ms, MAX_DURATION)?;
+        Ok(())
+    }
+
     /// Slots per producer unless it asks otherwise.
     pub const DEFAULT_SLOTS: u32 = 8;
     /// Producers at once.
@@ -670,6 +752,21 @@ impl FarmConfig {
             return Err(ConfigError::GpuInFlight);
         }
         self.model.check()?;
+        self.prep.check()?;
+        within("in_flight", self.in_flight, 1, MAX_IN_FLIGHT)?;
+        within("workers", self.workers, 1, MAX_THREADS)?;
+        if let Some(t) = self.threads {
+            within("threads", t, 1, MAX_THREADS)?;
+        }
+        duration(
+            "stall",
+            self.stall,
+            Duration::from_millis(100),
+            MAX_DURATION,
+        )?;
+        if let Keep::Top(k) = self.keep {
+            within("top_k", k, 1, usize::MAX)?;
+        }
         // An attached server's model and device are its own business.
         if on_gpu && !attached && !cfg!(feature = "cuda") {
             return Err(ConfigError::NoCudaBuild);

@@ -23,9 +23,7 @@ use crate::record::{LineWriter, Submitted};
 
 /// Runs a producer until its inputs end; returns how many lines it wrote.
 pub fn run(cfg: &ProduceConfig) -> Result<u64> {
-    if cfg.image_size == 0 {
-        return Err(ConfigError::ImageSize.into());
-    }
+    cfg.check()?;
     // A GPU producer takes a batch at a time: room for two.
     let ahead = match cfg.gpu {
         Some(g) => 2 * g.batch.max(1),

@@ -43,7 +43,7 @@ pub fn run(cfg: &ServeConfig, stop: &Stop) -> Result<()> {
             .build_global()
             .map_err(|e| ConfigError::Threads(e.to_string()))?;
     }
-    cfg.model.check()?;
+    cfg.check()?;
     // An ONNX model decides the image size; a model that does not fit fails here, before the
     // socket listens.
     let mut cfg = cfg.clone();
@@ -99,7 +99,7 @@ where
     let mut cfg = cfg.clone();
     // The model is the caller's: nothing of `cfg.model`'s own is loaded.
     cfg.model.kind = ModelKind::Classifier;
-    cfg.model.check()?;
+    cfg.check()?;
     serve_on(
         &cfg,
         stop,
