@@ -93,40 +93,6 @@ pub struct Args {
     pub nixl_device: bool,
 }
 
-/// The interface holding `ip`: `lo` for a loopback address, else the one `getifaddrs` lists
-/// with it; `None` for an address that is every interface, or one no interface has.
-fn interface_of(ip: std::net::IpAddr) -> Option<String> {
-    if ip.is_unspecified() {
-        return None;
-    }
-    let found = nix::ifaddrs::getifaddrs().ok()?.find(|i| {
-        i.address.as_ref().is_some_and(|a| {
-            a.as_sockaddr_in().map(|v4| std::net::IpAddr::V4(v4.ip())) == Some(ip)
-                || a.as_sockaddr_in6().map(|v6| std::net::IpAddr::V6(v6.ip())) == Some(ip)
-        })
-    });
-    match found {
-        Some(i) => Some(i.interface_name),
-        None if ip.is_loopback() => Some("lo".into()),
-        None => None,
-    }
-}
-
-/// Confines UCX (NIXL's transport, in this process) to `iface` through `UCX_NET_DEVICES`,
-/// unless the operator set that; says which applies. Called before any thread that reads the
-/// environment starts.
-fn confine_ucx(iface: Option<&str>) {
-    match (std::env::var("UCX_NET_DEVICES"), iface) {
-        (Ok(set), _) => tracing::info!("NIXL's UCX uses UCX_NET_DEVICES={set} as set"),
-        (Err(_), Some(iface)) => {
-            // No other thread reads the environment yet.
-            std::env::set_var("UCX_NET_DEVICES", iface);
-            tracing::info!("NIXL's UCX is confined to {iface}")
-        }
-        (Err(_), None) => {}
-    }
-}
-
 pub fn run(a: Args) -> CliResult<ExitCode> {
     let token = Token::read(&a.token.token_file)?;
     let tls = match (&a.tls_cert, &a.tls_key) {
@@ -168,10 +134,10 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
         nixl_interface: a
             .nixl_interface
             .clone()
-            .or_else(|| interface_of(a.listen.ip())),
+            .or_else(|| super::ucx::interface_of(a.listen.ip())),
         nixl_device: a.nixl_device,
     };
-    confine_ucx(cfg.nixl_interface.as_deref());
+    super::ucx::confine(cfg.nixl_interface.as_deref());
     let io_threads = a.io_threads.unwrap_or_else(|| {
         std::thread::available_parallelism()
             .map(|n| n.get())

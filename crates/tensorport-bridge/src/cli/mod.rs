@@ -4,6 +4,7 @@ pub mod gateway;
 pub mod inputs;
 pub mod produce;
 pub mod token;
+pub mod ucx;
 
 use std::path::PathBuf;
 use std::process::ExitCode;

@@ -107,6 +107,11 @@ pub struct Args {
     /// server as device tensors; its server must run on a GPU (`serve --device cuda`).
     #[arg(long, value_name = "ORDINAL", requires = "transport")]
     pub gpu: Option<u32>,
+    /// With --transport nixl: the network interface NIXL's UCX may listen and connect on (its
+    /// `UCX_NET_DEVICES`, unless that is set) [default: the interface this host reaches the
+    /// gateway by; `lo` for a gateway on loopback]. UCX left alone listens on every interface.
+    #[arg(long, value_name = "IFACE", requires = "transport")]
+    pub nixl_interface: Option<String>,
 }
 
 /// How tensors travel.
@@ -304,6 +309,21 @@ pub fn run(a: Args) -> CliResult<ExitCode> {
     };
     // Refused before anything is prepared or sent.
     tensorport_bridge::remote::check_transport(&cfg).map_err(|e| CliError::usage(e.to_string()))?;
+    if a.transport == Transport::Nixl {
+        // Before NIXL's agent (and any thread) starts.
+        let iface = a
+            .nixl_interface
+            .clone()
+            .or_else(|| super::ucx::interface_towards(&a.gateway));
+        if iface.is_none() && std::env::var_os("UCX_NET_DEVICES").is_none() {
+            return Err(CliError::usage(format!(
+                "--transport nixl: cannot tell which network interface reaches {}; give \
+                 --nixl-interface (UCX would listen on every one)",
+                a.gateway
+            )));
+        }
+        super::ucx::confine(iface.as_deref());
+    }
     let out: Box<dyn Write> = if a.output.as_os_str() == "-" {
         Box::new(std::io::stdout().lock())
     } else {

@@ -190,6 +190,55 @@ fn the_gateways_ucx_listens_only_on_the_flight_interface() {
     );
 }
 
+/// A NIXL producer confines its own UCX to the interface it reaches the gateway by (loopback
+/// here): what it listens on during its stream is on loopback only, where UCX left alone
+/// listens on the machine's network address.
+#[test]
+fn a_nixl_producers_ucx_listens_only_towards_its_gateway() {
+    let Some(env) = nixl_env() else { return };
+    let f = Fixture::with(&[], env);
+    let mut p = f
+        .producer(
+            "nixl-own-listen",
+            3000,
+            &["--transport", "nixl", "--batch", "1"],
+        )
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let pid = p.id();
+    let t = Instant::now();
+    let mut seen: Vec<std::net::SocketAddr> = Vec::new();
+    while t.elapsed() < Duration::from_secs(60) {
+        if let Ok(Some(_)) = p.try_wait() {
+            break;
+        }
+        for a in listening(pid) {
+            if !seen.contains(&a) {
+                seen.push(a);
+            }
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    }
+    if t.elapsed() >= Duration::from_secs(60) {
+        let _ = p.kill();
+    }
+    let o = p.wait_with_output().unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "{err}\n{}", f.gateway_log());
+    assert!(!seen.is_empty(), "UCX's listener was never seen");
+    assert!(
+        seen.iter().all(|a| match a.ip() {
+            std::net::IpAddr::V4(v4) => v4.is_loopback(),
+            std::net::IpAddr::V6(v6) => {
+                v6.is_loopback() || v6.to_ipv4_mapped().is_some_and(|v4| v4.is_loopback())
+            }
+        }),
+        "the producer listens beyond loopback: {seen:?}"
+    );
+    assert_each_input_once(&f.lines("nixl-own-listen"), 3000);
+}
+
 /// A gateway listening on every address was not told which interface NIXL may use: it
 /// refuses NIXL streams, saying how to allow them, and serves Flight streams as before.
 #[test]
