@@ -63,6 +63,8 @@ pub(crate) struct Conn {
     authed: AtomicBool,
     /// It has sent at least one byte.
     heard: AtomicBool,
+    /// It made a call without the token.
+    refused: AtomicBool,
     /// It was closed to make room for another.
     evicted: AtomicBool,
     /// Wakes its stream's task when it is evicted.
@@ -101,15 +103,22 @@ impl Open {
         }
     }
 
-    /// Closes the connection that has waited longest of those `covered` that have not shown
-    /// the token, those that have sent nothing first; its place is free at once (its stream
-    /// ends when its task wakes). Whether there was one.
+    /// Closes, of the connections `covered` that have not shown the token, one that made a
+    /// call without it, else one that has sent nothing, else the one that has waited longest;
+    /// its place is free at once (its stream ends when its task wakes). Whether there was one.
+    /// A producer with the token, still in its handshake, is thus the last to go.
     fn evict(&mut self, covered: impl Fn(&SocketAddr) -> bool) -> bool {
         let victim = self
             .by_addr
             .iter()
             .filter(|(a, c)| covered(a) && !c.authed())
-            .min_by_key(|(_, c)| (c.heard.load(Ordering::Relaxed), c.opened))
+            .min_by_key(|(_, c)| {
+                (
+                    !c.refused.load(Ordering::Relaxed),
+                    c.heard.load(Ordering::Relaxed),
+                    c.opened,
+                )
+            })
             .map(|(a, _)| *a);
         let Some(addr) = victim else {
             return false;
@@ -132,6 +141,14 @@ impl Admissions {
     pub(crate) fn admit(&self, peer: Option<SocketAddr>) {
         if let Some(conn) = peer.and_then(|p| self.lock().by_addr.get(&p).cloned()) {
             conn.authed.store(true, Ordering::Relaxed);
+        }
+    }
+
+    /// Marks the connection from `peer` as one that made a call without the token: the first
+    /// to make room when a cap is reached.
+    pub(crate) fn refuse(&self, peer: Option<SocketAddr>) {
+        if let Some(conn) = peer.and_then(|p| self.lock().by_addr.get(&p).cloned()) {
+            conn.refused.store(true, Ordering::Relaxed);
         }
     }
 
@@ -168,6 +185,7 @@ impl Admissions {
         let conn = Arc::new(Conn {
             authed: AtomicBool::new(false),
             heard: AtomicBool::new(false),
+            refused: AtomicBool::new(false),
             evicted: AtomicBool::new(false),
             waker: AtomicWaker::new(),
             opened: Instant::now(),
@@ -424,5 +442,27 @@ mod tests {
         a.leave(p(ip, 5), &next);
         assert_eq!(a.open(), 4);
         assert!(!authed.evicted.load(Ordering::Relaxed));
+    }
+
+    #[test]
+    fn a_connection_that_called_without_the_token_goes_before_one_still_in_its_handshake() {
+        let a = Admissions::default();
+        let limits = limits(8, 3);
+        let ip = [127, 0, 0, 1];
+        // A producer in its handshake, then two connections of a flood: one silent, one that
+        // made its call without the token.
+        let producer = a.enter(p(ip, 1), &limits).unwrap().0;
+        producer.heard.store(true, Ordering::Relaxed);
+        std::thread::sleep(Duration::from_millis(5));
+        let silent = a.enter(p(ip, 2), &limits).unwrap().0;
+        let caller = a.enter(p(ip, 3), &limits).unwrap().0;
+        caller.heard.store(true, Ordering::Relaxed);
+        a.refuse(Some(p(ip, 3)));
+        let _next = a.enter(p(ip, 4), &limits).unwrap().0;
+        assert!(caller.evicted.load(Ordering::Relaxed));
+        assert!(!silent.evicted.load(Ordering::Relaxed));
+        let _after = a.enter(p(ip, 5), &limits).unwrap().0;
+        assert!(silent.evicted.load(Ordering::Relaxed));
+        assert!(!producer.evicted.load(Ordering::Relaxed));
     }
 }

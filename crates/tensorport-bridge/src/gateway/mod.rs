@@ -186,6 +186,8 @@ impl Gateway {
             return Ok(());
         }
         self.counters.refused.fetch_add(1, Ordering::Relaxed);
+        // The first to make room should a cap be reached.
+        self.admissions.refuse(req.remote_addr());
         let peer = peer_of(req);
         tracing::warn!(%peer, "refused a call without the gateway's token");
         Err(Status::unauthenticated(

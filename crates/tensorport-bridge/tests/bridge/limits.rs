@@ -346,6 +346,85 @@ fn a_flood_of_tokenless_connections_does_not_lock_producers_out() {
     );
 }
 
+/// A fast flood of connections from the producers' own address that each make a call without
+/// the token (as a client with no token or a wrong one does) and stay open, reconnecting at
+/// once: the address's cap is full the whole time, yet every single attempt of a producer with
+/// the token (`--retries 0`) gets through — the connections that called without the token make
+/// room first, never one still in its handshake.
+#[test]
+fn single_attempts_get_through_a_flood_of_tokenless_calls() {
+    let f = Fixture::with_gateway_args(&[
+        "--max-connections".into(),
+        "64".into(),
+        "--max-connections-per-host".into(),
+        "8".into(),
+    ]);
+    let url = f.url.clone();
+    let stop = Arc::new(AtomicBool::new(false));
+    let called = Arc::new(std::sync::atomic::AtomicU32::new(0));
+    let flood = {
+        let (stop, called) = (stop.clone(), called.clone());
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(async {
+                let mut open = std::collections::VecDeque::new();
+                let start = Instant::now();
+                // Bounded in count and time.
+                while !stop.load(Ordering::Relaxed)
+                    && called.load(Ordering::Relaxed) < 20_000
+                    && start.elapsed() < Duration::from_secs(120)
+                {
+                    let endpoint = tonic::transport::Endpoint::from_shared(url.clone()).unwrap();
+                    if let Ok(channel) = endpoint.connect().await {
+                        let mut c = arrow_flight::FlightClient::new(channel);
+                        let refused = c.list_flights(Vec::<u8>::new()).await.is_err();
+                        if refused {
+                            called.fetch_add(1, Ordering::Relaxed);
+                        }
+                        open.push_back(c);
+                    }
+                    if open.len() > 16 {
+                        open.pop_front();
+                    }
+                }
+            })
+        })
+    };
+    wait_until(
+        "the flood to fill the address's cap",
+        Duration::from_secs(60),
+        || called.load(Ordering::Relaxed) >= 20,
+    );
+    let mut failed = Vec::new();
+    for k in 0..10 {
+        let name = format!("single-{k}");
+        let o = f
+            .producer(&name, 4, &["--retries", "0"])
+            .stdin(std::process::Stdio::null())
+            .output()
+            .unwrap();
+        if !o.status.success() {
+            failed.push(String::from_utf8_lossy(&o.stderr).into_owned());
+        } else {
+            assert_each_input_once(&f.lines(&name), 4);
+        }
+    }
+    stop.store(true, Ordering::Relaxed);
+    flood.join().unwrap();
+    let calls = called.load(Ordering::Relaxed);
+    assert!(calls >= 20, "the flood made only {calls} calls");
+    assert!(
+        failed.is_empty(),
+        "{} of 10 single attempts failed: {failed:?}",
+        failed.len()
+    );
+    assert!(
+        f.gateway_log().contains("to make room"),
+        "the cap was never full: {}",
+        f.gateway_log()
+    );
+}
+
 /// The gateway's resident memory in KiB.
 fn rss_kib(pid: u32) -> u64 {
     status_kib(pid, "VmRSS")
