@@ -395,4 +395,53 @@ mod tests {
             assert!(e.contains(want), "{field}={value}: {e}");
         }
     }
+
+    proptest::proptest! {
+        /// Any number in any numeric field of a sound document: the document is refused, or
+        /// every duration it holds can be added to now (nothing past it panics).
+        #[test]
+        fn any_number_anywhere_is_refused_or_safe(
+            k in 0usize..64,
+            secs in proptest::prelude::any::<u64>(),
+            n in proptest::prelude::any::<u64>(),
+        ) {
+            let (p, s) = sound();
+            for doc in [p.to_data(), s.to_data()] {
+                let mut v: serde_json::Value = serde_json::from_str(&doc).unwrap();
+                let mut numbers = Vec::new();
+                fn walk(v: &serde_json::Value, at: String, out: &mut Vec<String>) {
+                    match v {
+                        serde_json::Value::Number(_) => out.push(at),
+                        serde_json::Value::Object(m) => {
+                            for (key, x) in m {
+                                walk(x, format!("{at}/{key}"), out)
+                            }
+                        }
+                        serde_json::Value::Array(a) => {
+                            for (i, x) in a.iter().enumerate() {
+                                walk(x, format!("{at}/{i}"), out)
+                            }
+                        }
+                        _ => {}
+                    }
+                }
+                walk(&v, String::new(), &mut numbers);
+                let at = &numbers[k % numbers.len()];
+                let value = if at.ends_with("/secs") { secs } else { n };
+                *v.pointer_mut(at).unwrap() = value.into();
+                let now = std::time::Instant::now();
+                let text = v.to_string();
+                if let Ok(c) = ProduceConfig::from_data(&text) {
+                    for d in [c.timeout, c.spin, c.read_timeout] {
+                        proptest::prop_assert!(now.checked_add(d).is_some());
+                    }
+                }
+                if let Ok(c) = ServeConfig::from_data(&text) {
+                    for d in [c.spin, c.fence_timeout, c.model.max_wait] {
+                        proptest::prop_assert!(now.checked_add(d).is_some());
+                    }
+                }
+            }
+        }
+    }
 }
