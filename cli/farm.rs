@@ -143,6 +143,14 @@ pub struct Args {
     /// Log level of the server and producers (their stderr is shown prefixed with their name).
     #[arg(long, default_value = "warn", value_parser = crate::common::parse_log_filter)]
     pub child_log: String,
+    /// Where the server and GPU producers share a GPU: run them as clients of one CUDA MPS
+    /// server, so their kernels overlap instead of taking turns. auto joins a running MPS
+    /// daemon, else starts a private one for the run (its own pipe folder; quit at the end), and
+    /// goes without where MPS cannot be had, saying why; on refuses to start then; off never
+    /// uses MPS. Under MPS a fatal GPU fault in one process ends the GPU work of all: the farm
+    /// restarts them and redoes their inputs (docs/operations.md).
+    #[arg(long, value_enum, default_value_t = tensorport_farm::mps::MpsMode::Auto)]
+    pub mps: tensorport_farm::mps::MpsMode,
 }
 
 impl Args {
@@ -208,6 +216,7 @@ impl Args {
                 RoutingArg::ByKind => Routing::ByKind,
                 RoutingArg::Shared => Routing::Shared,
             },
+            mps: self.mps,
         };
         if self.in_flight.is_none() {
             cfg.in_flight =

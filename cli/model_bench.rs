@@ -159,6 +159,7 @@ fn onnx(path: &std::path::Path, a: &Args) -> CliResult<()> {
     let opts = tensorport_onnx::OnnxOptions {
         provider,
         image_size: Some(a.model.image_size),
+        tf32: a.model.tf32.on(),
         ..Default::default()
     };
     let mut m = tensorport_onnx::OnnxModel::open(path, &opts)

@@ -78,6 +78,8 @@ pub(crate) fn onnx_on_gpu() {
                     model.to_str().unwrap(),
                 ])
                 .args(["--input", images.to_str().unwrap(), "--progress", "never"])
+                // Scores as exact as the CPU's, to compare with them.
+                .args(["--tf32", "off"])
                 .args(mix)
                 .arg("--output")
                 .arg(&out)

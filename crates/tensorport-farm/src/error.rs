@@ -82,6 +82,10 @@ pub enum ConfigError {
     /// An ONNX model that cannot be run: no ONNX Runtime, or a file the server cannot take.
     #[error("{0}")]
     Onnx(#[from] tensorport_onnx::Error),
+    /// MPS was required and cannot be had (no control program, a compute mode that refuses
+    /// it, a daemon that will not start).
+    #[error("MPS cannot be had: {0}")]
+    Mps(String),
     /// A duration or count outside its bounds ([`crate::config::bounds`]).
     #[error("{field} {value} is out of range: give {range}")]
     OutOfRange {

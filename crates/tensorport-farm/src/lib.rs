@@ -9,6 +9,8 @@
 //! - [`produce`]: the CPU and GPU producer loops on one skeleton.
 //! - [`serve`]: the inference server and its [`serve::BatchLoop`].
 //! - [`farm`]: the supervisor of servers and producers, reporting through [`farm::Report`].
+//! - [`mps`]: CUDA's Multi-Process Service for a run's GPU processes (join, or a private
+//!   daemon), so they share the GPU instead of taking turns.
 //! - [`process`]: [`process::Stop`], how a caller stops a server or farm (the binary connects
 //!   the signals to it), and dying with the farm.
 //!
@@ -27,6 +29,7 @@ pub mod config;
 mod error;
 pub mod farm;
 pub mod feed;
+pub mod mps;
 pub mod process;
 pub mod produce;
 pub mod record;

@@ -37,13 +37,28 @@ impl Provider {
 }
 
 /// How to open a model.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct OnnxOptions {
     pub provider: Provider,
     /// Threads for the CPU provider's operators [default: ONNX Runtime's, one per core].
     pub threads: Option<usize>,
     /// The side of the images, where the graph leaves it dynamic.
     pub image_size: Option<usize>,
+    /// On a GPU, an f32 model's convolutions and matrix products on TF32 tensor cores (ONNX
+    /// Runtime's and PyTorch's default for convolutions); off for results as exact as the CPU's.
+    pub tf32: bool,
+}
+
+impl Default for OnnxOptions {
+    /// The CPU, ONNX Runtime's threads, the graph's image size, TF32 on a GPU.
+    fn default() -> OnnxOptions {
+        OnnxOptions {
+            provider: Provider::Cpu,
+            threads: None,
+            image_size: None,
+            tf32: true,
+        }
+    }
 }
 
 /// A model ready to run batches.
@@ -109,7 +124,7 @@ impl OnnxModel {
         builder = match opts.provider {
             Provider::Cpu => builder,
             Provider::Cuda(gpu) => builder
-                .with_execution_providers([cuda(gpu).build().error_on_failure()])
+                .with_execution_providers([cuda(gpu, opts.tf32).build().error_on_failure()])
                 .map_err(|e| provider_error(opts.provider, e))?,
             Provider::TensorRt(gpu) => builder
                 .with_execution_providers([
@@ -117,7 +132,7 @@ impl OnnxModel {
                         .with_device_id(gpu as i32)
                         .build()
                         .error_on_failure(),
-                    cuda(gpu).build().error_on_failure(),
+                    cuda(gpu, opts.tf32).build().error_on_failure(),
                 ])
                 .map_err(|e| provider_error(opts.provider, e))?,
         };
@@ -217,6 +232,13 @@ impl OnnxModel {
             }
         };
         scores_of(&outputs, &self.spec, rows)
+    }
+
+    /// Runs a batch of `rows` zero images once, so that what ONNX Runtime plans for that shape
+    /// (on a GPU, cuDNN's measured convolution algorithms) is done before the first real batch.
+    pub fn warm_up(&mut self, rows: usize) -> Result<()> {
+        let zeros = vec![0f32; rows.max(1) * self.image_len()];
+        self.run(&zeros, rows.max(1)).map(drop)
     }
 
     /// The GPU the model runs on, if it does.
@@ -332,15 +354,19 @@ fn scores_of(outputs: &SessionOutputs<'_>, spec: &ModelSpec, rows: usize) -> Res
     Ok(scores.chunks_exact(k).map(<[f32]>::to_vec).collect())
 }
 
-/// The CUDA execution provider as the server runs it: on GPU `gpu`; an f32 model in f32 (no
-/// TF32: the model's precision is its own); cuDNN's convolution algorithms picked by its
-/// heuristics, not measured, since a server's batches come in every size up to its largest and
-/// measuring would stall each new one.
-fn cuda(gpu: u32) -> ort::ep::CUDA {
+/// The CUDA execution provider as the server runs it: on GPU `gpu`; an f32 model's
+/// convolutions on TF32 tensor cores where `tf32`; activations in NHWC, the tensor cores' own
+/// layout (ONNX Runtime transposes at the graph's edges); cuDNN's convolution algorithms
+/// measured (every one tried, with the largest workspace) the first time a session sees its
+/// shape, which [`OnnxModel::warm_up`] does before the server takes work, since each session only
+/// ever runs one shape.
+fn cuda(gpu: u32, tf32: bool) -> ort::ep::CUDA {
     ort::ep::CUDA::default()
         .with_device_id(gpu as i32)
-        .with_tf32(false)
-        .with_conv_algorithm_search(ort::ep::cuda::ConvAlgorithmSearch::Heuristic)
+        .with_tf32(tf32)
+        .with_prefer_nhwc(true)
+        .with_conv_algorithm_search(ort::ep::cuda::ConvAlgorithmSearch::Exhaustive)
+        .with_conv_max_workspace(true)
 }
 
 fn provider_error<T>(p: Provider, e: ort::Error<T>) -> Error {

@@ -37,6 +37,11 @@ impl ServeConfig {
     }
 }
 
+/// `true`, for fields a document may leave out.
+pub(super) fn yes() -> bool {
+    true
+}
+
 /// A document read as `T`, every field known; not checked.
 fn decode<T: serde::de::DeserializeOwned>(data: &str) -> Result<T, ConfigError> {
     serde_json::from_str(data).map_err(|e| ConfigError::Data(e.to_string()))
@@ -248,6 +253,7 @@ mod tests {
                 max_wait: Duration::from_micros(1_500),
                 precision: Some(tensorport_cudnn::Precision::Bf16),
                 ort_provider: OrtProvider::Tensorrt,
+                tf32: false,
             },
             slots: 17,
             slot_size: Some(1 << 20),

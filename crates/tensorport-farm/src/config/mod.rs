@@ -196,6 +196,11 @@ pub struct ModelOptions {
     pub precision: Option<Precision>,
     /// ONNX Runtime's execution provider for an ONNX model on a GPU.
     pub ort_provider: OrtProvider,
+    /// An ONNX model in f32 on a GPU: its convolutions and matrix products on TF32 tensor cores
+    /// (ONNX Runtime's and PyTorch's default for convolutions); off for results as exact as
+    /// the CPU's.
+    #[serde(default = "data::yes")]
+    pub tf32: bool,
 }
 
 /// ONNX Runtime's execution provider for an ONNX model on a GPU.
@@ -239,6 +244,7 @@ impl Default for ModelOptions {
             max_wait: Duration::from_millis(5),
             precision: None,
             ort_provider: OrtProvider::Cuda,
+            tf32: true,
         }
     }
 }
@@ -299,6 +305,7 @@ impl ModelOptions {
         let opts = tensorport_onnx::OnnxOptions {
             threads: Some(1),
             image_size: Some(self.config.image_size),
+            tf32: self.tf32,
             ..Default::default()
         };
         let model = tensorport_onnx::OnnxModel::open(path, &opts)?;
@@ -495,8 +502,8 @@ impl ProduceConfig {
         }
         self.prep.check()?;
         if let Some(g) = self.gpu {
-            if !(1..=tensorport::wire::MAX_DEVICE_BUFFERS).contains(&self.in_flight)
-                || !(1..=self.in_flight as usize).contains(&g.batch)
+            // A batch over the requests in flight is taken as that many.
+            if !(1..=tensorport::wire::MAX_DEVICE_BUFFERS).contains(&self.in_flight) || g.batch == 0
             {
                 return Err(ConfigError::GpuInFlight);
             }
@@ -684,6 +691,8 @@ pub struct FarmConfig {
     pub launcher: Launcher,
     /// Who takes plain JPEGs when the farm has both kinds of producers.
     pub routing: Routing,
+    /// Whether its GPU processes share the GPU through MPS ([`crate::mps`]).
+    pub mps: crate::mps::MpsMode,
 }
 
 /// Who takes plain JPEGs (8-bit sequential, the JPEG engines' kind) in a farm with CPU and GPU
@@ -726,6 +735,31 @@ pub fn default_producers(gpus: usize, cores: usize, nvjpeg: bool) -> (usize, usi
 }
 
 impl FarmConfig {
+    /// The GPUs on which two or more of its processes run (a server and GPU producers, or
+    /// several servers): those MPS lets share the GPU. None for an attached server (its
+    /// process is someone else's).
+    pub fn shared_gpus(&self) -> Vec<u32> {
+        let mut on: Vec<u32> = match &self.servers {
+            Servers::Gpus(list) => list.clone(),
+            Servers::Copies(n) => match self.model.device {
+                Device::Cuda(g) => vec![g; (*n).max(1)],
+                Device::Cpu => Vec::new(),
+            },
+            Servers::Attach { .. } => return Vec::new(),
+        };
+        if on.is_empty() {
+            return on;
+        }
+        let servers = on.len();
+        on.sort_unstable();
+        let mut shared: Vec<u32> = on.clone();
+        shared.dedup();
+        if self.gpu_producers == 0 && shared.len() == servers {
+            return Vec::new();
+        }
+        shared
+    }
+
     /// The GPUs its servers run on (0 on the CPU; an attached server's: 1 if it names one).
     pub fn gpus(&self) -> usize {
         match &self.servers {

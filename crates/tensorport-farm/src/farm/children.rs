@@ -232,6 +232,8 @@ pub(super) struct Farm {
     pub(super) tx: Sender<Ev>,
     /// Each server's last stderr line.
     pub(super) server_said: Vec<Arc<Mutex<String>>>,
+    /// Variables every child gets (the run's MPS daemon, [`crate::mps::Mps::env`]).
+    pub(super) child_env: Vec<(&'static str, std::ffi::OsString)>,
 }
 
 impl Farm {
@@ -252,6 +254,7 @@ impl Farm {
             devices,
             report,
             tx,
+            child_env: Vec::new(),
         }
     }
 
@@ -261,6 +264,7 @@ impl Farm {
             .arg(&self.cfg.child_log)
             .arg(sub)
             .env(crate::process::FARM_PID_ENV, std::process::id().to_string())
+            .envs(self.child_env.iter().map(|(k, v)| (k, v)))
             .stdin(Stdio::null())
             .stdout(Stdio::piped())
             .stderr(Stdio::piped())

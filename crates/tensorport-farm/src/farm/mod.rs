@@ -186,13 +186,31 @@ pub fn run_with(
         }
     };
     let (sockets, devices) = servers(&cfg, &base_socket);
+    // Where two or more of the run's processes share a GPU, they do so through MPS (quit with
+    // this function's return, where the daemon is the run's own).
+    let shared = cfg.shared_gpus();
+    let mut mps = match shared.is_empty() {
+        true => crate::mps::Mps::off(),
+        false => {
+            let m = crate::mps::Mps::start(cfg.mps, &crate::mps::Tools::find(), &shared)?;
+            report.log(&m.describe());
+            m
+        }
+    };
     let (tx, rx) = mpsc::channel();
-    let farm = Farm::new(cfg, sockets, devices, report.clone(), tx);
+    let mut farm = Farm::new(cfg, sockets, devices, report.clone(), tx);
+    farm.child_env = mps.env();
     let stopped = || stop.draining();
     let quit_now = || stop.at_once();
     let started = Instant::now();
     let mut sup = Supervisor::start(farm, inputs, more)?;
-    let mut batches = drive(&mut sup, &rx, &mut out, (&stopped, &quit_now), started)?;
+    let mut batches = drive(
+        &mut sup,
+        &rx,
+        &mut out,
+        (&stopped, &quit_now),
+        (started, &mut mps),
+    )?;
     if let Err(e) = out.flush() {
         sup.failure.get_or_insert(e);
     }
@@ -249,9 +267,10 @@ fn drive(
     rx: &Receiver<Ev>,
     out: &mut ResultsFile,
     (stopped, quit_now): (&dyn Fn() -> bool, &dyn Fn() -> bool),
-    started: Instant,
+    (started, mps): (Instant, &mut crate::mps::Mps),
 ) -> Result<(u64, u64)> {
     let mut last_draw = Instant::now() - Duration::from_secs(1);
+    let mut last_mps = Instant::now();
     let mut batches = (0u64, 0u64);
     let live = sup.farm.report.wants_progress();
     loop {
@@ -269,6 +288,14 @@ fn drive(
         sup.rebalance();
         if sup.is_over() {
             break;
+        }
+        if last_mps.elapsed() >= Duration::from_secs(1) {
+            last_mps = Instant::now();
+            // A private MPS daemon that died is started again; the GPU processes it took down
+            // are restarted as any that end, and their inputs redone.
+            if let Some(what) = mps.revive() {
+                sup.farm.report.log(&what);
+            }
         }
         if last_draw.elapsed() >= Duration::from_millis(250) {
             last_draw = Instant::now();

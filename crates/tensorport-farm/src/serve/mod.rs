@@ -315,7 +315,7 @@ fn load_cuda(
             model.config.image_size,
             model.max_batch,
             gpu,
-            provider,
+            (provider, model.tf32),
         );
     }
     let precision = model.precision.unwrap_or_default();

@@ -191,6 +191,7 @@ pub(super) fn load_on_cpu(
         provider: Provider::Cpu,
         threads,
         image_size: Some(image_size),
+        ..OnnxOptions::default()
     };
     let model = OnnxModel::open(path, &opts).map_err(ConfigError::from)?;
     log_loaded(&model, "ONNX model loaded (ONNX Runtime, CPU)");
@@ -322,34 +323,59 @@ impl Classify<tensorport_dfdx::dfdx::prelude::Cuda> for OnCuda {
     }
 }
 
-/// Opens the model at `path` for a worker on GPU `gpu` with `provider`: a session for each of
-/// [`session_rows`]`(max_batch)`.
+/// Opens the model at `path` for a worker on GPU `gpu` with `provider` (`tf32`: an f32
+/// model's arithmetic): a session for each of [`session_rows`]`(max_batch)`, opened side by side
+/// and each run once on its shape before the server takes work, so that what ONNX Runtime plans
+/// for it (cuDNN's measured convolution algorithms) is paid at start, not by the first batches.
 #[cfg(feature = "cuda")]
 pub(super) fn load_on_cuda(
     path: &Path,
     image_size: usize,
     max_batch: usize,
     gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
-    provider: Provider,
+    (provider, tf32): (Provider, bool),
 ) -> Result<Model<tensorport_dfdx::dfdx::prelude::Cuda>> {
     let opts = OnnxOptions {
         provider,
         threads: None,
         image_size: Some(image_size),
+        tf32,
     };
     let rows = session_rows(max_batch);
+    let t0 = std::time::Instant::now();
+    let opened: Vec<tensorport_onnx::Result<OnnxModel>> = std::thread::scope(|s| {
+        let each: Vec<_> = rows
+            .iter()
+            .map(|&n| {
+                s.spawn(move || {
+                    let mut m = OnnxModel::open(path, &opts)?;
+                    m.warm_up(n)?;
+                    Ok(m)
+                })
+            })
+            .collect();
+        each.into_iter()
+            .map(|h| {
+                h.join().unwrap_or_else(|_| {
+                    Err(tensorport_onnx::Error::Run(
+                        "opening a session panicked".into(),
+                    ))
+                })
+            })
+            .collect()
+    });
     let mut sessions = Vec::with_capacity(rows.len());
-    for &n in &rows {
-        let model = OnnxModel::open(path, &opts).map_err(ConfigError::from)?;
-        if sessions.is_empty() {
-            let how = format!(
-                "ONNX model loaded (ONNX Runtime's {} provider, sessions for batches of {rows:?}; the batch stays on the GPU)",
-                provider.name()
-            );
-            log_loaded(&model, &how);
-        }
-        sessions.push((n, model));
+    for (&n, m) in rows.iter().zip(opened) {
+        sessions.push((n, m.map_err(ConfigError::from)?));
     }
+    let how = format!(
+        "ONNX model loaded (ONNX Runtime's {} provider{}, sessions for batches of {rows:?} \
+         opened and planned in {:.1} s; the batch stays on the GPU)",
+        provider.name(),
+        if tf32 { ", TF32" } else { "" },
+        t0.elapsed().as_secs_f64()
+    );
+    log_loaded(&sessions[0].1, &how);
     let first = &sessions[0].1;
     let half = first.spec().input_elem == tensorport_onnx::Elem::F16;
     let image_len = first.image_len();
