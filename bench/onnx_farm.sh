@@ -22,7 +22,9 @@
 # eager, and under torch.compile with TORCH_COMPILE=1).
 #
 # ALONE=0 leaves out the model alone (measured once, in an earlier run); PIPELINES picks
-# onnx_pipelines.py's pipelines (default: all four).
+# onnx_pipelines.py's pipelines (default: all four). The peers run onnxruntime at its best
+# settings (ORT_SETTINGS=defaults: onnxruntime's own defaults). MPS_MODES lists the farm's --mps
+# modes to run each mix with (default "auto off": with and without MPS).
 #
 # TENSORPORT_ORT names onnxruntime-gpu's libonnxruntime.so; LD_LIBRARY_PATH must reach CUDA 13,
 # cuBLAS and cuDNN 9 (scripts/gpu-env.sh). TENSORPORT_TIMEOUT: seconds any one command may take.
@@ -42,8 +44,11 @@ for m in resnet50 resnet50_f16; do
   "${lim[@]}" "$tp" --log warn model-bench --device cuda --model "$models/$m.onnx" \
     --batch 32,128,256 --seconds 2 | grep '|'
   if [[ ${PEERS:-0} == 1 ]]; then
-    "${lim[@]}" python3 "$here/peers/onnx_model.py" "$models/$m.onnx" --provider cuda \
-      --batch 32,128,256 --seconds 2 | grep '|' || echo "onnx_model.py $m failed"
+    for settings in defaults best; do
+      "${lim[@]}" python3 "$here/peers/onnx_model.py" "$models/$m.onnx" --provider cuda \
+        --settings "$settings" --batch 32,128,256 --seconds 2 | grep '|' \
+        || echo "onnx_model.py $m $settings failed"
+    done
   fi
 done
 if [[ ${PEERS:-0} == 1 && ${ALONE:-1} == 1 ]]; then
@@ -57,11 +62,13 @@ for s in ${SETS:-uniform varied}; do
   for m in none resnet50 resnet50_f16; do
     model=$models/$m.onnx; [[ $m == none ]] && model=none
     for mix in "default" "cpu -p $((cores - 1)) --gpu-producers 0" "gpu -p 0 --gpu-producers 2"; do
-      set -- $mix; name=$1; shift
-      summary=$("${lim[@]}" "$tp" --log warn farm --device cuda --model "$model" "$@" \
-        --input-list "$lists/$s" --progress never -o /dev/null 2>&1 \
-        | grep -E 'throughput|batches' || true)
-      echo "$s, $m, $name: $(echo "$summary" | tr -s ' ' | tr '\n' ' ')"
+      for mps in ${MPS_MODES:-auto off}; do
+        set -- $mix; name=$1; shift
+        summary=$("${lim[@]}" "$tp" --log warn farm --device cuda --model "$model" "$@" \
+          --mps "$mps" --input-list "$lists/$s" --progress never -o /dev/null 2>&1 \
+          | grep -E 'throughput|batches|MPS' || true)
+        echo "$s, $m, $name, mps $mps: $(echo "$summary" | tr -s ' ' | tr '\n' ' ')"
+      done
     done
   done
   if [[ ${PEERS:-0} == 1 ]]; then

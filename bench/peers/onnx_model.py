@@ -5,7 +5,10 @@ printing the same table (batch, engine, precision, ms per batch, images/s) for t
 sizes.
 
 usage: onnx_model.py MODEL.onnx [--batch 32,256] [--seconds 3] [--provider cpu|cuda]
-                     [--image-size S] [--threads N]
+                     [--image-size S] [--threads N] [--settings defaults|best]
+
+--settings (CUDA): onnxruntime's own defaults (TF32 on, exhaustive convolution search), or
+"best" (the default): those with NHWC and the largest convolution workspace.
 
 Needs numpy and onnxruntime (onnxruntime-gpu for --provider cuda; the batch is then bound on
 the GPU with I/O binding, so only the scores cross to the host).
@@ -26,17 +29,21 @@ def main():
     ap.add_argument("--image-size", type=int, default=224,
                     help="where the model leaves the image sides open")
     ap.add_argument("--threads", type=int, default=0, help="intra-op threads (0: one per core)")
+    ap.add_argument("--settings", choices=["defaults", "best"], default="best")
     a = ap.parse_args()
     so = ort.SessionOptions()
     so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
     so.intra_op_num_threads = a.threads
-    providers = ["CUDAExecutionProvider"] if a.provider == "cuda" else ["CPUExecutionProvider"]
+    best = {"prefer_nhwc": 1, "cudnn_conv_use_max_workspace": 1,
+            "cudnn_conv_algo_search": "EXHAUSTIVE", "use_tf32": 1}
+    cuda = ("CUDAExecutionProvider", best if a.settings == "best" else {})
+    providers = [cuda] if a.provider == "cuda" else ["CPUExecutionProvider"]
     s = ort.InferenceSession(a.model, so, providers=providers)
     inp, out = s.get_inputs()[0], s.get_outputs()[0]
     side = inp.shape[2] if isinstance(inp.shape[2], int) else a.image_size
     dtype = np.float16 if inp.type == "tensor(float16)" else np.float32
     precision = "f16" if dtype == np.float16 else "f32"
-    engine = f"onnxruntime-python {a.provider}"
+    engine = f"onnxruntime-python {a.provider}" + (f" ({a.settings})" if a.provider == "cuda" else "")
     print(f"{a.model}: 3x{side}x{side}, on {a.provider} (onnxruntime {ort.__version__}); "
           "scores to the host after each batch")
     print("| batch | engine | precision | ms per batch | images/s |")

@@ -24,6 +24,7 @@ LIST names the files, one per line (the list the farm is given). Needs torch, to
 onnxruntime-gpu (the ort pipelines), nvidia-dali-cuda130 (the dali ones).
 """
 import argparse
+import os
 import time
 
 import torch
@@ -84,6 +85,16 @@ def dali_batches(files, batch, threads):
         yield b[0]["x"]
 
 
+def cuda_options(settings):
+    """The CUDA execution provider's options: onnxruntime's own defaults (TF32 on, exhaustive
+    convolution search), or "best": those with NHWC and the largest convolution workspace."""
+    o = {"device_id": 0}
+    if settings == "best":
+        o.update({"prefer_nhwc": 1, "cudnn_conv_use_max_workspace": 1,
+                  "cudnn_conv_algo_search": "EXHAUSTIVE", "use_tf32": 1})
+    return o
+
+
 class Ort:
     """The ONNX file in onnxruntime-gpu, each batch bound where it lies on the GPU."""
 
@@ -92,8 +103,7 @@ class Ort:
         self.ort = ort
         so = ort.SessionOptions()
         so.log_severity_level = 3
-        providers = [("CUDAExecutionProvider", {"device_id": 0, "use_tf32": 0,
-                                                "cudnn_conv_algo_search": "HEURISTIC"})]
+        providers = [("CUDAExecutionProvider", cuda_options(os.environ.get("ORT_SETTINGS", "best")))]
         self.s = ort.InferenceSession(path, so, providers=providers)
         self.inp, self.out = self.s.get_inputs()[0], self.s.get_outputs()[0]
         self.half = self.inp.type == "tensor(float16)"
