@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorport_farm::config::{default_producers, Device, Routing, Servers, DEFAULT_CPU_PRODUCERS};
+use tensorport_farm::config::{Device, LeftOpen, Machine, Routing, Servers};
 use tensorport_farm::FarmConfig;
 use tensorport_vision::Source;
 
@@ -176,58 +176,49 @@ impl Args {
                 ))
             }
         };
-        let mut cfg = FarmConfig {
-            inputs,
-            producers: self.producers.unwrap_or(DEFAULT_CPU_PRODUCERS),
-            gpu_producers: self.gpu_producers.unwrap_or(0),
-            servers: match &self.attach {
-                Some(socket) => Servers::Attach {
-                    socket: socket.clone(),
-                    gpu: self.attach_gpu,
-                },
-                None if self.devices.is_empty() => Servers::Copies(self.servers),
-                None => Servers::Gpus(self.devices.clone()),
+        let servers = match &self.attach {
+            Some(socket) => Servers::Attach {
+                socket: socket.clone(),
+                gpu: self.attach_gpu,
             },
-            output: self.output.clone(),
-            model: match self.devices.first() {
-                Some(&gpu) => self.model.options_on(Device::Cuda(gpu)),
-                None => self.model.options(),
-            },
-            in_flight: self
-                .in_flight
-                .unwrap_or(tensorport_farm::farm::DEFAULT_IN_FLIGHT),
-            gpu_in_flight: self.gpu_in_flight,
-            gpu_batch: self
-                .gpu_batch
-                .unwrap_or_else(|| tensorport_farm::farm::default_gpu_batch(self.gpu_in_flight)),
-            workers: self.workers,
-            threads: self.threads,
-            socket: self.socket.clone(),
-            max_restarts: self.max_restarts,
-            stall: Duration::from_secs_f64(self.stall_secs),
-            ready: self.hand_over.ready,
-            prep: self.hand_over.prep_options(),
-            profile: self.hand_over.profile,
-            keep: self.hand_over.keep(),
-            non_finite: self.hand_over.non_finite,
-            child_log: self.child_log.clone(),
-            launcher: crate::launcher(),
-            routing: match self.routing {
-                RoutingArg::ByKind => Routing::ByKind,
-                RoutingArg::Shared => Routing::Shared,
-            },
-            mps: self.mps,
+            None if self.devices.is_empty() => Servers::Copies(self.servers),
+            None => Servers::Gpus(self.devices.clone()),
         };
-        if self.in_flight.is_none() {
-            cfg.in_flight =
-                tensorport_farm::farm::default_in_flight(&cfg.model.kind, cfg.gpus() > 0);
-        }
-        if self.producers.is_none() && self.gpu_producers.is_none() {
-            let cores = std::thread::available_parallelism().map_or(1, |n| n.get());
-            let gpus = cfg.gpus();
-            let nvjpeg = gpus > 0 && tensorport_nvjpeg::nvjpeg::Nvjpeg::load().is_ok();
-            (cfg.producers, cfg.gpu_producers) = default_producers(gpus, cores, nvjpeg);
-        }
+        let model = match self.devices.first() {
+            Some(&gpu) => self.model.options_on(Device::Cuda(gpu)),
+            None => self.model.options(),
+        };
+        let mut cfg = FarmConfig::new(inputs, servers, model, self.output.clone());
+        cfg.producers = self.producers.unwrap_or(cfg.producers);
+        cfg.gpu_producers = self.gpu_producers.unwrap_or(0);
+        cfg.in_flight = self.in_flight.unwrap_or(cfg.in_flight);
+        cfg.gpu_in_flight = self.gpu_in_flight;
+        cfg.gpu_batch = self.gpu_batch.unwrap_or(cfg.gpu_batch);
+        cfg.workers = self.workers;
+        cfg.threads = self.threads;
+        cfg.socket = self.socket.clone();
+        cfg.max_restarts = self.max_restarts;
+        cfg.stall = Duration::from_secs_f64(self.stall_secs);
+        cfg.ready = self.hand_over.ready;
+        cfg.prep = self.hand_over.prep_options();
+        cfg.profile = self.hand_over.profile;
+        cfg.keep = self.hand_over.keep();
+        cfg.non_finite = self.hand_over.non_finite;
+        cfg.child_log = self.child_log.clone();
+        cfg.launcher = crate::launcher();
+        cfg.routing = match self.routing {
+            RoutingArg::ByKind => Routing::ByKind,
+            RoutingArg::Shared => Routing::Shared,
+        };
+        cfg.mps = self.mps;
+        // What depends on the run and was not given, decided once, by the library.
+        let open = LeftOpen {
+            mix: self.producers.is_none() && self.gpu_producers.is_none(),
+            in_flight: self.in_flight.is_none(),
+            gpu_batch: self.gpu_batch.is_none(),
+        };
+        let machine = Machine::detect(cfg.gpus());
+        cfg.resolve_defaults(open, &machine);
         Ok(cfg)
     }
 }

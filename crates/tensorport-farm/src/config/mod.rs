@@ -16,6 +16,11 @@ use crate::record::{Keep, NonFinite};
 
 pub mod bounds;
 mod data;
+pub mod defaults;
+
+pub use defaults::{
+    default_producers, LeftOpen, Machine, DEFAULT_CPU_PRODUCERS, DEFAULT_GPU_PRODUCERS_PER_GPU,
+};
 
 use bounds::{duration, within, MAX_DURATION, MAX_IMAGE_SIZE, MAX_IN_FLIGHT, MAX_THREADS};
 
@@ -709,31 +714,6 @@ pub enum Routing {
     Shared,
 }
 
-/// CPU producers a farm starts when the user names neither kind and its servers run on the CPU.
-pub const DEFAULT_CPU_PRODUCERS: usize = 3;
-
-/// GPU producers a farm starts per GPU when the user names neither kind.
-pub const DEFAULT_GPU_PRODUCERS_PER_GPU: usize = 2;
-
-/// The producers a farm starts when the user names neither kind: `(cpu, gpu)`. On the CPU,
-/// [`DEFAULT_CPU_PRODUCERS`]. On `gpus` GPUs with nvJPEG, [`DEFAULT_GPU_PRODUCERS_PER_GPU`] GPU
-/// producers per GPU and a CPU producer for every core but two and one per GPU producer (the
-/// server's, and the GPU producers' own threads); with [`Routing::Shared`] the CPU producers
-/// take the progressive files and PNGs and share the plain JPEGs the GPU producers have no
-/// room for, which on the H200 machine beat the GPU producers alone by 9–23% on a folder of
-/// small baseline JPEGs and matched them on a varied photo folder (docs/benchmarks.md).
-/// Without nvJPEG, a CPU producer for every core but the server's.
-pub fn default_producers(gpus: usize, cores: usize, nvjpeg: bool) -> (usize, usize) {
-    match (gpus, nvjpeg) {
-        (0, _) => (DEFAULT_CPU_PRODUCERS, 0),
-        (_, false) => (cores.saturating_sub(1).max(1), 0),
-        (g, true) => {
-            let gpu = g * DEFAULT_GPU_PRODUCERS_PER_GPU;
-            (cores.saturating_sub(2 + gpu), gpu)
-        }
-    }
-}
-
 impl FarmConfig {
     /// The GPUs on which two or more of its processes run (a server and GPU producers, or
     /// several servers): those MPS lets share the GPU. None for an attached server (its
@@ -822,17 +802,6 @@ pub fn pixels_of(megapixels: f64) -> u64 {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn the_default_producers_add_gpu_producers_where_nvjpeg_is() {
-        assert_eq!(default_producers(0, 16, true), (DEFAULT_CPU_PRODUCERS, 0));
-        assert_eq!(default_producers(1, 16, true), (12, 2));
-        assert_eq!(default_producers(2, 16, true), (10, 4));
-        assert_eq!(default_producers(1, 4, true), (0, 2));
-        // No nvJPEG: the cores, on the CPU.
-        assert_eq!(default_producers(1, 16, false), (15, 0));
-        assert_eq!(default_producers(1, 1, false), (1, 0));
-    }
 
     #[test]
     fn the_default_largest_batch_depends_on_the_device_and_passes_its_own_check() {

@@ -78,35 +78,6 @@ pub(super) struct Worker {
     pub(super) warm: bool,
 }
 
-/// A GPU producer's requests in flight (its device buffers) and the images it decodes per
-/// batch, unless the farm is told otherwise (`FarmConfig::gpu_in_flight`, `gpu_batch`): two
-/// batches in flight, each large enough that the server's GPU work comes in few, large batches.
-pub const DEFAULT_GPU_IN_FLIGHT: u32 = 128;
-pub const DEFAULT_GPU_BATCH: u32 = 64;
-
-/// The images a GPU producer decodes per batch when only its requests in flight are given:
-/// half of them (two batches in flight), at most [`DEFAULT_GPU_BATCH`].
-pub fn default_gpu_batch(gpu_in_flight: u32) -> u32 {
-    (gpu_in_flight / 2).clamp(1, DEFAULT_GPU_BATCH)
-}
-/// A CPU producer's requests in flight unless the farm is told otherwise
-/// (`FarmConfig::in_flight`).
-pub const DEFAULT_IN_FLIGHT: u32 = 8;
-/// The same with an ONNX model on a GPU: a network that keeps the GPU busy (ResNet-50) runs
-/// full batches only with about three batches outstanding across the producers (one running,
-/// one gathered, one being prepared), and each CPU producer then takes more of the plain JPEGs
-/// (it holds up to twice its requests), leaving the GPU to the model (docs/benchmarks.md).
-pub const DEFAULT_IN_FLIGHT_ONNX_GPU: u32 = 32;
-
-/// A CPU producer's requests in flight for a model of `kind`, on servers on a GPU or not,
-/// unless the farm is told otherwise.
-pub fn default_in_flight(kind: &crate::config::ModelKind, on_gpu: bool) -> u32 {
-    match (kind, on_gpu) {
-        (crate::config::ModelKind::Onnx(_), true) => DEFAULT_IN_FLIGHT_ONNX_GPU,
-        _ => DEFAULT_IN_FLIGHT,
-    }
-}
-
 /// A GPU producer's threads for the images nvJPEG does not take, where CPU producers take most
 /// of those (see `route.rs`).
 pub(super) const GPU_CPU_THREADS: usize = 4;
@@ -394,25 +365,6 @@ impl Farm {
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn an_onnx_model_on_a_gpu_gets_more_requests_in_flight() {
-        use crate::config::ModelKind;
-        let onnx = ModelKind::Onnx("m.onnx".into());
-        assert_eq!(default_in_flight(&onnx, true), 32);
-        assert_eq!(default_in_flight(&onnx, false), 8);
-        assert_eq!(default_in_flight(&ModelKind::Classifier, true), 8);
-        assert_eq!(default_in_flight(&ModelKind::None, true), 8);
-    }
-
-    #[test]
-    fn the_default_gpu_batch_keeps_two_batches_in_flight() {
-        assert_eq!(default_gpu_batch(DEFAULT_GPU_IN_FLIGHT), DEFAULT_GPU_BATCH);
-        assert_eq!(default_gpu_batch(64), 32);
-        assert_eq!(default_gpu_batch(256), DEFAULT_GPU_BATCH);
-        assert_eq!(default_gpu_batch(3), 1);
-        assert_eq!(default_gpu_batch(1), 1);
-    }
 
     #[test]
     fn gpu_producers_alone_share_the_cores() {

@@ -22,14 +22,14 @@ use std::sync::mpsc::{self, Receiver};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+pub use crate::config::defaults::{
+    default_gpu_batch, default_in_flight, DEFAULT_GPU_BATCH, DEFAULT_GPU_IN_FLIGHT,
+    DEFAULT_IN_FLIGHT, DEFAULT_IN_FLIGHT_ONNX_GPU,
+};
 use crate::config::{Device, FarmConfig, Servers};
 use crate::error::{Error, Result};
 use crate::process::Stop;
 use crate::record::StageTimes;
-pub use children::{
-    default_gpu_batch, default_in_flight, DEFAULT_GPU_BATCH, DEFAULT_GPU_IN_FLIGHT,
-    DEFAULT_IN_FLIGHT, DEFAULT_IN_FLIGHT_ONNX_GPU,
-};
 use children::{Ev, Farm};
 pub use results::ResultsFile;
 use supervisor::Supervisor;
