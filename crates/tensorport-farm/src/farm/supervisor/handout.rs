@@ -1,0 +1,156 @@
+//! Handing inputs out: each producer up to its depth, the kind of input that suits it first;
+//! at the end of the queue, second copies of inputs another producer still holds (hedging).
+
+use super::*;
+
+impl Supervisor {
+    /// Gives each running producer inputs up to its depth, on its worklist (stdin): the GPU
+    /// producers first, so that CPU producers sharing plain JPEGs take only what the GPU
+    /// producers have no room for.
+    pub(in crate::farm) fn hand_out(&mut self) {
+        if self.stopping.is_some() {
+            return;
+        }
+        let gpu_depth = 2 * self.farm.cfg.gpu_in_flight as usize;
+        // GPU producers first (the flag matters only to CPU producers).
+        for slot in 0..self.workers.len() {
+            if self.workers[slot].gpu {
+                self.give(slot, gpu_depth, false);
+            }
+        }
+        let gpus = self
+            .workers
+            .iter()
+            .filter(|w| w.gpu)
+            .map(|w| match w.state {
+                State::Running { .. } => GpuState::Running {
+                    warm: w.warm,
+                    full: w.assigned.len() >= gpu_depth,
+                },
+                State::GaveUp => GpuState::GaveUp,
+                _ => GpuState::Starting,
+            });
+        let cpu_takes_plain = cpu_takes_plain(self.farm.cfg.routing, gpus);
+        for slot in 0..self.workers.len() {
+            if !self.workers[slot].gpu {
+                self.give(slot, self.depth, cpu_takes_plain);
+            }
+        }
+        if self.queue.is_empty() {
+            self.hedge(gpu_depth);
+        }
+    }
+
+    /// Once every input is handed out, a producer with nothing to do also takes inputs that
+    /// another holds and has likely not started (the last it was given, from the one holding
+    /// the most), so the end of a run never waits on a slow or stopped producer while another
+    /// idles. Each input is given a second time at most; its first result counts, and the
+    /// other producer is told to leave it out ([`crate::record::withdraw_record`]).
+    pub(super) fn hedge(&mut self, gpu_depth: usize) {
+        for slot in 0..self.workers.len() {
+            let w = &self.workers[slot];
+            let idle = matches!(w.state, State::Running { stdin: Some(_), .. })
+                && w.warm
+                && w.assigned.is_empty();
+            if !idle {
+                continue;
+            }
+            let room = if w.gpu { gpu_depth } else { self.depth };
+            let ledger = &self.ledger;
+            let unhedged = |d: usize| {
+                self.workers[d]
+                    .assigned
+                    .iter()
+                    .rev()
+                    .filter(|&&i| !ledger.is_hedged(i) && !ledger.is_done(i))
+            };
+            let Some(donor) = (0..self.workers.len())
+                .filter(|&d| d != slot)
+                .map(|d| (unhedged(d).count(), d))
+                .filter(|&(n, _)| n > 0)
+                .max()
+                .map(|(_, d)| d)
+            else {
+                return;
+            };
+            let take: Vec<u64> = unhedged(donor).take(room).copied().collect();
+            let mut batch = Vec::new();
+            for &i in &take {
+                batch.extend(crate::record::work_record(i, &self.inputs[i as usize]));
+            }
+            let w = &mut self.workers[slot];
+            let State::Running {
+                stdin: Some(stdin), ..
+            } = &mut w.state
+            else {
+                continue;
+            };
+            if stdin.write_all(&batch).and_then(|_| stdin.flush()).is_ok() {
+                w.assigned.extend(take.iter().copied());
+                for i in take {
+                    self.ledger.hedge(i);
+                }
+            }
+        }
+    }
+
+    /// Gives producer `slot`, if it runs, inputs up to `depth` held.
+    pub(super) fn give(&mut self, slot: usize, depth: usize, cpu_takes_plain: bool) {
+        let w = &mut self.workers[slot];
+        let State::Running {
+            stdin: Some(stdin), ..
+        } = &mut w.state
+        else {
+            return;
+        };
+        let mut batch = Vec::new();
+        let mut given = Vec::new();
+        let side = if w.gpu { Side::Gpu } else { Side::Cpu };
+        while w.assigned.len() + given.len() < depth {
+            let next = self
+                .queue
+                .next(side, cpu_takes_plain, |i| suits(&self.inputs[i as usize]));
+            let Some(i) = next else {
+                break;
+            };
+            if self.ledger.is_done(i) {
+                continue;
+            }
+            batch.extend(crate::record::work_record(i, &self.inputs[i as usize]));
+            given.push(i);
+        }
+        if given.is_empty() {
+            return;
+        }
+        if stdin.write_all(&batch).and_then(|_| stdin.flush()).is_ok() {
+            w.assigned.extend(given);
+        } else {
+            // It is dying; its EOF will come. Keep the inputs for someone else.
+            for i in given.into_iter().rev() {
+                self.queue.push_front(i);
+            }
+        }
+    }
+}
+
+/// Plain JPEGs of this many pixels or more suit either kind of producer.
+const EITHER_PIXELS: u64 = 2_000_000;
+
+/// The kind of producer that prepares `source` best: GPU producers decode plain JPEGs on the
+/// GPU's engines and anything else on the CPU; large plain JPEGs cost both about the same per
+/// pixel, so whoever has room takes them.
+pub(super) fn suits(source: &Source) -> Side {
+    let Source::File(p) = source else {
+        return Side::Cpu;
+    };
+    match tensorport_vision::sniff::jpeg_file_frame(p) {
+        Some(f) if f.is_plain() => {
+            if u64::from(f.width) * u64::from(f.height) >= EITHER_PIXELS {
+                Side::Either
+            } else {
+                Side::Gpu
+            }
+        }
+        _ => Side::Cpu,
+    }
+}
