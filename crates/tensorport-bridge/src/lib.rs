@@ -25,6 +25,7 @@ pub mod auth;
 pub mod gateway;
 pub mod nixl;
 pub mod nixl_reader;
+pub mod nixl_setup;
 pub mod remote;
 pub mod schema;
 pub mod tls;

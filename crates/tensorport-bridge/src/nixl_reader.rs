@@ -28,7 +28,7 @@ use std::time::{Duration, Instant};
 
 use tensorport::{HostPool, Loan};
 
-use crate::nixl::Hello;
+use crate::nixl_setup::Hello;
 
 /// The environment variable naming the `tensorport-bridge` executable whose `nixl-reader`
 /// subcommand reads a stream [default: this process's executable].
@@ -360,7 +360,7 @@ pub fn serve(
             .map_err(|e| format!("the pool {}: {e}", pool_path.display()))?
             .into();
         let pool = HostPool::open(fd, slots, slot_size).map_err(|e| e.to_string())?;
-        let (agent, peer) = crate::nixl::peer_of(&hello, name)?;
+        let (agent, peer) = crate::nixl_setup::peer_of(&hello, name)?;
         // The gateway holds the loan of every slot this process reads into until this process
         // has said the read landed (or has ended), so nothing reads or writes it meanwhile.
         tensorport_nixl::Reader::into_owned_pool(&agent, pool, peer).map_err(|e| e.to_string())

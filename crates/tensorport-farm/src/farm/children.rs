@@ -8,7 +8,7 @@ use std::path::PathBuf;
 use std::process::{Child, ChildStdin, Command, ExitStatus, Stdio};
 use std::sync::mpsc::Sender;
 use std::sync::{Arc, Mutex};
-use std::time::{Duration, Instant};
+use std::time::Instant;
 
 use super::Report;
 use crate::config::{Device, FarmConfig, GpuPrep, Inputs, Output, ProduceConfig, ServeConfig};
@@ -120,10 +120,6 @@ pub(super) fn describe(st: ExitStatus) -> String {
         (_, Some(s)) => format!("killed by signal {s}"),
         _ => "ended".into(),
     }
-}
-
-pub(super) fn backoff(failures: u32) -> Duration {
-    Duration::from_millis((100u64 << failures.min(6)).min(5_000))
 }
 
 /// Sends each line of `r` as an event (a last one without its newline too, marked as not

@@ -4,8 +4,6 @@
 
 use std::time::Duration;
 
-use super::children::backoff;
-
 /// A child's restarts so far, and its failures since it last served.
 #[derive(Debug, Default, Clone, Copy, PartialEq, Eq)]
 pub(super) struct Restarts {
@@ -40,6 +38,11 @@ impl Restarts {
     pub(super) fn served(&mut self) {
         self.in_row = 0;
     }
+}
+
+/// The wait before restart number `failures + 1` in a row: 0.1 s, doubling, at most 5 s.
+fn backoff(failures: u32) -> Duration {
+    Duration::from_millis((100u64 << failures.min(6)).min(5_000))
 }
 
 #[cfg(test)]
