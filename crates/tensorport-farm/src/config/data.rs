@@ -212,7 +212,7 @@ mod tests {
             ready: true,
             prep: PrepOptions {
                 transform: TransformKind::Square,
-                jpeg_decoder: JpegDecoder::ZuneJpeg,
+                jpeg_decoder: tensorport_vision::JpegDecoder::ZuneJpeg,
                 max_pixels: 12_345_678,
                 dct_scaling: true,
                 coarse_progressive: false,
