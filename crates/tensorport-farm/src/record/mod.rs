@@ -7,6 +7,11 @@ use std::time::{Duration, Instant};
 use serde::{Deserialize, Serialize};
 use tensorport_vision::Source;
 
+mod names;
+pub mod score_form;
+
+pub use names::InputName;
+
 /// One line of a producer's output: the answer for one input.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq)]
 pub struct ResultLine {
@@ -81,44 +86,6 @@ impl std::ops::AddAssign for StageTimes {
     }
 }
 
-/// How an input is named in its result line: `input` is the file's path as given, or
-/// `synthetic:N`; a file whose path would read as `synthetic:N` gets `./` in front (the same
-/// file), so the two never look alike; a path that is not UTF-8 is shown lossily in `input`,
-/// its exact bytes in `input_bytes`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct InputName {
-    pub input: String,
-    pub input_bytes: Option<Vec<u8>>,
-}
-
-impl InputName {
-    pub fn of(source: &Source) -> InputName {
-        use std::os::unix::ffi::OsStrExt;
-        match source {
-            Source::Synthetic(n) => InputName {
-                input: format!("synthetic:{n}"),
-                input_bytes: None,
-            },
-            Source::File(p) => {
-                let bytes = p.as_os_str().as_bytes();
-                let (text, exact) = match std::str::from_utf8(bytes) {
-                    Ok(t) => (t.to_string(), true),
-                    Err(_) => (String::from_utf8_lossy(bytes).into_owned(), false),
-                };
-                let input = if text.starts_with("synthetic:") {
-                    format!("./{text}")
-                } else {
-                    text
-                };
-                InputName {
-                    input,
-                    input_bytes: (!exact).then(|| bytes.to_vec()),
-                }
-            }
-        }
-    }
-}
-
 /// Index of the largest score, NaN left out (`None` where every score is NaN, or none).
 pub fn argmax(v: &[f32]) -> Option<usize> {
     v.iter()
@@ -184,107 +151,6 @@ impl NonFinite {
 /// The first score of `v` that is not a finite number, as `(class, score)`.
 pub fn first_non_finite(v: &[f32]) -> Option<(usize, f32)> {
     v.iter().copied().enumerate().find(|(_, s)| !s.is_finite())
-}
-
-/// Scores in result lines: a finite score as a JSON number, the others as the strings `"NaN"`,
-/// `"Infinity"` and `"-Infinity"`, so that every value the model gives travels and reads back
-/// (JSON has no number for them; serde_json would write `null`).
-pub mod score_form {
-    use serde::de::{self, Deserializer, Visitor};
-    use serde::ser::Serializer;
-    use serde::{Deserialize, Serialize};
-
-    /// One score in its JSON form.
-    #[derive(Debug, Clone, Copy, PartialEq)]
-    pub struct Score(pub f32);
-
-    /// The string a non-finite score is written as.
-    pub fn name(x: f32) -> Option<&'static str> {
-        if x.is_nan() {
-            Some("NaN")
-        } else if x == f32::INFINITY {
-            Some("Infinity")
-        } else if x == f32::NEG_INFINITY {
-            Some("-Infinity")
-        } else {
-            None
-        }
-    }
-
-    impl Serialize for Score {
-        fn serialize<S: Serializer>(&self, s: S) -> Result<S::Ok, S::Error> {
-            match name(self.0) {
-                Some(n) => s.serialize_str(n),
-                None => s.serialize_f32(self.0),
-            }
-        }
-    }
-
-    impl<'de> Deserialize<'de> for Score {
-        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Score, D::Error> {
-            struct V;
-            impl Visitor<'_> for V {
-                type Value = Score;
-                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-                    f.write_str("a number, \"NaN\", \"Infinity\" or \"-Infinity\"")
-                }
-                fn visit_f64<E: de::Error>(self, v: f64) -> Result<Score, E> {
-                    Ok(Score(v as f32))
-                }
-                fn visit_i64<E: de::Error>(self, v: i64) -> Result<Score, E> {
-                    Ok(Score(v as f32))
-                }
-                fn visit_u64<E: de::Error>(self, v: u64) -> Result<Score, E> {
-                    Ok(Score(v as f32))
-                }
-                fn visit_str<E: de::Error>(self, v: &str) -> Result<Score, E> {
-                    match v {
-                        "NaN" => Ok(Score(f32::NAN)),
-                        "Infinity" => Ok(Score(f32::INFINITY)),
-                        "-Infinity" => Ok(Score(f32::NEG_INFINITY)),
-                        _ => Err(E::invalid_value(de::Unexpected::Str(v), &self)),
-                    }
-                }
-            }
-            d.deserialize_any(V)
-        }
-    }
-
-    /// `Option<Vec<f32>>` as a list of [`Score`]s.
-    pub mod scores {
-        use super::*;
-
-        pub fn serialize<S: Serializer>(v: &Option<Vec<f32>>, s: S) -> Result<S::Ok, S::Error> {
-            v.as_ref()
-                .map(|v| v.iter().map(|&x| Score(x)).collect::<Vec<_>>())
-                .serialize(s)
-        }
-
-        pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<Option<Vec<f32>>, D::Error> {
-            Ok(Option::<Vec<Score>>::deserialize(d)?.map(|v| v.into_iter().map(|s| s.0).collect()))
-        }
-    }
-
-    /// `Option<Vec<(usize, f32)>>` as a list of `[class, Score]` pairs.
-    pub mod top {
-        use super::*;
-
-        pub fn serialize<S: Serializer>(
-            v: &Option<Vec<(usize, f32)>>,
-            s: S,
-        ) -> Result<S::Ok, S::Error> {
-            v.as_ref()
-                .map(|v| v.iter().map(|&(c, x)| (c, Score(x))).collect::<Vec<_>>())
-                .serialize(s)
-        }
-
-        pub fn deserialize<'de, D: Deserializer<'de>>(
-            d: D,
-        ) -> Result<Option<Vec<(usize, f32)>>, D::Error> {
-            Ok(Option::<Vec<(usize, Score)>>::deserialize(d)?
-                .map(|v| v.into_iter().map(|(c, s)| (c, s.0)).collect()))
-        }
-    }
 }
 
 /// A row of scores as a result's payload: little-endian `f32`s (docs/protocol.md).
@@ -653,26 +519,5 @@ mod tests {
         // A string that names no number is refused.
         let bad = r#"{"index":1,"input":"a","scores":["nan"],"latency_ms":0,"producer":"p"}"#;
         assert!(serde_json::from_str::<ResultLine>(bad).is_err());
-    }
-
-    #[test]
-    fn input_names_keep_every_file_apart_from_generated_images() {
-        use std::os::unix::ffi::OsStrExt;
-        let file = |b: &[u8]| Source::File(std::ffi::OsStr::from_bytes(b).into());
-        let n = InputName::of(&Source::Synthetic(5));
-        assert_eq!((n.input.as_str(), n.input_bytes), ("synthetic:5", None));
-        let n = InputName::of(&file(b"synthetic:5"));
-        assert_eq!((n.input.as_str(), n.input_bytes), ("./synthetic:5", None));
-        // `./synthetic:5` is that same file.
-        assert_eq!(n.input.parse::<Source>().unwrap(), file(b"./synthetic:5"));
-        let n = InputName::of(&file(b"/p/a\xff.jpg"));
-        assert_eq!(n.input, "/p/a\u{fffd}.jpg");
-        assert_eq!(n.input_bytes.as_deref(), Some(&b"/p/a\xff.jpg"[..]));
-        // Two names that show alike are told apart by their bytes.
-        let m = InputName::of(&file(b"/p/a\xfe.jpg"));
-        assert_eq!(m.input, n.input);
-        assert_ne!(m.input_bytes, n.input_bytes);
-        let n = InputName::of(&file("/p/é.jpg".as_bytes()));
-        assert_eq!((n.input.as_str(), n.input_bytes), ("/p/é.jpg", None));
     }
 }
