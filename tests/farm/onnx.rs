@@ -318,6 +318,10 @@ fn unfit_models_are_refused_in_one_line_before_anything_starts() {
         ("int_input", "i64"),
         ("rank3", "3 axes"),
         ("bad_output", "needs [N, K]"),
+        (
+            "huge_side",
+            "16384×16384; the server takes sides up to 8192",
+        ),
         ("truncated", "cannot load it"),
         ("corrupt", "cannot load it"),
         ("huge", "over the limit"),

@@ -18,6 +18,7 @@ Refused:
   int_input.onnx       an int64 image
   rank3.onnx           [N, 3, S*S]
   bad_output.onnx      first output [N, 10, 1]
+  huge_side.onnx       the classifier on [N, 3, 16384, 16384]: producers' slots of 3 GiB each
   escape_absolute.onnx external.onnx with its data named by an absolute path to ../outside.bin
   escape_parent.onnx   the same named "../outside.bin"
   escape_link.onnx     the same named "outside_link.bin", a symbolic link to ../outside.bin
@@ -114,6 +115,10 @@ def main():
             body("images") + [helper.make_node("Unsqueeze", ["scores", "axes"], ["out"])],
             [image], [helper.make_tensor_value_info("out", f32, ["N", 10, 1])],
             w32 + [numpy_helper.from_array(np.array([2], np.int64), "axes")], "bad_output"),
+        "huge_side": model(
+            body("images"),
+            [helper.make_tensor_value_info("images", f32, ["N", 3, 16384, 16384])],
+            [scores], w32, "huge_side"),
     }
     nonfinite = np.ones(10, np.float32)
     nonfinite[:3] = [np.nan, np.inf, -np.inf]

@@ -227,12 +227,19 @@ impl ModelOptions {
             ..Default::default()
         };
         let model = tensorport_onnx::OnnxModel::open(path, &opts)?;
-        within(
-            "the model's image size",
-            model.image_size(),
-            1,
-            MAX_IMAGE_SIZE,
-        )?;
+        if model.image_size() > MAX_IMAGE_SIZE {
+            // Its producers' slots would fit no memory budget: refused before any starts.
+            return Err(tensorport_onnx::Error::Unfit {
+                path: path.clone(),
+                why: format!(
+                    "input {:?} takes images of {s}×{s}; the server takes sides up to \
+                     {MAX_IMAGE_SIZE}",
+                    model.spec().input,
+                    s = model.image_size()
+                ),
+            }
+            .into());
+        }
         self.config.image_size = model.image_size();
         self.config.classes = model.spec().classes;
         Ok(())
