@@ -65,7 +65,7 @@ fn every_peer_script_the_docs_name_exists() {
     let docs = std::fs::read_to_string(root.join("docs/benchmarks.md")).unwrap();
     let named: Vec<&str> = docs
         .split(|c: char| c.is_whitespace() || c == '`' || c == '(' || c == ')')
-        .filter(|w| w.starts_with("bench/peers/") || w.starts_with("cli/"))
+        .filter(|w| w.starts_with("bench/peers/") || w.starts_with("crates/"))
         .map(|w| w.trim_end_matches([',', '.', ':', ';']))
         .collect();
     assert!(

@@ -1,4 +1,4 @@
-//! The `tensorport-dev` executable: tools for developing tensorport ([`tensorport_cli::run_dev`]),
+//! The `tensorport-dev` executable: tools for developing tensorport ([`tensorport_dev::run_dev`]),
 //! which start the `tensorport` executable beside this one.
 
 use std::path::PathBuf;
@@ -15,5 +15,5 @@ fn main() -> ExitCode {
         program: here.join(PathBuf::from("tensorport")),
         args: Vec::new(),
     };
-    ExitCode::from(tensorport_cli::run_dev(std::env::args_os(), tensorport))
+    ExitCode::from(tensorport_dev::run_dev(std::env::args_os(), tensorport))
 }

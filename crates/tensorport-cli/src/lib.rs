@@ -3,18 +3,16 @@
 //! each a thin face over `tensorport-farm`. The `tensorport` executable runs [`run`] on its
 //! arguments; so does the Python package's extension (`python -m tensorport`, the `tensorport`
 //! command a wheel installs), which starts its child processes through Python instead of an
-//! executable of its own. The developer tools (`gpu`, `soak`) are another executable,
-//! `tensorport-dev`, which runs [`run_dev`].
+//! executable of its own. The developer tools (`gpu`, `soak`) are another crate,
+//! `tensorport-dev`, built on [`support`]; the Python extension does not link them.
 
 mod common;
 mod ctl;
 mod farm;
-mod gpu;
 mod model_bench;
 mod prep;
 mod produce;
 mod serve;
-mod soak;
 mod tools;
 mod view;
 
@@ -64,28 +62,6 @@ enum Command {
     Prep(prep::Args),
 }
 
-/// Tools for developing tensorport itself. They start the tensorport executable beside this one.
-#[derive(Parser, Debug)]
-#[command(name = "tensorport-dev", version, propagate_version = true)]
-struct DevCli {
-    /// Log level for messages on stderr: off, error, warn, info, debug, trace, or a filter such
-    /// as `warn,tensorport=debug` [default: info].
-    #[arg(long, global = true, env = "TENSORPORT_LOG", value_parser = common::parse_log_filter)]
-    log: Option<String>,
-    #[command(subcommand)]
-    command: DevCommand,
-}
-
-#[derive(Subcommand, Debug)]
-enum DevCommand {
-    /// What this machine's CUDA can do, host-to-device bandwidth from pinned pools, and the
-    /// device path's hand-offs between processes.
-    Gpu(gpu::Args),
-    /// Long load with random producer kills, checking the server for leaks (not for CI); runs
-    /// the `tensorport` executable beside this one.
-    Soak(soak::Args),
-}
-
 /// How child processes start this command line again (set once by [`run`]).
 static LAUNCHER: OnceLock<Launcher> = OnceLock::new();
 
@@ -126,23 +102,30 @@ where
     })
 }
 
-/// Runs the `tensorport-dev` command line `args` as [`run`] runs `tensorport`'s; `tensorport` is
-/// how its tools start the product's commands (`soak`'s server and producers).
-pub fn run_dev<I, T>(args: I, tensorport: Launcher) -> u8
-where
-    I: IntoIterator<Item = T>,
-    T: Into<OsString> + Clone,
-{
-    let cli = match DevCli::try_parse_from(args) {
-        Ok(cli) => cli,
-        Err(e) => return usage(e),
-    };
-    let _ = LAUNCHER.set(tensorport);
-    common::init_logging(cli.log.as_deref().unwrap_or("info"));
-    finish(match cli.command {
-        DevCommand::Gpu(a) => gpu::run(a),
-        DevCommand::Soak(a) => soak::run(a),
-    })
+/// What another command line over this one (the developer tools, `tensorport-dev`) shares with
+/// it: errors and their exit codes, the log filter, how children start this command line.
+pub mod support {
+    pub use crate::common::{arg_name, init_logging, parse_log_filter, CliError, CliResult};
+
+    /// Sets how child processes start the `tensorport` command line (the first call's stays).
+    pub fn set_launcher(l: tensorport_farm::config::Launcher) {
+        let _ = super::LAUNCHER.set(l);
+    }
+
+    /// How child processes start the `tensorport` command line.
+    pub fn launcher() -> tensorport_farm::config::Launcher {
+        super::launcher()
+    }
+
+    /// Prints a usage error (or --help, --version: status 0) and returns its status.
+    pub fn usage(e: clap::Error) -> u8 {
+        super::usage(e)
+    }
+
+    /// The status of a command's result, after printing its error.
+    pub fn finish(r: CliResult<u8>) -> u8 {
+        super::finish(r)
+    }
 }
 
 /// Prints a usage error (or --help, --version: status 0) and returns its status.
