@@ -14,6 +14,42 @@ from . import _QUARANTINED, Server, TensorportError, _native, _np, command
 _IMAGE_SUFFIXES = (".jpg", ".jpeg", ".png")
 
 
+# This process's MPS, by GPU: kept for the life of the process (its CUDA context is a client),
+# and asked to quit as it exits.
+_MPS: dict = {}
+
+
+def _share_gpu(mode: str, gpu: int) -> None:
+    """Has this process, and the farms it starts (they inherit its environment), join CUDA's
+    Multi-Process Service on `gpu` before CUDA starts here: a running daemon, or a private one.
+    Where MPS cannot be had, logs why once (`mode="on"`: raises `RuntimeError`)."""
+    import os
+    import sys
+
+    if mode == "off" or gpu in _MPS or os.environ.get("CUDA_MPS_PIPE_DIRECTORY"):
+        return
+    log = logging.getLogger("tensorport")
+    torch = sys.modules.get("torch")
+    if torch is not None and torch.cuda.is_initialized():
+        why = ("CUDA had already started in this process, and joins MPS only as it starts: "
+               "create the Loader before anything here uses the GPU, or start an MPS daemon "
+               "before this process")
+        if mode == "on":
+            raise RuntimeError(f"mps='on': {why}")
+        _MPS[gpu] = None
+        log.warning("Loader: the GPU producers and this process take turns on the GPU: %s", why)
+        return
+    m = _native.Mps(mode, [gpu])
+    _MPS[gpu] = m
+    for k, v in m.env.items():
+        os.environ[k] = v
+    (log.warning if m.why_off else log.info)("Loader: %s", m.describe())
+    if m.env:
+        import atexit
+
+        atexit.register(m.quit_at_exit)
+
+
 def _private_dir() -> str:
     """A fresh folder for a loader's socket, readable by this user alone, named with this
     process's pid; folders left by loaders whose process is gone (killed, say) are removed
@@ -89,6 +125,15 @@ class Loader:
     loads, CPU producers for the other cores; logged, and in `loader.producers` and
     `loader.gpu_producers`); on the host, 4 CPU producers.
 
+    With GPU producers, `mps="auto"` (the default) has this process and its producers share the
+    GPU through CUDA's Multi-Process Service, so the producers' decoding and your model overlap
+    instead of taking turns: a running MPS daemon is joined, else a private one is started for
+    this process (quit as it exits); without MPS where it cannot be had, logged once. CUDA
+    joins MPS only as it starts in a process: create the loader before anything in this process
+    uses the GPU (a model's `.cuda()`), or start an MPS daemon before the process. `mps="on"`
+    raises `RuntimeError` where MPS cannot be had; `mps="off"` never uses it
+    (docs/python.md).
+
     Batches are made on a thread of the loader's own, up to `prefetch` (2) ahead of the loop
     that takes them, so the next batch is gathered while the model runs on this one; on a GPU
     they are gathered on a CUDA stream of their own, and the batch handed out is safe to use
@@ -110,7 +155,8 @@ class Loader:
                  max_restarts: int = 8, pin_memory: bool = False, device=None,
                  gpu_producers: Optional[int] = None, shuffle: bool = False,
                  seed: Optional[int] = None, drop_last: bool = False, labels=None,
-                 on_error: str = "raise", persistent: bool = False, prefetch: int = 2):
+                 on_error: str = "raise", persistent: bool = False, prefetch: int = 2,
+                 mps: str = "auto"):
         import os
 
         # Paths as the OS has them: str, bytes (decoded as os.fsdecode does, so a name that is
@@ -132,6 +178,9 @@ class Loader:
             raise ValueError("gpu_producers hand over GPU memory: give device='cuda'")
         if on_error not in ("raise", "skip"):
             raise ValueError(f"on_error={on_error!r}: 'raise' or 'skip'")
+        if mps not in ("auto", "on", "off"):
+            raise ValueError(f"mps={mps!r}: 'auto', 'on' or 'off'")
+        self.mps = mps
         if labels is not None:
             labels = list(labels)
             if len(labels) != len(self.files):
@@ -249,6 +298,8 @@ class Loader:
                 "--output", "/dev/stdout"]
 
     def _server(self, sock: str) -> "Server":
+        if self.device is not None and self.gpu_producers > 0:
+            _share_gpu(self.mps, self.gpu)
         s = self.image_size
         return Server(sock, slots=self.in_flight, slot_size=3 * s * s * 4,
                       max_sessions=self.producers + self.gpu_producers + 4,

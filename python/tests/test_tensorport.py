@@ -944,3 +944,55 @@ def test_persistent_loader_keeps_its_producers_across_epochs(tmp_path):
 
     gc.collect()
     assert eventually(lambda: not os.path.exists(f"/proc/{farm}")), "the farm outlived its loader"
+
+
+_MPS_CONTROL = r'''#!/bin/bash
+pipe="${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}"
+if [ "$1" = "-d" ]; then
+    mkfifo "$pipe/control" || exit 1
+    setsid bash -c 'while [ -p "$0/control" ]; do sleep 0.05; done' "$pipe" </dev/null >/dev/null 2>&1 &
+    exit 0
+fi
+[ -p "$pipe/control" ] || exit 1
+read -r cmd
+case "$cmd" in
+    quit) rm -f "$pipe/control"; exit 0 ;;
+    get_server_list) exit 0 ;;
+    *) exit 1 ;;
+esac
+'''
+
+
+def test_mps_for_a_process_and_its_loader_with_a_stand_in_daemon(tmp_path, monkeypatch):
+    """`_native.Mps` decides as the farm does, with a stand-in for nvidia-cuda-mps-control
+    (a daemon that detaches and answers on a control FIFO, as NVIDIA's does): a private daemon
+    where none runs, with the variables a CUDA process needs to join it, quit on close; none
+    with mps='off'; without the control program, 'auto' goes without and says why, 'on'
+    raises. A Loader refuses a mode it does not know."""
+    import stat
+
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    control = bin_dir / "nvidia-cuda-mps-control"
+    control.write_text(_MPS_CONTROL)
+    control.chmod(control.stat().st_mode | stat.S_IEXEC)
+    # No system daemon: its pipe folder holds no control pipe.
+    (tmp_path / "system").mkdir()
+    monkeypatch.setenv("CUDA_MPS_PIPE_DIRECTORY", str(tmp_path / "system"))
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    m = tensorport._native.Mps("auto", [0])
+    env = m.env
+    pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
+    assert stat.S_ISFIFO(os.stat(os.path.join(pipe, "control")).st_mode)
+    assert "CUDA_MPS_LOG_DIRECTORY" in env and m.why_off is None
+    assert "private MPS daemon" in m.describe()
+    m.close()
+    assert not os.path.exists(pipe)
+    assert tensorport._native.Mps("off", [0]).env == {}
+    monkeypatch.setenv("PATH", str(tmp_path / "empty"))
+    m = tensorport._native.Mps("auto", [0])
+    assert m.env == {} and "nvidia-cuda-mps-control" in m.why_off
+    with pytest.raises(RuntimeError, match="MPS cannot be had"):
+        tensorport._native.Mps("on", [0])
+    with pytest.raises(ValueError, match="mps='sometimes'"):
+        tensorport.Loader(["a.jpg"], mps="sometimes")

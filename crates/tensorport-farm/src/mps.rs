@@ -23,6 +23,7 @@
 //! again if it died.
 
 use std::ffi::OsString;
+use std::os::unix::process::CommandExt;
 use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
@@ -289,6 +290,30 @@ fn ask(mut cmd: Command, line: &str, limit: Duration) -> bool {
     }
 }
 
+impl Private {
+    /// Asks the daemon to quit without waiting for it, for a process that is itself one of its
+    /// clients and ending: the daemon ends after its last client, and a detached helper removes
+    /// its folder once it has (or after a minute).
+    fn quit_in_background(self) {
+        ask(self.control(), "quit\n", Duration::from_secs(10));
+        let dir = self.dir.path().to_owned();
+        let pipe = self.pipe();
+        // The folder outlives this process: the helper removes it.
+        let _ = std::mem::ManuallyDrop::new(self);
+        let script = "for _ in $(seq 600); do [ -p \"$1/control\" ] || break; sleep 0.1; done; \
+                      rm -rf \"$2\"";
+        let _ = Command::new("sh")
+            .args(["-c", script, "sh"])
+            .arg(&pipe)
+            .arg(&dir)
+            .stdin(Stdio::null())
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .process_group(0)
+            .spawn();
+    }
+}
+
 impl Drop for Private {
     /// Quits the daemon (its MPS server ends with its last client).
     fn drop(&mut self) {
@@ -401,6 +426,15 @@ impl Mps {
             v.push((LOG_ENV, l.clone().into_os_string()));
         }
         v
+    }
+
+    /// Ends MPS for a process that is itself a client of the daemon (a Python process whose
+    /// model runs beside its `Loader`'s GPU producers) as it exits: a private daemon is asked
+    /// to quit and ends after its last client; its folder is removed once it has.
+    pub fn quit_at_exit(mut self) {
+        if let Some(p) = self.private.take() {
+            p.quit_in_background();
+        }
     }
 
     /// Starts the private daemon again if it no longer answers; says so. `None` when it

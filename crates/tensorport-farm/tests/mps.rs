@@ -198,3 +198,25 @@ fn a_private_daemon_that_dies_is_started_again() {
     drop(mps);
     assert!(!pipe.exists());
 }
+
+/// A process that is itself a client quits its private daemon as it exits without waiting for
+/// it: the daemon is asked to quit, and its folder is removed once it has.
+#[test]
+fn quitting_at_exit_leaves_nothing_behind() {
+    let m = Machine::new();
+    let mps = Mps::start(MpsMode::Auto, &m.tools(true, false, "Default"), &[0]).unwrap();
+    let pipe = env_of(&mps, PIPE_ENV).unwrap();
+    let folder = pipe.parent().unwrap().to_owned();
+    let t = Instant::now();
+    mps.quit_at_exit();
+    assert!(t.elapsed() < Duration::from_secs(5), "it waited");
+    let t = Instant::now();
+    while folder.exists() {
+        assert!(
+            t.elapsed() < Duration::from_secs(30),
+            "{} is still there",
+            folder.display()
+        );
+        std::thread::sleep(Duration::from_millis(20));
+    }
+}

@@ -12,18 +12,20 @@ use std::sync::{Arc, Mutex, MutexGuard};
 use std::time::Duration;
 
 use pyo3::create_exception;
-use pyo3::exceptions::{PyException, PyTimeoutError, PyValueError};
+use pyo3::exceptions::{PyException, PyRuntimeError, PyTimeoutError, PyValueError};
 use pyo3::prelude::*;
 use pyo3::types::PyBytes;
 use tensorport::wire::ErrorCode;
 use tensorport::{DType, HostPool, ProducerConfig, ServerConfig, TensorSpec};
 
 mod errors;
+mod mps;
 mod producer;
 mod request;
 mod server;
 
 pub(crate) use errors::*;
+pub(crate) use mps::*;
 pub(crate) use producer::*;
 pub(crate) use request::*;
 pub(crate) use server::*;
@@ -119,6 +121,7 @@ fn native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<Loan>()?;
     m.add_class::<producer::Mapping>()?;
     m.add_class::<Server>()?;
+    m.add_class::<Mps>()?;
     m.add_class::<Request>()?;
     m.add("TensorportError", m.py().get_type::<TensorportError>())?;
     m.add("PROTOCOL_VERSION", tensorport::protocol_version())?;
