@@ -290,13 +290,13 @@ pub struct ModelArgs {
     )]
     pub model: ModelKind,
     /// Side of the square input images, in pixels (a multiple of 8).
-    #[arg(long, default_value_t = 224)]
+    #[arg(long, default_value_t = tensorport_dfdx::ModelConfig::default().image_size)]
     pub image_size: usize,
     /// Number of output classes.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = tensorport_dfdx::ModelConfig::default().classes)]
     pub classes: usize,
     /// Channels of the model's first stage (the second has twice as many).
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = tensorport_dfdx::ModelConfig::default().width)]
     pub width: usize,
     /// Weights file (safetensors, PyTorch layouts; see docs/model.md). Without it, weights come
     /// from --seed.
@@ -375,7 +375,7 @@ pub struct PrepArgs {
     pub jpeg_decoder: JpegDecoder,
     /// Images over this many megapixels are refused (an error line naming the file) before
     /// anything is allocated for them: a small file can declare an image of gigabytes.
-    #[arg(long, default_value_t = 64.0, value_name = "MP")]
+    #[arg(long, default_value_t = tensorport_vision::DEFAULT_MAX_PIXELS as f64 / 1e6, value_name = "MP")]
     pub max_megapixels: f64,
     /// Decode large JPEGs at 1/2, 1/4 or 1/8 of their size with libjpeg-turbo's DCT scaling
     /// whenever that still leaves a source pixel for each output pixel (as PIL's `draft`

@@ -23,7 +23,7 @@ pub struct Args {
     #[arg(long, value_name = "N")]
     pub limit: Option<usize>,
     /// Side of the model's square input, in pixels.
-    #[arg(long, default_value_t = 224)]
+    #[arg(long, default_value_t = tensorport_dfdx::ModelConfig::default().image_size as u32)]
     pub image_size: u32,
     #[command(flatten)]
     pub prep: PrepArgs,

@@ -35,7 +35,7 @@ pub struct Args {
     #[arg(long, short, default_value = "-")]
     pub output: PathBuf,
     /// Side of the square images the server's model takes, in pixels.
-    #[arg(long, default_value_t = 224)]
+    #[arg(long, default_value_t = tensorport_dfdx::ModelConfig::default().image_size)]
     pub image_size: usize,
     /// Requests outstanding at once (also the number of slots asked for).
     #[arg(long, default_value_t = 4)]

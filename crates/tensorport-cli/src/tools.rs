@@ -18,16 +18,16 @@ pub struct WeightsArgs {
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
     /// Number of output classes.
-    #[arg(long, default_value_t = 10)]
+    #[arg(long, default_value_t = tensorport_dfdx::ModelConfig::default().classes)]
     pub classes: usize,
     /// Channels of the first stage.
-    #[arg(long, default_value_t = 16)]
+    #[arg(long, default_value_t = tensorport_dfdx::ModelConfig::default().width)]
     pub width: usize,
 }
 
 pub fn weights(a: WeightsArgs) -> CliResult<u8> {
     let cfg = ModelConfig {
-        image_size: 224,
+        image_size: ModelConfig::default().image_size,
         classes: a.classes,
         width: a.width,
     };

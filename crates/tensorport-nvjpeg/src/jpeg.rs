@@ -384,7 +384,7 @@ impl GpuJpeg {
     /// The largest side [`GpuJpeg::probe`] accepts (the CPU decoder's limit too).
     pub const MAX_SIDE: u32 = 16_384;
     /// The most pixels [`GpuJpeg::probe`] accepts (the CPU decoders' default limit too).
-    pub const MAX_PIXELS: u64 = 64_000_000;
+    pub const MAX_PIXELS: u64 = tensorport_vision::DEFAULT_MAX_PIXELS;
     /// Scratch memory kept between batches: more, left by an outsized batch, is given back.
     const SCRATCH_KEEP: usize = 256 << 20;
 

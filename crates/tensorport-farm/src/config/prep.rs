@@ -109,7 +109,7 @@ impl Default for PrepOptions {
         PrepOptions {
             transform: TransformKind::Standard,
             jpeg_decoder: JpegDecoder::default(),
-            max_pixels: 64_000_000,
+            max_pixels: tensorport_vision::DEFAULT_MAX_PIXELS,
             dct_scaling: false,
             coarse_progressive: true,
             pixels: Pixels::F32,
