@@ -374,3 +374,98 @@ pub(crate) fn farm_gpu_producers() {
     );
     assert!(worst <= 0.1, "scores differ by {worst}");
 }
+
+/// A farm of the CUDA model with GPU producers sharing the GPU through a private MPS daemon
+/// (`--mps on`), whose MPS server is SIGKILLed mid-run — what a fatal GPU fault in one client
+/// does to every client of that server: the GPU processes fail and are restarted (the control
+/// daemon starts a new MPS server for them), and every input still has exactly one line, none an
+/// error. Skipped where `nvidia-cuda-mps-control` is not on PATH.
+pub(crate) fn farm_under_mps_server_killed() {
+    if tensorport_farm::mps::Tools::find().control.is_none() {
+        println!("  skipped: nvidia-cuda-mps-control is not on PATH");
+        return;
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let (_, jpegs) = sample_images(dir.path(), 96);
+    let mut files: Vec<String> = std::fs::read_dir(&jpegs)
+        .unwrap()
+        .map(|e| e.unwrap().path().display().to_string())
+        .collect();
+    files.sort();
+    let list = dir.path().join("list");
+    let repeat = 60;
+    let listed: String = (0..repeat)
+        .flat_map(|_| files.iter())
+        .map(|f| format!("{f}\n"))
+        .collect();
+    std::fs::write(&list, listed).unwrap();
+    let inputs = (files.len() * repeat) as u64;
+    let out = dir.path().join("r.jsonl");
+    let child = std::process::Command::new(tensorport_exe())
+        .args(["farm", "--device", "cuda", "--mps", "on"])
+        .args(["-p", "2", "--gpu-producers", "2", "--progress", "never"])
+        .arg("--input-list")
+        .arg(&list)
+        .arg("--output")
+        .arg(&out)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let lines = || {
+        std::fs::read_to_string(&out)
+            .map(|s| s.lines().count())
+            .unwrap_or(0)
+    };
+    let t = std::time::Instant::now();
+    while lines() < 500 {
+        assert!(
+            t.elapsed().as_secs() < 180,
+            "the farm wrote no 500 results in 3 minutes"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
+    let servers: Vec<i32> = std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("nvidia-cuda-mps-server"))
+        })
+        .collect();
+    assert!(!servers.is_empty(), "no MPS server runs under the farm");
+    let before = lines();
+    for pid in &servers {
+        let _ = nix::sys::signal::kill(
+            nix::unistd::Pid::from_raw(*pid),
+            nix::sys::signal::Signal::SIGKILL,
+        );
+    }
+    let o = child.wait_with_output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    let stderr = String::from_utf8_lossy(&o.stderr);
+    assert!(o.status.success(), "farm failed:\n{stdout}\n{stderr}");
+    assert!(stderr.contains("private MPS daemon"), "{stderr}");
+    let mut seen = std::collections::HashSet::new();
+    let text = std::fs::read_to_string(&out).unwrap();
+    let mut errors = 0;
+    for l in text.lines() {
+        let v: serde_json::Value = serde_json::from_str(l).unwrap();
+        errors += usize::from(v.get("error").is_some());
+        assert!(
+            seen.insert(v["index"].as_u64().unwrap()),
+            "an input answered twice"
+        );
+    }
+    assert_eq!(seen.len() as u64, inputs, "every input once");
+    assert_eq!(
+        errors, 0,
+        "error lines after the MPS server's death:\n{text}"
+    );
+    println!(
+        "  {inputs} inputs under a private MPS daemon, its server SIGKILLed after {before} results: {} lines, {} distinct, no errors",
+        text.lines().count(),
+        seen.len()
+    );
+}

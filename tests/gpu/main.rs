@@ -130,6 +130,10 @@ fn main() {
             "onnx_models_on_the_gpu_score_as_onnxruntime_on_the_cpu",
             onnx_on_gpu,
         ),
+        (
+            "farm_under_mps_every_input_once_when_its_mps_server_dies",
+            farm_under_mps_server_killed,
+        ),
     ];
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {
