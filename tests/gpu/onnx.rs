@@ -118,4 +118,55 @@ pub(crate) fn onnx_on_gpu() {
             assert!(worst <= bound, "{name}: {worst} over {bound}");
         }
     }
+    tensorrt_engines_are_cached(&models, &images, &dir.path().join("trt-cache"));
+}
+
+/// The classifier through ONNX Runtime's TensorRT provider (`--ort-provider tensorrt`): every
+/// input once, without an error, and TensorRT's engines kept in the cache folder for the next
+/// run (`XDG_CACHE_HOME` pointed at `cache` here). Skipped, saying so, where TensorRT's
+/// libraries are not installed.
+fn tensorrt_engines_are_cached(models: &Path, images: &Path, cache: &Path) {
+    let out = cache.with_extension("jsonl");
+    let o = Command::new(tensorport_exe())
+        .env("XDG_CACHE_HOME", cache)
+        .args([
+            "farm",
+            "--device",
+            "cuda",
+            "--ort-provider",
+            "tensorrt",
+            "--model",
+        ])
+        .arg(models.join("classifier.onnx"))
+        .arg("--input")
+        .arg(images)
+        .args([
+            "--progress",
+            "never",
+            "--gpu-producers",
+            "0",
+            "-p",
+            "2",
+            "--output",
+        ])
+        .arg(&out)
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&o.stderr);
+    if !o.status.success() && (err.contains("nvinfer") || err.contains("TensorRT")) {
+        println!(
+            "  TensorRT: skipped, its libraries are not installed ({})",
+            err.lines().last().unwrap_or("")
+        );
+        return;
+    }
+    assert!(o.status.success(), "{err}");
+    let text = std::fs::read_to_string(&out).unwrap();
+    assert_eq!(text.lines().count(), 64, "every input once");
+    assert!(!text.contains("\"error\""), "{text}");
+    let engines = std::fs::read_dir(cache.join("tensorport/tensorrt"))
+        .map(|d| d.count())
+        .unwrap_or(0);
+    assert!(engines > 0, "no engine was cached");
+    println!("  TensorRT: 64 inputs, {engines} files in the engine cache");
 }

@@ -128,10 +128,7 @@ impl OnnxModel {
                 .map_err(|e| provider_error(opts.provider, e))?,
             Provider::TensorRt(gpu) => builder
                 .with_execution_providers([
-                    ort::ep::TensorRT::default()
-                        .with_device_id(gpu as i32)
-                        .build()
-                        .error_on_failure(),
+                    tensorrt(gpu).build().error_on_failure(),
                     cuda(gpu, opts.tf32).build().error_on_failure(),
                 ])
                 .map_err(|e| provider_error(opts.provider, e))?,
@@ -367,6 +364,23 @@ fn cuda(gpu: u32, tf32: bool) -> ort::ep::CUDA {
         .with_prefer_nhwc(true)
         .with_conv_algorithm_search(ort::ep::cuda::ConvAlgorithmSearch::Exhaustive)
         .with_conv_max_workspace(true)
+}
+
+/// The TensorRT execution provider on GPU `gpu`, its engines and timings cached
+/// ([`crate::runtime::tensorrt_cache`]) so that only a run that meets a model (and batch shape)
+/// for the first time pays TensorRT's build.
+fn tensorrt(gpu: u32) -> ort::ep::TensorRT {
+    let ep = ort::ep::TensorRT::default().with_device_id(gpu as i32);
+    match crate::runtime::tensorrt_cache() {
+        Some(dir) => {
+            let dir = dir.display().to_string();
+            ep.with_engine_cache(true)
+                .with_engine_cache_path(&dir)
+                .with_timing_cache(true)
+                .with_timing_cache_path(&dir)
+        }
+        None => ep,
+    }
 }
 
 fn provider_error<T>(p: Provider, e: ort::Error<T>) -> Error {

@@ -98,6 +98,57 @@ pub fn library() -> Result<PathBuf> {
     })
 }
 
+/// Where TensorRT's engines and timing caches are kept: `$XDG_CACHE_HOME/tensorport/tensorrt`
+/// (else `~/.cache/tensorport/tensorrt`), a folder of this user's alone (0700: an engine is
+/// code TensorRT loads, so no one else may put one there). `None`, with a warning, where it
+/// cannot be had: engines are then built anew by every run.
+pub fn tensorrt_cache() -> Option<&'static std::path::Path> {
+    static DIR: OnceLock<Option<PathBuf>> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let base = std::env::var_os("XDG_CACHE_HOME")
+            .filter(|d| !d.is_empty())
+            .map(PathBuf::from)
+            .or_else(|| std::env::var_os("HOME").map(|h| PathBuf::from(h).join(".cache")))?;
+        let dir = base.join("tensorport").join("tensorrt");
+        match private_dir(&dir) {
+            Ok(()) => Some(dir),
+            Err(why) => {
+                tracing::warn!(
+                    "TensorRT's engines are not cached ({}: {why}); each run builds them anew",
+                    dir.display()
+                );
+                None
+            }
+        }
+    })
+    .as_deref()
+}
+
+/// Makes `dir` (and its parents) if need be, and checks that it is a folder of this user's
+/// that no one else may write to.
+fn private_dir(dir: &std::path::Path) -> std::result::Result<(), String> {
+    use std::os::unix::fs::{DirBuilderExt, MetadataExt, PermissionsExt};
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(dir)
+        .map_err(|e| e.to_string())?;
+    let meta = std::fs::symlink_metadata(dir).map_err(|e| e.to_string())?;
+    if !meta.is_dir() {
+        return Err("not a folder".into());
+    }
+    if meta.uid() != nix::unistd::geteuid().as_raw() {
+        return Err(format!("owned by uid {}, not this user", meta.uid()));
+    }
+    if meta.permissions().mode() & 0o022 != 0 {
+        return Err(format!(
+            "others may write to it (mode {:o})",
+            meta.permissions().mode() & 0o777
+        ));
+    }
+    Ok(())
+}
+
 /// Why the library could not be set up (kept for the process: each caller gets the same).
 #[derive(Debug, Clone)]
 enum Failure {
@@ -144,6 +195,21 @@ pub fn version() -> Result<String> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn a_cache_folder_must_be_this_users_alone() {
+        use std::os::unix::fs::PermissionsExt;
+        let d = tempfile::tempdir().unwrap();
+        let dir = d.path().join("a/b/tensorrt");
+        private_dir(&dir).unwrap();
+        let mode = std::fs::metadata(&dir).unwrap().permissions().mode();
+        assert_eq!(mode & 0o077, 0, "{mode:o}");
+        std::fs::set_permissions(&dir, std::fs::Permissions::from_mode(0o777)).unwrap();
+        assert!(private_dir(&dir).unwrap_err().contains("others may write"));
+        let file = d.path().join("f");
+        std::fs::write(&file, b"").unwrap();
+        assert!(private_dir(&file).is_err());
+    }
 
     #[test]
     fn versions_compare_as_numbers() {
