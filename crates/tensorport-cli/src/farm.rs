@@ -144,10 +144,12 @@ pub struct Args {
     #[arg(long, default_value = "warn", value_parser = crate::common::parse_log_filter)]
     pub child_log: String,
     /// Where the server and GPU producers share a GPU: run them as clients of one CUDA MPS
-    /// server, so their kernels overlap instead of taking turns. auto joins a running MPS
-    /// daemon, else starts a private one for the run (its own pipe folder; quit at the end), and
-    /// goes without where MPS cannot be had, saying why; on refuses to start then; off never
-    /// uses MPS. Under MPS a fatal GPU fault in one process ends the GPU work of all: the farm
+    /// server, so their kernels overlap instead of taking turns. auto does so for an ONNX model
+    /// (a network of yours; with the bundled model or none the GPU producers' decoding is the
+    /// bound, and MPS slows it): it joins a running MPS daemon, else starts a private one for the
+    /// run (its own pipe folder; quit at the end), and goes without where MPS cannot be had,
+    /// saying why; on does so for any model, and refuses to start where MPS cannot be had; off
+    /// never uses MPS. Under MPS a fatal GPU fault in one process ends the GPU work of all: the farm
     /// restarts them and redoes their inputs (docs/operations.md).
     #[arg(long, value_enum, default_value_t = tensorport_farm::mps::MpsMode::Auto)]
     pub mps: tensorport_farm::mps::MpsMode,

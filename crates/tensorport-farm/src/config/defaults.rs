@@ -205,6 +205,76 @@ mod tests {
     }
 
     #[test]
+    fn mps_where_processes_share_a_gpu_and_auto_only_for_a_network_of_the_users() {
+        use crate::mps::MpsMode;
+        let on = |kind: ModelKind, device: Device| ModelOptions {
+            kind,
+            device,
+            ..ModelOptions::default()
+        };
+        let onnx = ModelKind::Onnx("m.onnx".into());
+        let farm = |model: ModelOptions, servers: Servers, gpu_producers: usize, mps| {
+            let mut c = FarmConfig::new(Vec::new(), servers, model, "out");
+            c.gpu_producers = gpu_producers;
+            c.mps = mps;
+            c.mps_gpus()
+        };
+        let gpu0 = Device::Cuda(0);
+        // A server and GPU producers on GPU 0, an ONNX network: auto and on.
+        for mode in [MpsMode::Auto, MpsMode::On] {
+            assert_eq!(
+                farm(on(onnx.clone(), gpu0), Servers::Copies(1), 2, mode),
+                [0]
+            );
+        }
+        assert!(farm(on(onnx.clone(), gpu0), Servers::Copies(1), 2, MpsMode::Off).is_empty());
+        // The bundled model or none: auto leaves MPS out (slower there), on asks for it.
+        for kind in [ModelKind::Classifier, ModelKind::None] {
+            assert!(farm(on(kind.clone(), gpu0), Servers::Copies(1), 2, MpsMode::Auto).is_empty());
+            assert_eq!(
+                farm(on(kind, gpu0), Servers::Copies(1), 2, MpsMode::On),
+                [0]
+            );
+        }
+        // One process per GPU: nothing to share.
+        assert!(farm(on(onnx.clone(), gpu0), Servers::Copies(1), 0, MpsMode::On).is_empty());
+        assert!(farm(
+            on(onnx.clone(), gpu0),
+            Servers::Gpus(vec![0, 1]),
+            0,
+            MpsMode::On
+        )
+        .is_empty());
+        // Two servers on one GPU, or GPU producers beside servers on two.
+        assert_eq!(
+            farm(on(onnx.clone(), gpu0), Servers::Copies(2), 0, MpsMode::On),
+            [0]
+        );
+        assert_eq!(
+            farm(
+                on(onnx.clone(), gpu0),
+                Servers::Gpus(vec![1, 0]),
+                2,
+                MpsMode::Auto
+            ),
+            [0, 1]
+        );
+        // On the CPU, or attached to someone else's server: never.
+        assert!(farm(
+            on(onnx.clone(), Device::Cpu),
+            Servers::Copies(1),
+            0,
+            MpsMode::On
+        )
+        .is_empty());
+        let attach = Servers::Attach {
+            socket: "s".into(),
+            gpu: Some(0),
+        };
+        assert!(farm(on(onnx, gpu0), attach, 2, MpsMode::On).is_empty());
+    }
+
+    #[test]
     fn run_dependent_defaults_are_decided_once_from_what_the_run_holds() {
         let gpu = ModelOptions {
             kind: ModelKind::Onnx("m.onnx".into()),

@@ -356,6 +356,25 @@ impl FarmConfig {
         shared
     }
 
+    /// The GPUs to run under MPS ([`crate::mps`]), none where MPS is not wanted: with `on`,
+    /// every GPU two or more of its processes share ([`FarmConfig::shared_gpus`]); with `auto`,
+    /// those only where the servers run a network of the user's (an ONNX model), which MPS
+    /// lets the GPU producers' decoding overlap (ResNet-50 f16 +38% on an H100). With the
+    /// bundled classifier or no model the GPU producers' decoding is the bound, and under MPS
+    /// it ran 17–20% slower (docs/benchmarks-detail.md), so `auto` leaves MPS out there.
+    pub fn mps_gpus(&self) -> Vec<u32> {
+        let wanted = match self.mps {
+            crate::mps::MpsMode::Off => false,
+            crate::mps::MpsMode::On => true,
+            crate::mps::MpsMode::Auto => matches!(self.model.kind, ModelKind::Onnx(_)),
+        };
+        if wanted {
+            self.shared_gpus()
+        } else {
+            Vec::new()
+        }
+    }
+
     /// The GPUs its servers run on (0 on the CPU; an attached server's: 1 if it names one).
     pub fn gpus(&self) -> usize {
         match &self.servers {

@@ -186,9 +186,9 @@ pub fn run_with(
         }
     };
     let (sockets, devices) = servers(&cfg, &base_socket);
-    // Where two or more of the run's processes share a GPU, they do so through MPS (quit with
-    // this function's return, where the daemon is the run's own).
-    let shared = cfg.shared_gpus();
+    // Where two or more of the run's processes share a GPU and MPS pays, they share it through
+    // MPS (quit with this function's return, where the daemon is the run's own).
+    let shared = cfg.mps_gpus();
     let mut mps = match shared.is_empty() {
         true => crate::mps::Mps::off(),
         false => {
