@@ -226,6 +226,22 @@ fn onnx_models_score_as_onnxruntime_python_does() {
     );
 }
 
+/// The files of `images`, sorted, listed `times` over in a file in `dir` (for `--input-list`).
+fn list_of(images: &Path, times: usize, dir: &Path) -> PathBuf {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(images)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    files.sort();
+    let list: String = (0..times)
+        .flat_map(|_| files.iter())
+        .map(|f| format!("{}\n", f.display()))
+        .collect();
+    let list_file = dir.join("list");
+    std::fs::write(&list_file, list).unwrap();
+    list_file
+}
+
 /// The ONNX classifier in a farm of three producers over 12 images listed 40 times, one
 /// producer SIGKILLed mid-run: every input still has exactly one line, with the reference's
 /// scores.
@@ -237,17 +253,7 @@ fn an_onnx_farm_survives_a_sigkilled_producer_every_input_once() {
     let (dir, models, images) = models_and_images(python);
     let model = models.join("classifier.onnx");
     let want = reference(python, lib, &model, &images);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&images)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
-    let list: String = (0..40)
-        .flat_map(|_| files.iter())
-        .map(|f| format!("{}\n", f.display()))
-        .collect();
-    let list_file = dir.path().join("list");
-    std::fs::write(&list_file, list).unwrap();
+    let list_file = list_of(&images, 40, dir.path());
     let out = dir.path().join("r.jsonl");
     let mut farm = tp(lib)
         .args(["farm", "--input-list"])
@@ -490,17 +496,7 @@ fn a_weights_file_truncated_under_a_running_farm_costs_nothing() {
     let model = models.join("external.onnx");
     let data = models.join("external.bin");
     let want = reference(python, lib, &model, &images);
-    let mut files: Vec<PathBuf> = std::fs::read_dir(&images)
-        .unwrap()
-        .map(|e| e.unwrap().path())
-        .collect();
-    files.sort();
-    let list: String = (0..60)
-        .flat_map(|_| files.iter())
-        .map(|f| format!("{}\n", f.display()))
-        .collect();
-    let list_file = dir.path().join("list");
-    std::fs::write(&list_file, list).unwrap();
+    let list_file = list_of(&images, 60, dir.path());
     let out = dir.path().join("r.jsonl");
     let mut farm = tp(lib)
         .args(["farm", "--input-list"])

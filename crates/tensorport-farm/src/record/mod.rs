@@ -55,6 +55,25 @@ pub struct ResultLine {
     pub stages: Option<StageTimes>,
 }
 
+impl ResultLine {
+    /// The line of input `index` (`source`) that got no scores, by `producer`: `error` says why.
+    pub fn failed(index: u64, source: &Source, error: String, producer: String) -> ResultLine {
+        let name = InputName::of(source);
+        ResultLine {
+            index,
+            input: name.input,
+            input_bytes: name.input_bytes,
+            class: None,
+            scores: None,
+            top_k: None,
+            error: Some(error),
+            latency_ms: 0.0,
+            producer,
+            stages: None,
+        }
+    }
+}
+
 /// One input's time in each step, in milliseconds.
 #[derive(Debug, Clone, Copy, Default, Serialize, Deserialize, PartialEq)]
 pub struct StageTimes {
@@ -290,19 +309,9 @@ impl LineWriter {
         t0: Option<Instant>,
         stages: Option<StageTimes>,
     ) -> std::io::Result<()> {
-        let name = InputName::of(source);
-        let line = ResultLine {
-            index,
-            input: name.input,
-            input_bytes: name.input_bytes,
-            class: None,
-            scores: None,
-            top_k: None,
-            error: Some(error),
-            latency_ms: t0.map_or(0.0, |t| ms(t.elapsed())),
-            producer: self.producer.clone(),
-            stages: stages.filter(|_| self.profile),
-        };
+        let mut line = ResultLine::failed(index, source, error, self.producer.clone());
+        line.latency_ms = t0.map_or(0.0, |t| ms(t.elapsed()));
+        line.stages = stages.filter(|_| self.profile);
         self.write(&line)
     }
 

@@ -42,22 +42,15 @@ impl Supervisor {
                     ));
                     return;
                 };
-                let name = crate::record::InputName::of(&self.inputs[index as usize]);
-                let r = ResultLine {
+                let r = ResultLine::failed(
                     index,
-                    input: name.input,
-                    input_bytes: name.input_bytes,
-                    class: None,
-                    scores: None,
-                    top_k: None,
-                    error: Some(format!(
+                    &self.inputs[index as usize],
+                    format!(
                         "{} wrote a result for this input that the farm cannot read: {why}",
                         w.name
-                    )),
-                    latency_ms: 0.0,
-                    producer: w.name.clone(),
-                    stages: None,
-                };
+                    ),
+                    w.name.clone(),
+                );
                 let text = serde_json::to_string(&r).expect("a result line serialises");
                 (r, std::borrow::Cow::Owned(text))
             }
