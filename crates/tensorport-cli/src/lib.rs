@@ -8,6 +8,7 @@
 
 mod common;
 mod ctl;
+mod error;
 mod farm;
 mod model_bench;
 mod prep;
