@@ -147,17 +147,38 @@ pub fn daemon_at(pipe: &Path) -> bool {
     std::fs::symlink_metadata(pipe.join("control")).is_ok_and(|m| m.file_type().is_fifo())
 }
 
-/// The compute mode of each GPU `nvidia-smi` lists: `(ordinal, mode)`.
+/// The compute mode of each GPU `nvidia-smi` lists: `(ordinal, mode)`; none where it does not
+/// answer within 10 s.
 fn compute_modes(smi: &Path) -> Vec<(u32, String)> {
-    let Ok(o) = Command::new(smi)
+    use std::io::Read;
+    let Ok(mut child) = Command::new(smi)
         .args(["--query-gpu=index,compute_mode", "--format=csv,noheader"])
         .stdin(Stdio::null())
+        .stdout(Stdio::piped())
         .stderr(Stdio::null())
-        .output()
+        .spawn()
     else {
         return Vec::new();
     };
-    String::from_utf8_lossy(&o.stdout)
+    let t = Instant::now();
+    loop {
+        match child.try_wait() {
+            Ok(Some(_)) => break,
+            Ok(None) if t.elapsed() < Duration::from_secs(10) => {
+                std::thread::sleep(Duration::from_millis(5))
+            }
+            _ => {
+                let _ = child.kill();
+                let _ = child.wait();
+                return Vec::new();
+            }
+        }
+    }
+    let mut out = Vec::new();
+    if let Some(mut stdout) = child.stdout.take() {
+        let _ = stdout.read_to_end(&mut out);
+    }
+    String::from_utf8_lossy(&out)
         .lines()
         .filter_map(|l| {
             let (i, m) = l.split_once(',')?;
