@@ -250,17 +250,22 @@ impl Private {
     }
 
     fn launch(&self) -> Result<(), String> {
-        let o = self
+        // Its messages go to a file: the daemon it leaves behind may keep what it inherited
+        // open, so a pipe would never see its end.
+        let said = self.log().join("tensorport-start.txt");
+        let err = std::fs::File::create(&said).map_err(|e| format!("{}: {e}", said.display()))?;
+        let status = self
             .control()
             .arg("-d")
-            .output()
+            .stderr(err)
+            .status()
             .map_err(|e| format!("{}: {e}", self.control.display()))?;
-        if !o.status.success() {
+        if !status.success() {
+            let text = std::fs::read_to_string(&said).unwrap_or_default();
             return Err(format!(
-                "{} -d failed ({}): {}",
+                "{} -d failed ({status}): {}",
                 self.control.display(),
-                o.status,
-                String::from_utf8_lossy(&o.stderr).trim()
+                text.trim()
             ));
         }
         let t = Instant::now();

@@ -11,8 +11,9 @@ use std::time::{Duration, Instant};
 use tensorport_farm::mps::{daemon_at, Mps, MpsMode, Plan, Tools, LOG_ENV, PIPE_ENV};
 
 /// The control program's stand-in: `-d` makes the control FIFO and detaches a process that
-/// lives while it is there (the daemon); otherwise it reads a command: `quit` removes the FIFO
-/// (the daemon ends), `get_server_list` answers. With `fail`, `-d` fails.
+/// lives while it is there (the daemon, which keeps the standard error it inherited open);
+/// otherwise it reads a command: `quit` removes the FIFO (the daemon ends), `get_server_list`
+/// answers. With `fail`, `-d` fails.
 fn control_script(dir: &Path, fail: bool) -> PathBuf {
     let path = dir.join(if fail {
         "control-fails"
@@ -23,7 +24,7 @@ fn control_script(dir: &Path, fail: bool) -> PathBuf {
         "echo 'An instance of this daemon is already running' >&2; exit 1"
     } else {
         r#"mkfifo "$pipe/control" || exit 1
-    setsid bash -c 'while [ -p "$0/control" ]; do sleep 0.05; done' "$pipe" </dev/null >/dev/null 2>&1 &
+    setsid bash -c 'while [ -p "$0/control" ]; do sleep 0.05; done' "$pipe" </dev/null >/dev/null &
     echo "started" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"
     exit 0"#
     };
