@@ -242,6 +242,30 @@ fn list_of(images: &Path, times: usize, dir: &Path) -> PathBuf {
     list_file
 }
 
+/// A farm of `model` over the inputs of `list_file`, with `producers` CPU producers keeping
+/// `in_flight` requests each, its lines to `out`; its output and errors piped.
+fn farm_of_list(
+    lib: &Path,
+    model: &Path,
+    list_file: &Path,
+    (producers, in_flight): (u32, u32),
+    out: &Path,
+) -> std::process::Child {
+    tp(lib)
+        .args(["farm", "--input-list"])
+        .arg(list_file)
+        .arg("--model")
+        .arg(model)
+        .args(["-p", &producers.to_string()])
+        .args(["--in-flight", &in_flight.to_string()])
+        .args(["--progress", "never", "--output"])
+        .arg(out)
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap()
+}
+
 /// The ONNX classifier in a farm of three producers over 12 images listed 40 times, one
 /// producer SIGKILLed mid-run: every input still has exactly one line, with the reference's
 /// scores.
@@ -255,25 +279,7 @@ fn an_onnx_farm_survives_a_sigkilled_producer_every_input_once() {
     let want = reference(python, lib, &model, &images);
     let list_file = list_of(&images, 40, dir.path());
     let out = dir.path().join("r.jsonl");
-    let mut farm = tp(lib)
-        .args(["farm", "--input-list"])
-        .arg(&list_file)
-        .arg("--model")
-        .arg(&model)
-        .args([
-            "-p",
-            "3",
-            "--in-flight",
-            "4",
-            "--progress",
-            "never",
-            "--output",
-        ])
-        .arg(&out)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut farm = farm_of_list(lib, &model, &list_file, (3, 4), &out);
     let t = Instant::now();
     let victim = loop {
         let kids = children(farm.id(), "\0produce\0");
@@ -498,25 +504,7 @@ fn a_weights_file_truncated_under_a_running_farm_costs_nothing() {
     let want = reference(python, lib, &model, &images);
     let list_file = list_of(&images, 60, dir.path());
     let out = dir.path().join("r.jsonl");
-    let mut farm = tp(lib)
-        .args(["farm", "--input-list"])
-        .arg(&list_file)
-        .arg("--model")
-        .arg(&model)
-        .args([
-            "-p",
-            "2",
-            "--in-flight",
-            "2",
-            "--progress",
-            "never",
-            "--output",
-        ])
-        .arg(&out)
-        .stdout(Stdio::piped())
-        .stderr(Stdio::piped())
-        .spawn()
-        .unwrap();
+    let mut farm = farm_of_list(lib, &model, &list_file, (2, 2), &out);
     let t = Instant::now();
     while count_lines(&out) < 24 {
         if t.elapsed() > Duration::from_secs(120) {

@@ -219,8 +219,7 @@ impl Args {
             in_flight: self.in_flight.is_none(),
             gpu_batch: self.gpu_batch.is_none(),
         };
-        let machine = Machine::detect(cfg.gpus());
-        cfg.resolve_defaults(open, &machine);
+        cfg.resolve_defaults(open, Machine::detect);
         Ok(cfg)
     }
 }

@@ -92,6 +92,26 @@ impl OnnxModel {
     pub fn open(path: &Path, opts: &OnnxOptions) -> Result<OnnxModel> {
         let env = crate::runtime::environment()?;
         let model = crate::external::read_model(path)?;
+        OnnxModel::session(env, path, &model, opts)
+    }
+
+    /// [`OnnxModel::open`] on a model already read from `path` ([`crate::external::read_model`]):
+    /// several sessions of one model (a GPU worker's, one per batch shape) read its files once.
+    pub fn from_read(
+        path: &Path,
+        model: &crate::external::ModelBytes,
+        opts: &OnnxOptions,
+    ) -> Result<OnnxModel> {
+        let env = crate::runtime::environment()?;
+        OnnxModel::session(env, path, model, opts)
+    }
+
+    fn session(
+        env: ort::environment::Environment,
+        path: &Path,
+        model: &crate::external::ModelBytes,
+        opts: &OnnxOptions,
+    ) -> Result<OnnxModel> {
         let invalid = |why: String| Error::Invalid {
             path: path.to_owned(),
             why,
@@ -136,7 +156,7 @@ impl OnnxModel {
         let session = builder
             .commit_from_memory(&model.bytes)
             .map_err(|e| invalid(e.to_string()))?;
-        let files = model.files.into_iter().map(|s| (s, false)).collect();
+        let files = model.files.iter().map(|s| (s.clone(), false)).collect();
         let declared = |outlets: &[ort::value::Outlet]| -> Vec<(String, ort::value::ValueType)> {
             outlets
                 .iter()

@@ -144,10 +144,11 @@ impl FarmConfig {
         }
     }
 
-    /// Decides the settings `open` leaves to the run, from what it holds and `machine`: the
-    /// producer mix ([`default_producers`]), a CPU producer's requests in flight
-    /// ([`default_in_flight`]), a GPU producer's batch ([`default_gpu_batch`]).
-    pub fn resolve_defaults(&mut self, open: LeftOpen, machine: &Machine) {
+    /// Decides the settings `open` leaves to the run, from what it holds and the machine
+    /// (`machine`, asked for the run's GPU count only where the mix is left open: finding nvJPEG
+    /// loads a library): the producer mix ([`default_producers`]), a CPU producer's requests in
+    /// flight ([`default_in_flight`]), a GPU producer's batch ([`default_gpu_batch`]).
+    pub fn resolve_defaults(&mut self, open: LeftOpen, machine: impl FnOnce(usize) -> Machine) {
         let gpus = self.gpus();
         if open.in_flight {
             self.in_flight = default_in_flight(&self.model.kind, gpus > 0);
@@ -156,8 +157,8 @@ impl FarmConfig {
             self.gpu_batch = default_gpu_batch(self.gpu_in_flight);
         }
         if open.mix {
-            (self.producers, self.gpu_producers) =
-                default_producers(gpus, machine.cores, machine.nvjpeg);
+            let m = machine(gpus);
+            (self.producers, self.gpu_producers) = default_producers(gpus, m.cores, m.nvjpeg);
         }
     }
 }
@@ -286,7 +287,7 @@ mod tests {
             nvjpeg: true,
         };
         let mut c = FarmConfig::new(Vec::new(), Servers::Copies(1), gpu.clone(), "out");
-        c.resolve_defaults(LeftOpen::ALL, &machine);
+        c.resolve_defaults(LeftOpen::ALL, |_| machine);
         assert_eq!((c.producers, c.gpu_producers), (12, 2));
         assert_eq!(c.in_flight, DEFAULT_IN_FLIGHT_ONNX_GPU);
         assert_eq!(c.gpu_batch, DEFAULT_GPU_BATCH);
@@ -299,13 +300,13 @@ mod tests {
                 in_flight: false,
                 gpu_batch: true,
             },
-            &machine,
+            |_| -> Machine { panic!("the mix was given: the machine is not looked at") },
         );
         assert_eq!((c.producers, c.gpu_producers, c.in_flight), (5, 0, 3));
         assert_eq!(c.gpu_batch, 8);
         // On the CPU: three CPU producers, eight in flight, and the check passes.
         let mut c = FarmConfig::new(Vec::new(), Servers::Copies(1), ModelOptions::default(), "o");
-        c.resolve_defaults(LeftOpen::ALL, &machine);
+        c.resolve_defaults(LeftOpen::ALL, |_| machine);
         assert_eq!((c.producers, c.gpu_producers, c.in_flight), (3, 0, 8));
         assert!(c.check().is_ok());
     }

@@ -343,12 +343,15 @@ pub(super) fn load_on_cuda(
     };
     let rows = session_rows(max_batch);
     let t0 = std::time::Instant::now();
+    // The model's files read once for all its sessions.
+    let read = tensorport_onnx::external::read_model(path).map_err(ConfigError::from)?;
+    let read = &read;
     let opened: Vec<tensorport_onnx::Result<OnnxModel>> = std::thread::scope(|s| {
         let each: Vec<_> = rows
             .iter()
             .map(|&n| {
                 s.spawn(move || {
-                    let mut m = OnnxModel::open(path, &opts)?;
+                    let mut m = OnnxModel::from_read(path, read, &opts)?;
                     m.warm_up(n)?;
                     Ok(m)
                 })
