@@ -381,6 +381,44 @@ pub(crate) fn farm_gpu_producers() {
 /// daemon starts a new MPS server for them), and every input still has exactly one line, none an
 /// error. Skipped where `nvidia-cuda-mps-control` is not on PATH.
 pub(crate) fn farm_under_mps_server_killed() {
+    farm_under_mps_with_a_fault(MpsFault::KillServer);
+}
+
+/// The same farm under its private MPS daemon, joined mid-run by another client of its MPS server
+/// (`tensorport-dev gpu fault`) that launches a kernel writing out of bounds — a real fatal GPU
+/// fault in a process sharing the server: every input still has exactly one line, none an error.
+pub(crate) fn farm_under_mps_client_fault() {
+    farm_under_mps_with_a_fault(MpsFault::OutOfBoundsKernel);
+}
+
+enum MpsFault {
+    KillServer,
+    OutOfBoundsKernel,
+}
+
+fn mps_servers() -> Vec<i32> {
+    std::fs::read_dir("/proc")
+        .unwrap()
+        .flatten()
+        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
+        .filter(|pid| {
+            std::fs::read(format!("/proc/{pid}/cmdline"))
+                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("nvidia-cuda-mps-server"))
+        })
+        .collect()
+}
+
+/// `CUDA_MPS_PIPE_DIRECTORY` in the environment of process `pid`.
+fn pipe_directory_of(pid: i32) -> Option<String> {
+    let env = std::fs::read(format!("/proc/{pid}/environ")).ok()?;
+    env.split(|b| *b == 0).find_map(|kv| {
+        let kv = String::from_utf8_lossy(kv);
+        kv.strip_prefix("CUDA_MPS_PIPE_DIRECTORY=")
+            .map(str::to_string)
+    })
+}
+
+fn farm_under_mps_with_a_fault(fault: MpsFault) {
     if tensorport_farm::mps::Tools::find().control.is_none() {
         println!("  skipped: nvidia-cuda-mps-control is not on PATH");
         return;
@@ -425,23 +463,39 @@ pub(crate) fn farm_under_mps_server_killed() {
         );
         std::thread::sleep(std::time::Duration::from_millis(10));
     }
-    let servers: Vec<i32> = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .filter(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("nvidia-cuda-mps-server"))
-        })
-        .collect();
+    let servers = mps_servers();
     assert!(!servers.is_empty(), "no MPS server runs under the farm");
     let before = lines();
-    for pid in &servers {
-        let _ = nix::sys::signal::kill(
-            nix::unistd::Pid::from_raw(*pid),
-            nix::sys::signal::Signal::SIGKILL,
-        );
-    }
+    let what = match fault {
+        MpsFault::KillServer => {
+            for pid in &servers {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(*pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+            "its server SIGKILLed".to_string()
+        }
+        MpsFault::OutOfBoundsKernel => {
+            let pipe = servers
+                .iter()
+                .find_map(|pid| pipe_directory_of(*pid))
+                .expect("the MPS server's pipe directory");
+            let dev = std::path::Path::new(&tensorport_exe()).with_file_name("tensorport-dev");
+            let faulted = std::process::Command::new(&dev)
+                .args(["gpu", "fault"])
+                .env("CUDA_MPS_PIPE_DIRECTORY", &pipe)
+                .output()
+                .unwrap();
+            let said = String::from_utf8_lossy(&faulted.stdout).to_string()
+                + &String::from_utf8_lossy(&faulted.stderr);
+            assert!(
+                faulted.status.success(),
+                "the faulting client did not see its fault: {said}"
+            );
+            format!("a client's out-of-bounds kernel ({})", said.trim())
+        }
+    };
     let o = child.wait_with_output().unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
     let stderr = String::from_utf8_lossy(&o.stderr);
@@ -459,12 +513,10 @@ pub(crate) fn farm_under_mps_server_killed() {
         );
     }
     assert_eq!(seen.len() as u64, inputs, "every input once");
-    assert_eq!(
-        errors, 0,
-        "error lines after the MPS server's death:\n{text}"
-    );
+    assert_eq!(errors, 0, "error lines after the fault:\n{text}");
+    let restarts = stderr.lines().filter(|l| l.contains("restart")).count();
     println!(
-        "  {inputs} inputs under a private MPS daemon, its server SIGKILLed after {before} results: {} lines, {} distinct, no errors",
+        "  {inputs} inputs under a private MPS daemon, {what} after {before} results: {} lines, {} distinct, no errors; {restarts} restart lines",
         text.lines().count(),
         seen.len()
     );

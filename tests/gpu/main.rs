@@ -134,6 +134,10 @@ fn main() {
             "farm_under_mps_every_input_once_when_its_mps_server_dies",
             farm_under_mps_server_killed,
         ),
+        (
+            "farm_under_mps_every_input_once_when_a_client_faults",
+            farm_under_mps_client_fault,
+        ),
     ];
     if std::env::var(CHILD_ENV).is_err() {
         if let Err(e) = tensorport_cuda::probe() {

@@ -3,6 +3,7 @@
 
 use crate::common::{CliError, CliResult};
 
+mod fault;
 mod ipc_bench;
 
 use ipc_bench::{ipc_producer, ipc_server, staged_producer};
@@ -81,6 +82,14 @@ pub enum What {
         #[arg(long, hide = true)]
         producer_socket: Option<std::path::PathBuf>,
     },
+    /// For fault tests: launch a kernel that writes out of bounds and report the error the driver
+    /// gives. Under MPS (CUDA_MPS_PIPE_DIRECTORY naming a daemon) this is a fatal fault in one
+    /// client of a server other processes share. Exits 0 when the fault was reported.
+    Fault {
+        /// Device ordinal.
+        #[arg(long, default_value_t = 0)]
+        device: i32,
+    },
 }
 
 pub(crate) fn cuda(e: tensorport_cuda::Error) -> CliError {
@@ -113,6 +122,10 @@ pub fn run(a: Args) -> CliResult<u8> {
             if c.devices.is_empty() {
                 return Err(CliError::new("the driver sees no CUDA device"));
             }
+        }
+        What::Fault { device } => {
+            let error = fault::run(device)?;
+            println!("the GPU reported the fault: {error}");
         }
         What::BenchH2d { mib, iters, device } => {
             let gpu = tensorport_cuda::Gpu::open(device).map_err(cuda)?;
