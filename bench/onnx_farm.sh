@@ -24,7 +24,10 @@
 # ALONE=0 leaves out the model alone (measured once, in an earlier run); PIPELINES picks
 # onnx_pipelines.py's pipelines (default: all four). The peers run onnxruntime at its best
 # settings (ORT_SETTINGS=defaults: onnxruntime's own defaults). MPS_MODES lists the farm's --mps
-# modes to run each mix with (default "auto off": with and without MPS).
+# modes to run each mix with (default "auto off": with and without MPS). MODELS picks the
+# networks (default "none resnet50 resnet50_f16"), MIXES the producer mixes (';'-separated, each
+# a name and its flags; default: the farm's default, CPU producers only, 2 GPU producers only),
+# HW_LOADS DALI's hw_decoder_load values (default "0.65,0.9").
 #
 # TENSORPORT_ORT names onnxruntime-gpu's libonnxruntime.so; LD_LIBRARY_PATH must reach CUDA 13,
 # cuBLAS and cuDNN 9 (scripts/gpu-env.sh). TENSORPORT_TIMEOUT: seconds any one command may take.
@@ -39,8 +42,9 @@ for s in varied mixed; do
   for _ in $(seq "$repeat_varied"); do find "$sets/$s" -name '*.jpg' | sort; done > "$lists/$s"
 done
 cores=$(nproc)
-for m in resnet50 resnet50_f16; do
+for m in ${MODELS:-resnet50 resnet50_f16}; do
   [[ ${ALONE:-1} == 0 ]] && break
+  [[ $m == none ]] && continue
   "${lim[@]}" "$tp" --log warn model-bench --device cuda --model "$models/$m.onnx" \
     --batch 32,128,256 --seconds 2 | grep '|'
   if [[ ${PEERS:-0} == 1 ]]; then
@@ -57,24 +61,31 @@ if [[ ${PEERS:-0} == 1 && ${ALONE:-1} == 1 ]]; then
   "${lim[@]}" python3 "$here/peers/resnet50_torch.py" --batch 32,128,256 --seconds 2 \
     --engines "$engines" | grep '|' || echo "resnet50_torch.py failed"
 fi
+# MIXES: the producer mixes, separated by ';', each a name and its farm flags.
+mixes=${MIXES:-"default;cpu -p $((cores - 1)) --gpu-producers 0;gpu -p 0 --gpu-producers 2"}
 for s in ${SETS:-uniform varied}; do
   echo "$s: $(wc -l < "$lists/$s") inputs"
-  for m in none resnet50 resnet50_f16; do
+  for m in ${MODELS:-none resnet50 resnet50_f16}; do
     model=$models/$m.onnx; [[ $m == none ]] && model=none
-    for mix in "default" "cpu -p $((cores - 1)) --gpu-producers 0" "gpu -p 0 --gpu-producers 2"; do
+    IFS=';' read -ra each <<< "$mixes"
+    for mix in "${each[@]}"; do
       for mps in ${MPS_MODES:-auto off}; do
         set -- $mix; name=$1; shift
+        t0=$(date +%s.%N)
         summary=$("${lim[@]}" "$tp" --log warn farm --device cuda --model "$model" "$@" \
           --mps "$mps" --input-list "$lists/$s" --progress never -o /dev/null 2>&1 \
-          | grep -E 'throughput|batches|MPS' || true)
-        echo "$s, $m, $name, mps $mps: $(echo "$summary" | tr -s ' ' | tr '\n' ' ')"
+          | grep -E 'throughput|batches|MPS|error' || true)
+        wall=$(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}")
+        echo "$s, $m, $name, mps $mps: $(echo "$summary" | tr -s ' ' | tr '\n' ' ') (whole run $wall s)"
       done
     done
   done
   if [[ ${PEERS:-0} == 1 ]]; then
-    for m in resnet50 resnet50_f16; do
+    for m in ${MODELS:-resnet50 resnet50_f16}; do
+      [[ $m == none ]] && continue
       "${lim[@]}" python3 "$here/peers/onnx_pipelines.py" "$lists/$s" "$models/$m.onnx" \
-        ${PIPELINES:+--pipelines "$PIPELINES"} 2>&1 | sed "s/^/$s, $m, /" | grep -v Warning || echo "$s, $m: onnx_pipelines.py failed"
+        ${PIPELINES:+--pipelines "$PIPELINES"} --hw-load "${HW_LOADS:-0.65,0.9}" 2>&1 \
+        | sed "s/^/$s, $m, /" | grep -v Warning || echo "$s, $m: onnx_pipelines.py failed"
     done
   fi
 done

@@ -14,6 +14,10 @@ Each loop is what an inference script does: the batch into the network, the scor
 batches after 3 of warm-up.
 
     python3 bench/peers/loader_resnet.py LIST [--pipelines loader,dali] [--binary PATH]
+                                           [--mps auto|on|off] [--hw-load 0.9]
+
+The Loaders are made before the network touches the GPU (CUDA joins MPS only as it starts in
+a process), as docs/python.md tells users to.
 
 LIST names the files, one per line. Needs torch, torchvision, the package (PYTHONPATH) with the
 CUDA build of the binary (--binary or TENSORPORT_BIN), and nvidia-dali-cuda130 for `dali`.
@@ -68,12 +72,16 @@ def rate(batches, model, n):
     return done / dt
 
 
-def loader_batches(files, batch, binary, **kw):
+def make_loader(files, batch, binary, **kw):
     import tensorport
 
     loader = tensorport.Loader(files, batch_size=batch, device="cuda", binary=binary, **kw)
-    print(f"  Loader: {loader.producers} CPU and {loader.gpu_producers} GPU producers",
-          flush=True)
+    print(f"  Loader: {loader.producers} CPU and {loader.gpu_producers} GPU producers"
+          f" (mps={loader.mps})", flush=True)
+    return loader
+
+
+def loader_batches(loader):
     for x, _ in loader:
         yield x
 
@@ -87,24 +95,33 @@ def main():
     ap.add_argument("--binary", default=os.environ.get("TENSORPORT_BIN"))
     ap.add_argument("--workers", type=int, default=15, help="DataLoader worker processes")
     ap.add_argument("--threads", type=int, default=15, help="DALI's CPU threads")
+    ap.add_argument("--hw-load", default="0.9",
+                    help="DALI's hw_decoder_load; a comma-separated list runs `dali` per value")
+    ap.add_argument("--mps", default="auto", choices=["auto", "on", "off"],
+                    help="the Loaders' mps= (they are made before the model touches the GPU)")
     a = ap.parse_args()
     files = [line.rstrip("\n") for line in open(a.list) if line.strip()]
+    pipelines = a.pipelines.split(",")
+    # The Loaders first, as docs/python.md says: CUDA joins MPS only as it starts in a process.
+    kw = {"loader": {}, "loader-prefetch0": {"prefetch": 0},
+          "loader-gpu2": {"producers": 0, "gpu_producers": 2}}
+    loaders = {p: make_loader(files, a.batch, a.binary, mps=a.mps, **kw[p])
+               for p in pipelines if p in kw}
     model = network()
     print(f"{len(files)} files, batch {a.batch}, ResNet-50 bf16 channels_last "
           f"({torch.cuda.get_device_name()})", flush=True)
     print(f"alone: {alone(model, a.batch):.0f} images/s", flush=True)
-    for p in a.pipelines.split(","):
-        if p == "loader":
-            batches = loader_batches(files, a.batch, a.binary)
-        elif p == "loader-prefetch0":
-            batches = loader_batches(files, a.batch, a.binary, prefetch=0)
-        elif p == "loader-gpu2":
-            batches = loader_batches(files, a.batch, a.binary, producers=0, gpu_producers=2)
+    runs = [(p, load) for p in pipelines
+            for load in (a.hw_load.split(",") if p == "dali" else [None])]
+    for p, load in runs:
+        if p in loaders:
+            batches = loader_batches(loaders[p])
         elif p == "dali":
-            batches = dali_batches(files, a.batch, a.threads)
+            batches = dali_batches(files, a.batch, a.threads, float(load))
         else:
             batches = dataloader_batches(files, a.batch, a.workers)
-        print(f"{p}: {rate(batches, model, len(files)):.0f} images/s after the first batch",
+        name = p if load is None else f"{p} (hw_decoder_load {load})"
+        print(f"{name}: {rate(batches, model, len(files)):.0f} images/s after the first batch",
               flush=True)
 
 

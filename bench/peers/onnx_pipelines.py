@@ -19,6 +19,7 @@ batch (compilation and warm-up excluded) until the last batch's scores are on th
 
     python3 bench/peers/onnx_pipelines.py LIST MODEL.onnx [--pipelines dataloader-ort,dali-ort]
                                          [--batch 128] [--workers 15] [--threads 15]
+                                         [--hw-load 0.65,0.9]
 
 LIST names the files, one per line (the list the farm is given). Needs torch, torchvision and
 onnxruntime-gpu (the ort pipelines), nvidia-dali-cuda130 (the dali ones).
@@ -61,8 +62,9 @@ def dataloader_batches(files, batch, workers):
         yield x.cuda(non_blocking=True)
 
 
-def dali_batches(files, batch, threads):
-    """Batches of normalised f32 images on the GPU, from DALI's mixed pipeline."""
+def dali_batches(files, batch, threads, hw_load=0.9):
+    """Batches of normalised f32 images on the GPU, from DALI's mixed pipeline (`hw_load`: the
+    share of the images given to the JPEG engines)."""
     from nvidia.dali import fn, pipeline_def, types
     from nvidia.dali.plugin.pytorch import DALIGenericIterator, LastBatchPolicy
 
@@ -70,7 +72,7 @@ def dali_batches(files, batch, threads):
     def transform():
         jpegs, _ = fn.readers.file(files=files, name="reader")
         images = fn.decoders.image(jpegs, device="mixed", output_type=types.RGB,
-                                   hw_decoder_load=0.9)
+                                   hw_decoder_load=hw_load)
         images = fn.resize(images, resize_shorter=256, antialias=True,
                            interp_type=types.INTERP_LINEAR)
         return fn.crop_mirror_normalize(images, crop=(224, 224), dtype=types.FLOAT,
@@ -162,21 +164,26 @@ def main():
     ap.add_argument("--batch", type=int, default=128)
     ap.add_argument("--workers", type=int, default=15, help="DataLoader worker processes")
     ap.add_argument("--threads", type=int, default=15, help="DALI's CPU threads")
+    ap.add_argument("--hw-load", default="0.9",
+                    help="DALI's hw_decoder_load; a comma-separated list runs each DALI pipeline per value")
     a = ap.parse_args()
     files = [l.rstrip("\n") for l in open(a.list) if l.strip()]
     ort = Ort(a.model) if "ort" in a.pipelines else None
     half = ort.half if ort else a.model.endswith("_f16.onnx")
     print(f"{len(files)} files, batch {a.batch}, {a.model} ({'f16' if half else 'f32'})")
     compiled = None  # compiled once, for both sources
-    for p in a.pipelines.split(","):
+    runs = [(p, load) for p in a.pipelines.split(",")
+            for load in (a.hw_load.split(",") if p.startswith("dali") else [None])]
+    for p, load in runs:
         source, engine = p.split("-")
         batches = (dataloader_batches(files, a.batch, a.workers) if source == "dataloader"
-                   else dali_batches(files, a.batch, a.threads))
+                   else dali_batches(files, a.batch, a.threads, float(load)))
         if engine == "compile" and compiled is None:
             compiled = Compiled(half)
         model = ort if engine == "ort" else compiled
         ips = rate(batches, model, len(files))
-        print(f"{p}: {ips:.0f} images/s after the first batch", flush=True)
+        name = p if load is None else f"{p} (hw_decoder_load {load})"
+        print(f"{name}: {ips:.0f} images/s after the first batch", flush=True)
 
 
 if __name__ == "__main__":

@@ -223,6 +223,9 @@ class Loader:
         self.prefetch = prefetch
         # With `persistent`: the server, the farm and what reads its output, kept across epochs.
         self._kept: Optional[dict] = None
+        if self.device is not None and self.gpu_producers > 0:
+            # Now, while CUDA may not have started in this process yet (it joins MPS only then).
+            _share_gpu(self.mps, self.gpu)
 
     @classmethod
     def from_folder(cls, root, **kw) -> "Loader":

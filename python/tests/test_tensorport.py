@@ -996,3 +996,17 @@ def test_mps_for_a_process_and_its_loader_with_a_stand_in_daemon(tmp_path, monke
         tensorport._native.Mps("on", [0])
     with pytest.raises(ValueError, match="mps='sometimes'"):
         tensorport.Loader(["a.jpg"], mps="sometimes")
+    # A Loader with GPU producers has this process join MPS as it is made (before the caller's
+    # model can start CUDA here), not at its first batch.
+    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+    monkeypatch.setattr(tensorport._loader, "_MPS", {})
+    tensorport.Loader(["a.jpg"], device="cuda", producers=0, gpu_producers=1, mps="on")
+    pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
+    try:
+        assert stat.S_ISFIFO(os.stat(os.path.join(pipe, "control")).st_mode)
+    finally:
+        tensorport._loader._MPS[0].close()
+        monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
+        monkeypatch.delenv("CUDA_MPS_LOG_DIRECTORY", raising=False)
+    assert not os.path.exists(pipe)
