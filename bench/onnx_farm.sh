@@ -74,7 +74,7 @@ for s in ${SETS:-uniform varied}; do
         t0=$(date +%s.%N)
         summary=$("${lim[@]}" "$tp" --log warn farm --device cuda --model "$model" "$@" \
           --mps "$mps" --input-list "$lists/$s" --progress never -o /dev/null 2>&1 \
-          | grep -E 'throughput|batches|MPS|error' || true)
+          | grep -E 'throughput|batches|producers|MPS|error' || true)
         wall=$(awk "BEGIN{printf \"%.1f\", $(date +%s.%N) - $t0}")
         echo "$s, $m, $name, mps $mps: $(echo "$summary" | tr -s ' ' | tr '\n' ' ') (whole run $wall s)"
       done
