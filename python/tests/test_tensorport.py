@@ -971,6 +971,7 @@ def test_mps_for_a_process_and_its_loader_with_a_stand_in_daemon(tmp_path, monke
     raises. A Loader refuses a mode it does not know."""
     import stat
 
+    path = os.environ["PATH"]
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     control = bin_dir / "nvidia-cuda-mps-control"
@@ -998,7 +999,7 @@ def test_mps_for_a_process_and_its_loader_with_a_stand_in_daemon(tmp_path, monke
         tensorport.Loader(["a.jpg"], mps="sometimes")
     # A Loader with GPU producers has this process join MPS as it is made (before the caller's
     # model can start CUDA here), not at its first batch.
-    monkeypatch.setenv("PATH", f"{bin_dir}:{os.environ['PATH']}")
+    monkeypatch.setenv("PATH", f"{bin_dir}:{path}")
     monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
     monkeypatch.setattr(tensorport._loader, "_MPS", {})
     tensorport.Loader(["a.jpg"], device="cuda", producers=0, gpu_producers=1, mps="on")
