@@ -125,7 +125,8 @@ fn tmp() -> tempfile::TempDir {
         .unwrap()
 }
 
-/// Pids of the processes whose parent is `ppid` and whose command line contains `needle`.
+/// Pids of the processes whose parent is `ppid` and whose command line has `needle` as one of
+/// its arguments (`serve`, `produce`: a child's subcommand), or contains it where it holds a NUL.
 fn children(ppid: u32, needle: &str) -> Vec<i32> {
     let mut out = Vec::new();
     for e in std::fs::read_dir("/proc").unwrap().flatten() {
@@ -145,7 +146,12 @@ fn children(ppid: u32, needle: &str) -> Vec<i32> {
             .and_then(|x| x.parse().ok())
             .unwrap_or(0);
         let cmd = std::fs::read(format!("/proc/{pid}/cmdline")).unwrap_or_default();
-        if parent == ppid && String::from_utf8_lossy(&cmd).contains(needle) {
+        let matches = if needle.contains('\0') {
+            String::from_utf8_lossy(&cmd).contains(needle)
+        } else {
+            cmd.split(|b| *b == 0).any(|arg| arg == needle.as_bytes())
+        };
+        if parent == ppid && matches {
             out.push(pid);
         }
     }

@@ -265,3 +265,70 @@ fn sample_images(dir: &Path, count: u32) -> Vec<String> {
     files.sort();
     files
 }
+
+#[test]
+fn a_producer_told_to_wait_for_its_server_connects_once_the_server_listens() {
+    let dir = tmp();
+    let sock = dir.path().join("s.sock");
+    let s = sock.to_str().unwrap();
+    let produce = |wait: &str| {
+        let mut c = Command::new(EXE);
+        c.args(["produce", "--socket", s, "--synthetic", "6"])
+            .args(["--image-size", "32", "--wait-for-server", wait]);
+        c
+    };
+    // Without waiting, nothing listening is a one-line error at once.
+    assert_one_line_error(
+        &[
+            "produce",
+            "--socket",
+            s,
+            "--synthetic",
+            "1",
+            "--wait-for-server",
+            "0",
+        ],
+        "no tensorport server at",
+    );
+    // Told to wait, a producer started before its server answers every input once it listens.
+    let producer = produce("60")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(Duration::from_millis(500));
+    let (mut server, _lines) =
+        serve_until_ready(Command::new(EXE).args(["serve", "--socket", s, "--image-size", "32"]));
+    let done = Arc::new(AtomicBool::new(false));
+    let watchdog = {
+        let (done, pid) = (done.clone(), producer.id() as i32);
+        std::thread::spawn(move || {
+            let t = Instant::now();
+            while !done.load(Ordering::SeqCst) && t.elapsed() < Duration::from_secs(120) {
+                std::thread::sleep(Duration::from_millis(50));
+            }
+            if !done.load(Ordering::SeqCst) {
+                let _ = nix::sys::signal::kill(
+                    nix::unistd::Pid::from_raw(pid),
+                    nix::sys::signal::Signal::SIGKILL,
+                );
+            }
+        })
+    };
+    let o = producer.wait_with_output().unwrap();
+    done.store(true, Ordering::SeqCst);
+    watchdog.join().unwrap();
+    let out = String::from_utf8_lossy(&o.stdout);
+    assert!(
+        o.status.success() && out.lines().count() == 6,
+        "{out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    drain_and_wait(s, &mut server);
+    // Bounded: with nothing ever listening, a short wait ends in the same error.
+    let t = Instant::now();
+    let o = produce("0.3").output().unwrap();
+    assert!(!o.status.success());
+    assert!(String::from_utf8_lossy(&o.stderr).contains("no tensorport server at"));
+    assert!(t.elapsed() >= Duration::from_millis(300));
+}

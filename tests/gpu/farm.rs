@@ -211,7 +211,7 @@ pub(crate) fn farm_two_gpus_server_killed() {
             std::fs::read(format!("/proc/{pid}/cmdline"))
                 .map(|c| {
                     let c = String::from_utf8_lossy(&c);
-                    c.contains("serve") && c.contains("f-1.sock")
+                    c.contains("\0serve\0") && c.contains("f-1.sock")
                 })
                 .unwrap_or(false)
         })

@@ -21,6 +21,11 @@ pub fn parse_seconds(s: &str) -> Result<f64, String> {
         .map(|d| d.as_secs_f64())
 }
 
+/// As [`parse_seconds`], zero allowed.
+pub fn parse_seconds_or_zero(s: &str) -> Result<f64, String> {
+    tensorport_farm::config::bounds::seconds(s, std::time::Duration::ZERO).map(|d| d.as_secs_f64())
+}
+
 /// The longest duration a flag takes, in the unit a flag counts in.
 pub const MAX_SECS: u64 = tensorport_farm::config::bounds::MAX_DURATION.as_secs();
 /// [`MAX_SECS`] in milliseconds.

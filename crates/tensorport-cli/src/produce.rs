@@ -55,6 +55,10 @@ pub struct Args {
     /// gets an error line, "hung while reading"; the inputs after it wait for the read.
     #[arg(long, value_name = "SECONDS", default_value_t = tensorport_farm::config::DEFAULT_READ_TIMEOUT.as_secs_f64(), value_parser = crate::common::parse_seconds)]
     pub read_timeout: f64,
+    /// Keep trying to connect for up to this many seconds while nothing listens at the socket
+    /// yet (a server still loading its model); 0: fail at once.
+    #[arg(long, value_name = "SECONDS", default_value_t = 0.0, value_parser = crate::common::parse_seconds_or_zero)]
+    pub wait_for_server: f64,
     /// Decode and prepare on the GPU: JPEGs in batches with nvJPEG (the GPU's hardware JPEG
     /// decoder where it has one), resized, cropped and normalised by a kernel into device
     /// buffers handed over through CUDA IPC with fences (the server must run `--device cuda` on
@@ -104,6 +108,7 @@ impl Args {
             timeout: Duration::from_secs(self.timeout),
             spin: Duration::from_micros(self.spin_us),
             read_timeout: Duration::from_secs_f64(self.read_timeout),
+            wait_for_server: Duration::from_secs_f64(self.wait_for_server),
             gpu: self.nvjpeg.then_some(GpuPrep {
                 ordinal: self.gpu,
                 batch: self.batch,

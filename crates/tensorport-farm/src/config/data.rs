@@ -227,6 +227,7 @@ mod tests {
             timeout: Duration::from_millis(12_345),
             spin: Duration::from_micros(33),
             read_timeout: Duration::from_millis(2_500),
+            wait_for_server: Duration::from_millis(4_321),
             gpu: Some(GpuPrep {
                 ordinal: 3,
                 batch: 48,

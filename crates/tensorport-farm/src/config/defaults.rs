@@ -163,6 +163,11 @@ impl FarmConfig {
     }
 }
 
+/// How long a farm's producer keeps trying to connect while its server is not listening yet
+/// (`ProduceConfig::wait_for_server`): producers start beside their servers, and a server may
+/// take this long to load its model and plan its sessions before the producer is restarted.
+pub const FARM_WAIT_FOR_SERVER: Duration = Duration::from_secs(120);
+
 /// Restarts of one process in a row without a result before the farm gives up on it.
 pub const DEFAULT_MAX_RESTARTS: u32 = 8;
 

@@ -97,6 +97,12 @@ pub struct ProduceConfig {
     pub read_timeout: Duration,
     /// Decode and prepare on the GPU instead of the CPU.
     pub gpu: Option<GpuPrep>,
+    /// How long to keep trying to connect while nothing listens at the socket yet (a server
+    /// still loading its model); zero: fail at once. A farm starts its producers beside its
+    /// servers, so that their start (a GPU producer's CUDA context and decoder) overlaps the
+    /// servers' (the model's sessions and plans).
+    #[serde(default)]
+    pub wait_for_server: Duration,
 }
 
 impl ProduceConfig {
@@ -111,6 +117,12 @@ impl ProduceConfig {
         let ms = Duration::from_millis(1);
         duration("timeout", self.timeout, ms, MAX_DURATION)?;
         duration("read_timeout", self.read_timeout, ms, MAX_DURATION)?;
+        duration(
+            "wait_for_server",
+            self.wait_for_server,
+            Duration::ZERO,
+            MAX_DURATION,
+        )?;
         duration("spin", self.spin, Duration::ZERO, bounds::MAX_SPIN)?;
         within(
             "name length",

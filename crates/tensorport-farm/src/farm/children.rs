@@ -299,6 +299,8 @@ impl Farm {
             // Given up on before the farm takes the producer as hung, so the file that held it
             // up has its line by then.
             read_timeout: crate::config::DEFAULT_READ_TIMEOUT.min(cfg.stall / 2),
+            // Started beside a server that may still be loading its model.
+            wait_for_server: crate::config::defaults::FARM_WAIT_FOR_SERVER,
             gpu,
         }
     }

@@ -21,7 +21,11 @@ pub(super) fn run(cfg: &ProduceConfig, feed: &Feed, lines: &mut LineWriter) -> R
     pc.slots = cfg.in_flight.max(1);
     pc.slot_size = image_bytes;
     pc.spin = cfg.spin;
-    let mut p = Producer::connect(&cfg.socket, pc)?;
+    let mut p = super::connect_when_listening(
+        cfg.wait_for_server,
+        || Producer::connect(&cfg.socket, pc.clone()),
+        |e| matches!(e, tensorport::ConnectError::NoServer { .. }),
+    )?;
     if p.slot_size() < image_bytes {
         return Err(ConfigError::SlotTooSmall {
             given: p.slot_size(),

@@ -97,10 +97,16 @@ pub(super) fn run(
     // One device buffer per request in flight, up to what a session may register.
     let depth = (cfg.in_flight.max(1) as usize).min(tensorport_wire::MAX_DEVICE_BUFFERS as usize);
     let image_bytes = 3 * size * size * cfg.prep.pixels.bytes();
-    let p = GpuProducer::connect(
-        &cfg.socket,
-        &gpu,
-        &GpuProducerConfig::new(cfg.name.clone(), depth, image_bytes),
+    let gpc = GpuProducerConfig::new(cfg.name.clone(), depth, image_bytes);
+    let p = super::connect_when_listening(
+        cfg.wait_for_server,
+        || GpuProducer::connect(&cfg.socket, &gpu, &gpc),
+        |e| {
+            matches!(
+                e,
+                tensorport_cuda::Error::Transport(tensorport::Error::NoServer { .. })
+            )
+        },
     )?;
     let timeout = cfg.timeout.max(Duration::from_secs(1));
     let lane = Lane::start(

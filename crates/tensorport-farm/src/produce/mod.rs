@@ -40,6 +40,29 @@ pub fn run(cfg: &ProduceConfig) -> Result<u64> {
     Ok(lines.written())
 }
 
+/// `connect()` again, every 20 ms, while it fails because nothing listens at the socket yet
+/// (`no_server`), for up to `wait`; any other failure, or the last, as it came.
+fn connect_when_listening<T, E>(
+    wait: Duration,
+    mut connect: impl FnMut() -> std::result::Result<T, E>,
+    no_server: impl Fn(&E) -> bool,
+) -> std::result::Result<T, E> {
+    let deadline = Instant::now() + wait;
+    let mut logged = false;
+    loop {
+        match connect() {
+            Err(e) if no_server(&e) && Instant::now() < deadline => {
+                if !logged {
+                    tracing::debug!("no server listens yet; waiting for it");
+                    logged = true;
+                }
+                std::thread::sleep(Duration::from_millis(20));
+            }
+            done => return done,
+        }
+    }
+}
+
 /// Where the result lines go.
 fn open_output(o: &Output) -> Result<Box<dyn Write>> {
     Ok(match o {

@@ -62,7 +62,6 @@ pub(super) struct Supervisor {
     stats: RunStats,
     /// Set by the first Ctrl-C: no new work, finish what is in flight by then.
     stopping: Option<Instant>,
-    started: Instant,
     /// Why the run ends early, if it does.
     pub(super) failure: Option<Error>,
     /// Results per server since the last look at the servers' demand.
@@ -118,7 +117,6 @@ impl Supervisor {
             ledger: Ledger::new(n),
             stats: RunStats::new(n),
             stopping: None,
-            started: Instant::now(),
             failure: None,
             window: Window::new(farm_servers),
             moves: 0,
@@ -176,11 +174,16 @@ impl Supervisor {
         self.servers.iter().map(|s| s.restarts.total).sum()
     }
 
-    /// The listening server with the fewest running producers (ties: the lowest number), for a
-    /// producer about to start.
+    /// The server with the fewest running producers (ties: the lowest number), for a producer
+    /// about to start: one that listens, or one starting for the first time — at the farm's
+    /// start producers start beside their servers (a producer waits for its server to listen,
+    /// `ProduceConfig::wait_for_server`), so that the two starts overlap.
     fn least_loaded_server(&self) -> Option<usize> {
         (0..self.servers.len())
-            .filter(|&k| self.servers[k].ready)
+            .filter(|&k| {
+                let s = &self.servers[k];
+                s.ready || (!s.ever_ready && s.child.is_some())
+            })
             .min_by_key(|&k| {
                 self.workers
                     .iter()
@@ -190,7 +193,7 @@ impl Supervisor {
     }
 
     /// Restarts servers whose back-off is over, and starts producers that are due against the
-    /// listening server with the fewest producers.
+    /// server with the fewest producers ([`Supervisor::least_loaded_server`]).
     pub(super) fn start_due(&mut self) -> Result<()> {
         if self.stopping.is_some() {
             return Ok(());
@@ -205,14 +208,7 @@ impl Supervisor {
                 self.servers[k].child = Some(self.farm.start_server(k, generation)?);
             }
         }
-        // At start-up, wait until every server listens (or has ended trying), for at most a
-        // minute: producers that started against the first one up would all stay on it.
-        let starting = self.started.elapsed() < Duration::from_secs(60)
-            && self
-                .servers
-                .iter()
-                .any(|s| !s.ever_ready && s.child.is_some());
-        if !self.all_done() && !starting {
+        if !self.all_done() {
             for slot in 0..self.workers.len() {
                 if matches!(self.workers[slot].state, State::Waiting { until } if now >= until) {
                     let wanted = self.workers[slot]
