@@ -301,8 +301,6 @@ class Loader:
                 "--output", "/dev/stdout"]
 
     def _server(self, sock: str) -> "Server":
-        if self.device is not None and self.gpu_producers > 0:
-            _share_gpu(self.mps, self.gpu)
         s = self.image_size
         return Server(sock, slots=self.in_flight, slot_size=3 * s * s * 4,
                       max_sessions=self.producers + self.gpu_producers + 4,

@@ -189,34 +189,12 @@ pub(crate) fn farm_two_gpus_server_killed() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let lines = || {
-        std::fs::read_to_string(&out)
-            .map(|s| s.lines().count())
-            .unwrap_or(0)
-    };
-    let t = std::time::Instant::now();
-    while lines() < 2000 {
-        assert!(
-            t.elapsed().as_secs() < 120,
-            "the farm wrote no 2,000 results in 2 minutes"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    wait_for_lines(&out, 2000, 120);
     // The server on GPU 1 listens on f-1.sock.
-    let victim = std::fs::read_dir("/proc")
-        .unwrap()
-        .flatten()
-        .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
-        .find(|pid| {
-            std::fs::read(format!("/proc/{pid}/cmdline"))
-                .map(|c| {
-                    let c = String::from_utf8_lossy(&c);
-                    c.contains("\0serve\0") && c.contains("f-1.sock")
-                })
-                .unwrap_or(false)
-        })
+    let victim = *pids_whose_command_line(|c| c.contains("\0serve\0") && c.contains("f-1.sock"))
+        .first()
         .expect("the server on GPU 1");
-    let before = lines();
+    let before = lines_in(&out);
     nix::sys::signal::kill(
         nix::unistd::Pid::from_raw(victim),
         nix::sys::signal::Signal::SIGKILL,
@@ -396,16 +374,40 @@ enum MpsFault {
     OutOfBoundsKernel,
 }
 
-fn mps_servers() -> Vec<i32> {
+/// Pids of the processes whose command line (arguments joined by NUL) satisfies `pred`.
+fn pids_whose_command_line(pred: impl Fn(&str) -> bool) -> Vec<i32> {
     std::fs::read_dir("/proc")
         .unwrap()
         .flatten()
         .filter_map(|e| e.file_name().to_str()?.parse::<i32>().ok())
         .filter(|pid| {
             std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).contains("nvidia-cuda-mps-server"))
+                .is_ok_and(|c| pred(&String::from_utf8_lossy(&c)))
         })
         .collect()
+}
+
+fn mps_servers() -> Vec<i32> {
+    pids_whose_command_line(|c| c.contains("nvidia-cuda-mps-server"))
+}
+
+/// Lines in the file at `out` (none while it is not there).
+fn lines_in(out: &std::path::Path) -> usize {
+    std::fs::read_to_string(out)
+        .map(|s| s.lines().count())
+        .unwrap_or(0)
+}
+
+/// Waits until the farm has written `n` lines to `out`, failing the test after `secs`.
+fn wait_for_lines(out: &std::path::Path, n: usize, secs: u64) {
+    let t = std::time::Instant::now();
+    while lines_in(out) < n {
+        assert!(
+            t.elapsed().as_secs() < secs,
+            "the farm wrote no {n} results in {secs} s"
+        );
+        std::thread::sleep(std::time::Duration::from_millis(10));
+    }
 }
 
 /// `CUDA_MPS_PIPE_DIRECTORY` in the environment of process `pid`.
@@ -450,22 +452,10 @@ fn farm_under_mps_with_a_fault(fault: MpsFault) {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    let lines = || {
-        std::fs::read_to_string(&out)
-            .map(|s| s.lines().count())
-            .unwrap_or(0)
-    };
-    let t = std::time::Instant::now();
-    while lines() < 500 {
-        assert!(
-            t.elapsed().as_secs() < 180,
-            "the farm wrote no 500 results in 3 minutes"
-        );
-        std::thread::sleep(std::time::Duration::from_millis(10));
-    }
+    wait_for_lines(&out, 500, 180);
     let servers = mps_servers();
     assert!(!servers.is_empty(), "no MPS server runs under the farm");
-    let before = lines();
+    let before = lines_in(&out);
     let what = match fault {
         MpsFault::KillServer => {
             for pid in &servers {
