@@ -21,6 +21,8 @@
 //!   over in place, their allocations found and registered through the driver.
 //! - [`Kernel`]: CUDA C compiled with NVRTC for this GPU and launched on a stream (the
 //!   kernels of this crate, and of `tensorport-cudnn`'s model).
+//! - [`context_lost`]: whether a CUDA error leaves the process's context unusable (a kernel's
+//!   fault, the MPS server gone), so only a new process can go on.
 //! - [`bench_h2d`]: host-to-device bandwidth from a registered memfd pool, from `cuMemAllocHost`
 //!   memory and from pageable memory, measured in one run.
 #![warn(missing_docs)]
@@ -37,6 +39,7 @@ mod gpu;
 mod gpu_producer;
 mod ipc;
 mod kernel;
+mod lost;
 mod memory;
 mod normalise;
 mod pin;
@@ -56,6 +59,7 @@ pub use gpu::Gpu;
 pub use gpu_producer::{GpuProducer, GpuProducerConfig, Sharing};
 pub use ipc::{live_imports, CudaImporter, Fence};
 pub use kernel::Kernel;
+pub use lost::{context_lost, is_lost_code};
 pub use memory::{DeviceMemory, DeviceMemoryMut, DeviceRegion};
 pub(crate) use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};

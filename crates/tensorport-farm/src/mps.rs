@@ -141,10 +141,14 @@ pub fn plan(mode: MpsMode, probe: &Probe) -> Result<Plan, String> {
     }
 }
 
-/// Whether a control daemon answers at `pipe`: its `control` pipe is there, a FIFO.
+/// Whether a control daemon answers at `pipe`: its `control` endpoint is there, a Unix socket
+/// (the CUDA 13 daemon's) or a FIFO (older daemons').
 pub fn daemon_at(pipe: &Path) -> bool {
     use std::os::unix::fs::FileTypeExt;
-    std::fs::symlink_metadata(pipe.join("control")).is_ok_and(|m| m.file_type().is_fifo())
+    std::fs::symlink_metadata(pipe.join("control")).is_ok_and(|m| {
+        let t = m.file_type();
+        t.is_socket() || t.is_fifo()
+    })
 }
 
 /// The compute mode of each GPU `nvidia-smi` lists: `(ordinal, mode)`; none where it does not
@@ -326,7 +330,7 @@ impl Private {
         let pipe = self.pipe();
         // The folder outlives this process: the helper removes it.
         let _ = std::mem::ManuallyDrop::new(self);
-        let script = "for _ in $(seq 600); do [ -p \"$1/control\" ] || break; sleep 0.1; done; \
+        let script = "for _ in $(seq 600); do [ -p \"$1/control\" ] || [ -S \"$1/control\" ] || break; sleep 0.1; done; \
                       rm -rf \"$2\"";
         let _ = Command::new("sh")
             .args(["-c", script, "sh"])

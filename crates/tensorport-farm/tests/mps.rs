@@ -1,6 +1,7 @@
 //! MPS for a run's GPU processes, decided and driven with real processes: stand-ins for
 //! `nvidia-cuda-mps-control` (a daemon that detaches and answers on a control FIFO in its pipe
-//! directory, as NVIDIA's does) and `nvidia-smi` (a compute mode), written by the tests. What
+//! directory, as NVIDIA's did before CUDA 13, whose daemon listens on a Unix socket there: the
+//! join test makes both) and `nvidia-smi` (a compute mode), written by the tests. What
 //! the decision takes: a running daemon, none, a GPU whose compute mode refuses MPS, a daemon
 //! that will not start, one that dies during the run.
 
@@ -118,20 +119,30 @@ fn auto_without_a_daemon_starts_a_private_one_and_quits_it_at_the_end() {
 }
 
 /// `auto` with a daemon running at the system pipe folder joins it as it is: no second
-/// daemon, and that folder for the run's processes.
+/// daemon, and that folder for the run's processes. The daemon's control endpoint is a Unix
+/// socket (CUDA 13's daemon) or a FIFO (older ones').
 #[test]
 fn auto_with_a_daemon_running_joins_it() {
-    let m = Machine::new();
-    nix::unistd::mkfifo(&m.system.join("control"), nix::sys::stat::Mode::S_IRWXU).unwrap();
-    let mps = Mps::start(MpsMode::Auto, &m.tools(true, false, "Default"), &[0]).unwrap();
-    assert_eq!(mps.plan(), &Plan::Join);
-    assert_eq!(env_of(&mps, PIPE_ENV), Some(m.system.clone()));
-    assert!(mps.describe().contains(&m.system.display().to_string()));
-    drop(mps);
-    assert!(
-        daemon_at(&m.system),
-        "a daemon that was not the run's own was quit"
-    );
+    for socket in [true, false] {
+        let m = Machine::new();
+        let control = m.system.join("control");
+        let _listening = match socket {
+            true => Some(std::os::unix::net::UnixListener::bind(&control).unwrap()),
+            false => {
+                nix::unistd::mkfifo(&control, nix::sys::stat::Mode::S_IRWXU).unwrap();
+                None
+            }
+        };
+        let mps = Mps::start(MpsMode::Auto, &m.tools(true, false, "Default"), &[0]).unwrap();
+        assert_eq!(mps.plan(), &Plan::Join, "socket: {socket}");
+        assert_eq!(env_of(&mps, PIPE_ENV), Some(m.system.clone()));
+        assert!(mps.describe().contains(&m.system.display().to_string()));
+        drop(mps);
+        assert!(
+            daemon_at(&m.system),
+            "a daemon that was not the run's own was quit"
+        );
+    }
 }
 
 /// A GPU whose compute mode refuses MPS, no control program, or a daemon that will not start:

@@ -238,9 +238,13 @@ impl BatchLoop<'_> {
                     self.images.fetch_add(1, Ordering::Relaxed);
                 }
             }
-            // The device failed: this batch's requests get the error; a device that stays broken
-            // fails every batch the same way.
+            // The model failed: this batch's requests get the error, unless the CUDA context
+            // of an engine the server owns is lost, when the process ends unanswered and a new
+            // server redoes them (a model of the caller's own reports its own errors).
             Err(e) => {
+                if !matches!(e, tensorport_dfdx::Error::Model(_)) {
+                    super::end_if_context_lost(&e);
+                }
                 tracing::error!("the model failed on a batch of {size}: {e}");
                 for i in used {
                     if let Some(r) = responders[i].take() {

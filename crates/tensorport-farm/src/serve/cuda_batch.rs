@@ -87,6 +87,7 @@ impl Batcher<Cuda> for CudaBatcher {
                 }
             }
             Err(why) => {
+                super::end_if_context_lost(&why);
                 // A stalled stream took the requests (held for good): `reqs` is empty then,
                 // and failing their indices answers nothing.
                 rejected.extend(

@@ -32,6 +32,26 @@ use crate::config::{Device, ModelKind, ModelOptions, ServeConfig};
 use crate::error::{ConfigError, Error, Result};
 use crate::process::Stop;
 
+/// The exit status of a server whose CUDA context was lost ([`end_if_context_lost`]).
+pub const EXIT_CONTEXT_LOST: i32 = 75;
+
+/// Ends this server's process at once, answering nothing more, where `error` says its CUDA
+/// context is lost (a kernel's fault, or the MPS server it ran on gone:
+/// [`tensorport_cuda::context_lost`]). Every later call in the context would fail the same way,
+/// so answering each request with the error would turn a fault that a new process recovers
+/// from into an error line per input; ended, the server is restarted by its farm, which redoes
+/// what it had not answered (a server run alone says why and exits with [`EXIT_CONTEXT_LOST`]).
+pub(crate) fn end_if_context_lost(error: &dyn std::fmt::Display) {
+    let text = error.to_string();
+    if tensorport_cuda::context_lost(&text) {
+        tracing::error!(
+            "the server's CUDA context is lost ({text}); ending the process so that a new \
+             server takes its work (exit status {EXIT_CONTEXT_LOST})"
+        );
+        std::process::exit(EXIT_CONTEXT_LOST);
+    }
+}
+
 /// Runs the server until `stop` has drained it: once it listens, a stop request drains (the
 /// work in flight finishes, new producers are refused), and the function returns once every
 /// producer has left. Prints `ready <socket>` on stdout once it listens (and `metrics
