@@ -39,26 +39,29 @@ impl std::fmt::Display for CliError {
 impl From<tensorport::Error> for CliError {
     fn from(e: tensorport::Error) -> CliError {
         use tensorport::wire::ErrorCode;
-        use tensorport::Error as E;
-        let hint = match &e {
-            E::NoServer { .. } => {
+        use tensorport::{BindError as B, ConnectError as C, Error as E};
+        let refused = match &e {
+            E::Refused { code, .. } | E::Connect(C::Refused { code, .. }) => Some(*code),
+            _ => None,
+        };
+        let hint = match (&e, refused) {
+            (E::Connect(C::NoServer { .. }), _) => {
                 " (`tensorport serve` starts one; --socket names the path)".to_string()
             }
-            E::AddrInUse(p) => format!(
+            (E::Bind(B::AddrInUse(p)), _) => format!(
                 " (`tensorport ctl --socket {} drain` stops it; --socket picks another path)",
                 p.display()
             ),
-            E::NotASocket(_) | E::UnsafeDir { .. } | E::UntrustedServer { .. } => {
+            (E::Bind(B::NotASocket(_) | B::UnsafeDir { .. }), _)
+            | (E::Connect(C::UntrustedServer { .. }), _) => {
                 " (--socket picks another path)".to_string()
             }
-            E::Refused {
-                code: ErrorCode::MemoryBudget,
-                ..
-            } => " (`serve --memory-budget` sets the budget)".to_string(),
-            E::Refused {
-                code: ErrorCode::TooManySessions,
-                ..
-            } => " (`serve --max-sessions` sets how many)".to_string(),
+            (_, Some(ErrorCode::MemoryBudget)) => {
+                " (`serve --memory-budget` sets the budget)".to_string()
+            }
+            (_, Some(ErrorCode::TooManySessions)) => {
+                " (`serve --max-sessions` sets how many)".to_string()
+            }
             _ => String::new(),
         };
         CliError::new(format!("{e}{hint}"))

@@ -33,14 +33,18 @@ pub(crate) fn failed(py: Python<'_>, c: &tensorport::Completion) -> PyErr {
 /// A Rust error as a Python exception: a timeout as `TimeoutError`, everything else as
 /// `TensorportError` with the protocol code when one applies.
 pub(crate) fn py_err(e: impl Into<tensorport::Error>) -> PyErr {
-    use tensorport::Error as E;
+    use tensorport::SubmitError as S;
+    use tensorport::{ConnectError as C, Error as E, LeaseError as L, RecvError as R};
     let e = e.into();
     let code = match &e {
-        E::Timeout(..) => return PyTimeoutError::new_err(e.to_string()),
-        E::Refused { code, .. } => Some(*code),
-        E::InvalidTensor(w) => Some(w.code()),
-        E::DuplicateRequest(_) => Some(ErrorCode::DuplicateRequest),
-        E::Draining => Some(ErrorCode::Draining),
+        E::Timeout(..)
+        | E::Connect(C::Timeout(_))
+        | E::Lease(L::Timeout(_))
+        | E::Recv(R::Timeout(_)) => return PyTimeoutError::new_err(e.to_string()),
+        E::Refused { code, .. } | E::Connect(C::Refused { code, .. }) => Some(*code),
+        E::Submit(S::InvalidTensor(w)) => Some(w.code()),
+        E::Submit(S::DuplicateRequest(_)) => Some(ErrorCode::DuplicateRequest),
+        E::Lease(L::Draining) => Some(ErrorCode::Draining),
         E::ResultTooLarge(_) => Some(ErrorCode::FrameTooLarge),
         _ => None,
     };

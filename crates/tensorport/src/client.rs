@@ -10,7 +10,7 @@ use tensorport_wire::{
 };
 
 use crate::conn::{FrameReader, FrameWriter};
-use crate::{path, Error, Result};
+use crate::{path, ConnectError, Error, Result};
 
 /// A connected, greeted client.
 pub(crate) struct Connected {
@@ -53,7 +53,7 @@ pub(crate) fn connect(
     want_slot_size: u64,
     max_version: u16,
     timeout: Duration,
-) -> Result<Connected> {
+) -> std::result::Result<Connected, ConnectError> {
     let mut name = name.to_owned();
     name.truncate(tensorport_wire::MAX_NAME_LEN);
     while !name.is_char_boundary(name.len()) {
@@ -73,7 +73,7 @@ pub(crate) fn connect(
     loop {
         let left = deadline.saturating_duration_since(Instant::now());
         match connect_once(socket, &hello, left) {
-            Err(Error::Refused {
+            Err(ConnectError::Refused {
                 code: ErrorCode::HandshakeTimeout,
                 ..
             }) if Instant::now() + pause < deadline => {
@@ -86,19 +86,26 @@ pub(crate) fn connect(
 }
 
 /// One try of [`connect`]: sends `hello`, waits at most `timeout` for `Welcome`.
-fn connect_once(socket: &Path, hello: &ClientMsg, timeout: Duration) -> Result<Connected> {
+fn connect_once(
+    socket: &Path,
+    hello: &ClientMsg,
+    timeout: Duration,
+) -> std::result::Result<Connected, ConnectError> {
     let stream = path::connect(socket)?;
     // The server must be us (or root): a process of another user listening on the path gets
     // nothing, not even the Hello.
-    let server = crate::conn::peer_credentials(&stream)?;
+    let server = crate::conn::peer_credentials(&stream).map_err(ConnectError::failed)?;
     let me = nix::unistd::geteuid().as_raw();
     if server.uid() != me && server.uid() != 0 {
-        return Err(Error::UntrustedServer {
+        return Err(ConnectError::UntrustedServer {
             path: socket.to_owned(),
             uid: server.uid(),
         });
     }
-    let wstream = stream.try_clone().map_err(Error::io("clone socket"))?;
+    let wstream = stream
+        .try_clone()
+        .map_err(Error::io("clone socket"))
+        .map_err(ConnectError::failed)?;
     let mut writer = FrameWriter::new(wstream);
     let mut reader = FrameReader::new(stream, MAX_FRAME_LEN);
     let sent = writer.send(hello, &[]);
@@ -107,8 +114,8 @@ fn connect_once(socket: &Path, hello: &ClientMsg, timeout: Duration) -> Result<C
     // error frame is still readable, and says more than EPIPE.
     let answer = match (sent, next_msg(&mut reader, Some(deadline))) {
         (_, Ok(Some(m))) => Some(m),
-        (Err(e), _) => return Err(e),
-        (Ok(()), r) => r?,
+        (Err(e), _) => return Err(ConnectError::failed(e)),
+        (Ok(()), r) => r.map_err(ConnectError::failed)?,
     };
     match answer {
         Some(ServerMsg::Welcome(welcome)) => {
@@ -116,7 +123,7 @@ fn connect_once(socket: &Path, hello: &ClientMsg, timeout: Duration) -> Result<C
             for _ in 0..welcome.fds {
                 match reader.take_fd() {
                     Some(fd) => fds.push(fd),
-                    None => return Err(Error::Refused {
+                    None => return Err(ConnectError::Refused {
                         code: ErrorCode::Malformed,
                         message: format!("Welcome announced {} file descriptors but {} arrived (were they dropped at the fd limit? check `ulimit -n`)", welcome.fds, fds.len()),
                     }),
@@ -129,14 +136,14 @@ fn connect_once(socket: &Path, hello: &ClientMsg, timeout: Duration) -> Result<C
                 fds,
             })
         }
-        Some(ServerMsg::Error { code, message, .. }) => Err(Error::Refused {
+        Some(ServerMsg::Error { code, message, .. }) => Err(ConnectError::Refused {
             code: ErrorCode::from_u16(code),
             message,
         }),
-        Some(_) => Err(Error::Refused {
+        Some(_) => Err(ConnectError::Refused {
             code: ErrorCode::Malformed,
             message: "the server's first message was not Welcome".into(),
         }),
-        None => Err(Error::Timeout(timeout, "the server's Welcome")),
+        None => Err(ConnectError::Timeout(timeout)),
     }
 }

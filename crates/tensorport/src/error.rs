@@ -1,4 +1,8 @@
-//! The runtime's one error type.
+//! The runtime's errors: each operation's own ([`ConnectError`], [`BindError`], [`LeaseError`],
+//! [`SubmitError`], [`RecvError`], [`Stopped`]), which the code produces where the failure
+//! happens, and [`Error`], built from them (and from a broken session's cause) for callers that
+//! keep one type. No conversion runs the other way: a session's breakage reaches an operation's
+//! error as its `ServerGone` or `Failed`.
 
 use std::path::PathBuf;
 use std::time::Duration;
@@ -6,34 +10,28 @@ use std::time::Duration;
 use tensorport_wire::{ErrorCode, WireError};
 use thiserror::Error;
 
-/// Everything the server and producer APIs can fail with. Each message says what to do where
-/// there is something to do.
+/// Everything the server and producer APIs can fail with, for code that keeps one error type:
+/// each operation's error as itself (`Error::Lease(LeaseError::Draining)`), a broken session as
+/// its cause. Each message says what to do where there is something to do.
 #[derive(Debug, Error)]
 #[non_exhaustive]
 pub enum Error {
-    /// Nothing listens at the socket path.
-    #[error("no tensorport server at {path} ({source}); start a server there, or connect to the path one listens on ($TENSORPORT_SOCKET sets the default)")]
-    NoServer {
-        /// The socket path tried.
-        path: PathBuf,
-        /// What connect said.
-        #[source]
-        source: std::io::Error,
-    },
-    /// Another server listens at the path.
-    #[error("a tensorport server is already listening at {0}; stop it (drain it), or listen on another path")]
-    AddrInUse(PathBuf),
-    /// The path exists and is not a socket.
-    #[error("{0} exists and is not a socket; remove it, or use another path")]
-    NotASocket(PathBuf),
-    /// The socket's directory is not private to this user.
-    #[error("socket directory {path} {problem}; use a directory only you can write (mode 0700)")]
-    UnsafeDir {
-        /// The directory.
-        path: PathBuf,
-        /// What is wrong with it.
-        problem: String,
-    },
+    /// Connecting to a server failed ([`ConnectError`]: nothing listens, another user's server,
+    /// refused, no Welcome in time).
+    #[error(transparent)]
+    Connect(ConnectError),
+    /// Listening failed ([`BindError`]: a server listens there, not a socket, an unsafe folder).
+    #[error(transparent)]
+    Bind(BindError),
+    /// No slot was lent ([`LeaseError`]: backpressure, draining).
+    #[error(transparent)]
+    Lease(LeaseError),
+    /// A submission was refused ([`SubmitError`]).
+    #[error(transparent)]
+    Submit(SubmitError),
+    /// No result came ([`RecvError`]: a timeout, nothing in flight).
+    #[error(transparent)]
+    Recv(RecvError),
     /// An I/O call failed.
     #[error("{what}: {source}")]
     Io {
@@ -43,16 +41,8 @@ pub enum Error {
         #[source]
         source: std::io::Error,
     },
-    /// The process listening on the socket belongs to another user.
-    #[error("the server at {path} runs as uid {uid}, neither you nor root; refusing to talk to it (check the socket path)")]
-    UntrustedServer {
-        /// The socket path.
-        path: PathBuf,
-        /// The server's uid.
-        uid: u32,
-    },
     /// The server closed the connection.
-    #[error("the tensorport server closed the connection (it exited, was killed, or dropped this session)")]
+    #[error("{}", SERVER_GONE)]
     ServerGone,
     /// The producer whose request this is has left; its result has nowhere to go.
     #[error("the producer's session has ended")]
@@ -60,10 +50,8 @@ pub enum Error {
     /// The producer does not read what the server sends it, so it is being dropped.
     #[error("the producer is dropped: {0}")]
     PeerNotReading(String),
-    /// `recv_result` was called with nothing in flight.
-    #[error("no request is in flight, so no result will come")]
-    NothingInFlight,
-    /// A wait ran out.
+    /// A wait ran out (the server's answer to a control command, its status, a device
+    /// buffer's release).
     #[error("timed out after {0:?} waiting for {1}")]
     Timeout(Duration, &'static str),
     /// The server refused something with an error frame.
@@ -83,33 +71,20 @@ pub enum Error {
     /// The shared-memory queues were corrupted by the peer (the session cannot go on).
     #[error(transparent)]
     Ring(#[from] tensorport_shm::RingError),
-    /// The server is draining and takes no new work.
-    #[error("the server is draining and takes no new work")]
-    Draining,
     /// The server has stopped: drained, or shut down.
     #[error("the server has stopped")]
     Stopped,
-    /// A tensor spec that cannot be submitted, caught before sending with the server's own
-    /// rules: the wire error it would have been refused with ([`WireError::code`] gives the
-    /// protocol code).
-    #[error("invalid tensor: {0}")]
-    InvalidTensor(WireError),
-    /// A request id already in flight in this session.
-    #[error("request id {0} is already in flight")]
-    DuplicateRequest(u64),
     /// A device buffer that was never registered.
     #[error("device buffer {0} is not registered")]
     UnknownDevice(u32),
-    /// A device buffer still in flight (wait for `DeviceReleased` with `wait_device`).
-    #[error("device buffer {0} is in flight; wait_device first")]
-    DeviceInFlight(u32),
-    /// A loan submitted to a producer that did not lend it.
-    #[error("this loan is another producer's slot; submit it with the producer that lent it")]
-    ForeignLoan,
     /// A result's payload is over the frame limit.
     #[error("result of {0} bytes is over the protocol's frame limit")]
     ResultTooLarge(usize),
 }
+
+/// What every operation's error says when the server has closed the connection.
+const SERVER_GONE: &str =
+    "the tensorport server closed the connection (it exited, was killed, or dropped this session)";
 
 impl Error {
     pub(crate) fn io(what: &'static str) -> impl FnOnce(std::io::Error) -> Error {
@@ -173,13 +148,13 @@ pub enum ConnectError {
 pub enum LeaseError {
     /// Every slot stayed in flight (or on loan) for the whole wait: backpressure. Receive
     /// results, or wait longer.
-    #[error("timed out after {0:?} waiting for a free slot")]
+    #[error("timed out after {0:?} waiting for a free slot (every slot is in flight: wait for results, or ask for more slots)")]
     Timeout(Duration),
     /// The server is draining and takes no new work.
     #[error("the server is draining and takes no new work")]
     Draining,
     /// The server closed the connection: connect again (to a restarted server).
-    #[error("the tensorport server closed the connection (it exited, was killed, or dropped this session)")]
+    #[error("{}", SERVER_GONE)]
     ServerGone,
     /// The session broke (the peer broke the protocol, or its queues): connect again.
     #[error(transparent)]
@@ -207,7 +182,7 @@ pub enum SubmitError {
     #[error("device buffer {0} is in flight; wait_device first")]
     DeviceInFlight(u32),
     /// The server closed the connection: connect again.
-    #[error("the tensorport server closed the connection (it exited, was killed, or dropped this session)")]
+    #[error("{}", SERVER_GONE)]
     ServerGone,
     /// The session broke on the way: connect again.
     #[error(transparent)]
@@ -225,7 +200,7 @@ pub enum RecvError {
     #[error("no request is in flight, so no result will come")]
     NothingInFlight,
     /// The server closed the connection: the requests in flight will not be answered.
-    #[error("the tensorport server closed the connection (it exited, was killed, or dropped this session)")]
+    #[error("{}", SERVER_GONE)]
     ServerGone,
     /// The session broke (the peer broke the protocol, or its queues): connect again.
     #[error(transparent)]
@@ -263,61 +238,46 @@ pub enum BindError {
 #[error("the server has stopped")]
 pub struct Stopped;
 
-impl From<Error> for ConnectError {
-    fn from(e: Error) -> ConnectError {
-        match e {
-            Error::NoServer { path, source } => ConnectError::NoServer { path, source },
-            Error::UntrustedServer { path, uid } => ConnectError::UntrustedServer { path, uid },
-            Error::Refused { code, message } => ConnectError::Refused { code, message },
-            Error::Timeout(d, _) => ConnectError::Timeout(d),
-            e => ConnectError::Failed(Box::new(e)),
-        }
+impl ConnectError {
+    /// The connection or its shared memory failed on the way.
+    pub(crate) fn failed(e: Error) -> ConnectError {
+        ConnectError::Failed(Box::new(e))
     }
 }
 
-impl From<Error> for LeaseError {
-    fn from(e: Error) -> LeaseError {
+impl BindError {
+    /// The system refused (what, and why).
+    pub(crate) fn failed(e: Error) -> BindError {
+        BindError::Failed(Box::new(e))
+    }
+}
+
+impl LeaseError {
+    /// The session broke while waiting for a slot: the server gone, or the session unusable.
+    pub(crate) fn broken(e: Error) -> LeaseError {
         match e {
-            Error::Timeout(d, _) => LeaseError::Timeout(d),
-            Error::Draining => LeaseError::Draining,
             Error::ServerGone => LeaseError::ServerGone,
             e => LeaseError::Failed(Box::new(e)),
         }
     }
 }
 
-impl From<Error> for SubmitError {
-    fn from(e: Error) -> SubmitError {
+impl SubmitError {
+    /// The session broke while submitting.
+    pub(crate) fn broken(e: Error) -> SubmitError {
         match e {
-            Error::InvalidTensor(w) => SubmitError::InvalidTensor(w),
-            Error::DuplicateRequest(id) => SubmitError::DuplicateRequest(id),
-            Error::ForeignLoan => SubmitError::ForeignLoan,
-            Error::UnknownDevice(b) => SubmitError::UnknownDevice(b),
-            Error::DeviceInFlight(b) => SubmitError::DeviceInFlight(b),
             Error::ServerGone => SubmitError::ServerGone,
             e => SubmitError::Failed(Box::new(e)),
         }
     }
 }
 
-impl From<Error> for RecvError {
-    fn from(e: Error) -> RecvError {
+impl RecvError {
+    /// The session broke while waiting for a result.
+    pub(crate) fn broken(e: Error) -> RecvError {
         match e {
-            Error::Timeout(d, _) => RecvError::Timeout(d),
-            Error::NothingInFlight => RecvError::NothingInFlight,
             Error::ServerGone => RecvError::ServerGone,
             e => RecvError::Failed(Box::new(e)),
-        }
-    }
-}
-
-impl From<Error> for BindError {
-    fn from(e: Error) -> BindError {
-        match e {
-            Error::AddrInUse(p) => BindError::AddrInUse(p),
-            Error::NotASocket(p) => BindError::NotASocket(p),
-            Error::UnsafeDir { path, problem } => BindError::UnsafeDir { path, problem },
-            e => BindError::Failed(Box::new(e)),
         }
     }
 }
@@ -341,51 +301,13 @@ macro_rules! from_operation_errors {
     )*};
 }
 
-// Back into the crate-wide error, for callers that keep one type.
+// Into the crate-wide error, for callers that keep one type: a broken session as what broke
+// it, the rest as the operation's error.
 impl From<ConnectError> for Error {
     fn from(e: ConnectError) -> Error {
         match e {
-            ConnectError::NoServer { path, source } => Error::NoServer { path, source },
-            ConnectError::UntrustedServer { path, uid } => Error::UntrustedServer { path, uid },
-            ConnectError::Refused { code, message } => Error::Refused { code, message },
-            ConnectError::Timeout(d) => Error::Timeout(d, "the server's Welcome"),
             ConnectError::Failed(e) => *e,
-        }
-    }
-}
-
-impl From<LeaseError> for Error {
-    fn from(e: LeaseError) -> Error {
-        match e {
-            LeaseError::Timeout(d) => Error::Timeout(d, "a free slot"),
-            LeaseError::Draining => Error::Draining,
-            LeaseError::ServerGone => Error::ServerGone,
-            LeaseError::Failed(e) => *e,
-        }
-    }
-}
-
-impl From<SubmitError> for Error {
-    fn from(e: SubmitError) -> Error {
-        match e {
-            SubmitError::InvalidTensor(w) => Error::InvalidTensor(w),
-            SubmitError::DuplicateRequest(id) => Error::DuplicateRequest(id),
-            SubmitError::ForeignLoan => Error::ForeignLoan,
-            SubmitError::UnknownDevice(b) => Error::UnknownDevice(b),
-            SubmitError::DeviceInFlight(b) => Error::DeviceInFlight(b),
-            SubmitError::ServerGone => Error::ServerGone,
-            SubmitError::Failed(e) => *e,
-        }
-    }
-}
-
-impl From<RecvError> for Error {
-    fn from(e: RecvError) -> Error {
-        match e {
-            RecvError::Timeout(d) => Error::Timeout(d, "a result"),
-            RecvError::NothingInFlight => Error::NothingInFlight,
-            RecvError::ServerGone => Error::ServerGone,
-            RecvError::Failed(e) => *e,
+            e => Error::Connect(e),
         }
     }
 }
@@ -393,10 +315,38 @@ impl From<RecvError> for Error {
 impl From<BindError> for Error {
     fn from(e: BindError) -> Error {
         match e {
-            BindError::AddrInUse(p) => Error::AddrInUse(p),
-            BindError::NotASocket(p) => Error::NotASocket(p),
-            BindError::UnsafeDir { path, problem } => Error::UnsafeDir { path, problem },
             BindError::Failed(e) => *e,
+            e => Error::Bind(e),
+        }
+    }
+}
+
+impl From<LeaseError> for Error {
+    fn from(e: LeaseError) -> Error {
+        match e {
+            LeaseError::ServerGone => Error::ServerGone,
+            LeaseError::Failed(e) => *e,
+            e => Error::Lease(e),
+        }
+    }
+}
+
+impl From<SubmitError> for Error {
+    fn from(e: SubmitError) -> Error {
+        match e {
+            SubmitError::ServerGone => Error::ServerGone,
+            SubmitError::Failed(e) => *e,
+            e => Error::Submit(e),
+        }
+    }
+}
+
+impl From<RecvError> for Error {
+    fn from(e: RecvError) -> Error {
+        match e {
+            RecvError::ServerGone => Error::ServerGone,
+            RecvError::Failed(e) => *e,
+            e => Error::Recv(e),
         }
     }
 }
@@ -412,34 +362,43 @@ mod tests {
     use super::*;
 
     #[test]
-    fn each_operations_error_keeps_what_a_caller_acts_on() {
+    fn the_wide_error_is_built_from_each_operations_error() {
         let t = Duration::from_millis(250);
+        // What a caller acts on stays the operation's, inside the wide error, saying the same.
+        let e = Error::from(LeaseError::Timeout(t));
+        assert!(matches!(e, Error::Lease(LeaseError::Timeout(d)) if d == t));
+        assert!(e
+            .to_string()
+            .starts_with("timed out after 250ms waiting for a free slot"));
         assert!(matches!(
-            RecvError::from(Error::Timeout(t, "a result")),
-            RecvError::Timeout(d) if d == t
+            Error::from(BindError::AddrInUse("/s".into())),
+            Error::Bind(BindError::AddrInUse(_))
         ));
         assert!(matches!(
-            LeaseError::from(Error::ServerGone),
-            LeaseError::ServerGone
+            Error::from(SubmitError::DuplicateRequest(7)),
+            Error::Submit(SubmitError::DuplicateRequest(7))
         ));
-        assert!(matches!(
-            SubmitError::from(Error::DuplicateRequest(7)),
-            SubmitError::DuplicateRequest(7)
-        ));
-        assert!(matches!(
-            BindError::from(Error::AddrInUse("/s".into())),
-            BindError::AddrInUse(_)
-        ));
-        // The rest travels whole, and back.
-        let e = RecvError::from(Error::Protocol(WireError::BadMagic));
+        // A broken session comes back as what broke it.
+        for gone in [
+            Error::from(LeaseError::ServerGone),
+            Error::from(SubmitError::ServerGone),
+            Error::from(RecvError::ServerGone),
+        ] {
+            assert!(matches!(gone, Error::ServerGone));
+        }
+        let e = RecvError::broken(Error::Protocol(WireError::BadMagic));
         assert!(matches!(&e, RecvError::Failed(b) if matches!(**b, Error::Protocol(_))));
         assert!(matches!(
             Error::from(e),
             Error::Protocol(WireError::BadMagic)
         ));
+        assert!(matches!(
+            LeaseError::broken(Error::ServerGone),
+            LeaseError::ServerGone
+        ));
         assert_eq!(
-            Error::from(LeaseError::Timeout(t)).to_string(),
-            "timed out after 250ms waiting for a free slot"
+            Error::ServerGone.to_string(),
+            RecvError::ServerGone.to_string()
         );
     }
 }

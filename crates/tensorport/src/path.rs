@@ -11,7 +11,7 @@ use std::os::unix::fs::{DirBuilderExt, FileTypeExt, MetadataExt, PermissionsExt}
 use std::os::unix::net::{UnixListener, UnixStream};
 use std::path::{Path, PathBuf};
 
-use crate::{Error, Result};
+use crate::{BindError, ConnectError, Error};
 
 /// Environment variable that overrides the default socket path.
 pub const SOCKET_ENV: &str = "TENSORPORT_SOCKET";
@@ -31,11 +31,11 @@ pub fn default_socket_path() -> PathBuf {
 /// Makes sure `dir` exists, belongs to us, and no one else can write it. A symbolic link in its
 /// place must be ours too: in a shared directory such as /tmp, another user could plant one at
 /// our default path to choose where our socket goes, and swap it later.
-fn ensure_private_dir(dir: &Path) -> Result<()> {
+fn ensure_private_dir(dir: &Path) -> Result<(), BindError> {
     let me = nix::unistd::geteuid().as_raw();
     if let Ok(link) = fs::symlink_metadata(dir) {
         if link.file_type().is_symlink() && link.uid() != me {
-            return Err(Error::UnsafeDir {
+            return Err(BindError::UnsafeDir {
                 path: dir.to_owned(),
                 problem: format!(
                     "is a symbolic link owned by uid {}, not by you (uid {me}); remove it, or choose another socket path",
@@ -47,22 +47,24 @@ fn ensure_private_dir(dir: &Path) -> Result<()> {
     match DirBuilder::new().recursive(true).mode(0o700).create(dir) {
         Ok(()) => {}
         Err(e) => {
-            return Err(Error::UnsafeDir {
+            return Err(BindError::UnsafeDir {
                 path: dir.to_owned(),
                 problem: format!("cannot be created: {e}"),
             })
         }
     }
-    let md = fs::metadata(dir).map_err(Error::io("stat socket directory"))?;
+    let md = fs::metadata(dir)
+        .map_err(Error::io("stat socket directory"))
+        .map_err(BindError::failed)?;
     if md.uid() != me {
-        return Err(Error::UnsafeDir {
+        return Err(BindError::UnsafeDir {
             path: dir.to_owned(),
             problem: format!("belongs to uid {}, not to you (uid {me})", md.uid()),
         });
     }
     let mode = md.permissions().mode();
     if mode & 0o022 != 0 {
-        return Err(Error::UnsafeDir {
+        return Err(BindError::UnsafeDir {
             path: dir.to_owned(),
             problem: format!("is writable by others (mode {:o})", mode & 0o7777),
         });
@@ -71,7 +73,7 @@ fn ensure_private_dir(dir: &Path) -> Result<()> {
 }
 
 /// Binds a listening socket at `path` as described in the module docs.
-pub fn bind_listener(path: &Path) -> Result<UnixListener> {
+pub fn bind_listener(path: &Path) -> Result<UnixListener, BindError> {
     let dir = path
         .parent()
         .filter(|d| !d.as_os_str().is_empty())
@@ -79,42 +81,43 @@ pub fn bind_listener(path: &Path) -> Result<UnixListener> {
     ensure_private_dir(dir)?;
     match fs::symlink_metadata(path) {
         Ok(md) if md.file_type().is_socket() => match UnixStream::connect(path) {
-            Ok(_) => return Err(Error::AddrInUse(path.to_owned())),
+            Ok(_) => return Err(BindError::AddrInUse(path.to_owned())),
             Err(e)
                 if e.kind() == ErrorKind::ConnectionRefused || e.kind() == ErrorKind::NotFound =>
             {
                 tracing::info!(path = %path.display(), "replacing stale socket of a dead server");
                 let _ = fs::remove_file(path);
             }
-            Err(e) => return Err(Error::io("probe existing socket")(e)),
+            Err(e) => return Err(BindError::failed(Error::io("probe existing socket")(e))),
         },
-        Ok(_) => return Err(Error::NotASocket(path.to_owned())),
+        Ok(_) => return Err(BindError::NotASocket(path.to_owned())),
         Err(e) if e.kind() == ErrorKind::NotFound => {}
-        Err(e) => return Err(Error::io("stat socket path")(e)),
+        Err(e) => return Err(BindError::failed(Error::io("stat socket path")(e))),
     }
     let listener = UnixListener::bind(path).map_err(|e| {
         if e.kind() == ErrorKind::AddrInUse {
-            Error::AddrInUse(path.to_owned())
+            BindError::AddrInUse(path.to_owned())
         } else {
-            Error::io("bind socket")(e)
+            BindError::failed(Error::io("bind socket")(e))
         }
     })?;
     fs::set_permissions(path, fs::Permissions::from_mode(0o600))
-        .map_err(Error::io("chmod socket 0600"))?;
+        .map_err(Error::io("chmod socket 0600"))
+        .map_err(BindError::failed)?;
     Ok(listener)
 }
 
-/// Connects to a server at `path`, mapping "nothing there" to [`Error::NoServer`].
-pub fn connect(path: &Path) -> Result<UnixStream> {
+/// Connects to a server at `path`, mapping "nothing there" to [`ConnectError::NoServer`].
+pub fn connect(path: &Path) -> Result<UnixStream, ConnectError> {
     UnixStream::connect(path).map_err(|source| match source.kind() {
-        ErrorKind::NotFound | ErrorKind::ConnectionRefused => Error::NoServer {
+        ErrorKind::NotFound | ErrorKind::ConnectionRefused => ConnectError::NoServer {
             path: path.to_owned(),
             source,
         },
-        _ => Error::Io {
+        _ => ConnectError::failed(Error::Io {
             what: "connect to server",
             source,
-        },
+        }),
     })
 }
 
@@ -135,7 +138,7 @@ mod tests {
             .mode()
             & 0o777;
         assert_eq!(dmode, 0o700);
-        assert!(matches!(bind_listener(&sock), Err(Error::AddrInUse(_))));
+        assert!(matches!(bind_listener(&sock), Err(BindError::AddrInUse(_))));
         drop(l); // socket file stays, nobody listens: stale
         let _l2 = bind_listener(&sock).unwrap();
     }
@@ -145,13 +148,13 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let f = dir.path().join("file");
         fs::write(&f, b"x").unwrap();
-        assert!(matches!(bind_listener(&f), Err(Error::NotASocket(_))));
+        assert!(matches!(bind_listener(&f), Err(BindError::NotASocket(_))));
         let open = dir.path().join("open");
         fs::create_dir(&open).unwrap();
         fs::set_permissions(&open, fs::Permissions::from_mode(0o777)).unwrap();
         assert!(matches!(
             bind_listener(&open.join("s.sock")),
-            Err(Error::UnsafeDir { .. })
+            Err(BindError::UnsafeDir { .. })
         ));
     }
 
@@ -171,7 +174,7 @@ mod tests {
         std::os::unix::fs::symlink(&mine, &link).unwrap();
         std::os::unix::fs::lchown(&link, Some(nobody), Some(nobody)).unwrap();
         match bind_listener(&link.join("s.sock")) {
-            Err(Error::UnsafeDir { problem, .. }) => {
+            Err(BindError::UnsafeDir { problem, .. }) => {
                 assert!(
                     problem.contains("symbolic link owned by uid 65534"),
                     "{problem}"
@@ -189,7 +192,7 @@ mod tests {
         fs::set_permissions(&theirs, fs::Permissions::from_mode(0o700)).unwrap();
         std::os::unix::fs::chown(&theirs, Some(nobody), Some(nobody)).unwrap();
         match bind_listener(&theirs.join("s.sock")) {
-            Err(Error::UnsafeDir { problem, .. }) => {
+            Err(BindError::UnsafeDir { problem, .. }) => {
                 assert!(problem.contains("belongs to uid 65534"), "{problem}")
             }
             other => panic!("expected UnsafeDir, got {other:?}"),

@@ -104,7 +104,9 @@ pub(super) fn run(
         |e| {
             matches!(
                 e,
-                tensorport_cuda::Error::Transport(tensorport::Error::NoServer { .. })
+                tensorport_cuda::Error::Transport(tensorport::Error::Connect(
+                    tensorport::ConnectError::NoServer { .. }
+                ))
             )
         },
     )?;

@@ -6,7 +6,6 @@ use std::time::{Duration, Instant};
 use tensorport_shm::HostPool;
 use tensorport_wire::SlotRef;
 
-use crate::{Error, Result};
 use crate::{LeaseError, SubmitError};
 
 use super::{Producer, TensorSpec};
@@ -62,11 +61,9 @@ impl Producer {
         loan.submitted = true;
         self.slots.loaned -= 1;
         let slot = loan.slot;
-        self.submit_slot(slot, request_id, spec)
-            .inspect_err(|_| {
-                self.slots.free.push_back(slot);
-            })
-            .map_err(SubmitError::from)
+        self.submit_slot(slot, request_id, spec).inspect_err(|_| {
+            self.slots.free.push_back(slot);
+        })
     }
 
     /// Slots of loans dropped unsubmitted go back to the free list.
@@ -77,12 +74,12 @@ impl Producer {
     }
 
     /// A free slot, within the in-flight limit, waiting up to `timeout`.
-    pub(super) fn take_slot(&mut self, timeout: Duration) -> Result<SlotRef> {
+    pub(super) fn take_slot(&mut self, timeout: Duration) -> Result<SlotRef, LeaseError> {
         // The clock is read only if no slot is free at once.
         let mut deadline = None;
         loop {
             if self.draining {
-                return Err(Error::Draining);
+                return Err(LeaseError::Draining);
             }
             if self.slots.loaned > 0 {
                 self.reclaim_loans();
@@ -91,7 +88,7 @@ impl Producer {
                 < self.requests.max_in_flight as usize
                 && !self.slots.free.is_empty()
             {
-                self.await_warm_slot()?;
+                self.await_warm_slot().map_err(LeaseError::broken)?;
                 // The slot given back last (or the warm one): its pages are the likeliest to be
                 // in cache.
                 if let Some(slot) = self.slots.free.pop_back() {
@@ -102,11 +99,9 @@ impl Producer {
                 }
             }
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
-            if !self.pump(Some(deadline))? && Instant::now() >= deadline {
-                return Err(Error::Timeout(
-                    timeout,
-                    "a free slot (every slot is in flight: wait for results, or ask for more slots)",
-                ));
+            let news = self.pump(Some(deadline)).map_err(LeaseError::broken)?;
+            if !news && Instant::now() >= deadline {
+                return Err(LeaseError::Timeout(timeout));
             }
         }
     }
@@ -114,7 +109,7 @@ impl Producer {
     /// With large slots: when the slot submitted last is still with the server, polls for it
     /// to come back (as long as [`super::warm::WarmLease::plan`] allows), and puts it at the
     /// back of the free list, where the next lease takes it (see [`super::warm`]).
-    fn await_warm_slot(&mut self) -> Result<()> {
+    fn await_warm_slot(&mut self) -> crate::Result<()> {
         if !self.slots.warm.on() {
             return Ok(());
         }
@@ -270,7 +265,7 @@ impl SlotLease<'_> {
             Ok(()) => Ok(()),
             Err(e) => {
                 self.producer.slots.free.push_back(slot);
-                Err(e.into())
+                Err(e)
             }
         }
     }

@@ -130,10 +130,10 @@ impl Producer {
         socket: impl AsRef<Path>,
         config: ProducerConfig,
     ) -> std::result::Result<Producer, ConnectError> {
-        Self::open(socket.as_ref(), config).map_err(ConnectError::from)
+        Self::open(socket.as_ref(), config)
     }
 
-    fn open(socket: &Path, config: ProducerConfig) -> Result<Producer> {
+    fn open(socket: &Path, config: ProducerConfig) -> std::result::Result<Producer, ConnectError> {
         let c = client::connect(
             socket,
             Role::Producer,
@@ -145,18 +145,19 @@ impl Producer {
         )?;
         let layout = c.welcome.pool;
         let mut fds = c.fds.into_iter();
-        let fd = fds.next().ok_or_else(|| Error::Refused {
+        let fd = fds.next().ok_or_else(|| ConnectError::Refused {
             code: ErrorCode::Malformed,
             message: "a producer Welcome without a pool".into(),
         })?;
-        let pool = HostPool::open(fd, layout.slot_count, layout.slot_size)?;
+        let pool = HostPool::open(fd, layout.slot_count, layout.slot_size)
+            .map_err(|e| ConnectError::failed(e.into()))?;
         let ring = match (fds.next(), fds.next(), fds.next()) {
             (None, None, None) => None,
             (Some(r), Some(a), Some(b)) if c.welcome.version >= 2 => {
-                Some(ProducerRing::open(r, a, b)?)
+                Some(ProducerRing::open(r, a, b).map_err(ConnectError::failed)?)
             }
             _ => {
-                return Err(Error::Refused {
+                return Err(ConnectError::Refused {
                     code: ErrorCode::Malformed,
                     message: format!(
                         "a protocol-{} Welcome with {} descriptors",
@@ -544,18 +545,19 @@ impl Producer {
         })
     }
 
-    fn next_done(&mut self, timeout: Duration) -> Result<Done> {
+    fn next_done(&mut self, timeout: Duration) -> std::result::Result<Done, RecvError> {
         let mut deadline = None;
         loop {
             if let Some(c) = self.requests.done.pop_front() {
                 return Ok(c);
             }
             if self.requests.in_flight.is_empty() {
-                return Err(Error::NothingInFlight);
+                return Err(RecvError::NothingInFlight);
             }
             let deadline = *deadline.get_or_insert_with(|| Instant::now() + timeout);
-            if !self.pump(Some(deadline))? && Instant::now() >= deadline {
-                return Err(Error::Timeout(timeout, "a result"));
+            let news = self.pump(Some(deadline)).map_err(RecvError::broken)?;
+            if !news && Instant::now() >= deadline {
+                return Err(RecvError::Timeout(timeout));
             }
         }
     }
@@ -563,7 +565,7 @@ impl Producer {
     /// A result if one is ready, without waiting for the server.
     pub fn try_recv_result(&mut self) -> std::result::Result<Option<Completion>, RecvError> {
         if self.requests.done.is_empty() {
-            self.poll()?;
+            self.poll().map_err(RecvError::broken)?;
         }
         Ok(self.requests.done.pop_front().map(Done::into_completion))
     }

@@ -4,7 +4,7 @@ use std::time::Duration;
 
 use tensorport_wire::{DType, RawLocation, RawTensorDesc, WireError, MAX_DIMS};
 
-use crate::{Error, Result};
+use crate::SubmitError;
 
 /// How a producer connects.
 #[derive(Debug, Clone)]
@@ -111,15 +111,17 @@ impl TensorSpec {
     }
 
     /// The byte length a descriptor of this spec announces.
-    pub(super) fn byte_len(&self) -> Result<u64> {
+    pub(super) fn byte_len(&self) -> Result<u64, SubmitError> {
         if self.shape.len() > MAX_DIMS {
-            return Err(Error::InvalidTensor(WireError::BadRank(self.shape.len())));
+            return Err(SubmitError::InvalidTensor(WireError::BadRank(
+                self.shape.len(),
+            )));
         }
         self.extent()
-            .ok_or_else(|| Error::InvalidTensor(WireError::ShapeOverflow(self.shape.clone())))
+            .ok_or_else(|| SubmitError::InvalidTensor(WireError::ShapeOverflow(self.shape.clone())))
     }
 
-    pub(super) fn to_raw(&self, location: RawLocation) -> Result<RawTensorDesc> {
+    pub(super) fn to_raw(&self, location: RawLocation) -> Result<RawTensorDesc, SubmitError> {
         Ok(RawTensorDesc {
             dtype: self.dtype as u8,
             shape: self.shape.clone(),

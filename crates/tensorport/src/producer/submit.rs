@@ -5,7 +5,10 @@ use tensorport_wire::{
     validate_view, ClientMsg, PoolBounds, RawLocation, RawTensorDesc, RawTensorView, SlotRef,
 };
 
-use crate::{Error, Result};
+use crate::SubmitError;
+
+/// What a submission comes to.
+type Submitted = Result<(), SubmitError>;
 
 use super::{Producer, TensorSpec};
 
@@ -22,7 +25,7 @@ impl Producer {
         slot: SlotRef,
         request_id: u64,
         spec: &TensorSpec,
-    ) -> Result<()> {
+    ) -> Submitted {
         self.slots.warm.submitted(slot.slot);
         if self.link.ring.is_some() {
             return self.submit_on_ring(
@@ -46,7 +49,7 @@ impl Producer {
         spec: &TensorSpec,
         timeline: Option<u64>,
         held: Held,
-    ) -> Result<()> {
+    ) -> Submitted {
         let len = spec.byte_len()?;
         let fence = timeline.map(|value| tensorport_wire::RawFence::Timeline {
             semaphore: 0,
@@ -88,13 +91,15 @@ impl Producer {
             e.strides[..rank].copy_from_slice(st);
         }
         let ring = self.link.ring.as_mut().expect("checked by the caller");
-        if !ring.submit(&e)? {
+        let queued = ring.submit(&e).map_err(SubmitError::broken)?;
+        if !queued {
             // The queue is full (the server is behind): the socket carries this one.
             let mut tensor = spec.to_raw(location)?;
             tensor.fence = fence;
             self.link
                 .writer
-                .send(&ClientMsg::Submit { request_id, tensor }, &[])?;
+                .send(&ClientMsg::Submit { request_id, tensor }, &[])
+                .map_err(SubmitError::broken)?;
         }
         self.requests.in_flight.insert(request_id, held);
         Ok(())
@@ -102,7 +107,7 @@ impl Producer {
 
     /// Checks a submission locally with the server's own rules, so a bad spec fails here,
     /// clearly.
-    pub(super) fn check(&self, request_id: u64, tensor: &RawTensorView<'_>) -> Result<()> {
+    pub(super) fn check(&self, request_id: u64, tensor: &RawTensorView<'_>) -> Submitted {
         let devices = &self.requests.devices;
         validate_view(
             tensor,
@@ -112,9 +117,9 @@ impl Producer {
             },
             &|b| devices.get(&b).map(|d| d.len),
         )
-        .map_err(Error::InvalidTensor)?;
+        .map_err(SubmitError::InvalidTensor)?;
         if self.requests.in_flight.contains_key(&request_id) {
-            return Err(Error::DuplicateRequest(request_id));
+            return Err(SubmitError::DuplicateRequest(request_id));
         }
         Ok(())
     }
@@ -124,15 +129,18 @@ impl Producer {
         request_id: u64,
         raw: RawTensorDesc,
         held: Held,
-    ) -> Result<()> {
+    ) -> Submitted {
         self.check(request_id, &raw.view())?;
-        self.link.writer.send(
-            &ClientMsg::Submit {
-                request_id,
-                tensor: raw,
-            },
-            &[],
-        )?;
+        self.link
+            .writer
+            .send(
+                &ClientMsg::Submit {
+                    request_id,
+                    tensor: raw,
+                },
+                &[],
+            )
+            .map_err(SubmitError::broken)?;
         self.requests.in_flight.insert(request_id, held);
         Ok(())
     }

@@ -43,6 +43,7 @@ mod session;
 mod shared;
 
 use std::collections::HashMap;
+use std::os::unix::net::UnixListener;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
 use std::sync::{mpsc, Arc, Mutex};
@@ -88,6 +89,11 @@ impl Server {
     /// Binds the socket (see [`crate::path::bind_listener`]) and starts accepting producers.
     pub fn bind(config: ServerConfig) -> std::result::Result<Server, BindError> {
         let listener = path::bind_listener(&config.socket)?;
+        Self::serve(config, listener).map_err(BindError::failed)
+    }
+
+    /// Starts accepting producers on `listener`.
+    fn serve(config: ServerConfig, listener: UnixListener) -> Result<Server> {
         listener
             .set_nonblocking(true)
             .map_err(Error::io("set listener non-blocking"))?;
