@@ -4,6 +4,7 @@ as the server or the producers, and Python processes killed with SIGKILL."""
 import json
 import os
 import shutil
+import shlex
 import signal
 import struct
 import subprocess
@@ -946,14 +947,16 @@ def test_persistent_loader_keeps_its_producers_across_epochs(tmp_path):
     assert eventually(lambda: not os.path.exists(f"/proc/{farm}")), "the farm outlived its loader"
 
 
+# CUDA 13's control daemon listens on a Unix socket named `control` in its pipe folder (older
+# ones made a FIFO there, which crates/tensorport-farm/tests/mps.rs's stand-in makes).
 _MPS_CONTROL = r'''#!/bin/bash
 pipe="${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}"
 if [ "$1" = "-d" ]; then
-    mkfifo "$pipe/control" || exit 1
-    setsid bash -c 'while [ -p "$0/control" ]; do sleep 0.05; done' "$pipe" </dev/null >/dev/null 2>&1 &
+    PYTHON -c 'import socket, sys; socket.socket(socket.AF_UNIX).bind(sys.argv[1])' "$pipe/control" || exit 1
+    setsid bash -c 'while [ -S "$0/control" ]; do sleep 0.05; done' "$pipe" </dev/null >/dev/null 2>&1 &
     exit 0
 fi
-[ -p "$pipe/control" ] || exit 1
+[ -S "$pipe/control" ] || exit 1
 read -r cmd
 case "$cmd" in
     quit) rm -f "$pipe/control"; exit 0 ;;
@@ -965,7 +968,7 @@ esac
 
 def test_mps_for_a_process_and_its_loader_with_a_stand_in_daemon(tmp_path, monkeypatch):
     """`_native.Mps` decides as the farm does, with a stand-in for nvidia-cuda-mps-control
-    (a daemon that detaches and answers on a control FIFO, as NVIDIA's does): a private daemon
+    (a daemon that detaches and answers on a control socket, as CUDA 13's does): a private daemon
     where none runs, with the variables a CUDA process needs to join it, quit on close; none
     with mps='off'; without the control program, 'auto' goes without and says why, 'on'
     raises. A Loader refuses a mode it does not know."""
@@ -975,7 +978,7 @@ def test_mps_for_a_process_and_its_loader_with_a_stand_in_daemon(tmp_path, monke
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     control = bin_dir / "nvidia-cuda-mps-control"
-    control.write_text(_MPS_CONTROL)
+    control.write_text(_MPS_CONTROL.replace("PYTHON", shlex.quote(sys.executable)))
     control.chmod(control.stat().st_mode | stat.S_IEXEC)
     # No system daemon: its pipe folder holds no control pipe.
     (tmp_path / "system").mkdir()
@@ -984,7 +987,7 @@ def test_mps_for_a_process_and_its_loader_with_a_stand_in_daemon(tmp_path, monke
     m = tensorport._native.Mps("auto", [0])
     env = m.env
     pipe = env["CUDA_MPS_PIPE_DIRECTORY"]
-    assert stat.S_ISFIFO(os.stat(os.path.join(pipe, "control")).st_mode)
+    assert stat.S_ISSOCK(os.stat(os.path.join(pipe, "control")).st_mode)
     assert "CUDA_MPS_LOG_DIRECTORY" in env and m.why_off is None
     assert "private MPS daemon" in m.describe()
     m.close()
@@ -1005,7 +1008,7 @@ def test_mps_for_a_process_and_its_loader_with_a_stand_in_daemon(tmp_path, monke
     tensorport.Loader(["a.jpg"], device="cuda", producers=0, gpu_producers=1, mps="on")
     pipe = os.environ["CUDA_MPS_PIPE_DIRECTORY"]
     try:
-        assert stat.S_ISFIFO(os.stat(os.path.join(pipe, "control")).st_mode)
+        assert stat.S_ISSOCK(os.stat(os.path.join(pipe, "control")).st_mode)
     finally:
         tensorport._loader._MPS[0].close()
         monkeypatch.delenv("CUDA_MPS_PIPE_DIRECTORY")
