@@ -30,4 +30,9 @@ if (( cuda )); then
   cp dist/gpu/tensorport python/tensorport/bin/tensorport
   strip python/tensorport/bin/tensorport 2>/dev/null || true
 fi
+# maturin grafts libjpeg in by patching a hard link of cargo's library in place, so a second build
+# that cargo takes for fresh would hand it a library naming a grafted libjpeg it cannot find:
+# cargo links it again if its copies are gone.
+built="${CARGO_TARGET_DIR:-target}/$(rustc -vV | sed -n 's/^host: //p')/release"
+rm -f "$built/libtensorport_native.so" "$built/deps/libtensorport_native.so"
 maturin "${args[@]}"

@@ -133,6 +133,23 @@ fn output_of(cmd: &mut Command, what: &str) -> String {
     text
 }
 
+/// maturin hard-links cargo's library into its own folder and grafts libjpeg in by patching
+/// that file in place, which patches cargo's copy too (astral-sh/uv#7441 met the same): a second
+/// build that cargo takes for fresh would hand maturin a library naming a grafted libjpeg that is
+/// not beside it, and the build fails. Removing cargo's copies of the cross-compiled (`--zig`)
+/// library first has cargo link it again. The `pip install .` build is native (`release/`), so
+/// nothing it uses is touched.
+fn forget_grafted_library(build: &Path) {
+    let Ok(entries) = std::fs::read_dir(build) else {
+        return;
+    };
+    for triple in entries.flatten().map(|e| e.path()) {
+        for dir in [triple.join("release"), triple.join("release/deps")] {
+            let _ = std::fs::remove_file(dir.join("libtensorport_native.so"));
+        }
+    }
+}
+
 #[test]
 fn the_release_wheel_passes_the_pytest_suite() {
     let target = target_dir();
@@ -142,6 +159,7 @@ fn the_release_wheel_passes_the_pytest_suite() {
 
     let wheels = target.join("wheel-out");
     let _ = std::fs::remove_dir_all(&wheels);
+    forget_grafted_library(&target.join("wheel-build"));
     run(
         Command::new(tools.join("maturin"))
             .args(["build", "--quiet", "--release", "--strip", "--zig"])
