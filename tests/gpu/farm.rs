@@ -169,7 +169,7 @@ pub(crate) fn farm_two_gpus_server_killed() {
     let out = dir.path().join("r.jsonl");
     let sock = dir.path().join("f.sock");
     let inputs = 20_000u64;
-    let child = std::process::Command::new(tensorport_exe())
+    let mut child = std::process::Command::new(tensorport_exe())
         .args([
             "--log",
             "warn",
@@ -189,7 +189,7 @@ pub(crate) fn farm_two_gpus_server_killed() {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    wait_for_lines(&out, 2000, 120);
+    wait_for_lines(&mut child, &out, 2000, 120);
     // The server on GPU 1 listens on f-1.sock.
     let victim = *pids_whose_command_line(|c| c.contains("\0serve\0") && c.contains("f-1.sock"))
         .first()
@@ -399,9 +399,20 @@ fn lines_in(out: &std::path::Path) -> usize {
 }
 
 /// Waits until the farm has written `n` lines to `out`, failing the test after `secs`.
-fn wait_for_lines(out: &std::path::Path, n: usize, secs: u64) {
+fn wait_for_lines(farm: &mut std::process::Child, out: &std::path::Path, n: usize, secs: u64) {
     let t = std::time::Instant::now();
     while lines_in(out) < n {
+        // A farm that ended (refusing its options, say) will write no more: say why at once.
+        if let Ok(Some(status)) = farm.try_wait() {
+            let mut said = String::new();
+            if let Some(mut e) = farm.stderr.take() {
+                let _ = std::io::Read::read_to_string(&mut e, &mut said);
+            }
+            panic!(
+                "the farm ended ({status}) after {} of the {n} results waited for:\n{said}",
+                lines_in(out)
+            );
+        }
         assert!(
             t.elapsed().as_secs() < secs,
             "the farm wrote no {n} results in {secs} s"
@@ -441,7 +452,7 @@ fn farm_under_mps_with_a_fault(fault: MpsFault) {
     std::fs::write(&list, listed).unwrap();
     let inputs = (files.len() * repeat) as u64;
     let out = dir.path().join("r.jsonl");
-    let child = std::process::Command::new(tensorport_exe())
+    let mut child = std::process::Command::new(tensorport_exe())
         .args(["farm", "--device", "cuda", "--mps", "on"])
         .args(["-p", "2", "--gpu-producers", "2", "--progress", "never"])
         .arg("--input-list")
@@ -452,7 +463,7 @@ fn farm_under_mps_with_a_fault(fault: MpsFault) {
         .stderr(std::process::Stdio::piped())
         .spawn()
         .unwrap();
-    wait_for_lines(&out, 500, 180);
+    wait_for_lines(&mut child, &out, 500, 180);
     let servers = mps_servers();
     assert!(!servers.is_empty(), "no MPS server runs under the farm");
     let before = lines_in(&out);
