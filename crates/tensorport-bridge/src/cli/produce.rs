@@ -66,7 +66,7 @@ pub struct Args {
     #[arg(long, value_delimiter = ',', requires = "ready", value_name = "DIMS")]
     pub shape: Option<Vec<u64>>,
     /// Side of the square images the server's model takes, in pixels.
-    #[arg(long, default_value_t = 224)]
+    #[arg(long, default_value_t = tensorport_farm::ModelOptions::default().config.image_size as u32)]
     pub image_size: u32,
     /// The resize.
     #[arg(long, value_enum, default_value_t)]
