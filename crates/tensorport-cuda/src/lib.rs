@@ -59,7 +59,7 @@ pub use gpu::Gpu;
 pub use gpu_producer::{GpuProducer, GpuProducerConfig, Sharing};
 pub use ipc::{live_imports, CudaImporter, Fence};
 pub use kernel::Kernel;
-pub use lost::{context_lost, is_lost_code};
+pub use lost::context_lost;
 pub use memory::{DeviceMemory, DeviceMemoryMut, DeviceRegion};
 pub(crate) use normalise::GpuNormaliser;
 pub use pin::{live_registrations, CudaPin};

@@ -34,7 +34,7 @@ const LOST: &[Lost] = &[
 ];
 
 /// Whether the driver's `code` (a `CUresult`) leaves the context unusable.
-pub fn is_lost_code(code: u32) -> bool {
+fn is_lost_code(code: u32) -> bool {
     LOST.iter().any(|l| l.code == code)
 }
 
