@@ -3,7 +3,7 @@
 use std::time::{Duration, Instant};
 
 use tensorport_dfdx::dfdx::prelude::*;
-use tensorport_dfdx::{Classify, Tensor4};
+use tensorport_dfdx::Tensor4;
 
 use crate::common::Device as On;
 use crate::common::{CliError, CliResult, ModelArgs};
@@ -55,13 +55,13 @@ pub fn run(a: Args) -> CliResult<u8> {
     match a.model.device {
         On::Cpu => {
             let dev = Cpu::seed_from_u64(a.model.seed);
-            let mut m = a
+            let m = a
                 .model
                 .options()
                 .dfdx_model(&dev)
                 .map_err(tensorport_farm::Error::from)?;
             for &b in &a.batch {
-                row(&dev, &mut m, b, "dfdx", "f32", &a);
+                row(&dev, &mut |x| Ok(m.forward(x)), b, "dfdx", "f32", &a);
             }
         }
         #[cfg(feature = "cuda")]
@@ -91,7 +91,7 @@ fn cuda(n: u32, a: &Args) -> CliResult<()> {
         Some(p) => vec![p],
         None => Precision::ALL.to_vec(),
     };
-    let mut dfdx = a
+    let dfdx = a
         .model
         .options()
         .dfdx_model(&dev)
@@ -108,11 +108,14 @@ fn cuda(n: u32, a: &Args) -> CliResult<()> {
                             .map_err(tensorport_farm::Error::from)?;
                         m.prepare(b)?;
                         let engine = format!("cudnn {layout}");
-                        row(&dev, &mut m, b, &engine, p.name(), a);
+                        let mut run = |x: Tensor4<Cuda>| m.forward(&x).map_err(|e| e.to_string());
+                        row(&dev, &mut run, b, &engine, p.name(), a);
                         if a.unfused {
                             m.set_fused(false);
                             let engine = format!("cudnn {layout}, unfused");
-                            row(&dev, &mut m, b, &engine, p.name(), a);
+                            let mut run =
+                                |x: Tensor4<Cuda>| m.forward(&x).map_err(|e| e.to_string());
+                            row(&dev, &mut run, b, &engine, p.name(), a);
                         }
                     }
                 }
@@ -120,16 +123,26 @@ fn cuda(n: u32, a: &Args) -> CliResult<()> {
             Err(e) => eprintln!("no cuDNN rows: {e}"),
         }
         if a.model.precision.unwrap_or_default() == Precision::F32 {
-            row(&dev, &mut dfdx, b, "dfdx kernels", "f32", a);
+            row(
+                &dev,
+                &mut |x| Ok(dfdx.forward(x)),
+                b,
+                "dfdx kernels",
+                "f32",
+                a,
+            );
         }
     }
     Ok(())
 }
 
+/// The scores of a batch, or why not.
+type Forward<'a, D> = dyn FnMut(Tensor4<D>) -> Result<Vec<Vec<f32>>, String> + 'a;
+
 /// Measures `model` on batches of `batch` random images and prints its row.
 fn row<D: Device<f32>>(
     dev: &D,
-    model: &mut dyn Classify<D>,
+    model: &mut Forward<'_, D>,
     batch: usize,
     engine: &str,
     precision: &str,
@@ -137,7 +150,7 @@ fn row<D: Device<f32>>(
 ) {
     let s = a.model.image_size;
     let x: Tensor4<D> = dev.sample_normal_like(&(batch, 3usize, s, s));
-    let mut run = || match model.classify(x.clone()) {
+    let mut run = || match model(x.clone()) {
         Ok(scores) => scores.len() == batch,
         Err(e) => {
             eprintln!("{engine} {precision}, batch {batch}: {e}");

@@ -12,7 +12,7 @@ use tensorport_cuda::Gpu;
 use tensorport_cudnn::{ConvLayer, ConvNet, Layout, Precision};
 
 use crate::model::{head, load_params, seeded_params};
-use crate::{Classify, Error, ModelConfig, Result, Submitted, Tensor4};
+use crate::{Error, ModelConfig, Result, Tensor4};
 
 /// The classifier's convolutions for cuDNN (see `model.rs` for the network).
 fn layers(c: &ModelConfig, p: &HashMap<&'static str, Vec<f32>>) -> Vec<ConvLayer> {
@@ -223,19 +223,5 @@ impl CudnnClassifier {
 
     fn head(&self, feats: &[f32]) -> Vec<Vec<f32>> {
         head(feats, self.net.out_channels(), &self.head_w, &self.head_b)
-    }
-}
-
-impl Classify<Cuda> for CudnnClassifier {
-    fn classify(&mut self, x: Tensor4<Cuda>) -> Result<Vec<Vec<f32>>> {
-        self.forward(&x)
-    }
-
-    fn submit(&mut self, x: Tensor4<Cuda>) -> Result<Submitted> {
-        CudnnClassifier::submit(self, x).map(|()| Submitted::InFlight)
-    }
-
-    fn collect(&mut self) -> Result<Vec<Vec<f32>>> {
-        CudnnClassifier::collect(self)
     }
 }

@@ -9,9 +9,12 @@
 //!   convolutions as reshape → permute → matmul, 3×3 convolutions as nine shifted matmuls.
 //!   Weights come from a safetensors file (PyTorch layouts) or a fixed seed.
 //! - `CudnnClassifier` (CUDA build): the same network and weights with cuDNN convolutions, in
-//!   fp32, TF32, bf16 or fp16 — the GPU server's model. Both are [`Classify`].
-//! - `GpuInput`, `GpuTensor` (CUDA build): a tensor's storage as `tensorport_cuda::DeviceMemory`
-//!   — a batch a gather writes into, and a batch read in place on another thread.
+//!   fp32, TF32, bf16 or fp16 — the GPU server's model.
+//! - `GpuInput` (CUDA build): a tensor's storage as `tensorport_cuda::DeviceMemoryMut`, a batch
+//!   a gather writes into before the network reads it.
+//!
+//! The server's model interface (which engines implement, dfdx's among them) is
+//! `tensorport_farm::serve::Engine`, not this crate's.
 //!
 //! Determinism: dfdx's CPU conv runs image by image and the head runs row by row, so an image's
 //! scores are bitwise the same whatever batch it was in.
@@ -54,9 +57,6 @@ pub enum Error {
     /// The device failed.
     #[error("device error: {0}")]
     Device(String),
-    /// A model of the user's own failed on a batch.
-    #[error("the model failed: {0}")]
-    Model(String),
 }
 
 /// Results of this crate.
@@ -72,45 +72,9 @@ pub use cudnn_model::CudnnClassifier;
 #[cfg(feature = "cuda")]
 mod gpu_input;
 #[cfg(feature = "cuda")]
-pub use gpu_input::{GpuInput, GpuTensor};
+pub use gpu_input::GpuInput;
 #[cfg(feature = "cuda")]
 pub use tensorport_cudnn::{Layout, Precision};
-
-/// A model the server runs on each batch: class scores for images `[B, C, H, W]` on `D`, one
-/// row per image.
-pub trait Classify<D: Device<f32>> {
-    /// Scores for the batch `x`.
-    fn classify(&mut self, x: Tensor4<D>) -> Result<Vec<Vec<f32>>>;
-
-    /// Starts on the batch `x` and, where the model runs on a device of its own, returns
-    /// before its scores are ready ([`Submitted::InFlight`]: [`Classify::collect`] waits for
-    /// them), so the caller can prepare the next batch meanwhile. A model that cannot overlap
-    /// answers at once ([`Submitted::Ready`], the default). A batch still in flight is
-    /// collected (and its scores dropped) first.
-    fn submit(&mut self, x: Tensor4<D>) -> Result<Submitted> {
-        self.classify(x).map(Submitted::Ready)
-    }
-
-    /// The scores of the batch in flight (none when there is none).
-    fn collect(&mut self) -> Result<Vec<Vec<f32>>> {
-        Ok(Vec::new())
-    }
-}
-
-/// What [`Classify::submit`] did with a batch.
-#[derive(Debug)]
-pub enum Submitted {
-    /// Its scores, one row per image.
-    Ready(Vec<Vec<f32>>),
-    /// It runs; [`Classify::collect`] waits for its scores.
-    InFlight,
-}
-
-impl<D: Device<f32>> Classify<D> for ImageClassifier<D> {
-    fn classify(&mut self, x: Tensor4<D>) -> Result<Vec<Vec<f32>>> {
-        Ok(self.forward(x))
-    }
-}
 
 /// Checks that `req` describes a contiguous tensor of exactly `shape` (wherever it is): `f32`,
 /// normalised, or `u8`, the 8-bit planes before normalising (the server normalises them with

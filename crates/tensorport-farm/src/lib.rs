@@ -38,6 +38,6 @@ pub mod serve;
 pub use config::{FarmConfig, ModelOptions, PrepOptions, ProduceConfig, ServeConfig};
 pub use error::{ConfigError, Error, Result};
 
-/// The largest `--max-batch` a server takes: the most images one batch of the GPU model
-/// covers ([`tensorport_cudnn::ConvNet::MAX_BATCH`]), far above what any batch needs.
-pub const MAX_BATCH: usize = tensorport_cudnn::ConvNet::MAX_BATCH;
+/// The largest `--max-batch` a server's configuration takes, far above what any batch needs;
+/// each engine says its own limit too ([`serve::Engine::max_batch`]), checked as it loads.
+pub const MAX_BATCH: usize = 65_535;

@@ -227,21 +227,40 @@ impl ModelOptions {
             ..Default::default()
         };
         let model = tensorport_onnx::OnnxModel::open(path, &opts)?;
-        if model.image_size() > MAX_IMAGE_SIZE {
+        self.adopt_onnx(
+            &model.spec().input,
+            model.image_size(),
+            model.spec().classes,
+        )
+    }
+
+    /// Takes what an opened ONNX model decides (its input named `input`, of images of
+    /// `image_size`, `classes` scores per image), refusing an image size the server cannot
+    /// take. A server takes it from its first worker's session ([`ModelOptions::resolve`]
+    /// opens one of its own).
+    pub fn adopt_onnx(
+        &mut self,
+        input: &str,
+        image_size: usize,
+        classes: usize,
+    ) -> Result<(), ConfigError> {
+        if image_size > MAX_IMAGE_SIZE {
+            let path = match &self.kind {
+                ModelKind::Onnx(p) => p.clone(),
+                _ => PathBuf::new(),
+            };
             // Its producers' slots would fit no memory budget: refused before any starts.
             return Err(tensorport_onnx::Error::Unfit {
-                path: path.clone(),
+                path,
                 why: format!(
-                    "input {:?} takes images of {s}×{s}; the server takes sides up to \
-                     {MAX_IMAGE_SIZE}",
-                    model.spec().input,
-                    s = model.image_size()
+                    "input {input:?} takes images of {image_size}×{image_size}; the server \
+                     takes sides up to {MAX_IMAGE_SIZE}"
                 ),
             }
             .into());
         }
-        self.config.image_size = model.image_size();
-        self.config.classes = model.spec().classes;
+        self.config.image_size = image_size;
+        self.config.classes = classes;
         Ok(())
     }
 

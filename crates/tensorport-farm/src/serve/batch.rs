@@ -1,24 +1,25 @@
-//! The batch loop each model worker runs: take a batch of requests, build the model's input
-//! (one copy on the CPU; DMA and fences on the GPU), give the slots back, run the model, answer
-//! every request. Where the model runs on a device of its own (cuDNN), the next batch is taken
-//! and gathered while the device runs the last one, whose answers go out once the next is on
-//! its way.
+//! The batch loop each model worker runs: take a batch of requests, write them into the input
+//! memory the worker's engine lends (one copy on the CPU; DMA and fences on the GPU), give the
+//! slots back, run the engine, answer every request. Where the engine runs on a device or
+//! thread of its own (cuDNN, ONNX Runtime), the next batch is taken and gathered while it runs
+//! the last one, whose answers go out once the next is on its way.
 
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tensorport::{Request, Responder, Server};
-use tensorport_dfdx::dfdx::prelude::Device;
-use tensorport_dfdx::{Classify, Submitted, Tensor4};
+use tensorport_dfdx::check_image;
 
+use super::engine::{Engine, EngineError, Input, Scores, Submitted};
 use super::metrics::Metrics;
 use crate::error::Result;
 use crate::record::scores_to_bytes;
 
-/// A batch's model input, built from its requests.
-pub struct Stacked<D: Device<f32>> {
-    /// `[B, C, H, W]`, the images of `used` in order; `None` if no request fit.
-    pub input: Option<Tensor4<D>>,
+/// A batch's model input, written into the memory its engine lent.
+#[derive(Debug)]
+pub struct Stacked {
+    /// The images of `used` in order, row by row; `None` if no request fit.
+    pub input: Option<Input>,
     /// Indices (into the requests) of the images in `input`, row by row.
     pub used: Vec<usize>,
     /// The requests the batch could not take, and why. A request may be here and in `used` (a
@@ -27,16 +28,21 @@ pub struct Stacked<D: Device<f32>> {
     pub rejected: Vec<(usize, Rejection)>,
 }
 
-impl<D: Device<f32>> From<tensorport_dfdx::Stacked<D>> for Stacked<D> {
-    fn from(s: tensorport_dfdx::Stacked<D>) -> Stacked<D> {
+impl Stacked {
+    /// No input: every request in `used` is rejected with `why`.
+    pub(super) fn failed(
+        mut used: Vec<usize>,
+        mut rejected: Vec<(usize, Rejection)>,
+        why: &str,
+    ) -> Stacked {
+        rejected.extend(
+            used.drain(..)
+                .map(|i| (i, Rejection::Batch(why.to_string()))),
+        );
         Stacked {
-            input: s.input,
-            used: s.used,
-            rejected: s
-                .rejected
-                .into_iter()
-                .map(|(i, e)| (i, Rejection::Input(e)))
-                .collect(),
+            input: None,
+            used,
+            rejected,
         }
     }
 }
@@ -44,8 +50,10 @@ impl<D: Device<f32>> From<tensorport_dfdx::Stacked<D>> for Stacked<D> {
 /// Why a request got no row of a batch.
 #[derive(Debug)]
 pub enum Rejection {
-    /// It does not fit the model's input, or the batch failed: the request is failed.
-    Input(tensorport_dfdx::Error),
+    /// It does not fit the model's input: the request is failed.
+    Misfit(tensorport_dfdx::Error),
+    /// Its batch could not be built (the engine lent no memory, a copy failed): failed.
+    Batch(String),
     /// What the GPU gather found (a misfit, a late fence), answered as
     /// [`tensorport_cuda::Fault::answer`] says.
     Gather(tensorport_cuda::Fault),
@@ -54,7 +62,8 @@ pub enum Rejection {
 impl std::fmt::Display for Rejection {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         match self {
-            Rejection::Input(e) => e.fmt(f),
+            Rejection::Misfit(e) => e.fmt(f),
+            Rejection::Batch(why) => f.write_str(why),
             Rejection::Gather(fault) => fault.fmt(f),
         }
     }
@@ -63,41 +72,84 @@ impl std::fmt::Display for Rejection {
 impl Rejection {
     fn answer(&self, r: Responder) -> tensorport::Result<()> {
         match self {
-            Rejection::Input(e) => r.fail(e.to_string()),
+            Rejection::Misfit(_) | Rejection::Batch(_) => r.fail(self.to_string()),
             Rejection::Gather(fault) => fault.answer(r),
         }
     }
 }
 
-/// Builds each batch's model input from its requests: the one place a model worker's batches
-/// are assembled. [`CpuBatcher`] stacks them on the host; on the GPU, `CudaBatcher` gathers
-/// them into the batch with [`tensorport_cuda::RowBatcher`], which settles a batch's failures.
-pub trait Batcher<D: Device<f32>> {
-    /// The model input for `reqs`, row by row, with the requests it could not take and why. A
-    /// batcher whose copy stream stalls keeps the requests (held for good: a copy may still
-    /// read them), leaving `reqs` and the batch empty.
-    fn stack(&mut self, dev: &D, reqs: &mut Vec<Request>, shape: [usize; 3]) -> Stacked<D>;
+/// Builds each batch's model input from its requests, in the memory the worker's engine lends:
+/// the one place a model worker's batches are assembled. [`CpuBatcher`] writes host rows; on
+/// the GPU, `CudaBatcher` gathers into device memory with [`tensorport_cuda::RowBatcher`],
+/// which settles a batch's failures.
+pub trait Batcher {
+    /// The model input for `reqs` (images of `shape`), row by row, in memory `engine` lends,
+    /// with the requests it could not take and why. A batcher whose copy stream stalls keeps
+    /// the requests (held for good: a copy may still read them), leaving `reqs` and the batch
+    /// empty.
+    fn stack(
+        &mut self,
+        reqs: &mut Vec<Request>,
+        shape: [usize; 3],
+        engine: &mut dyn Engine,
+    ) -> Stacked;
 
     /// Signals "released" for the device tensors among `reqs`, which a sink answers without
     /// reading (each producer's next write of its buffer waits for it); nothing on the CPU.
     fn release_unread(&mut self, reqs: &[Request]) -> Result<(), String>;
 }
 
-/// Batches on the host: one copy of each image (normalised if it came as 8-bit planes).
+/// Batches on the host: each image written once into the engine's rows (normalised if it came
+/// as 8-bit planes).
 pub struct CpuBatcher;
 
-impl<D: Device<f32>> Batcher<D> for CpuBatcher {
-    fn stack(&mut self, dev: &D, reqs: &mut Vec<Request>, shape: [usize; 3]) -> Stacked<D> {
-        tensorport_dfdx::stack_images(dev, reqs, shape).into()
+impl Batcher for CpuBatcher {
+    fn stack(
+        &mut self,
+        reqs: &mut Vec<Request>,
+        shape: [usize; 3],
+        engine: &mut dyn Engine,
+    ) -> Stacked {
+        let mut used = Vec::with_capacity(reqs.len());
+        let mut images = Vec::with_capacity(reqs.len());
+        let mut rejected = Vec::new();
+        for (i, r) in reqs.iter().enumerate() {
+            match check_image(r, shape) {
+                Ok(px) => {
+                    used.push(i);
+                    images.push(px);
+                }
+                Err(e) => rejected.push((i, Rejection::Misfit(e))),
+            }
+        }
+        if used.is_empty() {
+            return Stacked {
+                input: None,
+                used,
+                rejected,
+            };
+        }
+        let lent = engine.lend(used.len());
+        let mut rows = match lent.and_then(|input| input.into_host("a batch built on the host")) {
+            Ok(rows) => rows,
+            Err(e) => return Stacked::failed(used, rejected, &e.to_string()),
+        };
+        for px in images {
+            if let Err(e) = rows.push(px) {
+                return Stacked::failed(used, rejected, &e.to_string());
+            }
+        }
+        Stacked {
+            input: Some(Input::Host(rows)),
+            used,
+            rejected,
+        }
     }
 
     fn release_unread(&mut self, _: &[Request]) -> Result<(), String> {
         Ok(())
     }
 }
-
-/// A worker's model.
-pub type Model<D> = Box<dyn Classify<D>>;
 
 /// What the model workers share: the server, the batching policy and the counters.
 pub struct BatchLoop<'a> {
@@ -128,17 +180,12 @@ struct InFlight {
 impl BatchLoop<'_> {
     /// One model worker: takes batches (from its share of the producers when there are several
     /// workers), runs the model, answers, until the server has drained.
-    pub fn run<D: Device<f32>>(
-        &self,
-        dev: &D,
-        batcher: &mut dyn Batcher<D>,
-        mut model: Option<&mut Model<D>>,
-    ) -> Result<()> {
+    pub fn run(&self, batcher: &mut dyn Batcher, engine: &mut dyn Engine) -> Result<()> {
         let mut draining = false;
         let mut in_flight: Option<InFlight> = None;
-        let finish = |m: &mut Option<&mut Model<D>>, batch: Option<InFlight>| {
-            if let (Some(batch), Some(m)) = (batch, m.as_deref_mut()) {
-                let scores = m.collect();
+        let finish = |engine: &mut dyn Engine, batch: Option<InFlight>| {
+            if let Some(batch) = batch {
+                let scores = engine.collect();
                 self.answer(batch, scores);
             }
         };
@@ -157,7 +204,7 @@ impl BatchLoop<'_> {
                 break; // stopped
             };
             if batch.is_empty() {
-                finish(&mut model, in_flight.take());
+                finish(engine, in_flight.take());
                 continue;
             }
             let taken = Instant::now();
@@ -182,14 +229,14 @@ impl BatchLoop<'_> {
                 continue;
             }
             let mut batch = batch;
-            let stacked = batcher.stack(dev, &mut batch, self.shape);
-            // The batch owns a copy of the pixels now: give the slots back before the model runs.
+            let stacked = batcher.stack(&mut batch, self.shape, engine);
+            // The engine's memory holds the pixels now: give the slots back before it runs.
             let mut responders: Vec<Option<Responder>> =
                 batch.into_iter().map(|r| Some(r.release())).collect();
             // (Before the results: a late device tensor's row is in the input, but it gets this.)
             reject(&mut responders, stacked.rejected);
             // This batch is on the device: the last one's scores are wanted now.
-            finish(&mut model, in_flight.take());
+            finish(engine, in_flight.take());
             let Some(x) = stacked.input else {
                 self.record(size, Duration::ZERO, taken);
                 continue;
@@ -201,26 +248,19 @@ impl BatchLoop<'_> {
                 taken,
                 model_started: Instant::now(),
             };
-            match model.as_deref_mut() {
-                Some(m) => match m.submit(x) {
-                    Ok(Submitted::InFlight) => in_flight = Some(batch),
-                    Ok(Submitted::Ready(scores)) => self.answer(batch, Ok(scores)),
-                    Err(e) => self.answer(batch, Err(e)),
-                },
-                // No model: the batch is on the device; that was the job.
-                None => {
-                    let rows = batch.used.len();
-                    self.answer(batch, Ok(vec![Vec::new(); rows]));
-                }
+            match engine.submit(x) {
+                Ok(Submitted::InFlight) => in_flight = Some(batch),
+                Ok(Submitted::Ready(scores)) => self.answer(batch, Ok(scores)),
+                Err(e) => self.answer(batch, Err(e)),
             }
         }
-        finish(&mut model, in_flight.take());
+        finish(engine, in_flight.take());
         Ok(())
     }
 
     /// Answers `batch`'s requests from `scores` (row `k` for request `used[k]`), or each with the
     /// model's error, and records the batch.
-    fn answer(&self, batch: InFlight, scores: tensorport_dfdx::Result<Vec<Vec<f32>>>) {
+    fn answer(&self, batch: InFlight, scores: Result<Scores, EngineError>) {
         let InFlight {
             mut responders,
             used,
@@ -242,7 +282,7 @@ impl BatchLoop<'_> {
             // of an engine the server owns is lost, when the process ends unanswered and a new
             // server redoes them (a model of the caller's own reports its own errors).
             Err(e) => {
-                if !matches!(e, tensorport_dfdx::Error::Model(_)) {
+                if let EngineError::Failed(_) = e {
                     super::end_if_context_lost(&e);
                 }
                 tracing::error!("the model failed on a batch of {size}: {e}");

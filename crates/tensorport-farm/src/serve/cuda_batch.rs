@@ -1,19 +1,17 @@
 //! A model worker's batches on the GPU, without a CPU copy: each request goes straight into
-//! its row of the model input (a [`GpuInput`]) through [`tensorport_cuda::RowBatcher`], which
+//! its row of the GPU memory the worker's engine lends through [`tensorport_cuda::RowBatcher`], which
 //! copies host slots by DMA and GPU producers' tensors after their fences, normalises 8-bit
 //! images on the GPU, and says what became of each request (a misfit, a late fence) or of the
 //! batch (a stalled copy stream quarantines it, and the worker takes no more GPU batches).
-//! Needs the build-time dfdx patch that exposes a tensor's device address
-//! (`scripts/build-gpu.sh`).
 
 use std::sync::Arc;
 use std::time::Duration;
 
 use tensorport::{DType, Request};
 use tensorport_cuda::{BatchError, Gatherer, Gpu, RowBatcher, RowKind};
-use tensorport_dfdx::dfdx::prelude::*;
-use tensorport_dfdx::{check_shape, Error, GpuInput};
+use tensorport_dfdx::check_shape;
 
+use super::engine::{DeviceInput, DeviceRows, Engine, Input};
 use super::{Batcher, Rejection, Stacked};
 
 /// One worker's GPU batcher: a [`RowBatcher`] with the producers' normalisation table.
@@ -33,10 +31,15 @@ impl CudaBatcher {
     }
 }
 
-impl Batcher<Cuda> for CudaBatcher {
-    /// The `[B, C, H, W]` input on `dev` from `reqs`, the copies waited for, so the requests'
-    /// slots and buffers may be released as soon as this returns.
-    fn stack(&mut self, dev: &Cuda, reqs: &mut Vec<Request>, shape: [usize; 3]) -> Stacked<Cuda> {
+impl Batcher for CudaBatcher {
+    /// The `[B, C, H, W]` input from `reqs` in the GPU memory `engine` lends, the copies
+    /// waited for, so the requests' slots and buffers may be released as soon as this returns.
+    fn stack(
+        &mut self,
+        reqs: &mut Vec<Request>,
+        shape: [usize; 3],
+        engine: &mut dyn Engine,
+    ) -> Stacked {
         let mut used = Vec::with_capacity(reqs.len());
         let mut rows = Vec::with_capacity(reqs.len());
         let mut rejected = Vec::new();
@@ -51,7 +54,7 @@ impl Batcher<Cuda> for CudaBatcher {
                 }
                 Err(e) => {
                     rows.push(None);
-                    rejected.push((i, Rejection::Input(e)));
+                    rejected.push((i, Rejection::Misfit(e)));
                 }
             }
         }
@@ -63,42 +66,49 @@ impl Batcher<Cuda> for CudaBatcher {
             };
         }
         let row = shape.iter().product::<usize>() * 4;
-        // A quarantined batcher takes nothing: no input is made for it.
-        let gathered = match self.0.is_quarantined() {
-            true => Err(what_to_do(BatchError::Quarantined)),
-            false => GpuInput::zeros(dev, used.len(), shape)
-                .map_err(|e| e.to_string())
-                .and_then(|input| self.0.gather(input, reqs, &rows, row).map_err(what_to_do)),
+        // A quarantined batcher takes nothing: no memory is lent for it.
+        if self.0.is_quarantined() {
+            return Stacked::failed(used, rejected, &what_to_do(BatchError::Quarantined));
+        }
+        let lent = match engine.lend(used.len()) {
+            Ok(Input::Device(d)) => d,
+            Ok(_) => {
+                let why = "the model lent host memory to a batch built on the GPU";
+                return Stacked::failed(used, rejected, why);
+            }
+            Err(e) => return Stacked::failed(used, rejected, &e.to_string()),
+        };
+        let count = lent.rows;
+        let gathered = match lent.memory {
+            DeviceRows::Tensor(t) => self
+                .0
+                .gather(t, reqs, &rows, row)
+                .map(|f| (DeviceRows::Tensor(f.memory), f.faults)),
+            DeviceRows::Buffer(b) => self
+                .0
+                .gather(b, reqs, &rows, row)
+                .map(|f| (DeviceRows::Buffer(f.memory), f.faults)),
         };
         match gathered {
-            Ok(filled) => {
+            Ok((memory, faults)) => {
                 // A late tensor's row stays in the input (zeroed), so `used` still lines up
                 // row by row; its request gets its fault.
-                rejected.extend(
-                    filled
-                        .faults
-                        .into_iter()
-                        .map(|(i, f)| (i, Rejection::Gather(f))),
-                );
+                rejected.extend(faults.into_iter().map(|(i, f)| (i, Rejection::Gather(f))));
                 Stacked {
-                    input: Some(filled.memory.into_tensor()),
+                    input: Some(Input::Device(DeviceInput {
+                        rows: count,
+                        memory,
+                    })),
                     used,
                     rejected,
                 }
             }
-            Err(why) => {
+            Err(e) => {
+                let why = what_to_do(e);
                 super::end_if_context_lost(&why);
                 // A stalled stream took the requests (held for good): `reqs` is empty then,
                 // and failing their indices answers nothing.
-                rejected.extend(
-                    used.drain(..)
-                        .map(|i| (i, Rejection::Input(Error::Device(why.clone())))),
-                );
-                Stacked {
-                    input: None,
-                    used,
-                    rejected,
-                }
+                Stacked::failed(used, rejected, &why)
             }
         }
     }

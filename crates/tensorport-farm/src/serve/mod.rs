@@ -8,8 +8,10 @@
 //! dfdx's own kernels where cuDNN cannot be loaded.
 
 mod batch;
+mod bundled;
 #[cfg(feature = "cuda")]
 mod cuda_batch;
+pub mod engine;
 pub mod metrics;
 mod onnx;
 mod own;
@@ -20,12 +22,12 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tensorport::{DeviceImporter, PinHook, Server, ServerConfig};
-use tensorport_dfdx::dfdx::prelude::{Cpu, Device as DfdxDevice};
-use tensorport_dfdx::ImageClassifier;
+use tensorport_dfdx::dfdx::prelude::Cpu;
 
-pub use batch::{BatchLoop, Batcher, CpuBatcher, Model, Rejection, Stacked};
+pub use batch::{BatchLoop, Batcher, CpuBatcher, Rejection, Stacked};
 #[cfg(feature = "cuda")]
 pub use cuda_batch::CudaBatcher;
+pub use engine::{Engine, EngineError, HostInput, Input, Scores, Submitted};
 pub use own::{HostBatch, HostModel};
 
 use crate::config::{Device, ModelKind, ModelOptions, ServeConfig};
@@ -64,26 +66,57 @@ pub fn run(cfg: &ServeConfig, stop: &Stop) -> Result<()> {
             .map_err(|e| ConfigError::Threads(e.to_string()))?;
     }
     cfg.check()?;
-    // An ONNX model decides the image size; a model that does not fit fails here, before the
-    // socket listens.
     let mut cfg = cfg.clone();
-    cfg.model.resolve()?;
-    let cfg = &cfg;
+    // An ONNX model's files are read once, for every worker's session; its input decides the
+    // image size (taken from the first worker's session, before the socket listens).
+    let onnx = match &cfg.model.kind {
+        ModelKind::Onnx(_) if cfg.sink => {
+            // Only its image size is wanted.
+            cfg.model.resolve()?;
+            None
+        }
+        ModelKind::Onnx(path) => Some(onnx::OnnxFile::read(path)?),
+        _ => None,
+    };
     if let Device::Cuda(n) = cfg.model.device {
-        return run_cuda(cfg, n, stop);
+        return run_cuda(&mut cfg, n, onnx.as_ref(), stop);
     }
-    let model = cfg.model.clone();
-    let threads = cfg.threads;
-    serve_on(
-        cfg,
-        stop,
-        Hooks::default(),
-        &cpu_worker,
-        &move |dev: &Cpu| match &model.kind {
-            ModelKind::Onnx(path) => onnx::load_on_cpu(path, model.config.image_size, threads),
-            _ => load_dfdx(dev, &model),
-        },
-    )
+    let (threads, sink) = (cfg.threads, cfg.sink);
+    let make = |model: &ModelOptions| -> Result<Worker> {
+        let shape = model.config.input_shape();
+        let engine: Box<dyn Engine> = match (&model.kind, &onnx) {
+            _ if sink => Box::new(engine::NoModel::on_cpu(shape)),
+            (ModelKind::None, _) => Box::new(engine::NoModel::on_cpu(shape)),
+            (ModelKind::Onnx(_), Some(file)) => {
+                let (engine, info) = onnx::load_on_cpu(file, model, threads)?;
+                return Ok((Box::new(CpuBatcher), engine, Some(info)));
+            }
+            _ => Box::new(dfdx_on_cpu(model)?),
+        };
+        Ok((Box::new(CpuBatcher), engine, None))
+    };
+    serve_on(&mut cfg, stop, Hooks::default(), &make)
+}
+
+/// A worker: its batcher and engine, and what an ONNX model decided of the configuration.
+type Worker = (
+    Box<dyn Batcher>,
+    Box<dyn Engine>,
+    Option<onnx::OnnxModelInfo>,
+);
+
+/// Makes one worker (on the worker's own thread; the first before the socket listens).
+type WorkerFn<'a> = dyn Fn(&ModelOptions) -> Result<Worker> + Sync + 'a;
+
+/// The bundled model on dfdx's CPU kernels.
+fn dfdx_on_cpu(model: &ModelOptions) -> Result<bundled::DfdxOnCpu> {
+    let dev = Cpu::default();
+    let net = model.dfdx_model(&dev)?;
+    Ok(bundled::DfdxOnCpu {
+        dev,
+        net,
+        shape: model.config.input_shape(),
+    })
 }
 
 /// Runs the server, as [`run`], with a model of your own on the CPU instead of `cfg.model`'s:
@@ -120,31 +153,34 @@ where
     // The model is the caller's: nothing of `cfg.model`'s own is loaded.
     cfg.model.kind = ModelKind::Classifier;
     cfg.check()?;
-    serve_on(
-        &cfg,
-        stop,
-        Hooks::default(),
-        &cpu_worker,
-        &|_: &Cpu| -> Result<Model<Cpu>> {
-            let model = load().map_err(|e| Error::Other(format!("cannot load the model: {e}")))?;
-            Ok(Box::new(own::Own(model)))
-        },
-    )
-}
-
-/// A worker on the CPU: its device and batcher.
-fn cpu_worker() -> Result<(Cpu, Box<dyn Batcher<Cpu>>)> {
-    Ok((Cpu::default(), Box::new(CpuBatcher)))
+    let sink = cfg.sink;
+    let make = |model: &ModelOptions| -> Result<Worker> {
+        let shape = model.config.input_shape();
+        let engine: Box<dyn Engine> = match sink {
+            true => Box::new(engine::NoModel::on_cpu(shape)),
+            false => {
+                let own =
+                    load().map_err(|e| Error::Other(format!("cannot load the model: {e}")))?;
+                Box::new(own::Own::new(own, shape))
+            }
+        };
+        Ok((Box::new(CpuBatcher), engine, None))
+    };
+    serve_on(&mut cfg, stop, Hooks::default(), &make)
 }
 
 #[cfg(not(feature = "cuda"))]
-fn run_cuda(_: &ServeConfig, _: u32, _: &Stop) -> Result<()> {
+fn run_cuda(_: &mut ServeConfig, _: u32, _: Option<&onnx::OnnxFile>, _: &Stop) -> Result<()> {
     Err(ConfigError::NoCudaBuild.into())
 }
 
 #[cfg(feature = "cuda")]
-fn run_cuda(cfg: &ServeConfig, ordinal: u32, stop: &Stop) -> Result<()> {
-    use tensorport_dfdx::dfdx::prelude::Cuda;
+fn run_cuda(
+    cfg: &mut ServeConfig,
+    ordinal: u32,
+    onnx: Option<&onnx::OnnxFile>,
+    stop: &Stop,
+) -> Result<()> {
     // No driver, or no such device: configuration a restart cannot fix.
     let gpu = tensorport_cuda::Gpu::open(ordinal as i32).map_err(|e| match e {
         tensorport_cuda::Error::NoDriver | tensorport_cuda::Error::NoDevice(..) => {
@@ -152,7 +188,6 @@ fn run_cuda(cfg: &ServeConfig, ordinal: u32, stop: &Stop) -> Result<()> {
         }
         e => Error::Cuda(e),
     })?;
-    let seed = cfg.model.seed;
     let fence_timeout = cfg.fence_timeout.max(Duration::from_millis(1));
     let hooks = Hooks {
         pin: Some(Arc::new(tensorport_cuda::CudaPin::new(gpu.clone()))),
@@ -163,24 +198,23 @@ fn run_cuda(cfg: &ServeConfig, ordinal: u32, stop: &Stop) -> Result<()> {
     // GPU producers' tensors of a batch are fenced and copied together; the copy kernel is
     // compiled once and launched from every worker (launches are thread-safe).
     let gatherer = Arc::new(tensorport_cuda::Gatherer::new(&gpu));
-    let model = cfg.model.clone();
-    let model_gpu = gpu.clone();
-    let load = move |dev: &Cuda| -> Result<Model<Cuda>> { load_cuda(dev, &model_gpu, &model) };
-    // Each worker thread builds its own dfdx device and batcher (neither may be shared).
-    serve_on(
-        cfg,
-        stop,
-        hooks,
-        &move || {
-            let dev = Cuda::try_build(ordinal as usize, seed).map_err(|e| {
-                Error::Other(format!("cannot start dfdx on CUDA device {ordinal}: {e:?}"))
-            })?;
-            let batcher: Box<dyn Batcher<Cuda>> =
-                Box::new(CudaBatcher::new(&gpu, gatherer.clone(), fence_timeout)?);
-            Ok((dev, batcher))
-        },
-        &load,
-    )
+    let sink = cfg.sink;
+    // Each worker makes its own batcher and engine (neither may be shared).
+    let make = |model: &ModelOptions| -> Result<Worker> {
+        let batcher = Box::new(CudaBatcher::new(&gpu, gatherer.clone(), fence_timeout)?);
+        let shape = model.config.input_shape();
+        let (engine, info): (Box<dyn Engine>, _) = match (&model.kind, onnx) {
+            _ if sink => (Box::new(engine::NoModel::on_gpu(shape, &gpu)), None),
+            (ModelKind::None, _) => (Box::new(engine::NoModel::on_gpu(shape, &gpu)), None),
+            (ModelKind::Onnx(_), Some(file)) => {
+                let (engine, info) = onnx::load_on_cuda(file, model, &gpu)?;
+                (engine, Some(info))
+            }
+            _ => (Box::new(bundled_on_gpu(&gpu, model)?), None),
+        };
+        Ok((batcher as Box<dyn Batcher>, engine, info))
+    };
+    serve_on(cfg, stop, hooks, &make)
 }
 
 /// What the CUDA server plugs into the transport: pool pinning, device-buffer import.
@@ -188,20 +222,6 @@ fn run_cuda(cfg: &ServeConfig, ordinal: u32, stop: &Stop) -> Result<()> {
 struct Hooks {
     pin: Option<Arc<dyn PinHook>>,
     device: Option<Arc<dyn DeviceImporter>>,
-}
-
-/// Makes one worker's device and batcher (called on the worker's own thread).
-type WorkerFn<D> = dyn Fn() -> Result<(D, Box<dyn Batcher<D>>)> + Sync;
-
-/// Loads one worker's model on its device (on the worker's own thread).
-type LoadFn<'a, D> = dyn Fn(&D) -> Result<Model<D>> + Sync + 'a;
-
-/// The bundled model on dfdx's own kernels (the CPU model; on the GPU where cuDNN is missing).
-fn load_dfdx<D: DfdxDevice<f32>>(dev: &D, model: &ModelOptions) -> Result<Model<D>>
-where
-    ImageClassifier<D>: 'static,
-{
-    Ok(Box::new(model.dfdx_model(dev)?))
 }
 
 /// The transport's settings for this server.
@@ -223,26 +243,25 @@ fn server_config(cfg: &ServeConfig, hooks: Hooks, image_bytes: u64) -> ServerCon
     sc
 }
 
-fn serve_on<D: DfdxDevice<f32>>(
-    cfg: &ServeConfig,
-    stop: &Stop,
-    hooks: Hooks,
-    make: &WorkerFn<D>,
-    load_model: &LoadFn<'_, D>,
-) -> Result<()> {
-    let mc = cfg.model.config;
+fn serve_on(cfg: &mut ServeConfig, stop: &Stop, hooks: Hooks, make: &WorkerFn<'_>) -> Result<()> {
     let workers = cfg.workers.max(1);
-    // The first worker's device is made here, so a model that cannot load fails before the
-    // socket listens, not in a thread.
-    let first = make()?;
-    let load = |dev: &D| -> Result<Option<Model<D>>> {
-        Ok(match cfg.model.kind {
-            _ if cfg.sink => None,
-            ModelKind::None => None,
-            ModelKind::Classifier | ModelKind::Onnx(_) => Some(load_model(dev)?),
-        })
-    };
-    let first_model = load(&first.0)?;
+    // The first worker is made here, so a model that cannot load fails before the socket
+    // listens, not in a thread; an ONNX model's first session decides the image size.
+    let (first_batcher, first_engine, info) = make(&cfg.model)?;
+    if let Some(info) = info {
+        cfg.model
+            .adopt_onnx(&info.input, info.image_size, info.classes)?;
+    }
+    let most = first_engine.max_batch();
+    if cfg.model.max_batch > most {
+        return Err(ConfigError::EngineBatch {
+            asked: cfg.model.max_batch,
+            most,
+        }
+        .into());
+    }
+    let cfg = &*cfg;
+    let mc = cfg.model.config;
     let shape = mc.input_shape();
     let image_bytes = (shape.iter().product::<usize>() * 4) as u64;
     let server = Arc::new(Server::bind(server_config(cfg, hooks, image_bytes))?);
@@ -281,20 +300,19 @@ fn serve_on<D: DfdxDevice<f32>>(
         metrics: metrics.as_ref(),
         images: &images,
     };
-    let work = |(dev, mut batcher): (D, Box<dyn Batcher<D>>), mut model: Option<Model<D>>| {
-        shared.run(&dev, &mut *batcher, model.as_mut())
+    let work = |mut batcher: Box<dyn Batcher>, mut engine: Box<dyn Engine>| {
+        shared.run(&mut *batcher, &mut *engine)
     };
     std::thread::scope(|s| -> Result<()> {
         let others: Vec<_> = (1..workers)
             .map(|_| {
                 s.spawn(|| -> Result<()> {
-                    let worker = make()?;
-                    let model = load(&worker.0)?;
-                    work(worker, model)
+                    let (batcher, engine, _) = make(&cfg.model)?;
+                    work(batcher, engine)
                 })
             })
             .collect();
-        let mine = work(first, first_model);
+        let mine = work(first_batcher, first_engine);
         for t in others {
             t.join()
                 .map_err(|_| Error::Other("a model worker panicked".into()))??;
@@ -319,35 +337,39 @@ fn serve_on<D: DfdxDevice<f32>>(
     Ok(())
 }
 
-/// The GPU model: cuDNN's convolutions at the configured precision, their algorithms measured
-/// for the largest batch before the socket listens; dfdx's own kernels (fp32, several times
-/// slower) where cuDNN cannot be loaded, with a warning that says so.
+/// The bundled model on a GPU: cuDNN's convolutions at the configured precision, their
+/// algorithms measured for the largest batch before the socket listens; dfdx's own kernels
+/// (fp32, several times slower) where cuDNN cannot be loaded, with a warning that says so. Its
+/// dfdx device (the worker's own: it may not be shared) makes the tensors it lends.
 #[cfg(feature = "cuda")]
-fn load_cuda(
-    dev: &tensorport_dfdx::dfdx::prelude::Cuda,
+fn bundled_on_gpu(
     gpu: &Arc<tensorport_cuda::Gpu>,
     model: &ModelOptions,
-) -> Result<Model<tensorport_dfdx::dfdx::prelude::Cuda>> {
-    if let ModelKind::Onnx(path) = &model.kind {
-        let provider = model.ort_provider.on(gpu.ordinal() as u32);
-        return onnx::load_on_cuda(
-            path,
-            model.config.image_size,
-            model.max_batch,
-            gpu,
-            (provider, model.tf32),
-        );
-    }
+) -> Result<bundled::gpu::OnGpu> {
+    use bundled::gpu::{Net, OnGpu};
+    let ordinal = gpu.ordinal() as usize;
+    let dev = tensorport_dfdx::dfdx::prelude::Cuda::try_build(ordinal, model.seed)
+        .map_err(|e| Error::Other(format!("cannot start dfdx on CUDA device {ordinal}: {e:?}")))?;
     let precision = model.precision.unwrap_or_default();
-    if let Err(e) = tensorport_cudnn::ConvNet::cudnn_version() {
-        if precision != tensorport_cudnn::Precision::F32 {
+    let net = match tensorport_cudnn::ConvNet::cudnn_version() {
+        Ok(_) => {
+            let layout = tensorport_cudnn::Layout::preferred(precision, model.max_batch);
+            let mut m = model.cudnn_model(&dev, gpu, (precision, layout))?;
+            m.prepare(model.max_batch)?;
+            Net::Cudnn(Box::new(m))
+        }
+        Err(e) if precision != tensorport_cudnn::Precision::F32 => {
             return Err(ConfigError::PrecisionNeedsCudnn(precision, e).into());
         }
-        tracing::warn!("{e}; the model runs on dfdx's own CUDA kernels, several times slower");
-        return load_dfdx(dev, model);
-    }
-    let layout = tensorport_cudnn::Layout::preferred(precision, model.max_batch);
-    let mut m = model.cudnn_model(dev, gpu, (precision, layout))?;
-    m.prepare(model.max_batch)?;
-    Ok(Box::new(m))
+        Err(e) => {
+            tracing::warn!("{e}; the model runs on dfdx's own CUDA kernels, several times slower");
+            Net::Dfdx(Box::new(model.dfdx_model(&dev)?))
+        }
+    };
+    Ok(OnGpu {
+        dev,
+        net,
+        shape: model.config.input_shape(),
+        in_flight: None,
+    })
 }

@@ -1,20 +1,44 @@
-//! An ONNX model as the server's model: each worker opens its own ONNX Runtime session, run on
-//! a thread of its own so that the worker gathers the next batch while ONNX Runtime runs this
-//! one ([`Submitted::InFlight`]); each batch goes to that thread and comes back with its
-//! scores. The batch the server stacked (`[B, 3, S, S]`, normalised
-//! `f32`) is run as it is: on the CPU from host memory; on a GPU where the server gathered it,
-//! staged on the device into a buffer of a padded row count (converted to `f16` there for an
-//! `f16` model), only the scores coming back to the host.
+//! An ONNX model as the server's [`Engine`]: each worker opens its own ONNX Runtime session(s),
+//! run on a thread of their own so that the worker gathers the next batch while ONNX Runtime
+//! runs this one ([`Submitted::InFlight`]). The engine lends the batch's input memory: on the
+//! CPU host rows (the same allocation for every batch, handed to the session's thread and
+//! back: no copy besides the batcher's); on a GPU a buffer of a session's row count, which the
+//! GPU batcher fills in place and ONNX Runtime reads where it lies (converted to `f16` on the
+//! device first for an `f16` model), only the scores coming back to the host. The model's files
+//! are read once per server ([`OnnxFile`]); every session is made from those bytes.
 
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::mpsc;
 
-use tensorport_dfdx::dfdx::prelude::{Cpu, HasShape};
-use tensorport_dfdx::{Classify, Submitted, Tensor4};
 use tensorport_onnx::{OnnxModel, OnnxOptions, Provider};
 
-use super::Model;
+use super::engine::{Engine, EngineError, HostInput, Input, Scores, Submitted};
+use crate::config::ModelOptions;
 use crate::error::{ConfigError, Result};
+
+/// A model's files, read once for every session a server opens.
+pub(super) struct OnnxFile {
+    path: PathBuf,
+    read: tensorport_onnx::external::ModelBytes,
+}
+
+impl OnnxFile {
+    /// Reads the model at `path` and the external data it names, once ONNX Runtime is found.
+    pub(super) fn read(path: &Path) -> Result<OnnxFile> {
+        // Without ONNX Runtime nothing of the file matters: that is said first.
+        tensorport_onnx::runtime::environment().map_err(ConfigError::from)?;
+        let read = tensorport_onnx::external::read_model(path).map_err(ConfigError::from)?;
+        Ok(OnnxFile {
+            path: path.to_owned(),
+            read,
+        })
+    }
+
+    /// A session with `opts`.
+    fn open(&self, opts: &OnnxOptions) -> tensorport_onnx::Result<OnnxModel> {
+        OnnxModel::from_read(&self.path, &self.read, opts)
+    }
+}
 
 /// A batch for the session's thread, which sends it back with its scores.
 enum Job {
@@ -28,10 +52,10 @@ enum Job {
 /// A GPU batch as ONNX Runtime reads it.
 #[cfg(feature = "cuda")]
 enum OnDevice {
-    /// Staged into a buffer of a session's row count (and type).
+    /// Converted into a buffer of a session's row count in the model's type (`f16`).
     Staged(tensorport_cuda::Staged),
-    /// The gathered batch itself: of a session's row count, in the model's type.
-    InPlace(tensorport_dfdx::GpuTensor),
+    /// The lent buffer itself: a session's row count, `f32`.
+    InPlace(tensorport_cuda::DeviceBuffer, usize),
 }
 
 #[cfg(feature = "cuda")]
@@ -39,26 +63,30 @@ impl OnDevice {
     fn memory(&self) -> &dyn tensorport_cuda::DeviceMemory {
         match self {
             OnDevice::Staged(s) => s,
-            OnDevice::InPlace(t) => t,
+            OnDevice::InPlace(b, _) => b,
         }
     }
 
     fn rows(&self) -> usize {
         match self {
             OnDevice::Staged(s) => s.rows(),
-            OnDevice::InPlace(t) => t.rows(),
+            OnDevice::InPlace(_, rows) => *rows,
         }
     }
 }
 
-type Scores = tensorport_onnx::Result<Vec<Vec<f32>>>;
+type Ran = tensorport_onnx::Result<Scores>;
 
 /// The session on its thread, and the batch it runs, if any.
 struct Runner {
     jobs: Option<mpsc::Sender<Job>>,
-    done: mpsc::Receiver<(Scores, Job)>,
+    done: mpsc::Receiver<(Ran, Job)>,
     thread: Option<std::thread::JoinHandle<()>>,
     in_flight: bool,
+}
+
+fn failed(e: impl std::fmt::Display) -> EngineError {
+    EngineError::Failed(e.to_string())
 }
 
 impl Runner {
@@ -110,51 +138,38 @@ impl Runner {
         })
     }
 
-    /// Starts `job` (collecting, and dropping, the scores of a batch still in flight first).
-    fn submit(&mut self, job: Job) -> tensorport_dfdx::Result<Submitted> {
-        if self.in_flight {
-            let _ = self.collect();
-        }
-        let gone = || tensorport_dfdx::Error::Device("the ONNX session's thread ended".into());
-        self.jobs
-            .as_ref()
-            .ok_or_else(gone)?
-            .send(job)
-            .map_err(|_| gone())?;
-        self.in_flight = true;
-        Ok(Submitted::InFlight)
+    /// Starts `job` (collecting, and dropping, the scores of a batch still in flight first:
+    /// its job comes back too).
+    fn submit(&mut self, job: Job) -> (std::result::Result<Submitted, EngineError>, Option<Job>) {
+        let earlier = match self.in_flight {
+            true => self.collect().1,
+            false => None,
+        };
+        let gone = || failed("the ONNX session's thread ended");
+        let sent = match self.jobs.as_ref() {
+            Some(jobs) => jobs.send(job).map_err(|_| gone()),
+            None => Err(gone()),
+        };
+        self.in_flight = sent.is_ok();
+        (sent.map(|()| Submitted::InFlight), earlier)
     }
 
     /// The scores of the batch in flight (none when there is none), and the batch.
-    fn collect(&mut self) -> (tensorport_dfdx::Result<Vec<Vec<f32>>>, Option<Job>) {
+    fn collect(&mut self) -> (std::result::Result<Scores, EngineError>, Option<Job>) {
         if !std::mem::replace(&mut self.in_flight, false) {
             return (Ok(Vec::new()), None);
         }
         match self.done.recv() {
-            Ok((r, job)) => (
-                r.map_err(|e| tensorport_dfdx::Error::Device(e.to_string())),
-                Some(job),
-            ),
-            Err(_) => (
-                Err(tensorport_dfdx::Error::Device(
-                    "the ONNX session's thread ended".into(),
-                )),
-                None,
-            ),
+            Ok((r, job)) => (r.map_err(failed), Some(job)),
+            Err(_) => (Err(failed("the ONNX session's thread ended")), None),
         }
-    }
-
-    /// Runs `job` and waits for its scores.
-    fn run(&mut self, job: Job) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
-        self.submit(job)?;
-        self.collect().0
     }
 }
 
 impl Drop for Runner {
     fn drop(&mut self) {
         // The session's thread ends with its queue; a batch it runs is waited for, so no
-        // staging buffer goes while ONNX Runtime reads it.
+        // buffer goes while ONNX Runtime reads it.
         self.jobs.take();
         if let Some(t) = self.thread.take() {
             let _ = t.join();
@@ -162,42 +177,98 @@ impl Drop for Runner {
     }
 }
 
-/// An ONNX model on ONNX Runtime's CPU execution provider.
-struct OnCpu(Runner);
+/// An ONNX model on ONNX Runtime's CPU execution provider: host rows, one allocation reused.
+struct OnCpu {
+    runner: Runner,
+    shape: [usize; 3],
+    /// The rows of the last batch, back from the session's thread.
+    rows: Vec<f32>,
+}
 
-impl Classify<Cpu> for OnCpu {
-    fn classify(&mut self, x: Tensor4<Cpu>) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
-        let rows = x.shape().0;
-        self.0.run(Job::Host(x.as_vec(), rows))
-    }
-
-    fn submit(&mut self, x: Tensor4<Cpu>) -> tensorport_dfdx::Result<Submitted> {
-        let rows = x.shape().0;
-        self.0.submit(Job::Host(x.as_vec(), rows))
-    }
-
-    fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
-        self.0.collect().0
+impl OnCpu {
+    fn take_back(&mut self, job: Option<Job>) {
+        if let Some(Job::Host(rows, _)) = job {
+            self.rows = rows;
+        }
     }
 }
 
-/// Opens the model at `path` for a worker on the CPU (`threads`: its operators' threads).
+impl Engine for OnCpu {
+    fn max_batch(&self) -> usize {
+        crate::MAX_BATCH
+    }
+
+    fn lend(&mut self, rows: usize) -> std::result::Result<Input, EngineError> {
+        let buffer = std::mem::take(&mut self.rows);
+        Ok(Input::Host(HostInput::new(buffer, rows, self.shape)))
+    }
+
+    fn submit(&mut self, input: Input) -> std::result::Result<Submitted, EngineError> {
+        let h = input.into_host("a session on the CPU")?;
+        if !h.is_full() {
+            return Err(failed("a batch with rows left unwritten"));
+        }
+        let rows = h.rows();
+        let (r, earlier) = self.runner.submit(Job::Host(h.into_pixels(), rows));
+        self.take_back(earlier);
+        r
+    }
+
+    fn collect(&mut self) -> std::result::Result<Scores, EngineError> {
+        let (r, job) = self.runner.collect();
+        self.take_back(job);
+        r
+    }
+}
+
+/// Opens `file` for a worker on the CPU (`threads`: its operators' threads).
 pub(super) fn load_on_cpu(
-    path: &Path,
-    image_size: usize,
+    file: &OnnxFile,
+    options: &ModelOptions,
     threads: Option<usize>,
-) -> Result<Model<Cpu>> {
+) -> Result<(Box<dyn Engine>, OnnxModelInfo)> {
     let opts = OnnxOptions {
         provider: Provider::Cpu,
         threads,
-        image_size: Some(image_size),
+        image_size: Some(options.config.image_size),
         ..OnnxOptions::default()
     };
-    let model = OnnxModel::open(path, &opts).map_err(ConfigError::from)?;
+    let model = file.open(&opts).map_err(ConfigError::from)?;
+    let info = OnnxModelInfo::of(&model, options)?;
     log_loaded(&model, "ONNX model loaded (ONNX Runtime, CPU)");
-    Ok(Box::new(OnCpu(
-        Runner::start(model, None).map_err(session_thread)?,
-    )))
+    let shape = [3, model.image_size(), model.image_size()];
+    let runner = Runner::start(model, None).map_err(session_thread)?;
+    Ok((
+        Box::new(OnCpu {
+            runner,
+            shape,
+            rows: Vec::new(),
+        }),
+        info,
+    ))
+}
+
+/// What a loaded model decides of the server's configuration.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(super) struct OnnxModelInfo {
+    pub input: String,
+    pub image_size: usize,
+    pub classes: usize,
+}
+
+impl OnnxModelInfo {
+    /// What `m` decides, refused where the server cannot take it ([`ModelOptions::adopt_onnx`]).
+    fn of(m: &OnnxModel, options: &ModelOptions) -> Result<OnnxModelInfo> {
+        let info = OnnxModelInfo {
+            input: m.spec().input.clone(),
+            image_size: m.image_size(),
+            classes: m.spec().classes,
+        };
+        options
+            .clone()
+            .adopt_onnx(&info.input, info.image_size, info.classes)?;
+        Ok(info)
+    }
 }
 
 /// Says which model a worker runs, and how.
@@ -233,14 +304,14 @@ pub(super) fn session_rows(max_batch: usize) -> Vec<usize> {
 /// The smaller GPU session's rows.
 const SMALL_ROWS: usize = 32;
 
-/// An ONNX model on a GPU (CUDA or TensorRT execution provider), fed the gathered batch on the
-/// device: a session per batch shape ([`session_rows`]); a batch of exactly a session's rows in
-/// the model's type runs where it lies (its storage goes to the session's thread); otherwise it
-/// is staged into a buffer of that many rows, and converted to `f16` there for an `f16` model.
+/// An ONNX model on a GPU (CUDA or TensorRT execution provider): a session per batch shape
+/// ([`session_rows`]); a batch is lent a buffer of its session's rows (`f32`), which an `f32`
+/// model reads in place and an `f16` one after a conversion on the device.
 #[cfg(feature = "cuda")]
 struct OnCuda {
-    /// Each session's rows and its runner, smallest first.
-    sessions: Vec<(usize, Runner)>,
+    gpu: std::sync::Arc<tensorport_cuda::Gpu>,
+    /// Each session's rows, its runner, and the input buffers it has lent and got back.
+    sessions: Vec<(usize, Runner, Vec<tensorport_cuda::DeviceBuffer>)>,
     /// The session with a batch in flight.
     busy: Option<usize>,
     stage: tensorport_cuda::BatchStage,
@@ -250,108 +321,133 @@ struct OnCuda {
 
 #[cfg(feature = "cuda")]
 impl OnCuda {
-    /// Stages `x` (after collecting a batch still in flight, whose staging buffer comes back
-    /// with it) and starts it in the session of its shape.
-    fn start(
-        &mut self,
-        x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
-    ) -> tensorport_dfdx::Result<Submitted> {
-        if self.busy.is_some() {
-            let _ = self.collect();
-        }
-        let rows = x.shape().0;
-        let Some(k) = self.sessions.iter().position(|(n, _)| *n >= rows) else {
-            let max = self.sessions.last().map_or(0, |(n, _)| *n);
-            return Err(tensorport_dfdx::Error::Device(format!(
-                "a batch of {rows} images; this worker's largest batch is {max}"
-            )));
-        };
-        let padded = self.sessions[k].0;
-        let x = tensorport_dfdx::GpuTensor::new(x)?;
-        let input = match padded == rows && !self.half {
-            // A batch of the session's shape, in the model's type: run where it lies.
-            true => OnDevice::InPlace(x),
-            false => OnDevice::Staged(
-                self.stage
-                    .stage(&x, rows, padded, self.image_len)
-                    .map_err(|e| tensorport_dfdx::Error::Device(e.to_string()))?,
-            ),
-        };
-        let submitted = self.sessions[k]
-            .1
-            .submit(Job::Device { input, keep: rows })?;
-        self.busy = Some(k);
-        Ok(submitted)
+    /// The session that runs a batch of `rows`.
+    fn session_for(&self, rows: usize) -> std::result::Result<usize, EngineError> {
+        self.sessions
+            .iter()
+            .position(|(n, ..)| *n >= rows && rows > 0)
+            .ok_or_else(|| {
+                failed(format!(
+                    "a batch of {rows} images; this worker runs batches of 1 to {}",
+                    self.max_batch()
+                ))
+            })
     }
 
-    /// The scores of the batch in flight; its staging buffer goes back to the stage.
-    fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
+    /// A zeroed `f32` buffer for `rows` images.
+    fn fresh(&self, rows: usize) -> tensorport_cuda::Result<tensorport_cuda::DeviceBuffer> {
+        let buf = tensorport_cuda::DeviceBuffer::new(&self.gpu, rows * self.image_len * 4)?;
+        let stream = tensorport_cuda::Stream::new(&self.gpu)?;
+        buf.fill_u32_async(0, &stream)?;
+        stream.synchronize()?;
+        Ok(buf)
+    }
+
+    /// A job back from its session: its lent buffer (or its staging buffer) to reuse.
+    fn take_back(&mut self, k: usize, job: Option<Job>) {
+        match job {
+            Some(Job::Device {
+                input: OnDevice::Staged(staged),
+                ..
+            }) => self.stage.give_back(staged),
+            Some(Job::Device {
+                input: OnDevice::InPlace(buf, _),
+                ..
+            }) => self.sessions[k].2.push(buf),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(feature = "cuda")]
+impl Engine for OnCuda {
+    fn max_batch(&self) -> usize {
+        self.sessions.last().map_or(0, |(n, ..)| *n)
+    }
+
+    fn lend(&mut self, rows: usize) -> std::result::Result<Input, EngineError> {
+        let k = self.session_for(rows)?;
+        let padded = self.sessions[k].0;
+        let buf = match self.sessions[k].2.pop() {
+            Some(b) => b,
+            None => self.fresh(padded).map_err(failed)?,
+        };
+        Ok(Input::Device(super::engine::DeviceInput {
+            rows,
+            memory: super::engine::DeviceRows::Buffer(buf),
+        }))
+    }
+
+    fn submit(&mut self, input: Input) -> std::result::Result<Submitted, EngineError> {
+        use super::engine::{DeviceInput, DeviceRows};
+        if self.busy.is_some() {
+            let _ = Engine::collect(self);
+        }
+        let Input::Device(DeviceInput {
+            rows,
+            memory: DeviceRows::Buffer(buf),
+        }) = input
+        else {
+            return Err(failed("a batch not lent by this engine"));
+        };
+        let k = self.session_for(rows)?;
+        let padded = self.sessions[k].0;
+        if buf.len() < padded * self.image_len * 4 {
+            return Err(failed("a batch in a buffer smaller than its session's"));
+        }
+        let input = match self.half {
+            false => OnDevice::InPlace(buf, padded),
+            true => {
+                let staged = self.stage.stage(&buf, rows, padded, self.image_len);
+                // Staged (and waited for): the lent buffer is free again.
+                self.sessions[k].2.push(buf);
+                OnDevice::Staged(staged.map_err(failed)?)
+            }
+        };
+        let (r, earlier) = self.sessions[k].1.submit(Job::Device { input, keep: rows });
+        debug_assert!(earlier.is_none(), "collected above");
+        if r.is_ok() {
+            self.busy = Some(k);
+        }
+        r
+    }
+
+    fn collect(&mut self) -> std::result::Result<Scores, EngineError> {
         let Some(k) = self.busy.take() else {
             return Ok(Vec::new());
         };
         let (scores, job) = self.sessions[k].1.collect();
-        if let Some(Job::Device {
-            input: OnDevice::Staged(staged),
-            ..
-        }) = job
-        {
-            self.stage.give_back(staged);
-        }
+        self.take_back(k, job);
         scores
     }
 }
 
-#[cfg(feature = "cuda")]
-impl Classify<tensorport_dfdx::dfdx::prelude::Cuda> for OnCuda {
-    fn classify(
-        &mut self,
-        x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
-    ) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
-        self.start(x)?;
-        OnCuda::collect(self)
-    }
-
-    fn submit(
-        &mut self,
-        x: Tensor4<tensorport_dfdx::dfdx::prelude::Cuda>,
-    ) -> tensorport_dfdx::Result<Submitted> {
-        self.start(x)
-    }
-
-    fn collect(&mut self) -> tensorport_dfdx::Result<Vec<Vec<f32>>> {
-        OnCuda::collect(self)
-    }
-}
-
-/// Opens the model at `path` for a worker on GPU `gpu` with `provider` (`tf32`: an f32
-/// model's arithmetic): a session for each of [`session_rows`]`(max_batch)`, opened side by side
-/// and each run once on its shape before the server takes work, so that what ONNX Runtime plans
-/// for it (cuDNN's measured convolution algorithms) is paid at start, not by the first batches.
+/// Opens `file` for a worker on GPU `gpu` with `options`' provider and TF32 setting: a session
+/// for each of [`session_rows`]`(max_batch)`, opened side by side and each run once on its
+/// shape before the server takes work, so that what ONNX Runtime plans for it (cuDNN's measured
+/// convolution algorithms) is paid at start, not by the first batches.
 #[cfg(feature = "cuda")]
 pub(super) fn load_on_cuda(
-    path: &Path,
-    image_size: usize,
-    max_batch: usize,
+    file: &OnnxFile,
+    options: &ModelOptions,
     gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
-    (provider, tf32): (Provider, bool),
-) -> Result<Model<tensorport_dfdx::dfdx::prelude::Cuda>> {
+) -> Result<(Box<dyn Engine>, OnnxModelInfo)> {
+    let provider = options.ort_provider.on(gpu.ordinal() as u32);
     let opts = OnnxOptions {
         provider,
         threads: None,
-        image_size: Some(image_size),
-        tf32,
+        image_size: Some(options.config.image_size),
+        tf32: options.tf32,
     };
-    let rows = session_rows(max_batch);
+    let rows = session_rows(options.max_batch);
     let t0 = std::time::Instant::now();
-    // The model's files read once for all its sessions.
-    let read = tensorport_onnx::external::read_model(path).map_err(ConfigError::from)?;
-    let read = &read;
     let opened: Vec<tensorport_onnx::Result<OnnxModel>> = std::thread::scope(|s| {
         let each: Vec<_> = rows
             .iter()
             .map(|&n| {
+                let opts = &opts;
                 s.spawn(move || {
-                    let mut m = OnnxModel::from_read(path, read, &opts)?;
+                    let mut m = file.open(opts)?;
                     m.warm_up(n)?;
                     Ok(m)
                 })
@@ -375,30 +471,33 @@ pub(super) fn load_on_cuda(
         "ONNX model loaded (ONNX Runtime's {} provider{}, sessions for batches of {rows:?} \
          opened and planned in {:.1} s; the batch stays on the GPU)",
         provider.name(),
-        if tf32 { ", TF32" } else { "" },
+        if options.tf32 { ", TF32" } else { "" },
         t0.elapsed().as_secs_f64()
     );
-    log_loaded(&sessions[0].1, &how);
     let first = &sessions[0].1;
+    let info = OnnxModelInfo::of(first, options)?;
+    log_loaded(first, &how);
     let half = first.spec().input_elem == tensorport_onnx::Elem::F16;
     let image_len = first.image_len();
     let stage = tensorport_cuda::BatchStage::new(gpu, half)?;
     let sessions = sessions
         .into_iter()
         .map(|(n, m)| {
-            Ok((
-                n,
-                Runner::start(m, Some(gpu.clone())).map_err(session_thread)?,
-            ))
+            let runner = Runner::start(m, Some(gpu.clone())).map_err(session_thread)?;
+            Ok((n, runner, Vec::new()))
         })
         .collect::<Result<Vec<_>>>()?;
-    Ok(Box::new(OnCuda {
-        sessions,
-        busy: None,
-        stage,
-        half,
-        image_len,
-    }))
+    Ok((
+        Box::new(OnCuda {
+            gpu: gpu.clone(),
+            sessions,
+            busy: None,
+            stage,
+            half,
+            image_len,
+        }),
+        info,
+    ))
 }
 
 #[cfg(test)]
