@@ -29,12 +29,16 @@ pub struct Stacked {
 }
 
 impl Stacked {
-    /// No input: every request in `used` is rejected with `why`.
+    /// No input: every request in `used` is rejected with `why` (or, where `why` says the
+    /// CUDA context is lost, the process ends: [`super::end_if_context_lost`]).
     pub(super) fn failed(
         mut used: Vec<usize>,
         mut rejected: Vec<(usize, Rejection)>,
         why: &str,
     ) -> Stacked {
+        // The engine could not lend its memory, or the gather failed: where the CUDA context
+        // is lost, the server ends here rather than failing every batch from now on.
+        super::end_if_context_lost(&why);
         rejected.extend(
             used.drain(..)
                 .map(|i| (i, Rejection::Batch(why.to_string()))),

@@ -105,7 +105,6 @@ impl Batcher for CudaBatcher {
             }
             Err(e) => {
                 let why = what_to_do(e);
-                super::end_if_context_lost(&why);
                 // A stalled stream took the requests (held for good): `reqs` is empty then,
                 // and failing their indices answers nothing.
                 Stacked::failed(used, rejected, &why)

@@ -206,6 +206,9 @@ pub(super) fn check_rows(scores: Scores, rows: usize) -> Result<Scores, EngineEr
 /// empty scores.
 pub(super) struct NoModel {
     pub(super) shape: [usize; 3],
+    /// The largest batch the server takes.
+    #[cfg_attr(not(feature = "cuda"), allow(dead_code))]
+    pub(super) max_batch: usize,
     /// Host rows kept between batches.
     pub(super) host: Vec<f32>,
     /// On a GPU: its buffer, kept between batches (grown to the largest batch).
@@ -221,6 +224,7 @@ impl NoModel {
     pub(super) fn on_cpu(shape: [usize; 3]) -> NoModel {
         NoModel {
             shape,
+            max_batch: 1,
             host: Vec::new(),
             #[cfg(feature = "cuda")]
             gpu: None,
@@ -231,9 +235,14 @@ impl NoModel {
 #[cfg(feature = "cuda")]
 impl NoModel {
     /// On `gpu`.
-    pub(super) fn on_gpu(shape: [usize; 3], gpu: &std::sync::Arc<tensorport_cuda::Gpu>) -> NoModel {
+    pub(super) fn on_gpu(
+        shape: [usize; 3],
+        max_batch: usize,
+        gpu: &std::sync::Arc<tensorport_cuda::Gpu>,
+    ) -> NoModel {
         NoModel {
             shape,
+            max_batch,
             host: Vec::new(),
             gpu: Some((gpu.clone(), None)),
         }
@@ -248,10 +257,12 @@ impl Engine for NoModel {
     fn lend(&mut self, rows: usize) -> Result<Input, EngineError> {
         #[cfg(feature = "cuda")]
         if let Some((gpu, kept)) = &mut self.gpu {
-            let need = rows * self.shape.iter().product::<usize>() * 4;
-            let buf = match kept.take().filter(|b| b.len() >= need) {
+            let row = self.shape.iter().product::<usize>() * 4;
+            let buf = match kept.take().filter(|b| b.len() >= rows * row) {
                 Some(b) => b,
-                None => tensorport_cuda::DeviceBuffer::new(gpu, need)
+                // Room for the largest batch at once: a freed buffer would synchronise the GPU
+                // each time a batch grew.
+                None => tensorport_cuda::DeviceBuffer::new(gpu, rows.max(self.max_batch) * row)
                     .map_err(|e| EngineError::Failed(e.to_string()))?,
             };
             return Ok(Input::Device(DeviceInput {

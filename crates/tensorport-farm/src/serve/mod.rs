@@ -204,8 +204,14 @@ fn run_cuda(
         let batcher = Box::new(CudaBatcher::new(&gpu, gatherer.clone(), fence_timeout)?);
         let shape = model.config.input_shape();
         let (engine, info): (Box<dyn Engine>, _) = match (&model.kind, onnx) {
-            _ if sink => (Box::new(engine::NoModel::on_gpu(shape, &gpu)), None),
-            (ModelKind::None, _) => (Box::new(engine::NoModel::on_gpu(shape, &gpu)), None),
+            _ if sink => (
+                Box::new(engine::NoModel::on_gpu(shape, model.max_batch, &gpu)),
+                None,
+            ),
+            (ModelKind::None, _) => (
+                Box::new(engine::NoModel::on_gpu(shape, model.max_batch, &gpu)),
+                None,
+            ),
             (ModelKind::Onnx(_), Some(file)) => {
                 let (engine, info) = onnx::load_on_cuda(file, model, &gpu)?;
                 (engine, Some(info))
