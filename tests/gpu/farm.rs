@@ -153,33 +153,6 @@ pub(crate) fn nvjpeg_tensors() {
     println!("  24 files: mean |GPU - CPU| {mean:.4}, largest {worst:.3} (one 8-bit level is about 0.017)");
     assert!(mean <= 0.02, "mean difference {mean}");
     assert!(worst <= 0.5, "largest difference {worst}");
-    // One batch in flight at a time gives the same tensors, bit for bit, as two (the default:
-    // each batch in its own decode state and scratch).
-    let one = dir.path().join("one.st");
-    tp(&[
-        "prep",
-        "--input",
-        &jpegs,
-        "--nvjpeg",
-        "--nvjpeg-depth",
-        "1",
-        "--batch",
-        "8",
-        "--repeat",
-        "1",
-        "--dump",
-        one.to_str().unwrap(),
-    ]);
-    let ob = std::fs::read(&one).unwrap();
-    let ot = safetensors::SafeTensors::deserialize(&ob).unwrap();
-    for name in ct.names() {
-        assert_eq!(
-            ot.tensor(name).unwrap().data(),
-            gt.tensor(name).unwrap().data(),
-            "{name}: one batch in flight and two differ"
-        );
-    }
-    println!("  one nvJPEG batch in flight and two: the same tensors, bit for bit");
 }
 
 /// Grayscale JPEGs among `farm_gpu_producers`' inputs.

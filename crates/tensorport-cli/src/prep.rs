@@ -50,11 +50,6 @@ pub struct Args {
     /// Images per nvJPEG batch.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
-    /// nvJPEG batches in flight at once with --nvjpeg (1 or 2; `produce --nvjpeg` runs 2): with
-    /// 2, a batch's host work (parsing, nvJPEG's host calls) runs while the GPU decodes the one
-    /// before; with 1, each batch waits for the last to finish.
-    #[arg(long, default_value_t = 2, value_parser = clap::value_parser!(u8).range(1..=2), value_name = "N")]
-    pub nvjpeg_depth: u8,
 }
 
 pub fn run(a: Args) -> CliResult<u8> {
@@ -91,13 +86,12 @@ pub fn run(a: Args) -> CliResult<u8> {
     if a.nvjpeg {
         let (wall, dumped, n, times) = on_gpu(&a, &encoded)?;
         println!(
-            "{} images, {} transform to 3x{}x{} f32, nvJPEG batches of {} ({} in flight) on GPU {}, best of {} passes: {:.0} images/s",
+            "{} images, {} transform to 3x{}x{} f32, nvJPEG batches of {} on GPU {}, best of {} passes: {:.0} images/s",
             n,
             a.prep.transform.name(),
             a.image_size,
             a.image_size,
             a.batch.max(1),
-            a.nvjpeg_depth,
             a.gpu,
             a.repeat,
             n as f64 / wall.as_secs_f64()
@@ -226,8 +220,8 @@ type GpuRun = (
     Option<tensorport_nvjpeg::JpegTimes>,
 );
 
-/// `--nvjpeg`: every file nvJPEG decodes in batches through the GPU pipeline, `--nvjpeg-depth`
-/// batches in flight (the others are left out, saying how many).
+/// `--nvjpeg`: every file nvJPEG decodes in batches through the GPU pipeline, a batch at a
+/// time, waiting for each batch (the others are left out, saying how many).
 fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
     use tensorport_cuda::{DeviceBuffer, Gpu, Stream};
     use tensorport_nvjpeg::{GpuJpeg, JpegJob};
@@ -238,7 +232,6 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
         tensorport_vision::IMAGENET_STD,
     )?;
     jpeg.set_upsampling(a.prep.gpu_upsampling);
-    jpeg.set_depth(usize::from(a.nvjpeg_depth))?;
     println!(
         "{} (from {}), chroma upsampling: {}",
         jpeg.backend(),
@@ -266,18 +259,13 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
     jpeg.set_timing(true);
     let batch = a.batch.max(1);
     let image_bytes = 3 * (a.image_size as usize).pow(2) * 4;
-    // An output buffer per batch in flight, taken in the decoder's order.
-    let depth = jpeg.depth();
-    let outs = (0..depth)
-        .map(|_| DeviceBuffer::new(&gpu, batch * image_bytes))
-        .collect::<Result<Vec<_>, _>>()?;
+    let out = DeviceBuffer::new(&gpu, batch * image_bytes)?;
     let stream = Stream::new(&gpu)?;
     let mut best: Option<Duration> = None;
     let mut dumped = Vec::new();
     for pass in 0..a.repeat {
         let t = Instant::now();
-        for (i, chunk) in sized.chunks(batch).enumerate() {
-            let out = &outs[i % depth];
+        for chunk in sized.chunks(batch) {
             let jobs: Vec<JpegJob<'_>> = chunk
                 .iter()
                 .enumerate()
@@ -286,15 +274,15 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
                         &transform,
                         bytes,
                         *size,
-                        (out, k * image_bytes),
+                        (&out, k * image_bytes),
                     )
                 })
                 .collect();
-            // SAFETY: `sized` and `outs` outlive the loop (`wait_idle` below); `out` is
-            // written again `depth` batches later, once `run` has waited for this batch.
+            // SAFETY: `sized` and `out` outlive the loop, and the stream is synchronised
+            // right after, before either changes.
             unsafe { jpeg.run(&jobs, &stream) }?;
+            stream.synchronize()?;
             if pass == 0 && a.dump.is_some() {
-                stream.synchronize()?;
                 let mut host = vec![0u8; chunk.len() * image_bytes];
                 out.copy_to_host(&mut host)?;
                 for (k, (path, _, _)) in chunk.iter().enumerate() {
@@ -305,7 +293,6 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
                 }
             }
         }
-        jpeg.wait_idle()?;
         let wall = t.elapsed();
         if best.is_none_or(|b| wall < b) {
             best = Some(wall);

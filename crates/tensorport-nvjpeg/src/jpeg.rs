@@ -134,54 +134,16 @@ impl Upsampling {
     }
 }
 
-/// What one batch in flight holds: nvJPEG's decode states, the scratch its planes are decoded
-/// into, its job table, the event its work ends with, and the JPEG bytes it reads. The decoder
-/// has [`GpuJpeg::DEPTH`] of them, used in turn, so that the host's part of a batch (parsing,
-/// nvJPEG's host calls) runs while the GPU decodes the one before.
-struct Slot {
-    state: nvjpeg::State,
-    /// The state of the decoder without interpolated upsampling, if there is one.
-    plain: nvjpeg::State,
-    /// Decoded planes of the batch.
-    scratch: Option<DeviceBuffer>,
-    /// The jobs, on the host (pinned) and on the device.
-    jobs_host: Option<PinnedBuffer>,
-    jobs_dev: Option<DeviceBuffer>,
-    /// Set after the batch's kernel; waited on before the slot is reused.
-    last: Option<tensorport_cuda::Event>,
-    /// The bytes of the batch [`GpuJpeg::decode_into`] enqueued in this slot: read until
-    /// `last`.
-    held: Vec<Vec<u8>>,
-    /// Its timing events (start, decoded, done) and its images and pixels, when timing.
-    marks: Vec<tensorport_cuda::Event>,
-    pending: (u64, u64),
-}
-
-impl Slot {
-    fn empty() -> Slot {
-        Slot {
-            state: std::ptr::null_mut(),
-            plain: std::ptr::null_mut(),
-            scratch: None,
-            jobs_host: None,
-            jobs_dev: None,
-            last: None,
-            held: Vec::new(),
-            marks: Vec::new(),
-            pending: (0, 0),
-        }
-    }
-}
-
 /// The decoder and the kernel, with scratch memory kept between batches.
 pub struct GpuJpeg {
     gpu: Arc<Gpu>,
     lib: Nvjpeg,
     handle: nvjpeg::Handle,
+    state: nvjpeg::State,
     /// A second hardware decoder without interpolated upsampling, for the images with no
     /// chroma to upsample (4:4:4; all of them with [`Upsampling::Replicate`]): the engines
     /// decode those several times faster without the flag, to the same pixels.
-    plain: Option<nvjpeg::Handle>,
+    plain: Option<(nvjpeg::Handle, nvjpeg::State)>,
     upsampling: Upsampling,
     parsed: nvjpeg::JpegStream,
     backend: JpegBackend,
@@ -190,14 +152,17 @@ pub struct GpuJpeg {
     std: [f32; 3],
     /// Write 8-bit planes instead of normalised floats.
     as_u8: bool,
-    /// The batches' slots, used in turn ([`GpuJpeg::set_depth`] of them).
-    slots: Vec<Slot>,
-    /// The slot the next batch takes.
-    next: usize,
-    /// How many slots are in use.
-    depth: usize,
+    /// Decoded planes of the batch.
+    scratch: Option<DeviceBuffer>,
+    /// The jobs, on the host (pinned) and on the device.
+    jobs_host: Option<PinnedBuffer>,
+    jobs_dev: Option<DeviceBuffer>,
+    /// Set after a batch's kernel; waited on before the scratch is reused.
+    last: Option<tensorport_cuda::Event>,
+    /// The bytes of the last batch [`GpuJpeg::decode_into`] enqueued: read until `last`.
+    held: Vec<Vec<u8>>,
     /// Where the time goes, once [`GpuJpeg::set_timing`] asked.
-    timing: Option<JpegTimes>,
+    timing: Option<Timing>,
 }
 
 /// Where a decoder's time went, summed over its batches since [`GpuJpeg::set_timing`].
@@ -217,17 +182,29 @@ pub struct JpegTimes {
     pub kernel_ms: f64,
 }
 
-/// Adds a slot's finished batch to the sums (its last event has been waited on).
-fn settle(slot: &mut Slot, totals: Option<&mut JpegTimes>) -> Result<()> {
-    if let (Some(t), [start, decoded, done]) = (totals, slot.marks.as_slice()) {
-        t.decode_ms += f64::from(decoded.elapsed_since(start)?);
-        t.kernel_ms += f64::from(done.elapsed_since(decoded)?);
-        t.batches += 1;
-        t.images += slot.pending.0;
-        t.pixels += slot.pending.1;
+/// The timing of the batch in flight, and the sums of those that ran.
+#[derive(Debug, Default)]
+struct Timing {
+    /// Start, decoded and done events of the batch in flight.
+    marks: Vec<tensorport_cuda::Event>,
+    /// Its images and pixels.
+    pending: (u64, u64),
+    totals: JpegTimes,
+}
+
+impl Timing {
+    /// Adds the batch in flight to the sums (its last event has been waited on).
+    fn settle(&mut self) -> Result<()> {
+        if let [start, decoded, done] = self.marks.as_slice() {
+            self.totals.decode_ms += f64::from(decoded.elapsed_since(start)?);
+            self.totals.kernel_ms += f64::from(done.elapsed_since(decoded)?);
+            self.totals.batches += 1;
+            self.totals.images += self.pending.0;
+            self.totals.pixels += self.pending.1;
+        }
+        self.marks.clear();
+        Ok(())
     }
-    slot.marks.clear();
-    Ok(())
 }
 
 impl std::fmt::Debug for GpuJpeg {
@@ -266,6 +243,7 @@ impl GpuJpeg {
             gpu: gpu.clone(),
             lib,
             handle,
+            state: std::ptr::null_mut(),
             plain: None,
             upsampling: Upsampling::default(),
             parsed: std::ptr::null_mut(),
@@ -274,29 +252,28 @@ impl GpuJpeg {
             mean,
             std,
             as_u8: false,
-            slots: (0..Self::DEPTH).map(|_| Slot::empty()).collect(),
-            next: 0,
-            depth: Self::DEPTH,
+            scratch: None,
+            jobs_host: None,
+            jobs_dev: None,
+            last: None,
+            held: Vec::new(),
             timing: None,
         };
         // SAFETY: `handle` is live.
+        me.state = unsafe { me.lib.state_create(me.handle)? };
+        // SAFETY: as above.
         me.parsed = unsafe { me.lib.stream_create(me.handle)? };
-        for k in 0..me.slots.len() {
-            // SAFETY: as above; each state is destroyed by `Drop`.
-            me.slots[k].state = unsafe { me.lib.state_create(me.handle)? };
-        }
         if matches!(me.backend, JpegBackend::Hardware { .. }) {
             if let Ok(h) = me
                 .lib
                 .create(nvjpeg::BACKEND_HARDWARE, nvjpeg::FLAGS_DEFAULT)
             {
-                me.plain = Some(h);
-                for k in 0..me.slots.len() {
-                    // SAFETY: `h` is live; a slot without a state of its own makes the plain
-                    // decoder unused (`plain_states`).
-                    match unsafe { me.lib.state_create(h) } {
-                        Ok(st) => me.slots[k].plain = st,
-                        Err(_) => break,
+                // SAFETY: `h` is live; on failure it is destroyed here, unused.
+                match unsafe { me.lib.state_create(h) } {
+                    Ok(st) => me.plain = Some((h, st)),
+                    Err(_) => {
+                        // SAFETY: as above.
+                        let _ = unsafe { me.lib.destroy(h) };
                     }
                 }
             }
@@ -324,71 +301,45 @@ impl GpuJpeg {
     /// Times every batch from now on (GPU events around the decode and the kernel, which cost
     /// a little): [`GpuJpeg::times`] gives the sums.
     pub fn set_timing(&mut self, on: bool) {
-        self.timing = on.then(JpegTimes::default);
-    }
-
-    /// How many batches may be in flight at once, 1 to [`GpuJpeg::DEPTH`] (the default): with
-    /// more than one, a batch's host work (parsing, nvJPEG's host calls) runs while the GPU
-    /// decodes the batch before; with one, each batch waits for the last to finish first.
-    /// Waits for the batches in flight.
-    pub fn set_depth(&mut self, depth: usize) -> Result<()> {
-        self.wait_idle()?;
-        self.depth = depth.clamp(1, Self::DEPTH);
-        self.next = 0;
-        Ok(())
-    }
-
-    /// How many batches may be in flight at once ([`GpuJpeg::set_depth`]).
-    pub fn depth(&self) -> usize {
-        self.depth
+        self.timing = on.then(Timing::default);
     }
 
     /// The sums of the timed batches that have run (after [`GpuJpeg::wait_idle`], all of them).
     pub fn times(&self) -> Option<JpegTimes> {
-        self.timing
+        self.timing.as_ref().map(|t| t.totals)
     }
 
-    /// Waits until every batch's decode and kernel have run (after which their JPEG bytes and
-    /// output buffers are no longer read or written by this decoder).
+    /// Waits until the last batch's decode and kernel have run (after which its JPEG bytes
+    /// and output buffers are no longer read or written by this decoder).
     pub fn wait_idle(&mut self) -> Result<()> {
-        for k in 0..self.slots.len() {
-            self.wait_slot(k)?;
-        }
-        Ok(())
-    }
-
-    /// Waits for slot `k`'s batch, if any, and adds it to the timing sums.
-    fn wait_slot(&mut self, k: usize) -> Result<()> {
-        let slot = &mut self.slots[k];
-        if let Some(e) = slot.last.take() {
+        if let Some(e) = self.last.take() {
             e.wait()?;
         }
-        settle(slot, self.timing.as_mut())
+        self.settle_timing()
     }
 
-    /// Records a timing event for slot `k` on `stream`, if timing.
-    fn mark(&mut self, k: usize, stream: &Stream) -> Result<()> {
-        if self.timing.is_some() {
-            self.slots[k].marks.push(stream.record()?);
+    fn settle_timing(&mut self) -> Result<()> {
+        match self.timing.as_mut() {
+            Some(t) => t.settle(),
+            None => Ok(()),
+        }
+    }
+
+    /// Records a timing event on `stream`, if timing.
+    fn mark(&mut self, stream: &Stream) -> Result<()> {
+        if let Some(t) = self.timing.as_mut() {
+            t.marks.push(stream.record()?);
         }
         Ok(())
-    }
-
-    /// The JPEG bytes no batch reads any more: every slot's, once all have been waited for.
-    fn take_held(&mut self) -> Vec<Vec<u8>> {
-        self.slots
-            .iter_mut()
-            .flat_map(|s| std::mem::take(&mut s.held))
-            .collect()
     }
 
     /// Decodes `jobs` as one batch into `producer`'s buffers on its stream (as
     /// [`GpuJpeg::run`], safely): the decoder keeps each job's bytes until the batch has run,
     /// and the producer's buffers outlive any work on its stream (its drop waits for it). Then
-    /// fence and submit the buffers. Returns the bytes no batch reads any more (those of the
-    /// batch [`GpuJpeg::depth`] back: this one waited for it), to reuse. When nvJPEG refuses
-    /// the batch, nothing of it is pending any more and it comes back whole ([`JpegRefused`]):
-    /// prepare those images another way.
+    /// fence and submit the buffers. Returns the bytes no batch reads any more (the last
+    /// batch's: this one waited for it), to reuse. When nvJPEG refuses the batch, nothing of
+    /// it is pending any more and it comes back whole ([`JpegRefused`]): prepare those images
+    /// another way.
     pub fn decode_into(
         &mut self,
         producer: &GpuProducer,
@@ -399,7 +350,7 @@ impl GpuJpeg {
             Box::new(JpegRefused {
                 error,
                 jobs,
-                free: me.take_held(),
+                free: std::mem::take(&mut me.held),
             })
         };
         if jobs.iter().any(|j| j.buffer >= producer.buffer_count()) {
@@ -414,18 +365,17 @@ impl GpuJpeg {
                 dst: (producer.buffer(j.buffer), 0),
             })
             .collect();
-        // The slot `run` takes: its previous batch is waited for there, and its bytes are free.
-        let k = self.next;
-        // SAFETY: the bytes are moved into slot `k`'s `held` below and kept until a later
-        // `run`, `decode_into`, `wait_idle` or drop has waited for this batch (on an error,
+        // SAFETY: the bytes are moved into `self.held` below and kept until the next `run`,
+        // `decode_into`, `wait_idle` or drop has waited for this batch (on an error,
         // `refused` waits first); the output buffers are the producer's, which live until its
         // drop has synchronised the stream the work is enqueued on.
         let r = unsafe { self.run(&table, producer.stream()) };
         drop(table);
         match r {
             Ok(()) => {
-                let held = jobs.into_iter().map(|j| j.data).collect();
-                Ok(std::mem::replace(&mut self.slots[k].held, held))
+                let done = std::mem::take(&mut self.held);
+                self.held = jobs.into_iter().map(|j| j.data).collect();
+                Ok(done)
             }
             Err(e) => Err(refused(self, e, jobs)),
         }
@@ -437,8 +387,6 @@ impl GpuJpeg {
     pub const MAX_PIXELS: u64 = tensorport_vision::DEFAULT_MAX_PIXELS;
     /// Scratch memory kept between batches: more, left by an outsized batch, is given back.
     const SCRATCH_KEEP: usize = 256 << 20;
-    /// The most batches in flight at once, and the default ([`GpuJpeg::set_depth`]).
-    pub const DEPTH: usize = 2;
 
     /// The backend decoding.
     pub fn backend(&self) -> JpegBackend {
@@ -488,22 +436,20 @@ impl GpuJpeg {
     /// image's scratch), and the batch's wait point is recorded whatever happens once anything
     /// was enqueued.
     ///
-    /// Batches take the decoder's slots in turn; a batch waits at its start for the one
-    /// [`GpuJpeg::depth`] batches back (the last slot's user), so its host work overlaps the
-    /// GPU's work on the batches since.
-    ///
     /// # Safety
     /// The GPU reads each job's bytes and writes its output buffer after this returns: both
-    /// must stay allocated and unchanged until [`GpuJpeg::depth`] more `run`s (or
-    /// [`GpuJpeg::wait_idle`]) have returned, which wait for this batch.
+    /// must stay allocated and unchanged until the next `run` or [`GpuJpeg::wait_idle`]
+    /// returns (which wait for this batch).
     pub unsafe fn run(&mut self, jobs: &[JpegJob<'_>], stream: &Stream) -> Result<()> {
         if jobs.is_empty() {
             return Ok(());
         }
         self.gpu.bind()?;
-        let k = self.next;
-        // The slot's last batch must be done with its scratch and job table.
-        self.wait_slot(k)?;
+        // The previous batch's kernel must be done with the scratch and the job table.
+        if let Some(e) = self.last.take() {
+            e.wait()?;
+        }
+        self.settle_timing()?;
         let out = jobs[0].window.out;
         if jobs.iter().any(|j| j.window.out != out) {
             return Err(Error::Refused("jobs of one batch with different sizes"));
@@ -520,7 +466,7 @@ impl GpuJpeg {
                 ));
             }
             plain.push(
-                !self.slots[k].plain.is_null()
+                self.plain.is_some()
                     && (self.upsampling == Upsampling::Replicate
                         || info.is_some_and(|i| i.subsampling == nvjpeg::CSS_444)),
             );
@@ -536,53 +482,51 @@ impl GpuJpeg {
             offsets.push(total);
             total += (3 * w * h).next_multiple_of(256);
         }
-        let slot = &mut self.slots[k];
         // An outsized batch's scratch is given back rather than kept for small ones.
-        if slot
+        if self
             .scratch
             .as_ref()
             .is_some_and(|b| b.len() > Self::SCRATCH_KEEP && b.len() > 4 * total)
         {
-            slot.scratch = None;
+            self.scratch = None;
         }
-        grow(&self.gpu, &mut slot.scratch, total)?;
+        grow(&self.gpu, &mut self.scratch, total)?;
         let bytes = std::mem::size_of::<RawJob>() * jobs.len();
-        grow(&self.gpu, &mut slot.jobs_dev, bytes)?;
-        if slot.jobs_host.as_ref().is_none_or(|b| b.len() < bytes) {
-            slot.jobs_host = Some(PinnedBuffer::new(&self.gpu, bytes.max(4096) * 2)?);
+        grow(&self.gpu, &mut self.jobs_dev, bytes)?;
+        if self.jobs_host.as_ref().is_none_or(|b| b.len() < bytes) {
+            self.jobs_host = Some(PinnedBuffer::new(&self.gpu, bytes.max(4096) * 2)?);
         }
-        let pixels = jobs
-            .iter()
-            .map(|j| u64::from(j.size.0) * u64::from(j.size.1));
-        slot.pending = (jobs.len() as u64, pixels.sum());
-        self.mark(k, stream)?;
-        // From here work is enqueued: whatever happens, a later batch in this slot waits for
-        // it.
-        let r = self.enqueue(k, jobs, &offsets, &plain, stream);
+        if let Some(t) = self.timing.as_mut() {
+            let pixels = jobs
+                .iter()
+                .map(|j| u64::from(j.size.0) * u64::from(j.size.1));
+            t.pending = (jobs.len() as u64, pixels.sum());
+        }
+        self.mark(stream)?;
+        // From here work is enqueued: whatever happens, the next batch waits for it.
+        let r = self.enqueue(jobs, &offsets, &plain, stream);
         let last = stream.record()?;
-        if self.timing.is_some() {
+        if let Some(t) = self.timing.as_mut() {
             if r.is_ok() {
-                self.slots[k].marks.push(stream.record()?);
+                t.marks.push(stream.record()?);
             } else {
-                self.slots[k].marks.clear();
+                t.marks.clear();
             }
         }
-        self.slots[k].last = Some(last);
-        self.next = (k + 1) % self.depth;
+        self.last = Some(last);
         r
     }
 
-    /// The part of [`GpuJpeg::run`] that enqueues work in slot `k` (its buffers are sized).
+    /// The part of [`GpuJpeg::run`] that enqueues work (the buffers are sized).
     /// `plain[i]`: job `i` goes to the decoder without interpolated upsampling.
     fn enqueue(
         &mut self,
-        k: usize,
         jobs: &[JpegJob<'_>],
         offsets: &[usize],
         plain: &[bool],
         stream: &Stream,
     ) -> Result<()> {
-        let base = self.slots[k].scratch.as_ref().expect("sized by run").ptr();
+        let base = self.scratch.as_ref().expect("sized by run").ptr();
         let images: Vec<nvjpeg::Image> = jobs
             .iter()
             .zip(offsets)
@@ -601,9 +545,9 @@ impl GpuJpeg {
         let host = std::time::Instant::now();
         for which in [false, true] {
             let (handle, state) = match (which, self.plain) {
-                (false, _) => (self.handle, self.slots[k].state),
-                (true, Some(h)) if !self.slots[k].plain.is_null() => (h, self.slots[k].plain),
-                (true, _) => continue,
+                (false, _) => (self.handle, self.state),
+                (true, Some(p)) => p,
+                (true, None) => continue,
             };
             let (data, lengths, mut images) = (
                 pick(&data, plain, which),
@@ -615,7 +559,7 @@ impl GpuJpeg {
             }
             // SAFETY: handle and state are live and ours alone; each image's planes lie inside
             // the scratch buffer (sized above from the same widths and heights nvJPEG
-            // reported), which lives until after the slot's `last` is waited on.
+            // reported), which lives until after `self.last` is waited on.
             unsafe {
                 self.lib
                     .batched_initialize(handle, state, data.len(), nvjpeg::OUTPUT_RGB)?;
@@ -630,9 +574,9 @@ impl GpuJpeg {
             }
         }
         if let Some(t) = self.timing.as_mut() {
-            t.host_ms += host.elapsed().as_secs_f64() * 1e3;
+            t.totals.host_ms += host.elapsed().as_secs_f64() * 1e3;
         }
-        self.mark(k, stream)?;
+        self.mark(stream)?;
         let raw: Vec<RawJob> = jobs
             .iter()
             .zip(offsets)
@@ -654,8 +598,7 @@ impl GpuJpeg {
             })
             .collect();
         let bytes = std::mem::size_of_val(raw.as_slice());
-        let slot = &mut self.slots[k];
-        let host = slot.jobs_host.as_mut().expect("sized by run");
+        let host = self.jobs_host.as_mut().expect("sized by run");
         let table = &mut host.as_mut_slice()[..bytes];
         for (chunk, r) in table
             .chunks_exact_mut(std::mem::size_of::<RawJob>())
@@ -663,9 +606,9 @@ impl GpuJpeg {
         {
             chunk.copy_from_slice(job_bytes(r));
         }
-        let dev = slot.jobs_dev.as_ref().expect("sized by run");
+        let dev = self.jobs_dev.as_ref().expect("sized by run");
         let out = jobs[0].window.out;
-        // SAFETY: the table is pinned and unchanged until the slot's `last` is waited on; `dev` holds
+        // SAFETY: the table is pinned and unchanged until `self.last` is waited on; `dev` holds
         // `bytes`; the kernel's parameters match its signature (a pointer, two ints, six floats);
         // every pointer in the table is inside the scratch buffer or an output buffer checked
         // above to hold its tensor.
@@ -733,29 +676,22 @@ fn job_bytes(r: &RawJob) -> &[u8] {
 impl Drop for GpuJpeg {
     fn drop(&mut self) {
         let _ = self.gpu.bind();
-        for slot in &mut self.slots {
-            if let Some(e) = slot.last.take() {
-                let _ = e.wait();
-            }
-            // Read by no batch any more.
-            slot.held.clear();
+        if let Some(e) = self.last.take() {
+            let _ = e.wait();
         }
+        // Read by no batch any more.
+        self.held.clear();
         self.kernel = None;
-        // SAFETY: each handle and state was made in `new` (or is null) and no work using it
-        // is pending.
+        // SAFETY: each handle was made in `new` (or is null) and no work using it is pending.
         unsafe {
             if !self.parsed.is_null() {
                 let _ = self.lib.stream_destroy(self.parsed);
             }
-            for slot in &self.slots {
-                if !slot.state.is_null() {
-                    let _ = self.lib.state_destroy(slot.state);
-                }
-                if !slot.plain.is_null() {
-                    let _ = self.lib.state_destroy(slot.plain);
-                }
+            if !self.state.is_null() {
+                let _ = self.lib.state_destroy(self.state);
             }
-            if let Some(h) = self.plain.take() {
+            if let Some((h, st)) = self.plain.take() {
+                let _ = self.lib.state_destroy(st);
                 let _ = self.lib.destroy(h);
             }
             let _ = self.lib.destroy(self.handle);
