@@ -154,3 +154,53 @@ pub(super) fn suits(source: &Source) -> Side {
         _ => Side::Cpu,
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `w`×`h` image of a few colours, written as `name` in `dir` (its format from the
+    /// name), its bytes returned.
+    fn write(dir: &std::path::Path, name: &str, w: u32, h: u32, gray: bool) -> Vec<u8> {
+        let rgb = image::RgbImage::from_fn(w, h, |x, y| {
+            image::Rgb([(x * 7) as u8, (y * 5) as u8, ((x + y) * 3) as u8])
+        });
+        let img = match gray {
+            true => image::DynamicImage::ImageLuma8(image::DynamicImage::ImageRgb8(rgb).to_luma8()),
+            false => image::DynamicImage::ImageRgb8(rgb),
+        };
+        let path = dir.join(name);
+        img.save(&path).unwrap();
+        std::fs::read(&path).unwrap()
+    }
+
+    #[test]
+    fn real_files_go_to_the_producers_that_decode_them() {
+        let dir = tempfile::tempdir().unwrap();
+        let at = |name: &str| Source::File(dir.path().join(name));
+        write(dir.path(), "small.jpg", 64, 48, false);
+        // 2.16 megapixels: either kind of producer.
+        write(dir.path(), "large.jpg", 1800, 1200, false);
+        write(dir.path(), "gray.jpg", 64, 48, true);
+        write(dir.path(), "image.png", 64, 48, false);
+        // A real baseline file whose frame header says progressive (SOF2): what the engines
+        // do not take.
+        let mut progressive = write(dir.path(), "base.jpg", 64, 48, false);
+        let sof = progressive
+            .windows(2)
+            .position(|w| w == [0xFF, 0xC0])
+            .expect("a baseline frame header");
+        progressive[sof + 1] = 0xC2;
+        std::fs::write(dir.path().join("progressive.jpg"), &progressive).unwrap();
+        std::fs::write(dir.path().join("broken.jpg"), b"\xFF\xD8 not a JPEG").unwrap();
+        assert_eq!(suits(&at("small.jpg")), Side::Gpu);
+        assert_eq!(suits(&at("base.jpg")), Side::Gpu);
+        assert_eq!(suits(&at("large.jpg")), Side::Either);
+        assert_eq!(suits(&at("gray.jpg")), Side::Cpu, "grayscale: the CPU's");
+        assert_eq!(suits(&at("progressive.jpg")), Side::Cpu);
+        assert_eq!(suits(&at("image.png")), Side::Cpu);
+        assert_eq!(suits(&at("broken.jpg")), Side::Cpu);
+        assert_eq!(suits(&at("missing.jpg")), Side::Cpu);
+        assert_eq!(suits(&Source::Synthetic(3)), Side::Cpu);
+    }
+}
