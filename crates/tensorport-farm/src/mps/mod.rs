@@ -31,15 +31,10 @@ use serde::{Deserialize, Serialize};
 
 use crate::error::ConfigError;
 
+mod control;
 mod private;
+pub use control::{daemon_at, DEFAULT_PIPE_DIR, LOG_ENV, PIPE_ENV};
 use private::Private;
-
-/// The variable naming the pipe directory of the daemon a CUDA process joins.
-pub const PIPE_ENV: &str = "CUDA_MPS_PIPE_DIRECTORY";
-/// The variable naming the daemon's log directory.
-pub const LOG_ENV: &str = "CUDA_MPS_LOG_DIRECTORY";
-/// Where a daemon started without [`PIPE_ENV`] keeps its pipes.
-pub const DEFAULT_PIPE_DIR: &str = "/tmp/nvidia-mps";
 
 /// Whether a run's GPU processes share the GPU through MPS.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
@@ -141,16 +136,6 @@ pub fn plan(mode: MpsMode, probe: &Probe) -> Result<Plan, String> {
         MpsMode::On => Err(why),
         _ => Ok(Plan::Off { why: Some(why) }),
     }
-}
-
-/// Whether a control daemon answers at `pipe`: its `control` endpoint is there, a Unix socket
-/// (the CUDA 13 daemon's) or a FIFO (older daemons').
-pub fn daemon_at(pipe: &Path) -> bool {
-    use std::os::unix::fs::FileTypeExt;
-    std::fs::symlink_metadata(pipe.join("control")).is_ok_and(|m| {
-        let t = m.file_type();
-        t.is_socket() || t.is_fifo()
-    })
 }
 
 /// The compute mode of each GPU `nvidia-smi` lists: `(ordinal, mode)`; none where it does not

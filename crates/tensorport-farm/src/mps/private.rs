@@ -6,7 +6,7 @@ use std::path::{Path, PathBuf};
 use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
-use super::{daemon_at, LOG_ENV, PIPE_ENV};
+use super::control::{daemon_at, LOG_ENV, PIPE_ENV};
 
 /// A private control daemon: its folder (pipes and log) and how to reach it.
 #[derive(Debug)]

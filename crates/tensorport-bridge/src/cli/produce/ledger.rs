@@ -9,7 +9,6 @@ use tensorport_bridge::nixl::Outbound;
 use tensorport_bridge::schema::ResultRow;
 use tensorport_farm::record::{argmax, ResultLine};
 
-use super::ids;
 use crate::cli::CliResult;
 
 /// A request sent and not yet answered.
@@ -114,6 +113,14 @@ impl Run {
             })
             .collect()
     }
+}
+
+/// The request ids of a batch (its first column).
+fn ids(b: &RecordBatch) -> &[u64] {
+    use arrow_array::cast::AsArray;
+    b.column(0)
+        .as_primitive::<arrow_array::types::UInt64Type>()
+        .values()
 }
 
 #[cfg(test)]

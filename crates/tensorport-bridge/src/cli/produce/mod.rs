@@ -163,13 +163,6 @@ fn ready_into_slots(
     slot_batch(schema, &slots).map_err(|e| CliError::new(e.to_string()))
 }
 
-fn ids(b: &RecordBatch) -> &[u64] {
-    use arrow_array::cast::AsArray;
-    b.column(0)
-        .as_primitive::<arrow_array::types::UInt64Type>()
-        .values()
-}
-
 pub fn run(a: Args) -> CliResult<ExitCode> {
     let token = Token::read(&a.token.token_file)?;
     if a.gpu.is_some() && a.transport != Transport::Nixl {

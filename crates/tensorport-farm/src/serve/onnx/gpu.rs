@@ -5,7 +5,9 @@
 use tensorport_onnx::{OnnxModel, OnnxOptions};
 
 #[cfg(feature = "cuda")]
-use super::{failed, log_loaded, session_thread, Job, OnDevice, OnnxFile, OnnxModelInfo, Runner};
+use super::session::{
+    failed, log_loaded, session_thread, Job, OnDevice, OnnxFile, OnnxModelInfo, Runner,
+};
 #[cfg(feature = "cuda")]
 use crate::config::ModelOptions;
 #[cfg(feature = "cuda")]

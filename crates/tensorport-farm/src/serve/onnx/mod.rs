@@ -7,179 +7,18 @@
 //! device first for an `f16` model), only the scores coming back to the host. The model's files
 //! are read once per server ([`OnnxFile`]); every session is made from those bytes.
 
-use std::path::{Path, PathBuf};
-use std::sync::mpsc;
-
-use tensorport_onnx::{OnnxModel, OnnxOptions, Provider};
+use tensorport_onnx::{OnnxOptions, Provider};
 
 use super::engine::{Engine, EngineError, HostInput, Input, Scores, Submitted};
 use crate::config::ModelOptions;
 use crate::error::{ConfigError, Result};
 
 mod gpu;
+mod session;
 #[cfg(feature = "cuda")]
 pub(super) use gpu::load_on_cuda;
-
-/// A model's files, read once for every session a server opens.
-pub(super) struct OnnxFile {
-    path: PathBuf,
-    read: tensorport_onnx::external::ModelBytes,
-}
-
-impl OnnxFile {
-    /// Reads the model at `path` and the external data it names, once ONNX Runtime is found.
-    pub(super) fn read(path: &Path) -> Result<OnnxFile> {
-        // Without ONNX Runtime nothing of the file matters: that is said first.
-        tensorport_onnx::runtime::environment().map_err(ConfigError::from)?;
-        let read = tensorport_onnx::external::read_model(path).map_err(ConfigError::from)?;
-        Ok(OnnxFile {
-            path: path.to_owned(),
-            read,
-        })
-    }
-
-    /// A session with `opts`.
-    fn open(&self, opts: &OnnxOptions) -> tensorport_onnx::Result<OnnxModel> {
-        OnnxModel::from_read(&self.path, &self.read, opts)
-    }
-}
-
-/// A batch for the session's thread, which sends it back with its scores.
-enum Job {
-    /// `rows` images in host memory.
-    Host(Vec<f32>, usize),
-    /// Images on the model's GPU, of which the first `keep` are wanted.
-    #[cfg(feature = "cuda")]
-    Device { input: OnDevice, keep: usize },
-}
-
-/// A GPU batch as ONNX Runtime reads it.
-#[cfg(feature = "cuda")]
-enum OnDevice {
-    /// Converted into a buffer of a session's row count in the model's type (`f16`).
-    Staged(tensorport_cuda::Staged),
-    /// The lent buffer itself: a session's row count, `f32`.
-    InPlace(tensorport_cuda::DeviceBuffer, usize),
-}
-
-#[cfg(feature = "cuda")]
-impl OnDevice {
-    fn memory(&self) -> &dyn tensorport_cuda::DeviceMemory {
-        match self {
-            OnDevice::Staged(s) => s,
-            OnDevice::InPlace(b, _) => b,
-        }
-    }
-
-    fn rows(&self) -> usize {
-        match self {
-            OnDevice::Staged(s) => s.rows(),
-            OnDevice::InPlace(_, rows) => *rows,
-        }
-    }
-}
-
-type Ran = tensorport_onnx::Result<Scores>;
-
-/// The session on its thread, and the batch it runs, if any.
-struct Runner {
-    jobs: Option<mpsc::Sender<Job>>,
-    done: mpsc::Receiver<(Ran, Job)>,
-    thread: Option<std::thread::JoinHandle<()>>,
-    in_flight: bool,
-}
-
-fn failed(e: impl std::fmt::Display) -> EngineError {
-    EngineError::Failed(e.to_string())
-}
-
-impl Runner {
-    /// The session's thread for `model`, whose device batches are memory of `gpu`.
-    fn start(
-        mut model: OnnxModel,
-        gpu: Option<std::sync::Arc<tensorport_cuda::Gpu>>,
-    ) -> std::io::Result<Runner> {
-        let (jobs, todo) = mpsc::channel::<Job>();
-        let (done, finished) = mpsc::channel();
-        let thread = std::thread::Builder::new()
-            .name("onnx-session".into())
-            .spawn(move || {
-                for job in todo {
-                    // The model was read into memory at start: a file changed since is named
-                    // (a `stat` of each of its files per batch), and the model runs on as read.
-                    for what in model.changed_files() {
-                        tracing::warn!(
-                            "the model's file changed under the running server ({what}); it \
-                             runs the model as read at start: restart it to serve the new one"
-                        );
-                    }
-                    let r = match &job {
-                        Job::Host(batch, rows) => model.run(batch, *rows),
-                        #[cfg(feature = "cuda")]
-                        Job::Device { input, keep } => match &gpu {
-                            Some(gpu) => model
-                                .run_on_device(gpu, input.memory(), input.rows())
-                                .map(|mut s| {
-                                    s.truncate(*keep);
-                                    s
-                                }),
-                            None => Err(tensorport_onnx::Error::Run(
-                                "a device batch for a session on the CPU".into(),
-                            )),
-                        },
-                    };
-                    if done.send((r, job)).is_err() {
-                        break;
-                    }
-                }
-                drop(gpu);
-            })?;
-        Ok(Runner {
-            jobs: Some(jobs),
-            done: finished,
-            thread: Some(thread),
-            in_flight: false,
-        })
-    }
-
-    /// Starts `job` (collecting, and dropping, the scores of a batch still in flight first:
-    /// its job comes back too).
-    fn submit(&mut self, job: Job) -> (std::result::Result<Submitted, EngineError>, Option<Job>) {
-        let earlier = match self.in_flight {
-            true => self.collect().1,
-            false => None,
-        };
-        let gone = || failed("the ONNX session's thread ended");
-        let sent = match self.jobs.as_ref() {
-            Some(jobs) => jobs.send(job).map_err(|_| gone()),
-            None => Err(gone()),
-        };
-        self.in_flight = sent.is_ok();
-        (sent.map(|()| Submitted::InFlight), earlier)
-    }
-
-    /// The scores of the batch in flight (none when there is none), and the batch.
-    fn collect(&mut self) -> (std::result::Result<Scores, EngineError>, Option<Job>) {
-        if !std::mem::replace(&mut self.in_flight, false) {
-            return (Ok(Vec::new()), None);
-        }
-        match self.done.recv() {
-            Ok((r, job)) => (r.map_err(failed), Some(job)),
-            Err(_) => (Err(failed("the ONNX session's thread ended")), None),
-        }
-    }
-}
-
-impl Drop for Runner {
-    fn drop(&mut self) {
-        // The session's thread ends with its queue; a batch it runs is waited for, so no
-        // buffer goes while ONNX Runtime reads it.
-        self.jobs.take();
-        if let Some(t) = self.thread.take() {
-            let _ = t.join();
-        }
-    }
-}
+use session::{failed, log_loaded, session_thread, Job, Runner};
+pub(super) use session::{OnnxFile, OnnxModelInfo};
 
 /// An ONNX model on ONNX Runtime's CPU execution provider: host rows, one allocation reused.
 struct OnCpu {
@@ -250,43 +89,4 @@ pub(super) fn load_on_cpu(
         }),
         info,
     ))
-}
-
-/// What a loaded model decides of the server's configuration.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub(super) struct OnnxModelInfo {
-    pub input: String,
-    pub image_size: usize,
-    pub classes: usize,
-}
-
-impl OnnxModelInfo {
-    /// What `m` decides, refused where the server cannot take it ([`ModelOptions::adopt_onnx`]).
-    fn of(m: &OnnxModel, options: &ModelOptions) -> Result<OnnxModelInfo> {
-        let info = OnnxModelInfo {
-            input: m.spec().input.clone(),
-            image_size: m.image_size(),
-            classes: m.spec().classes,
-        };
-        options
-            .clone()
-            .adopt_onnx(&info.input, info.image_size, info.classes)?;
-        Ok(info)
-    }
-}
-
-/// Says which model a worker runs, and how.
-fn log_loaded(model: &OnnxModel, how: &str) {
-    tracing::info!(
-        model = %model.path().display(),
-        input = %model.spec().input,
-        dtype = model.spec().input_elem.name(),
-        image_size = model.image_size(),
-        classes = model.spec().classes,
-        "{how}"
-    );
-}
-
-fn session_thread(e: std::io::Error) -> crate::error::Error {
-    crate::error::Error::Other(format!("cannot start the ONNX session's thread: {e}"))
 }
