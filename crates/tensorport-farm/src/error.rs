@@ -94,7 +94,7 @@ pub enum ConfigError {
         range: String,
     },
     /// The largest batch is more than the model's engine runs.
-    #[error("the largest batch is {asked}; this model's engine runs batches of up to {most}: lower --max-batch")]
+    #[error("the largest batch is {asked}; this model's engine runs batches of up to {most}: give a largest batch it runs")]
     EngineBatch { asked: usize, most: usize },
     /// A weights file given with an ONNX model (whose weights are in the file).
     #[error("an ONNX model carries its own weights: give no weights file with it")]

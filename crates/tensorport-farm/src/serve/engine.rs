@@ -260,10 +260,14 @@ impl Engine for NoModel {
             let row = self.shape.iter().product::<usize>() * 4;
             let buf = match kept.take().filter(|b| b.len() >= rows * row) {
                 Some(b) => b,
-                // Room for the largest batch at once: a freed buffer would synchronise the GPU
-                // each time a batch grew.
-                None => tensorport_cuda::DeviceBuffer::new(gpu, rows.max(self.max_batch) * row)
-                    .map_err(|e| EngineError::Failed(e.to_string()))?,
+                // Grown in powers of two up to the largest batch: a freed buffer synchronises
+                // the GPU, so not at every larger batch; nor sized for a largest batch that
+                // may never come.
+                None => {
+                    let room = rows.next_power_of_two().min(self.max_batch).max(rows);
+                    tensorport_cuda::DeviceBuffer::new(gpu, room * row)
+                        .map_err(|e| EngineError::Failed(e.to_string()))?
+                }
             };
             return Ok(Input::Device(DeviceInput {
                 rows,
