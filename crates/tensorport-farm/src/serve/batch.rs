@@ -28,7 +28,44 @@ pub struct Stacked {
     pub rejected: Vec<(usize, Rejection)>,
 }
 
+/// The requests' indices that passed their checks, each request's checked value (`None` where
+/// it failed), and why each that failed did.
+pub(super) type Sorted<T> = (Vec<usize>, Vec<Option<T>>, Vec<(usize, Rejection)>);
+
+/// Checks each request with `check`: the indices of those that pass, each request's checked
+/// value (`None` for one that failed), and why each that failed did.
+pub(super) fn sort_requests<'r, T>(
+    reqs: &'r [Request],
+    check: impl Fn(&'r Request) -> Result<T, tensorport_dfdx::Error>,
+) -> Sorted<T> {
+    let mut used = Vec::with_capacity(reqs.len());
+    let mut checked = Vec::with_capacity(reqs.len());
+    let mut rejected = Vec::new();
+    for (i, r) in reqs.iter().enumerate() {
+        match check(r) {
+            Ok(v) => {
+                used.push(i);
+                checked.push(Some(v));
+            }
+            Err(e) => {
+                checked.push(None);
+                rejected.push((i, Rejection::Misfit(e)));
+            }
+        }
+    }
+    (used, checked, rejected)
+}
+
 impl Stacked {
+    /// No input: no request fit, and `rejected` says why.
+    pub(super) fn none(used: Vec<usize>, rejected: Vec<(usize, Rejection)>) -> Stacked {
+        Stacked {
+            input: None,
+            used,
+            rejected,
+        }
+    }
+
     /// No input: every request in `used` is rejected with `why` (or, where `why` says the
     /// CUDA context is lost, the process ends: [`super::end_if_context_lost`]).
     pub(super) fn failed(
@@ -114,31 +151,16 @@ impl Batcher for CpuBatcher {
         shape: [usize; 3],
         engine: &mut dyn Engine,
     ) -> Stacked {
-        let mut used = Vec::with_capacity(reqs.len());
-        let mut images = Vec::with_capacity(reqs.len());
-        let mut rejected = Vec::new();
-        for (i, r) in reqs.iter().enumerate() {
-            match check_image(r, shape) {
-                Ok(px) => {
-                    used.push(i);
-                    images.push(px);
-                }
-                Err(e) => rejected.push((i, Rejection::Misfit(e))),
-            }
-        }
+        let (used, images, rejected) = sort_requests(reqs, |r| check_image(r, shape));
         if used.is_empty() {
-            return Stacked {
-                input: None,
-                used,
-                rejected,
-            };
+            return Stacked::none(used, rejected);
         }
         let lent = engine.lend(used.len());
         let mut rows = match lent.and_then(|input| input.into_host("a batch built on the host")) {
             Ok(rows) => rows,
             Err(e) => return Stacked::failed(used, rejected, &e.to_string()),
         };
-        for px in images {
+        for px in images.into_iter().flatten() {
             if let Err(e) = rows.push(px) {
                 return Stacked::failed(used, rejected, &e.to_string());
             }

@@ -8,10 +8,6 @@ use tensorport_dfdx::ImageClassifier;
 
 use super::engine::{check_rows, Engine, EngineError, HostInput, Input, Submitted};
 
-fn failed(e: impl std::fmt::Display) -> EngineError {
-    EngineError::Failed(e.to_string())
-}
-
 /// The bundled network on dfdx's CPU kernels.
 pub(super) struct DfdxOnCpu {
     pub(super) dev: Cpu,
@@ -32,7 +28,7 @@ impl Engine for DfdxOnCpu {
     fn submit(&mut self, input: Input) -> Result<Submitted, EngineError> {
         let h = input.into_host("the network on the CPU")?;
         if !h.is_full() {
-            return Err(failed("a batch with rows left unwritten"));
+            return Err(EngineError::failed("a batch with rows left unwritten"));
         }
         let (rows, [c, hh, w]) = (h.rows(), h.shape());
         let x = self.dev.tensor_from_vec(h.into_pixels(), (rows, c, hh, w));
@@ -73,7 +69,7 @@ pub(super) mod gpu {
         }
 
         fn lend(&mut self, rows: usize) -> Result<Input, EngineError> {
-            let t = GpuInput::zeros(&self.dev, rows, self.shape).map_err(failed)?;
+            let t = GpuInput::zeros(&self.dev, rows, self.shape).map_err(EngineError::failed)?;
             Ok(Input::Device(DeviceInput {
                 rows,
                 memory: DeviceRows::Tensor(t),
@@ -86,13 +82,13 @@ pub(super) mod gpu {
                 memory: DeviceRows::Tensor(t),
             }) = input
             else {
-                return Err(failed("a batch not lent by this engine"));
+                return Err(EngineError::failed("a batch not lent by this engine"));
             };
             let x = t.into_tensor();
             match &mut self.net {
                 Net::Cudnn(m) => {
                     self.in_flight = None;
-                    m.submit(x).map_err(failed)?;
+                    m.submit(x).map_err(EngineError::failed)?;
                     self.in_flight = Some(rows);
                     Ok(Submitted::InFlight)
                 }
@@ -104,7 +100,7 @@ pub(super) mod gpu {
             let (Net::Cudnn(m), Some(rows)) = (&mut self.net, self.in_flight.take()) else {
                 return Ok(Vec::new());
             };
-            check_rows(m.collect().map_err(failed)?, rows)
+            check_rows(m.collect().map_err(EngineError::failed)?, rows)
         }
     }
 }

@@ -11,6 +11,7 @@ use tensorport::{DType, Request};
 use tensorport_cuda::{BatchError, Gatherer, Gpu, RowBatcher, RowKind};
 use tensorport_dfdx::check_shape;
 
+use super::batch::sort_requests;
 use super::engine::{DeviceInput, DeviceRows, Engine, Input};
 use super::{Batcher, Rejection, Stacked};
 
@@ -40,30 +41,14 @@ impl Batcher for CudaBatcher {
         shape: [usize; 3],
         engine: &mut dyn Engine,
     ) -> Stacked {
-        let mut used = Vec::with_capacity(reqs.len());
-        let mut rows = Vec::with_capacity(reqs.len());
-        let mut rejected = Vec::new();
-        for (i, r) in reqs.iter().enumerate() {
-            match check_shape(r, shape) {
-                Ok(dtype) => {
-                    used.push(i);
-                    rows.push(Some(match dtype {
-                        DType::U8 => RowKind::U8,
-                        _ => RowKind::Bytes,
-                    }));
-                }
-                Err(e) => {
-                    rows.push(None);
-                    rejected.push((i, Rejection::Misfit(e)));
-                }
-            }
-        }
+        let (used, rows, mut rejected) = sort_requests(reqs, |r| {
+            check_shape(r, shape).map(|dtype| match dtype {
+                DType::U8 => RowKind::U8,
+                _ => RowKind::Bytes,
+            })
+        });
         if used.is_empty() {
-            return Stacked {
-                input: None,
-                used,
-                rejected,
-            };
+            return Stacked::none(used, rejected);
         }
         let row = shape.iter().product::<usize>() * 4;
         // A quarantined batcher takes nothing: no memory is lent for it.

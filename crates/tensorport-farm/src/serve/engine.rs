@@ -25,6 +25,13 @@ pub enum EngineError {
     Model(String),
 }
 
+impl EngineError {
+    /// The engine's own failure, described by `e`.
+    pub(super) fn failed(e: impl std::fmt::Display) -> EngineError {
+        EngineError::Failed(e.to_string())
+    }
+}
+
 /// What [`Engine::submit`] did with a batch.
 #[derive(Debug)]
 pub enum Submitted {

@@ -5,9 +5,7 @@
 use tensorport_onnx::{OnnxModel, OnnxOptions};
 
 #[cfg(feature = "cuda")]
-use super::session::{
-    failed, log_loaded, session_thread, Job, OnDevice, OnnxFile, OnnxModelInfo, Runner,
-};
+use super::session::{log_loaded, session_thread, Job, OnDevice, OnnxFile, OnnxModelInfo, Runner};
 #[cfg(feature = "cuda")]
 use crate::config::ModelOptions;
 #[cfg(feature = "cuda")]
@@ -55,7 +53,7 @@ impl OnCuda {
             .iter()
             .position(|(n, ..)| *n >= rows && rows > 0)
             .ok_or_else(|| {
-                failed(format!(
+                EngineError::failed(format!(
                     "a batch of {rows} images; this worker runs batches of 1 to {}",
                     self.max_batch()
                 ))
@@ -98,7 +96,7 @@ impl Engine for OnCuda {
         let padded = self.sessions[k].0;
         let buf = match self.sessions[k].2.pop() {
             Some(b) => b,
-            None => self.fresh(padded).map_err(failed)?,
+            None => self.fresh(padded).map_err(EngineError::failed)?,
         };
         Ok(Input::Device(crate::serve::engine::DeviceInput {
             rows,
@@ -116,12 +114,14 @@ impl Engine for OnCuda {
             memory: DeviceRows::Buffer(buf),
         }) = input
         else {
-            return Err(failed("a batch not lent by this engine"));
+            return Err(EngineError::failed("a batch not lent by this engine"));
         };
         let k = self.session_for(rows)?;
         let padded = self.sessions[k].0;
         if buf.len() < padded * self.image_len * 4 {
-            return Err(failed("a batch in a buffer smaller than its session's"));
+            return Err(EngineError::failed(
+                "a batch in a buffer smaller than its session's",
+            ));
         }
         let input = match self.half {
             false => OnDevice::InPlace(buf, padded),
@@ -129,7 +129,7 @@ impl Engine for OnCuda {
                 let staged = self.stage.stage(&buf, rows, padded, self.image_len);
                 // Staged (and waited for): the lent buffer is free again.
                 self.sessions[k].2.push(buf);
-                OnDevice::Staged(staged.map_err(failed)?)
+                OnDevice::Staged(staged.map_err(EngineError::failed)?)
             }
         };
         let (r, earlier) = self.sessions[k].1.submit(Job::Device { input, keep: rows });

@@ -17,7 +17,7 @@ mod gpu;
 mod session;
 #[cfg(feature = "cuda")]
 pub(super) use gpu::load_on_cuda;
-use session::{failed, log_loaded, session_thread, Job, Runner};
+use session::{log_loaded, session_thread, Job, Runner};
 pub(super) use session::{OnnxFile, OnnxModelInfo};
 
 /// An ONNX model on ONNX Runtime's CPU execution provider: host rows, one allocation reused.
@@ -49,7 +49,7 @@ impl Engine for OnCpu {
     fn submit(&mut self, input: Input) -> std::result::Result<Submitted, EngineError> {
         let h = input.into_host("a session on the CPU")?;
         if !h.is_full() {
-            return Err(failed("a batch with rows left unwritten"));
+            return Err(EngineError::failed("a batch with rows left unwritten"));
         }
         let rows = h.rows();
         let (r, earlier) = self.runner.submit(Job::Host(h.into_pixels(), rows));

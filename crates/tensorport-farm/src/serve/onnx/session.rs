@@ -80,10 +80,6 @@ pub(super) struct Runner {
     in_flight: bool,
 }
 
-pub(super) fn failed(e: impl std::fmt::Display) -> EngineError {
-    EngineError::Failed(e.to_string())
-}
-
 impl Runner {
     /// The session's thread for `model`, whose device batches are memory of `gpu`.
     pub(super) fn start(
@@ -143,7 +139,7 @@ impl Runner {
             true => self.collect().1,
             false => None,
         };
-        let gone = || failed("the ONNX session's thread ended");
+        let gone = || EngineError::failed("the ONNX session's thread ended");
         let sent = match self.jobs.as_ref() {
             Some(jobs) => jobs.send(job).map_err(|_| gone()),
             None => Err(gone()),
@@ -158,8 +154,11 @@ impl Runner {
             return (Ok(Vec::new()), None);
         }
         match self.done.recv() {
-            Ok((r, job)) => (r.map_err(failed), Some(job)),
-            Err(_) => (Err(failed("the ONNX session's thread ended")), None),
+            Ok((r, job)) => (r.map_err(EngineError::failed), Some(job)),
+            Err(_) => (
+                Err(EngineError::failed("the ONNX session's thread ended")),
+                None,
+            ),
         }
     }
 }
