@@ -11,12 +11,17 @@ use crate::{DeviceBuffer, DeviceMemory, DeviceRegion, Gpu, Result, Stream};
 /// `dst[i] = (half)src[i]` over `n` values, with the PTX conversion instruction (no header).
 const KERNEL: &str = include_str!("kernels/stage.cu");
 
-/// The staging buffer, its stream, and the conversion kernel for an `f16` model.
+/// The staging buffers kept for reuse: one per batch a framework may hold at once (one
+/// running, one queued behind it, one being staged), and a spare.
+const KEPT: usize = 4;
+
+/// The staging buffers, their stream, and the conversion kernel for an `f16` model.
 pub struct BatchStage {
     gpu: Arc<Gpu>,
     half: Option<Kernel>,
     stream: Stream,
-    buf: Option<DeviceBuffer>,
+    /// Buffers given back, to reuse (at most [`KEPT`]).
+    bufs: Vec<DeviceBuffer>,
 }
 
 impl std::fmt::Debug for BatchStage {
@@ -43,14 +48,14 @@ impl BatchStage {
             gpu: gpu.clone(),
             half,
             stream: Stream::new(gpu)?,
-            buf: None,
+            bufs: Vec::new(),
         })
     }
 
     /// Copies (or converts) `rows` images of `len` floats each from the start of `src` into
     /// a buffer of `padded` images (rows past `rows` hold an earlier batch's images, or zeros:
     /// their results are the caller's to drop), waits for it, and returns the buffer. Give it
-    /// back ([`BatchStage::give_back`]) once read, and the next batch reuses it.
+    /// back ([`BatchStage::give_back`]) once read, and a later batch reuses it.
     pub fn stage(
         &mut self,
         src: &impl DeviceMemory,
@@ -71,7 +76,11 @@ impl BatchStage {
         self.gpu.check_region(from)?;
         let size = if self.half.is_some() { 2 } else { 4 };
         let need = padded.max(rows) * len * size;
-        let mut buf = self.buf.take().filter(|b| b.len() >= need);
+        let mut buf = self
+            .bufs
+            .iter()
+            .position(|b| b.len() >= need)
+            .map(|i| self.bufs.swap_remove(i));
         if buf.is_none() {
             let fresh = DeviceBuffer::new(&self.gpu, need.max(size))?;
             // Zeros in the padding rows until real images have been there.
@@ -108,16 +117,27 @@ impl BatchStage {
         .and_then(|()| self.stream.synchronize());
         if let Err(e) = copied {
             // Kept (not freed) should a copy into it still be pending.
-            self.buf = Some(buf);
+            self.bufs.push(buf);
             return Err(e);
         }
         Ok(Staged { buf, rows: padded })
     }
 
-    /// Takes back a staged batch's buffer for the next batch.
+    /// Takes back a staged batch's buffer for a later batch (with [`KEPT`] kept already, the
+    /// smallest of them goes, if smaller: freeing waits for the GPU, so rarely).
     pub fn give_back(&mut self, staged: Staged) {
-        if self.buf.as_ref().is_none_or(|b| b.len() < staged.buf.len()) {
-            self.buf = Some(staged.buf);
+        if self.bufs.len() < KEPT {
+            self.bufs.push(staged.buf);
+            return;
+        }
+        if let Some((i, _)) = self
+            .bufs
+            .iter()
+            .enumerate()
+            .min_by_key(|(_, b)| b.len())
+            .filter(|(_, b)| b.len() < staged.buf.len())
+        {
+            self.bufs[i] = staged.buf;
         }
     }
 }

@@ -4,6 +4,7 @@
 //! thread of its own (cuDNN, ONNX Runtime), the next batch is taken and gathered while it runs
 //! the last one, whose answers go out once the next is on its way.
 
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
@@ -12,6 +13,7 @@ use tensorport_dfdx::check_image;
 
 use super::engine::{Engine, EngineError, Input, Scores, Submitted};
 use super::metrics::Metrics;
+use super::pace::{Pace, RunTimes};
 use crate::error::Result;
 use crate::record::scores_to_bytes;
 
@@ -201,87 +203,148 @@ struct InFlight {
     size: usize,
     taken: Instant,
     model_started: Instant,
+    /// How long its engine expects to run it.
+    run: Option<Duration>,
 }
 
 impl BatchLoop<'_> {
     /// One model worker: takes batches (from its share of the producers when there are several
-    /// workers), runs the model, answers, until the server has drained.
+    /// workers), runs the model, answers, until the server has drained. While its engine runs a
+    /// batch, the worker takes requests for the next one until that one must be gathered to be
+    /// ready as the engine ends ([`Pace`]); the next batch is submitted before the last one's
+    /// answers go out, and with an engine that holds two ([`Engine::depth`]), before the last
+    /// one ends.
     pub fn run(&self, batcher: &mut dyn Batcher, engine: &mut dyn Engine) -> Result<()> {
         let mut draining = false;
-        let mut in_flight: Option<InFlight> = None;
-        let finish = |engine: &mut dyn Engine, batch: Option<InFlight>| {
-            if let Some(batch) = batch {
-                let scores = engine.collect();
-                self.answer(batch, scores);
-            }
+        let mut pending: VecDeque<InFlight> = VecDeque::new();
+        let mut pace = Pace::default();
+        let depth = engine.depth().max(1);
+        // From the first batch taken; and the runs of an engine that answers at once.
+        let mut first: Option<Instant> = None;
+        let mut ran_here = RunTimes::default();
+        // The oldest batch in flight, collected: its scores, and the pace told that the one
+        // behind it (if any) runs now.
+        let collect = |engine: &mut dyn Engine,
+                       pending: &mut VecDeque<InFlight>,
+                       pace: &mut Pace|
+         -> Option<(InFlight, Result<Scores, EngineError>)> {
+            let batch = pending.pop_front()?;
+            let scores = engine.collect();
+            pace.collected(Instant::now(), pending.front().map(|b| b.run));
+            Some((batch, scores))
         };
         loop {
             if self.stop.draining() && !draining {
                 draining = true;
                 self.server.drain();
             }
-            // With a batch on the device, take only what is already queued: its answers wait for
-            // this call.
-            let (first, more) = match in_flight {
-                Some(_) => (Duration::ZERO, Duration::ZERO),
-                None => (Duration::from_millis(100), self.max_wait),
+            let batch = match (pending.is_empty(), pace.take_until(Instant::now())) {
+                (true, _) => self.server.recv_batch(
+                    self.max_batch,
+                    Duration::from_millis(100),
+                    self.max_wait,
+                ),
+                // The engine runs a batch: requests for the next one until it must be gathered.
+                (false, Some(by)) => self.server.recv_batch_until(self.max_batch, by),
+                // Its answers wait for this call: only what is already queued.
+                (false, None) => {
+                    self.server
+                        .recv_batch(self.max_batch, Duration::ZERO, Duration::ZERO)
+                }
             };
-            let Ok(batch) = self.server.recv_batch(self.max_batch, first, more) else {
+            let Ok(batch) = batch else {
                 break; // stopped
             };
             if batch.is_empty() {
-                finish(engine, in_flight.take());
+                if let Some((b, scores)) = collect(engine, &mut pending, &mut pace) {
+                    self.answer(b, scores);
+                }
                 continue;
             }
             let taken = Instant::now();
+            first.get_or_insert(taken);
             let size = batch.len();
             if self.sink {
-                if let Err(e) = batcher.release_unread(&batch) {
-                    // The producers' buffers are not released on the GPU: their requests fail
-                    // (their next writes would wait for good).
-                    tracing::error!("a sink could not release device tensors: {e}");
-                    for r in batch {
-                        let _ = r.fail_and_end_session(
-                            tensorport::wire::ErrorCode::Internal,
-                            format!("the server could not release this device tensor: {e}"),
-                        );
-                    }
-                    continue;
-                }
-                let mut answers: Vec<_> = batch.into_iter().map(|r| (r, [0u8; 0])).collect();
-                let _ = self.server.respond_all(&mut answers);
-                self.images.fetch_add(size as u64, Ordering::Relaxed);
-                self.record(size, Duration::ZERO, taken);
+                self.sink(batcher, batch, taken);
                 continue;
             }
             let mut batch = batch;
             let stacked = batcher.stack(&mut batch, self.shape, engine);
+            pace.gathered(taken.elapsed());
             // The engine's memory holds the pixels now: give the slots back before it runs.
             let mut responders: Vec<Option<Responder>> =
                 batch.into_iter().map(|r| Some(r.release())).collect();
             // (Before the results: a late device tensor's row is in the input, but it gets this.)
             reject(&mut responders, stacked.rejected);
-            // This batch is on the device: the last one's scores are wanted now.
-            finish(engine, in_flight.take());
             let Some(x) = stacked.input else {
                 self.record(size, Duration::ZERO, taken);
                 continue;
             };
+            // Room in the engine: the oldest batches collected, answered once this one runs.
+            let mut done = Vec::new();
+            while pending.len() >= depth {
+                done.extend(collect(engine, &mut pending, &mut pace));
+            }
+            let rows = x.rows();
             let batch = InFlight {
                 responders,
                 used: stacked.used,
                 size,
                 taken,
                 model_started: Instant::now(),
+                run: engine.run_time(rows),
             };
             match engine.submit(x) {
-                Ok(Submitted::InFlight) => in_flight = Some(batch),
-                Ok(Submitted::Ready(scores)) => self.answer(batch, Ok(scores)),
-                Err(e) => self.answer(batch, Err(e)),
+                Ok(Submitted::InFlight) => {
+                    pace.submitted(batch.model_started, batch.run);
+                    pending.push_back(batch);
+                }
+                Ok(Submitted::Ready(scores)) => {
+                    ran_here.record(batch.model_started.elapsed());
+                    done.push((batch, Ok(scores)));
+                }
+                Err(e) => done.push((batch, Err(e))),
+            }
+            for (b, scores) in done {
+                self.answer(b, scores);
+            }
+            // A batch queued behind a running one: the running one's answers go out as it ends
+            // (its producers wait for them), while the next batch's requests arrive.
+            if pending.len() > 1 {
+                if let Some((b, scores)) = collect(engine, &mut pending, &mut pace) {
+                    self.answer(b, scores);
+                }
             }
         }
-        finish(engine, in_flight.take());
+        while let Some((b, scores)) = collect(engine, &mut pending, &mut pace) {
+            self.answer(b, scores);
+        }
+        if let Some(first) = first {
+            let runs = engine.runs().unwrap_or(ran_here);
+            report(&pace.gathers(), &runs, first.elapsed());
+        }
         Ok(())
+    }
+
+    /// A sink's batch: the device tensors released, every request answered at once.
+    fn sink(&self, batcher: &mut dyn Batcher, batch: Vec<Request>, taken: Instant) {
+        let size = batch.len();
+        if let Err(e) = batcher.release_unread(&batch) {
+            // The producers' buffers are not released on the GPU: their requests fail
+            // (their next writes would wait for good).
+            tracing::error!("a sink could not release device tensors: {e}");
+            for r in batch {
+                let _ = r.fail_and_end_session(
+                    tensorport::wire::ErrorCode::Internal,
+                    format!("the server could not release this device tensor: {e}"),
+                );
+            }
+            return;
+        }
+        let mut answers: Vec<_> = batch.into_iter().map(|r| (r, [0u8; 0])).collect();
+        let _ = self.server.respond_all(&mut answers);
+        self.images.fetch_add(size as u64, Ordering::Relaxed);
+        self.record(size, Duration::ZERO, taken);
     }
 
     /// Answers `batch`'s requests from `scores` (row `k` for request `used[k]`), or each with the
@@ -293,6 +356,7 @@ impl BatchLoop<'_> {
             size,
             taken,
             model_started,
+            ..
         } = batch;
         let model_time = model_started.elapsed();
         match scores {
@@ -329,6 +393,22 @@ impl BatchLoop<'_> {
     }
 }
 
+/// Says, once a worker ends, where its time went since its first batch (`wall`): gathering
+/// `gathers`, and the engine's `runs` (a worker whose engine ran nearly all the time is bound by
+/// the model; one whose engine waited, by the producers).
+fn report(gathers: &RunTimes, runs: &RunTimes, wall: Duration) {
+    let per = |t: Duration, n: u64| t.as_secs_f64() * 1e3 / n.max(1) as f64;
+    let wall = wall.as_secs_f64();
+    let busy = 100.0 * runs.total.as_secs_f64() / wall.max(1e-9);
+    tracing::info!(
+        batches = gathers.count,
+        gather_ms = format!("{:.2}", per(gathers.total, gathers.count)),
+        run_ms = format!("{:.2}", per(runs.total, runs.count)),
+        seconds = format!("{wall:.1}"),
+        "model worker done: the engine ran {busy:.0}% of the {wall:.1} s since its first batch"
+    );
+}
+
 /// Answers the requests the batch could not take.
 fn reject(responders: &mut [Option<Responder>], rejected: Vec<(usize, Rejection)>) {
     for (i, why) in rejected {
@@ -336,5 +416,182 @@ fn reject(responders: &mut [Option<Responder>], rejected: Vec<(usize, Rejection)
         if let Some(r) = responders.get_mut(i).and_then(Option::take) {
             let _ = why.answer(r);
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::mpsc;
+    use std::sync::Arc;
+
+    use tensorport::{DType, Producer, ProducerConfig, ServerConfig, TensorSpec};
+
+    use super::*;
+    use crate::record::scores_from_bytes;
+    use crate::serve::engine::HostInput;
+
+    const SHAPE: [usize; 3] = [3, 2, 2];
+
+    /// An engine on a thread of its own holding two batches, as ONNX Runtime's GPU sessions
+    /// do: each image is answered with its first value, after a pause per batch.
+    struct Queued {
+        jobs: mpsc::Sender<Vec<f32>>,
+        done: mpsc::Receiver<(Scores, Duration)>,
+        in_flight: usize,
+        most_in_flight: Arc<AtomicU64>,
+        runs: RunTimes,
+    }
+
+    impl Queued {
+        fn start(most_in_flight: Arc<AtomicU64>) -> Queued {
+            let (jobs, todo) = mpsc::channel::<Vec<f32>>();
+            let (done, finished) = mpsc::channel();
+            std::thread::spawn(move || {
+                for rows in todo {
+                    let t0 = Instant::now();
+                    std::thread::sleep(Duration::from_millis(3));
+                    let scores = rows.chunks(12).map(|image| vec![image[0]]).collect();
+                    if done.send((scores, t0.elapsed())).is_err() {
+                        break;
+                    }
+                }
+            });
+            Queued {
+                jobs,
+                done: finished,
+                in_flight: 0,
+                most_in_flight,
+                runs: RunTimes::default(),
+            }
+        }
+    }
+
+    impl Engine for Queued {
+        fn max_batch(&self) -> usize {
+            16
+        }
+        fn lend(&mut self, rows: usize) -> Result<Input, EngineError> {
+            Ok(Input::Host(HostInput::new(Vec::new(), rows, SHAPE)))
+        }
+        fn submit(&mut self, input: Input) -> Result<Submitted, EngineError> {
+            while self.in_flight >= self.depth() {
+                let _ = self.collect();
+            }
+            let h = input.into_host("a test")?;
+            self.jobs.send(h.into_pixels()).unwrap();
+            self.in_flight += 1;
+            self.most_in_flight
+                .fetch_max(self.in_flight as u64, Ordering::Relaxed);
+            Ok(Submitted::InFlight)
+        }
+        fn collect(&mut self) -> Result<Scores, EngineError> {
+            if self.in_flight == 0 {
+                return Ok(Vec::new());
+            }
+            self.in_flight -= 1;
+            let (scores, took) = self.done.recv().unwrap();
+            self.runs.record(took);
+            Ok(scores)
+        }
+        fn depth(&self) -> usize {
+            2
+        }
+        fn run_time(&self, _: usize) -> Option<Duration> {
+            self.runs.mean()
+        }
+        fn runs(&self) -> Option<RunTimes> {
+            Some(self.runs)
+        }
+    }
+
+    #[test]
+    fn an_engine_holding_two_batches_answers_every_request_with_its_own_row() {
+        let dir = tempfile::tempdir().unwrap();
+        let sock = dir.path().join("s.sock");
+        let mut sc = ServerConfig::new(&sock);
+        sc.slot_size = 48;
+        let server = Server::bind(sc).unwrap();
+        let stop = crate::process::Stop::new();
+        let images = AtomicU64::new(0);
+        let most = Arc::new(AtomicU64::new(0));
+        let (producers, each) = (3u32, 300u32);
+        // A watchdog, not a timing: a loop that never drained would hang the test run.
+        let finished = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let watchdog = {
+            let finished = finished.clone();
+            std::thread::spawn(move || {
+                let t = Instant::now();
+                while !finished.load(Ordering::SeqCst) {
+                    if t.elapsed() > Duration::from_secs(120) {
+                        eprintln!("the batch loop did not end within 120 s");
+                        std::process::abort();
+                    }
+                    std::thread::sleep(Duration::from_millis(20));
+                }
+            })
+        };
+        std::thread::scope(|s| {
+            let worker = s.spawn(|| {
+                let lp = BatchLoop {
+                    server: &server,
+                    max_batch: 16,
+                    max_wait: Duration::from_millis(1),
+                    sink: false,
+                    shape: SHAPE,
+                    stop: &stop,
+                    metrics: None,
+                    images: &images,
+                };
+                lp.run(&mut CpuBatcher, &mut Queued::start(most.clone()))
+            });
+            let clients: Vec<_> = (0..producers)
+                .map(|p| {
+                    let sock = sock.clone();
+                    s.spawn(move || {
+                        let mut cfg = ProducerConfig::new(format!("p{p}"));
+                        (cfg.slots, cfg.slot_size) = (8, 48);
+                        let mut c = Producer::connect(&sock, cfg).unwrap();
+                        let spec = TensorSpec::new(DType::F32, &[3, 2, 2]);
+                        let mut sent = std::collections::HashMap::new();
+                        let mut answered = 0;
+                        let check =
+                            |c: &mut Producer, sent: &mut std::collections::HashMap<u64, f32>| {
+                                let done = c.recv_result(Duration::from_secs(20)).unwrap();
+                                let want = sent.remove(&done.request_id).expect("answered once");
+                                let got = scores_from_bytes(&done.result.unwrap()).unwrap();
+                                assert_eq!(got, vec![want]);
+                            };
+                        for i in 0..each {
+                            let value = (p * 10_000 + i) as f32;
+                            while c.in_flight() >= 8 {
+                                check(&mut c, &mut sent);
+                                answered += 1;
+                            }
+                            let mut lease = c.lease(Duration::from_secs(20)).unwrap();
+                            lease.write_pod(0, &[value; 12]);
+                            sent.insert(lease.submit(&spec).unwrap(), value);
+                        }
+                        while answered < each {
+                            check(&mut c, &mut sent);
+                            answered += 1;
+                        }
+                        assert!(sent.is_empty());
+                    })
+                })
+                .collect();
+            for c in clients {
+                c.join().unwrap();
+            }
+            stop.request();
+            worker.join().unwrap().unwrap();
+        });
+        finished.store(true, Ordering::SeqCst);
+        watchdog.join().unwrap();
+        assert_eq!(images.load(Ordering::Relaxed), u64::from(producers * each));
+        assert_eq!(
+            most.load(Ordering::Relaxed),
+            2,
+            "a batch was queued behind another"
+        );
     }
 }

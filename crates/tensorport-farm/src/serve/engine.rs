@@ -6,7 +6,11 @@
 //! (the CPU) or cuDNN (a GPU), ONNX Runtime, a model of the caller's own, and none (the batch is
 //! only moved).
 
+use std::time::Duration;
+
 use tensorport_dfdx::Pixels;
+
+pub use super::pace::RunTimes;
 
 /// Scores, one row per image of the batch.
 pub type Scores = Vec<Vec<f32>>;
@@ -53,13 +57,33 @@ pub trait Engine {
 
     /// Starts on the filled batch `input` (lent by this engine) and, where the engine runs on a
     /// device or thread of its own, returns before its scores are ready
-    /// ([`Submitted::InFlight`]), so that the next batch is gathered meanwhile. A batch still
-    /// in flight is collected (its scores dropped) first.
+    /// ([`Submitted::InFlight`]), so that the next batch is gathered meanwhile. With
+    /// [`Engine::depth`] batches in flight already, the oldest is collected (its scores
+    /// dropped) first.
     fn submit(&mut self, input: Input) -> Result<Submitted, EngineError>;
 
-    /// The scores of the batch in flight (none when there is none).
+    /// The scores of the oldest batch in flight (none when there is none).
     fn collect(&mut self) -> Result<Scores, EngineError> {
         Ok(Vec::new())
+    }
+
+    /// How many batches it holds in flight at once: with 2, a batch submitted while another
+    /// runs waits for it and starts as it ends, so the device does not wait for the worker.
+    fn depth(&self) -> usize {
+        1
+    }
+
+    /// How long a batch of `rows` takes it to run, as measured on its recent batches where it
+    /// runs them (`None` until measured, or where it does not say): the worker takes requests
+    /// for its next batch until the running one is about to end ([`super::pace::Pace`]).
+    fn run_time(&self, rows: usize) -> Option<Duration> {
+        let _ = rows;
+        None
+    }
+
+    /// Its runs so far and the time they took, where it measures them.
+    fn runs(&self) -> Option<RunTimes> {
+        None
     }
 }
 

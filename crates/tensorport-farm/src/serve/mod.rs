@@ -15,6 +15,7 @@ pub mod engine;
 pub mod metrics;
 mod onnx;
 mod own;
+mod pace;
 
 use std::io::Write;
 use std::sync::atomic::{AtomicU64, Ordering};

@@ -244,6 +244,41 @@ impl Server {
         Ok(())
     }
 
+    /// A batch of what arrives until `deadline`: up to `max` requests, returned once there are
+    /// `max` or the deadline has passed (at once, with what is queued, if it already has).
+    /// Empty if none came; `Err(Error::Stopped)` as for [`Server::recv_timeout`].
+    pub fn recv_batch_until(
+        &self,
+        max: usize,
+        deadline: Instant,
+    ) -> std::result::Result<Vec<Request>, Stopped> {
+        let mut out = Vec::with_capacity(max);
+        let mut c = self.consumer();
+        while out.len() < max {
+            let room = max - out.len();
+            if c.try_take_into(&self.shared, &mut out, room) > 0 {
+                continue;
+            }
+            if Instant::now() >= deadline {
+                break;
+            }
+            match c.next_request(&self.shared, deadline) {
+                Ok(Some(r)) => out.push(r),
+                Ok(None) => break,
+                // Stopped with a batch in hand: it is served; the next call says stopped.
+                Err(Stopped) if !out.is_empty() => break,
+                Err(Stopped) => return Err(Stopped),
+            }
+        }
+        drop(c);
+        if !out.is_empty() {
+            let k = &self.shared.counters;
+            k.batches.fetch_add(1, Ordering::Relaxed);
+            k.batched.fetch_add(out.len() as u64, Ordering::Relaxed);
+        }
+        Ok(out)
+    }
+
     /// Answers a batch, each request with its payload, and empties `answers` (keep it for the
     /// next batch: nothing is allocated). The results go out as [`Request::respond`] sends
     /// them, but the requests of one session that follow each other are answered together: one

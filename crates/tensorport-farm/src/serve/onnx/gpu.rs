@@ -38,8 +38,8 @@ struct OnCuda {
     gpu: std::sync::Arc<tensorport_cuda::Gpu>,
     /// Each session's rows, its runner, and the input buffers it has lent and got back.
     sessions: Vec<(usize, Runner, Vec<tensorport_cuda::DeviceBuffer>)>,
-    /// The session with a batch in flight.
-    busy: Option<usize>,
+    /// The sessions of the batches in flight, oldest first.
+    busy: std::collections::VecDeque<usize>,
     stage: tensorport_cuda::BatchStage,
     half: bool,
     image_len: usize,
@@ -104,9 +104,30 @@ impl Engine for OnCuda {
         }))
     }
 
+    /// Two batches in flight: the second waits on its session's thread for the first (or runs
+    /// beside it, in a session of another shape), so ONNX Runtime starts it as the first ends.
+    fn depth(&self) -> usize {
+        2
+    }
+
+    fn run_time(&self, rows: usize) -> Option<std::time::Duration> {
+        let k = self.session_for(rows).ok()?;
+        self.sessions[k].1.runs().mean()
+    }
+
+    fn runs(&self) -> Option<crate::serve::engine::RunTimes> {
+        let mut all = crate::serve::engine::RunTimes::default();
+        for (_, runner, _) in &self.sessions {
+            let r = runner.runs();
+            all.total += r.total;
+            all.count += r.count;
+        }
+        Some(all)
+    }
+
     fn submit(&mut self, input: Input) -> std::result::Result<Submitted, EngineError> {
         use crate::serve::engine::{DeviceInput, DeviceRows};
-        if self.busy.is_some() {
+        while self.busy.len() >= self.depth() {
             let _ = Engine::collect(self);
         }
         let Input::Device(DeviceInput {
@@ -132,16 +153,15 @@ impl Engine for OnCuda {
                 OnDevice::Staged(staged.map_err(EngineError::failed)?)
             }
         };
-        let (r, earlier) = self.sessions[k].1.submit(Job::Device { input, keep: rows });
-        debug_assert!(earlier.is_none(), "collected above");
+        let r = self.sessions[k].1.submit(Job::Device { input, keep: rows });
         if r.is_ok() {
-            self.busy = Some(k);
+            self.busy.push_back(k);
         }
         r
     }
 
     fn collect(&mut self) -> std::result::Result<Scores, EngineError> {
-        let Some(k) = self.busy.take() else {
+        let Some(k) = self.busy.pop_front() else {
             return Ok(Vec::new());
         };
         let (scores, job) = self.sessions[k].1.collect();
@@ -219,7 +239,7 @@ pub(in crate::serve) fn load_on_cuda(
         Box::new(OnCuda {
             gpu: gpu.clone(),
             sessions,
-            busy: None,
+            busy: std::collections::VecDeque::new(),
             stage,
             half,
             image_len,

@@ -9,7 +9,7 @@
 
 use tensorport_onnx::{OnnxOptions, Provider};
 
-use super::engine::{Engine, EngineError, HostInput, Input, Scores, Submitted};
+use super::engine::{Engine, EngineError, HostInput, Input, RunTimes, Scores, Submitted};
 use crate::config::ModelOptions;
 use crate::error::{ConfigError, Result};
 
@@ -52,15 +52,21 @@ impl Engine for OnCpu {
             return Err(EngineError::failed("a batch with rows left unwritten"));
         }
         let rows = h.rows();
-        let (r, earlier) = self.runner.submit(Job::Host(h.into_pixels(), rows));
-        self.take_back(earlier);
-        r
+        // One batch at a time: one still in flight is collected (its scores dropped) first.
+        if self.runner.in_flight() > 0 {
+            let _ = Engine::collect(self);
+        }
+        self.runner.submit(Job::Host(h.into_pixels(), rows))
     }
 
     fn collect(&mut self) -> std::result::Result<Scores, EngineError> {
         let (r, job) = self.runner.collect();
         self.take_back(job);
         r
+    }
+
+    fn runs(&self) -> Option<RunTimes> {
+        Some(self.runner.runs())
     }
 }
 

@@ -4,12 +4,13 @@
 
 use std::path::{Path, PathBuf};
 use std::sync::mpsc;
+use std::time::{Duration, Instant};
 
 use tensorport_onnx::{OnnxModel, OnnxOptions};
 
 use crate::config::ModelOptions;
 use crate::error::{ConfigError, Result};
-use crate::serve::engine::{EngineError, Scores, Submitted};
+use crate::serve::engine::{EngineError, RunTimes, Scores, Submitted};
 
 /// A model's files, read once for every session a server opens.
 pub(in crate::serve) struct OnnxFile {
@@ -72,12 +73,18 @@ impl OnDevice {
 
 pub(super) type Ran = tensorport_onnx::Result<Scores>;
 
-/// The session on its thread, and the batch it runs, if any.
+/// A batch back from the session's thread: its scores, the job (its memory, to reuse), and how
+/// long ONNX Runtime took to run it.
+type Done = (Ran, Job, Duration);
+
+/// The session on its thread, and the batches sent to it and not yet collected (run in order).
 pub(super) struct Runner {
     jobs: Option<mpsc::Sender<Job>>,
-    done: mpsc::Receiver<(Ran, Job)>,
+    done: mpsc::Receiver<Done>,
     thread: Option<std::thread::JoinHandle<()>>,
-    in_flight: bool,
+    in_flight: usize,
+    /// The runs collected so far.
+    runs: RunTimes,
 }
 
 impl Runner {
@@ -87,7 +94,7 @@ impl Runner {
         gpu: Option<std::sync::Arc<tensorport_cuda::Gpu>>,
     ) -> std::io::Result<Runner> {
         let (jobs, todo) = mpsc::channel::<Job>();
-        let (done, finished) = mpsc::channel();
+        let (done, finished) = mpsc::channel::<Done>();
         let thread = std::thread::Builder::new()
             .name("onnx-session".into())
             .spawn(move || {
@@ -100,6 +107,7 @@ impl Runner {
                              runs the model as read at start: restart it to serve the new one"
                         );
                     }
+                    let t0 = Instant::now();
                     let r = match &job {
                         Job::Host(batch, rows) => model.run(batch, *rows),
                         #[cfg(feature = "cuda")]
@@ -115,7 +123,7 @@ impl Runner {
                             )),
                         },
                     };
-                    if done.send((r, job)).is_err() {
+                    if done.send((r, job, t0.elapsed())).is_err() {
                         break;
                     }
                 }
@@ -125,41 +133,52 @@ impl Runner {
             jobs: Some(jobs),
             done: finished,
             thread: Some(thread),
-            in_flight: false,
+            in_flight: 0,
+            runs: RunTimes::default(),
         })
     }
 
-    /// Starts `job` (collecting, and dropping, the scores of a batch still in flight first:
-    /// its job comes back too).
-    pub(super) fn submit(
-        &mut self,
-        job: Job,
-    ) -> (std::result::Result<Submitted, EngineError>, Option<Job>) {
-        let earlier = match self.in_flight {
-            true => self.collect().1,
-            false => None,
-        };
+    /// Sends `job` to the session's thread, which runs it after those sent before it.
+    pub(super) fn submit(&mut self, job: Job) -> std::result::Result<Submitted, EngineError> {
         let gone = || EngineError::failed("the ONNX session's thread ended");
         let sent = match self.jobs.as_ref() {
             Some(jobs) => jobs.send(job).map_err(|_| gone()),
             None => Err(gone()),
         };
-        self.in_flight = sent.is_ok();
-        (sent.map(|()| Submitted::InFlight), earlier)
+        if sent.is_ok() {
+            self.in_flight += 1;
+        }
+        sent.map(|()| Submitted::InFlight)
     }
 
-    /// The scores of the batch in flight (none when there is none), and the batch.
+    /// The scores of the oldest batch in flight (none when there is none), and the batch.
     pub(super) fn collect(&mut self) -> (std::result::Result<Scores, EngineError>, Option<Job>) {
-        if !std::mem::replace(&mut self.in_flight, false) {
+        if self.in_flight == 0 {
             return (Ok(Vec::new()), None);
         }
+        self.in_flight -= 1;
         match self.done.recv() {
-            Ok((r, job)) => (r.map_err(EngineError::failed), Some(job)),
+            Ok((r, job, took)) => {
+                if r.is_ok() {
+                    self.runs.record(took);
+                }
+                (r.map_err(EngineError::failed), Some(job))
+            }
             Err(_) => (
                 Err(EngineError::failed("the ONNX session's thread ended")),
                 None,
             ),
         }
+    }
+
+    /// Batches sent and not collected.
+    pub(super) fn in_flight(&self) -> usize {
+        self.in_flight
+    }
+
+    /// What its runs took, those collected so far.
+    pub(super) fn runs(&self) -> RunTimes {
+        self.runs
     }
 }
 
