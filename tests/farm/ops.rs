@@ -332,3 +332,90 @@ fn a_producer_told_to_wait_for_its_server_connects_once_the_server_listens() {
     assert!(String::from_utf8_lossy(&o.stderr).contains("no tensorport server at"));
     assert!(t.elapsed() >= Duration::from_millis(300));
 }
+
+/// The children of `parent` whose command line holds `word`, with their nice values.
+fn children_nice(parent: u32, word: &str) -> Vec<(u32, i32)> {
+    let mut out = Vec::new();
+    for e in std::fs::read_dir("/proc").unwrap().flatten() {
+        let Some(pid) = e.file_name().to_str().and_then(|s| s.parse::<u32>().ok()) else {
+            continue;
+        };
+        let (Ok(stat), Ok(cmd)) = (
+            std::fs::read_to_string(format!("/proc/{pid}/stat")),
+            std::fs::read(format!("/proc/{pid}/cmdline")),
+        ) else {
+            continue;
+        };
+        // Fields after the command's parentheses: state (3rd) onwards; ppid is the 4th, nice
+        // the 19th.
+        let Some(rest) = stat.rsplit_once(')').map(|(_, r)| r) else {
+            continue;
+        };
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let is_word = cmd.split(|&b| b == 0).any(|a| a == word.as_bytes());
+        if f.len() > 16 && f[1] == parent.to_string() && is_word {
+            out.push((pid, f[16].parse().unwrap()));
+        }
+    }
+    out
+}
+
+#[test]
+fn producers_run_at_the_lower_priority_asked_and_the_server_at_its_own() {
+    let mut farm = Command::new(EXE)
+        .args([
+            "farm",
+            "--model",
+            "none",
+            "--synthetic",
+            "10000000",
+            "-p",
+            "2",
+        ])
+        .args([
+            "--producer-nice",
+            "7",
+            "--progress",
+            "never",
+            "-o",
+            "/dev/null",
+        ])
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    // Bounded: the producers start within seconds; the farm is killed whatever happens.
+    let t = Instant::now();
+    let (mut producers, mut servers) = (Vec::new(), Vec::new());
+    while t.elapsed() < Duration::from_secs(60) && (producers.len() < 2 || servers.is_empty()) {
+        producers = children_nice(farm.id(), "produce");
+        servers = children_nice(farm.id(), "serve");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(farm.id() as i32),
+        nix::sys::signal::Signal::SIGINT,
+    );
+    let ended = Instant::now();
+    while farm.try_wait().unwrap().is_none() && ended.elapsed() < Duration::from_secs(30) {
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    let _ = farm.kill();
+    let _ = farm.wait();
+    let ours: i32 = std::fs::read_to_string("/proc/self/stat")
+        .unwrap()
+        .rsplit_once(')')
+        .unwrap()
+        .1
+        .split_whitespace()
+        .nth(16)
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert_eq!(producers.len(), 2, "two producers found: {producers:?}");
+    for (pid, nice) in &producers {
+        assert_eq!(*nice, (ours + 7).min(19), "producer {pid}");
+    }
+    assert_eq!(servers.len(), 1, "{servers:?}");
+    assert_eq!(servers[0].1, ours, "the server keeps the farm's priority");
+}

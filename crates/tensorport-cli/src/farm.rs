@@ -153,6 +153,11 @@ pub struct Args {
     /// restarts them and redoes their inputs (docs/operations.md).
     #[arg(long, value_enum, default_value_t = tensorport_farm::mps::MpsMode::Auto)]
     pub mps: tensorport_farm::mps::MpsMode,
+    /// Run the producers this much lower in CPU priority than the servers (a nice increment,
+    /// 0 to 19), so that a server launching its model's GPU work keeps its core when the
+    /// producers want every core.
+    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=19))]
+    pub producer_nice: u8,
 }
 
 impl Args {
@@ -213,6 +218,7 @@ impl Args {
             RoutingArg::Shared => Routing::Shared,
         };
         cfg.mps = self.mps;
+        cfg.producer_nice = self.producer_nice;
         // What depends on the run and was not given, decided once, by the library.
         let open = LeftOpen {
             mix: self.producers.is_none() && self.gpu_producers.is_none(),

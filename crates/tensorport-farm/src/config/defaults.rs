@@ -141,6 +141,7 @@ impl FarmConfig {
             launcher: Launcher::this_executable(),
             routing: Routing::default(),
             mps: crate::mps::MpsMode::default(),
+            producer_nice: 0,
         }
     }
 

@@ -326,6 +326,10 @@ pub struct FarmConfig {
     pub routing: Routing,
     /// Whether its GPU processes share the GPU through MPS ([`crate::mps`]).
     pub mps: crate::mps::MpsMode,
+    /// How much lower than the servers' the producers' CPU priority is (a `nice` increment,
+    /// 0 to 19): with more busy threads than cores, a server whose model launches GPU work
+    /// from one thread keeps its core.
+    pub producer_nice: u8,
 }
 
 /// Who takes plain JPEGs (8-bit sequential, the JPEG engines' kind) in a farm with CPU and GPU

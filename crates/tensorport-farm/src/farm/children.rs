@@ -338,6 +338,15 @@ impl Farm {
             name: w.name.clone(),
             source,
         })?;
+        if self.cfg.producer_nice > 0 {
+            // Lowered as it starts (its own later threads inherit it); a refusal costs only
+            // the priority.
+            let pid = rustix::process::Pid::from_child(&child);
+            let nice = i32::from(self.cfg.producer_nice.min(19));
+            if let Err(e) = rustix::process::setpriority_process(Some(pid), nice) {
+                tracing::warn!("cannot lower {}'s CPU priority: {e}", w.name);
+            }
+        }
         w.generation += 1;
         w.warm = false;
         w.server = server;
