@@ -202,6 +202,7 @@ struct InFlight {
     used: Vec<usize>,
     size: usize,
     taken: Instant,
+    /// When it was submitted, and when its engine could start it (the batch before it ended).
     model_started: Instant,
     /// How long its engine expects to run it.
     run: Option<Duration>,
@@ -230,7 +231,12 @@ impl BatchLoop<'_> {
          -> Option<(InFlight, Result<Scores, EngineError>)> {
             let batch = pending.pop_front()?;
             let scores = engine.collect();
-            pace.collected(Instant::now(), pending.front().map(|b| b.run));
+            let now = Instant::now();
+            pace.collected(now, pending.front().map(|b| b.run));
+            // The one queued behind it starts now: its model time counts from here.
+            if let Some(next) = pending.front_mut() {
+                next.model_started = next.model_started.max(now);
+            }
             Some((batch, scores))
         };
         loop {
