@@ -200,7 +200,6 @@ pub fn run_with(
     let (tx, rx) = mpsc::channel();
     let mut farm = Farm::new(cfg, sockets, devices, report.clone(), tx);
     farm.child_env = mps.env();
-    farm.gpu_producer_env = mps.producer_env();
     let stopped = || stop.draining();
     let quit_now = || stop.at_once();
     let started = Instant::now();

@@ -7,11 +7,6 @@ use std::path::Path;
 pub const PIPE_ENV: &str = "CUDA_MPS_PIPE_DIRECTORY";
 /// The variable naming the daemon's log directory.
 pub const LOG_ENV: &str = "CUDA_MPS_LOG_DIRECTORY";
-/// The variable with a client's scheduling hint to its MPS server: `0` normal, `1` below
-/// normal (its work runs where the normal clients' leaves room).
-pub const PRIORITY_ENV: &str = "CUDA_MPS_CLIENT_PRIORITY";
-/// [`PRIORITY_ENV`]'s value for a client whose work yields to the others'.
-pub const BELOW_NORMAL: &str = "1";
 /// Where a daemon started without [`PIPE_ENV`] keeps its pipes.
 pub const DEFAULT_PIPE_DIR: &str = "/tmp/nvidia-mps";
 

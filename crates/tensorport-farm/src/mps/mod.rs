@@ -17,10 +17,7 @@
 //!   saying why once.
 //! - `on`: the same, but where MPS cannot be had the run does not start.
 //!
-//! The run's GPU processes get [`Mps::env`] in their environment; its producers
-//! [`Mps::producer_env`], which also asks the MPS server to run their work below the model's
-//! ([`PRIORITY_ENV`]), so a producer's decode fills the room the network leaves instead of
-//! slowing it. What MPS changes: a fatal
+//! The run's GPU processes get [`Mps::env`] in their environment. What MPS changes: a fatal
 //! GPU fault in one client (an illegal address, say) ends the MPS server's work for every
 //! client, so the run must restart its GPU processes; [`Mps::revive`] starts a private daemon
 //! again if it died.
@@ -36,7 +33,7 @@ use crate::error::ConfigError;
 
 mod control;
 mod private;
-pub use control::{daemon_at, BELOW_NORMAL, DEFAULT_PIPE_DIR, LOG_ENV, PIPE_ENV, PRIORITY_ENV};
+pub use control::{daemon_at, DEFAULT_PIPE_DIR, LOG_ENV, PIPE_ENV};
 use private::Private;
 
 /// Whether a run's GPU processes share the GPU through MPS.
@@ -181,18 +178,6 @@ fn compute_modes(smi: &Path) -> Vec<(u32, String)> {
         .collect()
 }
 
-/// A GPU producer's variables from the model's, `env` (empty without the run's MPS);
-/// `has_priority`: this process has a [`PRIORITY_ENV`] of its own.
-fn producer_env(
-    mut env: Vec<(&'static str, OsString)>,
-    has_priority: bool,
-) -> Vec<(&'static str, OsString)> {
-    if !env.is_empty() && !has_priority {
-        env.push((PRIORITY_ENV, BELOW_NORMAL.into()));
-    }
-    env
-}
-
 /// Looks at the machine for a run on `gpus`.
 pub fn probe(tools: &Tools, gpus: &[u32]) -> Probe {
     let refused = tools.smi.as_deref().and_then(|smi| {
@@ -310,14 +295,6 @@ impl Mps {
         v
     }
 
-    /// The variables a GPU producer of the run gets: [`Mps::env`] and, under the run's MPS,
-    /// its work below the model's in the MPS server's scheduling ([`PRIORITY_ENV`] =
-    /// [`BELOW_NORMAL`]), unless this process was given a [`PRIORITY_ENV`] of its own, which
-    /// every child then inherits as it is.
-    pub fn producer_env(&self) -> Vec<(&'static str, OsString)> {
-        producer_env(self.env(), std::env::var_os(PRIORITY_ENV).is_some())
-    }
-
     /// Ends MPS for a process that is itself a client of the daemon (a Python process whose
     /// model runs beside its `Loader`'s GPU producers) as it exits: a private daemon is asked
     /// to quit and ends after its last client; its folder is removed once it has.
@@ -376,24 +353,5 @@ mod tests {
         assert!(plan(On, &probe(true, false, Some("Prohibited")))
             .unwrap_err()
             .contains("refuses MPS"));
-    }
-
-    #[test]
-    fn producers_yield_to_the_model_under_mps_unless_the_run_was_told_otherwise() {
-        let pipe = || vec![(PIPE_ENV, OsString::from("/tmp/p"))];
-        let of = |env: &[(&'static str, OsString)]| {
-            env.iter()
-                .find(|(k, _)| *k == PRIORITY_ENV)
-                .map(|(_, v)| v.clone())
-        };
-        // Under the run's MPS, below normal.
-        let env = producer_env(pipe(), false);
-        assert_eq!(of(&env), Some(OsString::from(BELOW_NORMAL)));
-        assert_eq!(env[0], pipe()[0], "the model's variables kept");
-        // Without MPS nothing; a priority the run was given is inherited, not replaced.
-        assert!(producer_env(Vec::new(), false).is_empty());
-        assert_eq!(producer_env(pipe(), true), pipe());
-        // The model's own processes get no priority.
-        assert_eq!(of(&Mps::off().env()), None);
     }
 }
