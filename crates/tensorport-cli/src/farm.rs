@@ -6,7 +6,7 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Duration;
 
-use tensorport_farm::config::{Device, LeftOpen, Machine, Routing, Servers};
+use tensorport_farm::config::{Device, LeftOpen, Machine, RunOptions, Servers};
 use tensorport_farm::FarmConfig;
 use tensorport_vision::Source;
 
@@ -22,16 +22,6 @@ pub enum Progress {
     Always,
     /// Never.
     Never,
-}
-
-/// Who takes plain JPEGs in a farm with both kinds of producers.
-#[derive(clap::ValueEnum, Debug, Clone, Copy, PartialEq, Eq)]
-pub enum RoutingArg {
-    /// The GPU producers only (the CPU producers only when no GPU producer runs).
-    ByKind,
-    /// The GPU producers first; the CPU producers take those the GPU producers have no room
-    /// for, once each GPU producer has returned a result.
-    Shared,
 }
 
 /// Classify a set of images with one inference server and N producer processes. The farm starts
@@ -108,10 +98,6 @@ pub struct Args {
     /// of --gpu-in-flight, at most 64].
     #[arg(long)]
     pub gpu_batch: Option<u32>,
-    /// Model workers per server (`serve --workers`): threads that each run their own copy of
-    /// the model on their share of the producers.
-    #[arg(long, default_value_t = 1)]
-    pub workers: usize,
     /// Threads for the server's model [default: all cores].
     #[arg(long)]
     pub threads: Option<usize>,
@@ -121,10 +107,6 @@ pub struct Args {
     /// Live progress: auto (on a terminal), always, never.
     #[arg(long, value_enum, default_value_t = Progress::Auto)]
     pub progress: Progress,
-    /// Restarts of one producer (or of the server) in a row without a result in between before
-    /// the farm gives up on it.
-    #[arg(long, default_value_t = 8)]
-    pub max_restarts: u32,
     /// A producer that holds inputs but returns no result for this many seconds, while the
     /// server runs, is taken as hung (stopped, deadlocked in its preprocessing): the farm kills
     /// it, restarts it and hands its inputs out again.
@@ -132,10 +114,8 @@ pub struct Args {
     pub stall_secs: f64,
     #[command(flatten)]
     pub hand_over: HandOverArgs,
-    /// With CPU and GPU producers: who takes plain JPEGs (the JPEG engines' kind). Progressive
-    /// JPEGs and PNGs go to the CPU producers, large plain JPEGs to whoever has room, either way.
-    #[arg(long, value_enum, default_value_t = RoutingArg::Shared)]
-    pub routing: RoutingArg,
+    #[command(flatten)]
+    pub run: RunOptions,
     /// Print the producers this farm would start, as `CPU GPU` (the automatic mix where neither
     /// -p nor --gpu-producers is given), and exit without starting anything.
     #[arg(long)]
@@ -143,21 +123,6 @@ pub struct Args {
     /// Log level of the server and producers (their stderr is shown prefixed with their name).
     #[arg(long, default_value = "warn", value_parser = crate::common::parse_log_filter)]
     pub child_log: String,
-    /// Where the server and GPU producers share a GPU: run them as clients of one CUDA MPS
-    /// server, so their kernels overlap instead of taking turns. auto does so for an ONNX model
-    /// (a network of yours; with the bundled model or none the GPU producers' decoding is the
-    /// bound, and MPS slows it): it joins a running MPS daemon, else starts a private one for the
-    /// run (its own pipe folder; quit at the end), and goes without where MPS cannot be had,
-    /// saying why; on does so for any model, and refuses to start where MPS cannot be had; off
-    /// never uses MPS. Under MPS a fatal GPU fault in one process ends the GPU work of all: the farm
-    /// restarts them and redoes their inputs (docs/operations.md).
-    #[arg(long, value_enum, default_value_t = tensorport_farm::mps::MpsMode::Auto)]
-    pub mps: tensorport_farm::mps::MpsMode,
-    /// Run the producers this much lower in CPU priority than the servers (a nice increment,
-    /// 0 to 19), so that a server launching its model's GPU work keeps its core when the
-    /// producers want every core.
-    #[arg(long, default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=19))]
-    pub producer_nice: u8,
 }
 
 impl Args {
@@ -201,10 +166,8 @@ impl Args {
         cfg.in_flight = self.in_flight.unwrap_or(cfg.in_flight);
         cfg.gpu_in_flight = self.gpu_in_flight;
         cfg.gpu_batch = self.gpu_batch.unwrap_or(cfg.gpu_batch);
-        cfg.workers = self.workers;
         cfg.threads = self.threads;
         cfg.socket = self.socket.clone();
-        cfg.max_restarts = self.max_restarts;
         cfg.stall = Duration::from_secs_f64(self.stall_secs);
         cfg.ready = self.hand_over.ready;
         cfg.prep = self.hand_over.prep_options();
@@ -213,12 +176,7 @@ impl Args {
         cfg.non_finite = self.hand_over.non_finite;
         cfg.child_log = self.child_log.clone();
         cfg.launcher = crate::launcher();
-        cfg.routing = match self.routing {
-            RoutingArg::ByKind => Routing::ByKind,
-            RoutingArg::Shared => Routing::Shared,
-        };
-        cfg.mps = self.mps;
-        cfg.producer_nice = self.producer_nice;
+        cfg.run = self.run.clone();
         // What depends on the run and was not given, decided once, by the library.
         let open = LeftOpen {
             mix: self.producers.is_none() && self.gpu_producers.is_none(),

@@ -10,7 +10,7 @@ use std::time::Duration;
 
 use tensorport_vision::Source;
 
-use super::{FarmConfig, Launcher, ModelOptions, PrepOptions, Routing, Servers};
+use super::{FarmConfig, Launcher, ModelOptions, PrepOptions, RunOptions, Servers};
 use crate::record::{Keep, NonFinite};
 
 /// CPU producers a farm starts when the user names neither kind and its servers run on the CPU.
@@ -22,8 +22,8 @@ pub const DEFAULT_GPU_PRODUCERS_PER_GPU: usize = 2;
 /// The producers a farm starts when the user names neither kind: `(cpu, gpu)`. On the CPU,
 /// [`DEFAULT_CPU_PRODUCERS`]. On `gpus` GPUs with nvJPEG, [`DEFAULT_GPU_PRODUCERS_PER_GPU`] GPU
 /// producers per GPU and a CPU producer for every core but two and one per GPU producer (the
-/// server's, and the GPU producers' own threads); with [`Routing::Shared`] the CPU producers
-/// take the progressive files and PNGs and share the plain JPEGs the GPU producers have no
+/// server's, and the GPU producers' own threads); with [`Routing::Shared`](super::Routing::Shared)
+/// the CPU producers take the progressive files and PNGs and share the plain JPEGs the GPU producers have no
 /// room for, which on the H200 machine beat the GPU producers alone by 9–23% on a folder of
 /// small baseline JPEGs and matched them on a varied photo folder (docs/benchmarks.md).
 /// Without nvJPEG, a CPU producer for every core but the server's.
@@ -127,10 +127,8 @@ impl FarmConfig {
             in_flight: DEFAULT_IN_FLIGHT,
             gpu_in_flight: DEFAULT_GPU_IN_FLIGHT,
             gpu_batch: DEFAULT_GPU_BATCH,
-            workers: 1,
             threads: None,
             socket: None,
-            max_restarts: DEFAULT_MAX_RESTARTS,
             stall: DEFAULT_STALL,
             ready: false,
             prep: PrepOptions::default(),
@@ -139,9 +137,7 @@ impl FarmConfig {
             non_finite: NonFinite::Strings,
             child_log: "warn".into(),
             launcher: Launcher::this_executable(),
-            routing: Routing::default(),
-            mps: crate::mps::MpsMode::default(),
-            producer_nice: 0,
+            run: RunOptions::default(),
         }
     }
 
@@ -168,9 +164,6 @@ impl FarmConfig {
 /// (`ProduceConfig::wait_for_server`): producers start beside their servers, and a server may
 /// take this long to load its model and plan its sessions before the producer is restarted.
 pub const FARM_WAIT_FOR_SERVER: Duration = Duration::from_secs(120);
-
-/// Restarts of one process in a row without a result before the farm gives up on it.
-pub const DEFAULT_MAX_RESTARTS: u32 = 8;
 
 /// How long a producer may hold inputs without a result, with the server up, before the farm
 /// takes it as hung.
@@ -223,7 +216,7 @@ mod tests {
         let farm = |model: ModelOptions, servers: Servers, gpu_producers: usize, mps| {
             let mut c = FarmConfig::new(Vec::new(), servers, model, "out");
             c.gpu_producers = gpu_producers;
-            c.mps = mps;
+            c.run.mps = mps;
             c.mps_gpus()
         };
         let gpu0 = Device::Cuda(0);

@@ -17,11 +17,13 @@ mod data;
 pub mod defaults;
 mod model;
 mod prep;
+mod run;
 
 pub use model::{
     Device, ModelKind, ModelOptions, OrtProvider, DEFAULT_MAX_BATCH_CPU, DEFAULT_MAX_BATCH_GPU,
 };
 pub use prep::{Pixels, PrepOptions, TransformKind};
+pub use run::{Routing, RunOptions};
 
 pub use defaults::{
     default_producers, LeftOpen, Machine, DEFAULT_CPU_PRODUCERS, DEFAULT_GPU_PRODUCERS_PER_GPU,
@@ -299,14 +301,10 @@ pub struct FarmConfig {
     pub gpu_in_flight: u32,
     /// Images each GPU producer decodes per nvJPEG batch, 1 to `gpu_in_flight`.
     pub gpu_batch: u32,
-    /// Model workers per server.
-    pub workers: usize,
     /// Threads for each server's model [default: all cores].
     pub threads: Option<usize>,
     /// The first server's socket [default: a fresh private directory, removed afterwards].
     pub socket: Option<PathBuf>,
-    /// Restarts of one producer (or server) in a row without a result before giving up.
-    pub max_restarts: u32,
     /// A producer holding inputs without a result this long, with the server up, is killed.
     pub stall: Duration,
     /// Producers hand over a ready tensor for every input.
@@ -322,28 +320,8 @@ pub struct FarmConfig {
     pub child_log: String,
     /// How to start the children (`tensorport serve`, `tensorport produce`).
     pub launcher: Launcher,
-    /// Who takes plain JPEGs when the farm has both kinds of producers.
-    pub routing: Routing,
-    /// Whether its GPU processes share the GPU through MPS ([`crate::mps`]).
-    pub mps: crate::mps::MpsMode,
-    /// How much lower than the servers' the producers' CPU priority is (a `nice` increment,
-    /// 0 to 19): with more busy threads than cores, a server whose model launches GPU work
-    /// from one thread keeps its core.
-    pub producer_nice: u8,
-}
-
-/// Who takes plain JPEGs (8-bit sequential, the JPEG engines' kind) in a farm with CPU and GPU
-/// producers. Either way the rest (progressive, 12-bit, PNG) goes to the CPU producers first and
-/// large plain JPEGs to whoever has room.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-#[non_exhaustive]
-pub enum Routing {
-    /// The GPU producers only (the CPU producers only when no GPU producer runs).
-    ByKind,
-    /// The GPU producers first; the CPU producers take those the GPU producers have no room
-    /// for, once every GPU producer has returned a result.
-    #[default]
-    Shared,
+    /// How it runs its processes: the options taken as given ([`RunOptions`]).
+    pub run: RunOptions,
 }
 
 impl FarmConfig {
@@ -379,7 +357,7 @@ impl FarmConfig {
     /// producers' decoding is the bound, and MPS slows it (docs/benchmarks-detail.md), so `auto`
     /// leaves MPS out there.
     pub fn mps_gpus(&self) -> Vec<u32> {
-        let wanted = match self.mps {
+        let wanted = match self.run.mps {
             crate::mps::MpsMode::Off => false,
             crate::mps::MpsMode::On => true,
             crate::mps::MpsMode::Auto => matches!(self.model.kind, ModelKind::Onnx(_)),
@@ -419,7 +397,7 @@ impl FarmConfig {
         self.model.check()?;
         self.prep.check()?;
         within("in_flight", self.in_flight, 1, MAX_IN_FLIGHT)?;
-        within("workers", self.workers, 1, MAX_THREADS)?;
+        within("workers", self.run.workers, 1, MAX_THREADS)?;
         if let Some(t) = self.threads {
             within("threads", t, 1, MAX_THREADS)?;
         }

@@ -258,7 +258,7 @@ impl Farm {
             slots: cfg.in_flight,
             max_sessions: (cfg.producers + cfg.gpu_producers + 4) as u32,
             threads: cfg.threads,
-            workers: cfg.workers,
+            workers: cfg.run.workers,
             ..ServeConfig::new(self.sockets[k].clone(), model)
         }
     }
@@ -338,11 +338,11 @@ impl Farm {
             name: w.name.clone(),
             source,
         })?;
-        if self.cfg.producer_nice > 0 {
+        if self.cfg.run.producer_nice > 0 {
             // Lowered as it starts (its own later threads inherit it); a refusal costs only
             // the priority.
             let pid = rustix::process::Pid::from_child(&child);
-            let nice = i32::from(self.cfg.producer_nice.min(19));
+            let nice = i32::from(self.cfg.run.producer_nice.min(19));
             if let Err(e) = rustix::process::setpriority_process(Some(pid), nice) {
                 tracing::warn!("cannot lower {}'s CPU priority: {e}", w.name);
             }

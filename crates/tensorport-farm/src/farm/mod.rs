@@ -192,7 +192,7 @@ pub fn run_with(
     let mut mps = match shared.is_empty() {
         true => crate::mps::Mps::off(),
         false => {
-            let m = crate::mps::Mps::start(cfg.mps, &crate::mps::Tools::find(), &shared)?;
+            let m = crate::mps::Mps::start(cfg.run.mps, &crate::mps::Tools::find(), &shared)?;
             report.log(&m.describe());
             m
         }

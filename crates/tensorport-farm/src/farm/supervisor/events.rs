@@ -124,7 +124,7 @@ impl Supervisor {
             return;
         }
         let report = &self.farm.report;
-        match w.restarts.failed(self.farm.cfg.max_restarts) {
+        match w.restarts.failed(self.farm.cfg.run.max_restarts) {
             Verdict::GiveUp(times) => {
                 report.log(&format!(
                     "{} failed {times} times in a row ({status}); giving up on it",
@@ -182,7 +182,7 @@ impl Supervisor {
         {
             return;
         }
-        match s.restarts.failed(self.farm.cfg.max_restarts) {
+        match s.restarts.failed(self.farm.cfg.run.max_restarts) {
             Verdict::GiveUp(times) => {
                 self.failure = Some(Error::ServerKeepsFailing {
                     name,

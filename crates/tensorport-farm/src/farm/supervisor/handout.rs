@@ -30,7 +30,7 @@ impl Supervisor {
                 State::GaveUp => GpuState::GaveUp,
                 _ => GpuState::Starting,
             });
-        let cpu_takes_plain = cpu_takes_plain(self.farm.cfg.routing, gpus);
+        let cpu_takes_plain = cpu_takes_plain(self.farm.cfg.run.routing, gpus);
         for slot in 0..self.workers.len() {
             if !self.workers[slot].gpu {
                 self.give(slot, self.depth, cpu_takes_plain);
