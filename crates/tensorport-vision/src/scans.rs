@@ -21,14 +21,15 @@ pub const MAX_WORK_PASSES: u64 = 16;
 /// The coefficient memory any JPEG may have its decoder hold, in bytes: a progressive (or
 /// multi-scan) file is decoded through a buffer of every block's 64 coefficients (128 bytes a
 /// block) for the whole frame, whatever part of the image the transform keeps. Up to this much
-/// whatever the file's size: every frame to 22 megapixels at 4:2:0, 11 at 4:4:4.
-pub const COEFFICIENT_FLOOR: u64 = 64 << 20;
+/// whatever the file's size: every frame to 44 megapixels at 4:2:0, 22 at 4:4:4 (a camera's
+/// photo, however well it compresses).
+pub const COEFFICIENT_FLOOR: u64 = 128 << 20;
 
 /// Beyond [`COEFFICIENT_FLOOR`], a file may ask for this many bytes of coefficients per byte of
-/// itself: a photo holds at least one byte for every 64 coefficient bytes of its frame (its
-/// bits per pixel well above 0.1), while a crafted file of a few hundred bytes that declares
-/// a 64-megapixel progressive frame asks for 384 MB.
-pub const COEFFICIENT_BYTES_PER_FILE_BYTE: u64 = 64;
+/// itself: a photo holds at least one byte for every 256 coefficient bytes of its frame (0.1
+/// bits per pixel at 4:2:0, 0.2 at 4:4:4), while a crafted file of a few hundred bytes that
+/// declares a 64-megapixel progressive frame asks for 384 MB.
+pub const COEFFICIENT_BYTES_PER_FILE_BYTE: u64 = 256;
 
 /// Writes into `out` the JPEG `jpeg` without its AC refinement scans (those with a spectral
 /// start above 0 and a successive-approximation high bit above 0). Returns how many scans were
@@ -472,7 +473,7 @@ mod tests {
         let tiny = file(&[frame(0xC2), dc.clone()]);
         let why = check_work(&tiny).unwrap_err();
         assert!(
-            why.contains("366 MiB of coefficients") && why.contains("at most 64 MiB"),
+            why.contains("366 MiB of coefficients") && why.contains("at most 128 MiB"),
             "{why}"
         );
         // The same frame in a file of 6 MB (as a photo of that size is): decoded.
@@ -486,6 +487,19 @@ mod tests {
         assert_eq!(check_work(&file(&[frame(0xC0), dc.clone()])), Ok(()));
         let two = file(&[frame(0xC0), dc.clone(), dc.clone()]);
         assert!(check_work(&two).unwrap_err().contains("memory bomb"));
+        // A 12-megapixel photo at 4:4:4 (4000×3000: 562,500 blocks, 69 MiB) that compresses to
+        // 900 KB (0.6 bits a pixel), as photos of a camera at quality 60 do: decoded.
+        let photo = seg(
+            0xC2,
+            &[
+                8, 0x0B, 0xB8, 0x0F, 0xA0, 3, 1, 0x11, 0, 2, 0x11, 1, 3, 0x11, 1,
+            ],
+        );
+        let mut photo = file(&[photo, dc.clone()]);
+        let end = photo.split_off(photo.len() - 2);
+        photo.resize(900_000, 0x00);
+        photo.extend_from_slice(&end);
+        assert_eq!(check_work(&photo), Ok(()));
         // 1000×1000 progressive in a tiny file: under the floor.
         let small = seg(
             0xC2,
