@@ -109,16 +109,23 @@ pub(crate) fn serve_producer(
         // with is still arriving (they travel with its first bytes).
         // A frame still arriving carries at most one descriptor: more, held for a message that
         // may never come, would let one peer fill the server's descriptor table, so the session
-        // ends and they are closed with it.
-        if reader.pending() > 0 && reader.fds_waiting() > MAX_FDS_PER_MESSAGE {
+        // ends and they are closed with it. So does a frame whose descriptors the kernel cut
+        // short (the table was full): what it carried is lost, and a session sending such
+        // frames while the table is full would otherwise wait for the rest unnoticed.
+        if reader.pending() > 0 && (reader.fds_waiting() > MAX_FDS_PER_MESSAGE || truncated) {
             let n = reader.drop_fds();
-            session.close_with(
-                ErrorCode::FdsNotExpected,
+            let message = if truncated {
+                format!(
+                    "file descriptor(s) sent with an unfinished frame did not fit the server's \
+                     descriptor table ({n} arrived); closed them and the session"
+                )
+            } else {
                 format!(
                     "{n} file descriptor(s) sent with an unfinished frame, which carries at most \
                      {MAX_FDS_PER_MESSAGE}; closed them and the session"
-                ),
-            );
+                )
+            };
+            session.close_with(ErrorCode::FdsNotExpected, message);
             return false;
         }
         if reader.pending() == 0 && (reader.fds_waiting() > 0 || truncated) {

@@ -487,10 +487,50 @@ pub(crate) fn fds_in_unfinished_frames() {
         );
         assert_still_served(&sock, round + 2);
     }
+    // A table with no room at all: the kernel installs none of a partial frame's descriptors
+    // and only says it cut them (`MSG_CTRUNC`); the session still ends.
+    let mut r = Raw::connect(&sock);
+    r.hello(2);
+    std::thread::sleep(Duration::from_millis(100));
+    set_nofile(pid, lowest_free_fd(pid));
+    for _ in 0..5 {
+        if !r.send_bytes_with_fds(&partial, 253) {
+            break;
+        }
+    }
+    let (code, text) = r.next_error_text();
+    set_nofile(pid, 400);
+    assert_eq!(code, ErrorCode::FdsNotExpected, "full table: {text}");
+    assert!(text.contains("did not fit"), "{text}");
+    assert!(r.recv().is_none(), "the session stayed open");
+    drop(r);
+    assert_still_served(&sock, 5);
     println!(
-        "  3 rounds of 4 sessions × 253 descriptors a send: server fds {fds0} -> {}",
+        "  3 rounds of 4 sessions × 253 descriptors a send, then one into a full table: \
+         server fds {fds0} -> {}",
         fds_of(pid)
     );
+}
+
+/// The lowest descriptor number `pid` has free: as its limit, no descriptor fits its table.
+fn lowest_free_fd(pid: i32) -> u64 {
+    let open: std::collections::BTreeSet<u64> = std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .unwrap()
+        .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+        .collect();
+    (0..).find(|n| !open.contains(n)).unwrap()
+}
+
+/// Sets `pid`'s descriptor limit (soft and hard stay within the hard limit it was given).
+fn set_nofile(pid: i32, n: u64) {
+    let limit = nix::libc::rlimit {
+        rlim_cur: n,
+        rlim_max: 400,
+    };
+    // SAFETY: `limit` is a valid rlimit and the old-limit pointer may be null.
+    let rc =
+        unsafe { nix::libc::prlimit(pid, nix::libc::RLIMIT_NOFILE, &limit, std::ptr::null_mut()) };
+    assert_eq!(rc, 0, "prlimit: {}", std::io::Error::last_os_error());
 }
 
 /// A producer keeping its submission queue full of invalid entries: refused ones count against

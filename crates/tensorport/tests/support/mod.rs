@@ -287,6 +287,12 @@ impl Raw {
             {
                 return None
             }
+            Err(e)
+                if e.kind() == std::io::ErrorKind::WouldBlock
+                    || e.kind() == std::io::ErrorKind::TimedOut =>
+            {
+                panic!("the server sent nothing and kept the session open for 5 s")
+            }
             Err(e) => panic!("read: {e}"),
         }
         let mut p = vec![0u8; u32::from_le_bytes(h) as usize];
