@@ -119,7 +119,7 @@ pub struct ModelArgs {
     /// onto the device: a transport benchmark, like PyTorch's DataLoader one).
     #[arg(
         long,
-        default_value = "classifier",
+        default_value_t = ModelOptions::default().kind,
         value_name = "classifier|none|PATH.onnx"
     )]
     pub model: ModelKind,
@@ -137,11 +137,11 @@ pub struct ModelArgs {
     #[arg(long)]
     pub weights: Option<PathBuf>,
     /// Seed for the weights when no --weights file is given.
-    #[arg(long, default_value_t = 0)]
+    #[arg(long, default_value_t = ModelOptions::default().seed)]
     pub seed: u64,
     /// Run the model on this device: cpu, cuda (GPU 0) or cuda:N. CUDA needs a build with
     /// `--features cuda`.
-    #[arg(long, default_value = "cpu", value_parser = parse_device)]
+    #[arg(long, default_value_t = ModelOptions::default().device, value_parser = parse_device)]
     pub device: Device,
     /// Largest batch the model runs. On a GPU a larger batch takes less of its time per image,
     /// time that GPU producers beside the model then have. [default: 32 on the CPU, 128 on a
@@ -149,7 +149,11 @@ pub struct ModelArgs {
     #[arg(long)]
     pub max_batch: Option<usize>,
     /// How long a batch waits for more requests after its first, in milliseconds.
-    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u64).range(0..=MAX_MS))]
+    #[arg(
+        long,
+        default_value_t = ModelOptions::default().max_wait.as_millis() as u64,
+        value_parser = clap::value_parser!(u64).range(0..=MAX_MS)
+    )]
     pub max_wait_ms: u64,
     /// Arithmetic of the model's convolutions on the GPU (cuDNN): f32 (no TF32), tf32, bf16 or
     /// f16; the 16-bit ones keep fp32 sums, biases and scores. The CPU model is always f32.
@@ -158,12 +162,12 @@ pub struct ModelArgs {
     pub precision: Option<Precision>,
     /// With an ONNX model on a GPU: ONNX Runtime's execution provider (TensorRT needs its
     /// libraries beside onnxruntime-gpu's).
-    #[arg(long, value_enum, default_value_t = OrtProvider::Cuda)]
+    #[arg(long, value_enum, default_value_t = ModelOptions::default().ort_provider)]
     pub ort_provider: OrtProvider,
     /// With an f32 ONNX model on a GPU: its convolutions and matrix products on TF32 tensor
     /// cores (ONNX Runtime's and PyTorch's default for convolutions); off for scores as exact
     /// as the CPU's.
-    #[arg(long, value_enum, default_value_t = Switch::On)]
+    #[arg(long, value_enum, default_value_t = ModelOptions::default().tf32.into())]
     pub tf32: Switch,
 }
 
@@ -313,6 +317,16 @@ impl Switch {
     }
 }
 
+impl From<bool> for Switch {
+    fn from(on: bool) -> Switch {
+        if on {
+            Switch::On
+        } else {
+            Switch::Off
+        }
+    }
+}
+
 pub use tensorport_farm::config::pixels_of;
 
 /// A size in bytes: a number, optionally with K, M, G or T (powers of 1024; `KiB`, `MB`, `g`
@@ -386,6 +400,23 @@ mod tests {
         for bad in ["", "lots", "0", "5X", "-3G"] {
             assert!(parse_size(bad).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn the_model_flags_left_out_are_the_libraries_defaults() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            model: ModelArgs,
+        }
+        let given = Flags::parse_from(["tensorport"]).model;
+        assert_eq!(given.options(), ModelOptions::default());
+        let gpu = Flags::parse_from(["tensorport", "--device", "cuda:1"]).model;
+        assert_eq!(
+            gpu.options().max_batch,
+            ModelOptions::default_max_batch(Device::Cuda(1))
+        );
     }
 
     #[test]

@@ -76,6 +76,12 @@ impl ModelKind {
     }
 }
 
+impl std::fmt::Display for ModelKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.arg())
+    }
+}
+
 impl std::str::FromStr for ModelKind {
     type Err = String;
 
@@ -153,7 +159,7 @@ impl OrtProvider {
 impl Default for ModelOptions {
     fn default() -> ModelOptions {
         ModelOptions {
-            kind: ModelKind::Classifier,
+            kind: ModelKind::default(),
             config: ModelConfig::default(),
             weights: None,
             seed: 0,
@@ -161,7 +167,7 @@ impl Default for ModelOptions {
             max_batch: DEFAULT_MAX_BATCH_CPU,
             max_wait: Duration::from_millis(5),
             precision: None,
-            ort_provider: OrtProvider::Cuda,
+            ort_provider: OrtProvider::default(),
             tf32: true,
         }
     }
