@@ -110,7 +110,12 @@ pub struct Args {
     /// A producer that holds inputs but returns no result for this many seconds, while the
     /// server runs, is taken as hung (stopped, deadlocked in its preprocessing): the farm kills
     /// it, restarts it and hands its inputs out again.
-    #[arg(long, default_value_t = 60.0, value_name = "SECONDS", value_parser = crate::common::parse_seconds)]
+    #[arg(
+        long,
+        default_value_t = tensorport_farm::config::defaults::DEFAULT_STALL.as_secs_f64(),
+        value_name = "SECONDS",
+        value_parser = crate::common::parse_seconds
+    )]
     pub stall_secs: f64,
     #[command(flatten)]
     pub hand_over: HandOverArgs,
