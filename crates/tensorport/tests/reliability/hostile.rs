@@ -448,8 +448,9 @@ fn fds_of(pid: i32) -> usize {
 /// short (`EMFILE`, `MSG_CTRUNC`) — with every descriptor that arrived closed: the server's
 /// table comes back to where it was, and new producers are served.
 pub(crate) fn fds_in_unfinished_frames() {
+    const TABLE: u64 = 400;
     let (_dir, sock) = socket_dir();
-    let server = sink_server(&sock, 400);
+    let server = sink_server(&sock, TABLE as u32);
     let pid = server.pid();
     assert_still_served(&sock, 1);
     std::thread::sleep(Duration::from_millis(100));
@@ -488,18 +489,24 @@ pub(crate) fn fds_in_unfinished_frames() {
         assert_still_served(&sock, round + 2);
     }
     // A table with no room at all: the kernel installs none of a partial frame's descriptors
-    // and only says it cut them (`MSG_CTRUNC`); the session still ends.
+    // and only says it cut them (`MSG_CTRUNC`); the session still ends. The last producer's
+    // session is gone first, so no descriptor is freed under the lowered limit.
+    assert!(
+        eventually(PATIENCE, || fds_of(pid) <= fds0),
+        "the server holds {} descriptors, {fds0} before",
+        fds_of(pid)
+    );
     let mut r = Raw::connect(&sock);
     r.hello(2);
     std::thread::sleep(Duration::from_millis(100));
-    set_nofile(pid, lowest_free_fd(pid));
+    set_nofile(pid, lowest_free_fd(pid), TABLE);
     for _ in 0..5 {
         if !r.send_bytes_with_fds(&partial, 253) {
             break;
         }
     }
     let (code, text) = r.next_error_text();
-    set_nofile(pid, 400);
+    set_nofile(pid, TABLE, TABLE);
     assert_eq!(code, ErrorCode::FdsNotExpected, "full table: {text}");
     assert!(text.contains("did not fit"), "{text}");
     assert!(r.recv().is_none(), "the session stayed open");
@@ -521,11 +528,11 @@ fn lowest_free_fd(pid: i32) -> u64 {
     (0..).find(|n| !open.contains(n)).unwrap()
 }
 
-/// Sets `pid`'s descriptor limit (soft and hard stay within the hard limit it was given).
-fn set_nofile(pid: i32, n: u64) {
+/// Sets `pid`'s descriptor limit to `soft`, keeping its hard limit `hard`.
+fn set_nofile(pid: i32, soft: u64, hard: u64) {
     let limit = nix::libc::rlimit {
-        rlim_cur: n,
-        rlim_max: 400,
+        rlim_cur: soft,
+        rlim_max: hard,
     };
     // SAFETY: `limit` is a valid rlimit and the old-limit pointer may be null.
     let rc =
