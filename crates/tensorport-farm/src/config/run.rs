@@ -30,8 +30,8 @@ pub struct RunOptions {
     /// bound, and MPS slows it): it joins a running MPS daemon, else starts a private one for the
     /// run (its own pipe folder; quit at the end), and goes without where MPS cannot be had,
     /// saying why; on does so for any model, and refuses to start where MPS cannot be had; off
-    /// never uses MPS. Under MPS a fatal GPU fault in one process ends the GPU work of all: the
-    /// farm restarts them and redoes their inputs (docs/operations.md).
+    /// never uses MPS. Under MPS a fatal GPU fault in one process can end the GPU work of all:
+    /// the farm restarts them and redoes their inputs (docs/operations.md).
     #[cfg_attr(
         feature = "clap",
         arg(long, value_enum, default_value_t = RunOptions::default().mps)

@@ -18,8 +18,8 @@
 //! - `on`: the same, but where MPS cannot be had the run does not start.
 //!
 //! The run's GPU processes get [`Mps::env`] in their environment. What MPS changes: a fatal
-//! GPU fault in one client (an illegal address, say) ends the MPS server's work for every
-//! client, so the run must restart its GPU processes; [`Mps::revive`] starts a private daemon
+//! GPU fault in one client (an illegal address, say) can end the MPS server's work for every
+//! client with work on the GPU at that moment, so the run must restart its GPU processes; [`Mps::revive`] starts a private daemon
 //! again if it died.
 
 use std::ffi::OsString;
