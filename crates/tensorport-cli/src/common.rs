@@ -209,24 +209,24 @@ pub struct PrepArgs {
     /// The CPU's JPEG decoder: libjpeg-turbo (decodes only the part the transform keeps; the
     /// default where it was built in) or zune-jpeg (pure Rust, decodes the whole image).
     #[arg(long, value_parser = parse_jpeg_decoder, value_name = "libjpeg-turbo|zune-jpeg",
-          default_value = JpegDecoder::default().name())]
+          default_value = PrepOptions::default().jpeg_decoder.name())]
     pub jpeg_decoder: JpegDecoder,
     /// Images over this many megapixels are refused (an error line naming the file) before
     /// anything is allocated for them: a small file can declare an image of gigabytes.
-    #[arg(long, default_value_t = tensorport_vision::DEFAULT_MAX_PIXELS as f64 / 1e6, value_name = "MP")]
+    #[arg(long, default_value_t = PrepOptions::default().max_pixels as f64 / 1e6, value_name = "MP")]
     pub max_megapixels: f64,
     /// Decode large JPEGs at 1/2, 1/4 or 1/8 of their size with libjpeg-turbo's DCT scaling
     /// whenever that still leaves a source pixel for each output pixel (as PIL's `draft`
     /// does): less work on big photos, but the tensors differ from torchvision's full decode
     /// by more than the default's bound (docs/operations.md), so it is off unless asked for.
-    #[arg(long, value_enum, default_value_t = Switch::Off)]
+    #[arg(long, value_enum, default_value_t = PrepOptions::default().dct_scaling.into())]
     pub dct_scaling: Switch,
     /// Decode a progressive JPEG without its AC refinement scans (the low bits of its AC
     /// coefficients: most of its bytes and of libjpeg-turbo's work on it) when the transform
     /// shrinks it 8 times or more across and down, e.g. a 12-megapixel photo to 224 pixels:
     /// half the decoding of such a file, with the tensors within the bounds on their
     /// difference from torchvision's full decode (docs/operations.md); off decodes every scan.
-    #[arg(long, value_enum, default_value_t = Switch::On)]
+    #[arg(long, value_enum, default_value_t = PrepOptions::default().coarse_progressive.into())]
     pub coarse_progressive: Switch,
     /// How GPU producers (`--nvjpeg`, `--gpu-producers`) upsample the chroma of 4:2:2 and
     /// 4:2:0 JPEGs on the JPEG engines: interpolate (as libjpeg-turbo, and so torchvision's
@@ -234,7 +234,7 @@ pub struct PrepArgs {
     /// 4:4:4 with subsampled JPEGs, further from torchvision's tensors: docs/operations.md).
     /// 4:4:4 JPEGs have nothing to upsample either way.
     #[arg(long, value_parser = parse_upsampling, value_name = "interpolate|replicate",
-          default_value = "interpolate")]
+          default_value = PrepOptions::default().gpu_upsampling.name())]
     pub gpu_upsampling: tensorport_nvjpeg::Upsampling,
 }
 
@@ -417,6 +417,19 @@ mod tests {
             gpu.options().max_batch,
             ModelOptions::default_max_batch(Device::Cuda(1))
         );
+    }
+
+    #[test]
+    fn the_prep_flags_left_out_are_the_libraries_defaults() {
+        use clap::Parser;
+        #[derive(clap::Parser)]
+        struct Flags {
+            #[command(flatten)]
+            prep: PrepArgs,
+        }
+        let given = Flags::parse_from(["tensorport"]).prep;
+        let want = PrepOptions::default();
+        assert_eq!(given.options(want.pixels), want);
     }
 
     #[test]
