@@ -3,6 +3,7 @@ processes into this process's own server (docs/python.md)."""
 
 from __future__ import annotations
 
+import atexit
 import ctypes
 import json
 import logging
@@ -48,6 +49,38 @@ def _share_gpu(mode: str, gpu: int) -> None:
         import atexit
 
         atexit.register(m.quit_at_exit)
+
+
+# Threads ending a finished epoch's server (`_end_later`): joined as the interpreter exits,
+# before the package's own exit handler.
+_ENDING: "set" = set()
+
+
+def _end_later(ending: list, folder: str):
+    """Drops the last reference to a finished epoch's server (in `ending`) and removes its
+    folder on a thread of their own, which it returns. The server ends without the GIL."""
+    import shutil
+    import threading
+
+    def end():
+        try:
+            ending.clear()
+            shutil.rmtree(folder, ignore_errors=True)
+        finally:
+            _ENDING.discard(thread)
+
+    thread = threading.Thread(target=end, name="tensorport-loader-end", daemon=True)
+    _ENDING.add(thread)
+    thread.start()
+    return thread
+
+
+def _join_ending() -> None:
+    for thread in list(_ENDING):
+        thread.join(timeout=10)
+
+
+atexit.register(_join_ending)
 
 
 def _private_dir() -> str:
@@ -223,6 +256,7 @@ class Loader:
         self.prefetch = prefetch
         # With `persistent`: the server, the farm and what reads its output, kept across epochs.
         self._kept: Optional[dict] = None
+        self._ending = None  # the thread ending the last epoch's server (`_end_later`)
         if self.device is not None and self.gpu_producers > 0:
             # Now, while CUDA may not have started in this process yet (it joins MPS only then).
             _share_gpu(self.mps, self.gpu)
@@ -376,6 +410,7 @@ class Loader:
         the loader is collected, and with this process). Iterating again starts new ones."""
         import shutil
 
+        self._settle()
         kept, self._kept = self._kept, None
         if kept is None:
             return
@@ -387,6 +422,12 @@ class Loader:
         self.producer_pids = []
         kept["server"].drain()
         shutil.rmtree(kept["dir"], ignore_errors=True)
+
+    def _settle(self) -> None:
+        """Waits for the last epoch's server to have ended and its folder to be gone."""
+        ending, self._ending = self._ending, None
+        if ending is not None:
+            ending.join()
 
     def __del__(self) -> None:
         try:
@@ -405,7 +446,9 @@ class Loader:
         order = self._order()
         self.epoch += 1
         self.skipped = []
+        self._settle()
         d = _private_dir()
+        whole = False  # every batch handed out
         try:
             sock = os.path.join(d, "tp.sock")
             server = self._server(sock)
@@ -435,12 +478,21 @@ class Loader:
                 yield from self._yielded(
                     lambda stop: self._batches(server, farm, stderr, order, failures, np, 0,
                                                stop), np)
+                whole = True
             finally:
                 self._end_farm(farm)
                 self.producer_pids = []
                 server.drain()
+            # The epoch is over for the caller: the server ends (its sessions, the producers'
+            # pools and device buffers: up to a few hundred milliseconds on a GPU) and its
+            # folder goes on a thread of their own, joined by the next epoch, `close()` and
+            # the interpreter's exit.
+            ending = [server]
+            del server
+            self._ending = _end_later(ending, d)
         finally:
-            shutil.rmtree(d, ignore_errors=True)
+            if not whole:
+                shutil.rmtree(d, ignore_errors=True)
 
     @staticmethod
     def _end_farm(farm) -> None:

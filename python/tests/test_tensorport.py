@@ -787,6 +787,35 @@ def _python(script, *args, env=None):
     return p.returncode, p.stdout + p.stderr
 
 
+def test_an_epoch_ends_before_its_server_and_the_process_exit_finishes_it(tmp_path):
+    """The last batch ends the epoch: its server ends (and its folder goes) on a thread of its
+    own, which the next epoch waits for, and which a process exiting right after the epoch
+    still finishes: no folder of its loaders is left behind."""
+    images = tmp_path / "images"
+    run("images", "--out", str(images), "--count", "8")
+    script = (
+        "import os, sys, tempfile, tensorport\n"
+        "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 4\n"
+        "kw = dict(batch_size=4, producers=2, image_size=16, binary=sys.argv[2:], timeout=60)\n"
+        "mine = lambda: [n for n in os.listdir(tempfile.gettempdir())\n"
+        "                if n.startswith(f'tensorport-loader-{os.getpid()}-')]\n"
+        "loader = tensorport.Loader(files, **kw)\n"
+        "print('pid', os.getpid(), flush=True)\n"
+        "n = sum(len(x) for x, _ in loader)\n"
+        "first = loader._ending\n"
+        "print('epoch', n, first is not None and first.name == 'tensorport-loader-end', flush=True)\n"
+        "n = sum(len(x) for x, _ in loader)\n"
+        "print('again', n, not first.is_alive(), len(mine()) <= 1, flush=True)\n"
+    )
+    rc, out = _python(script, str(images), *CMD)
+    assert rc == 0, out
+    assert "epoch 32 True" in out and "again 32 True True" in out, out
+    pid = out.split("pid ", 1)[1].split()[0]
+    left = [n for n in os.listdir(tempfile.gettempdir())
+            if n.startswith(f"tensorport-loader-{pid}-")]
+    assert left == [], f"the exited process left {left}"
+
+
 def test_an_epoch_started_in_a_thread_that_ends_goes_on_uninterrupted(tmp_path):
     """The farm must not take the end of the thread that started it for its parent's death:
     an epoch begun in a short-lived thread, and a persistent loader's farm started in one, run

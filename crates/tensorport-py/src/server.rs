@@ -6,10 +6,29 @@ use crate::*;
 /// A server in this process: `Server(socket, slots=8, slot_size=1 MiB, consumers=1)`.
 #[pyclass(module = "tensorport._native")]
 pub(crate) struct Server {
-    inner: Arc<tensorport::Server>,
+    /// Always `Some` but while it is dropped (`Drop` takes it, to end it without the GIL).
+    inner: Option<Arc<tensorport::Server>>,
     /// With `cuda_device`: what builds and settles the batches on the GPU the producers'
     /// device tensors are opened in.
     cuda: Option<std::sync::Mutex<tensorport_cuda::RowBatcher>>,
+}
+
+impl Server {
+    fn server(&self) -> &Arc<tensorport::Server> {
+        self.inner
+            .as_ref()
+            .expect("a Server's server is taken only as it is dropped")
+    }
+}
+
+impl Drop for Server {
+    /// Ends the server — its sessions, the producers' pools unmapped (and unpinned), their
+    /// device buffers closed, the GPU batcher's stream — with the GIL released: on a GPU that
+    /// takes tens to hundreds of milliseconds, which the caller's other threads keep.
+    fn drop(&mut self) {
+        let ending = (self.inner.take(), self.cuda.take());
+        Python::with_gil(|py| crate::without_gil(py, move || drop(ending)));
+    }
 }
 
 /// Device memory torch allocated for one `_recv_into_device` call.
@@ -69,7 +88,7 @@ impl Server {
             }
         };
         Ok(Server {
-            inner: Arc::new(tensorport::Server::bind(cfg).map_err(py_err)?),
+            inner: Some(Arc::new(tensorport::Server::bind(cfg).map_err(py_err)?)),
             cuda,
         })
     }
@@ -127,7 +146,7 @@ impl Server {
         lock().gpu().check_region(region).map_err(|e| {
             PyValueError::new_err(format!("address {address:#x}, {} bytes: {e}", region.len))
         })?;
-        let server = this.inner.clone();
+        let server = this.server().clone();
         crate::without_gil(slf.py(), move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
             let mut batch: Vec<_> = batch.into_iter().filter_map(|r| one_row(r, row)).collect();
@@ -183,7 +202,7 @@ impl Server {
         max_wait: f64,
     ) -> PyResult<Vec<Request>> {
         let (t, w) = (secs(timeout)?, secs(max_wait)?);
-        let server = self.inner.clone();
+        let server = self.server().clone();
         let batch =
             crate::without_gil(py, move || server.recv_batch(max.max(1), t, w)).map_err(py_err)?;
         Ok(batch.into_iter().map(Request::new).collect())
@@ -207,7 +226,7 @@ impl Server {
         let (t, w) = (secs(timeout)?, secs(max_wait)?);
         let rows = batch_rows(address, rows, row)?;
         let capacity = rows * row;
-        let server = self.inner.clone();
+        let server = self.server().clone();
         crate::without_gil(py, move || {
             let batch = server.recv_batch(rows, t, w).map_err(py_err)?;
             // SAFETY: the package passes the data address and size of a numpy array it has
@@ -235,7 +254,7 @@ impl Server {
     #[pyo3(signature = (max = 64, timeout = 1.0))]
     fn _ack_batch(&self, py: Python<'_>, max: usize, timeout: f64) -> PyResult<(usize, u64)> {
         let t = secs(timeout)?;
-        let server = self.inner.clone();
+        let server = self.server().clone();
         crate::without_gil(py, move || {
             let batch = server
                 .recv_batch(max.max(1), t, Duration::ZERO)
@@ -252,12 +271,12 @@ impl Server {
 
     /// Producer sessions open now.
     fn sessions(&self) -> usize {
-        self.inner.status().sessions.len()
+        self.server().status().sessions.len()
     }
 
     /// Server-wide counts: `{"submitted": …, "completed": …, "protocol_errors": …, …}`.
     fn totals(&self) -> std::collections::HashMap<&'static str, u64> {
-        let t = self.inner.status().totals;
+        let t = self.server().status().totals;
         [
             ("submitted", t.submitted),
             ("completed", t.completed),
@@ -272,13 +291,13 @@ impl Server {
 
     /// Refuses new producers and tells the open ones to finish.
     fn drain(&self) {
-        self.inner.drain();
+        self.server().drain();
     }
 
     /// The socket path.
     #[getter]
     fn socket(&self) -> std::path::PathBuf {
-        self.inner.socket_path().to_path_buf()
+        self.server().socket_path().to_path_buf()
     }
 }
 
