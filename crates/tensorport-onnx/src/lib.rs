@@ -27,5 +27,5 @@ pub mod runtime;
 pub mod spec;
 
 pub use error::{Error, Result};
-pub use model::{OnnxModel, OnnxOptions, Provider};
+pub use model::{GpuProvider, OnnxModel, OnnxOptions, Provider};
 pub use spec::{Elem, ModelSpec, MAX_MODEL_BYTES};

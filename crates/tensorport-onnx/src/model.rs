@@ -20,18 +20,61 @@ pub enum Provider {
     /// The CPU execution provider.
     #[default]
     Cpu,
-    /// The CUDA execution provider on this GPU.
-    Cuda(u32),
-    /// The TensorRT execution provider on this GPU (CUDA for what it does not take).
-    TensorRt(u32),
+    /// A GPU's execution provider, on the GPU of this ordinal.
+    Gpu(GpuProvider, u32),
 }
 
 impl Provider {
     pub fn name(self) -> &'static str {
         match self {
             Provider::Cpu => "CPU",
-            Provider::Cuda(_) => "CUDA",
-            Provider::TensorRt(_) => "TensorRT",
+            Provider::Gpu(p, _) => p.label(),
+        }
+    }
+}
+
+/// ONNX Runtime's execution provider for a model on a GPU (the server's `--ort-provider`). A
+/// provider is added here alone: its variant, its names and its execution providers.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
+#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
+pub enum GpuProvider {
+    /// The CUDA execution provider (cuDNN's convolutions).
+    #[default]
+    Cuda,
+    /// The TensorRT execution provider (TensorRT's libraries must be present), with CUDA for
+    /// what it does not take.
+    Tensorrt,
+}
+
+impl GpuProvider {
+    /// Its name on the command line.
+    pub fn name(self) -> &'static str {
+        match self {
+            GpuProvider::Cuda => "cuda",
+            GpuProvider::Tensorrt => "tensorrt",
+        }
+    }
+
+    /// Its name in ONNX Runtime's words (errors, logs).
+    fn label(self) -> &'static str {
+        match self {
+            GpuProvider::Cuda => "CUDA",
+            GpuProvider::Tensorrt => "TensorRT",
+        }
+    }
+
+    /// The provider on GPU `ordinal`.
+    pub fn on(self, ordinal: u32) -> Provider {
+        Provider::Gpu(self, ordinal)
+    }
+
+    /// ONNX Runtime's execution providers for it on GPU `gpu`, in order of preference; each
+    /// fails the session if it cannot be set up.
+    fn execution_providers(self, gpu: u32, tf32: bool) -> Vec<ort::ep::ExecutionProviderDispatch> {
+        let cuda = cuda(gpu, tf32).build().error_on_failure();
+        match self {
+            GpuProvider::Cuda => vec![cuda],
+            GpuProvider::Tensorrt => vec![tensorrt(gpu).build().error_on_failure(), cuda],
         }
     }
 }
@@ -129,7 +172,7 @@ impl OnnxModel {
         // cores the farm's producers prepare images on).
         let threads = match opts.provider {
             Provider::Cpu => opts.threads,
-            Provider::Cuda(_) | Provider::TensorRt(_) => Some(opts.threads.unwrap_or(1)),
+            Provider::Gpu(..) => Some(opts.threads.unwrap_or(1)),
         };
         if let Some(n) = threads {
             builder = builder
@@ -141,18 +184,11 @@ impl OnnxModel {
                 .with_intra_op_spinning(false)
                 .map_err(|e| invalid(e.to_string()))?;
         }
-        builder = match opts.provider {
-            Provider::Cpu => builder,
-            Provider::Cuda(gpu) => builder
-                .with_execution_providers([cuda(gpu, opts.tf32).build().error_on_failure()])
-                .map_err(|e| provider_error(opts.provider, e))?,
-            Provider::TensorRt(gpu) => builder
-                .with_execution_providers([
-                    tensorrt(gpu).build().error_on_failure(),
-                    cuda(gpu, opts.tf32).build().error_on_failure(),
-                ])
-                .map_err(|e| provider_error(opts.provider, e))?,
-        };
+        if let Provider::Gpu(p, gpu) = opts.provider {
+            builder = builder
+                .with_execution_providers(p.execution_providers(gpu, opts.tf32))
+                .map_err(|e| provider_error(opts.provider, e))?;
+        }
         let session = builder
             .commit_from_memory(&model.bytes)
             .map_err(|e| invalid(e.to_string()))?;
@@ -262,7 +298,7 @@ impl OnnxModel {
     pub fn gpu(&self) -> Option<u32> {
         match self.provider {
             Provider::Cpu => None,
-            Provider::Cuda(g) | Provider::TensorRt(g) => Some(g),
+            Provider::Gpu(_, g) => Some(g),
         }
     }
 

@@ -127,34 +127,9 @@ pub struct ModelOptions {
     pub tf32: bool,
 }
 
-/// ONNX Runtime's execution provider for an ONNX model on a GPU.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
-#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
-pub enum OrtProvider {
-    /// The CUDA execution provider (cuDNN's convolutions).
-    #[default]
-    Cuda,
-    /// The TensorRT execution provider (TensorRT's libraries must be present), with CUDA for
-    /// what it does not take.
-    Tensorrt,
-}
-
-impl OrtProvider {
-    pub fn name(self) -> &'static str {
-        match self {
-            OrtProvider::Cuda => "cuda",
-            OrtProvider::Tensorrt => "tensorrt",
-        }
-    }
-
-    /// The provider on GPU `ordinal`.
-    pub fn on(self, ordinal: u32) -> tensorport_onnx::Provider {
-        match self {
-            OrtProvider::Cuda => tensorport_onnx::Provider::Cuda(ordinal),
-            OrtProvider::Tensorrt => tensorport_onnx::Provider::TensorRt(ordinal),
-        }
-    }
-}
+/// ONNX Runtime's execution provider for an ONNX model on a GPU: `tensorport-onnx`'s, where
+/// each provider is written once.
+pub use tensorport_onnx::GpuProvider as OrtProvider;
 
 impl Default for ModelOptions {
     fn default() -> ModelOptions {
@@ -333,6 +308,22 @@ mod tests {
             let e = with(bad).check().unwrap_err();
             assert!(matches!(e, ConfigError::MaxBatch), "{bad}: {e}");
             assert_eq!(e.to_string(), "the largest batch must be 1 to 65535");
+        }
+    }
+
+    /// Each GPU provider's flag value is its own name, it reaches a child's configuration and
+    /// back as itself, and it runs on the GPU it was given.
+    #[cfg(feature = "clap")]
+    #[test]
+    fn each_ort_provider_is_its_flag_value_and_survives_the_childs_configuration() {
+        use clap::ValueEnum;
+        assert_eq!(OrtProvider::default(), OrtProvider::Cuda);
+        for &p in OrtProvider::value_variants() {
+            let flag = p.to_possible_value().expect("every provider has a value");
+            assert_eq!(flag.get_name(), p.name());
+            let json = serde_json::to_string(&p).unwrap();
+            assert_eq!(serde_json::from_str::<OrtProvider>(&json).unwrap(), p);
+            assert_eq!(p.on(3), tensorport_onnx::Provider::Gpu(p, 3));
         }
     }
 }
