@@ -1,6 +1,7 @@
 //! tensorport requests as dfdx 0.13 tensors.
 //!
-//! - [`stack_images`]: a batch of received `[C, H, W]` f32 requests → one `[B, C, H, W]` tensor.
+//! - [`stack_images`]: a batch of received `[C, H, W]` f32 (or `u8`) requests, each checked as
+//!   `tensorport_vision::request` says → one `[B, C, H, W]` tensor.
 //!   Reading the slots into the batch is the only copy on the CPU path (on `Cuda` it is the
 //!   host-to-device DMA, from pinned pools).
 //! - [`ImageClassifier`]: a small ResNet-style CNN (conv stem, two residual stages, global
@@ -26,7 +27,8 @@ pub use dfdx;
 pub use model::{ImageClassifier, ModelConfig};
 
 use dfdx::prelude::*;
-use tensorport::{DType, Request};
+use tensorport::Request;
+use tensorport_vision::request::check_image;
 use thiserror::Error;
 
 /// Errors of this crate.
@@ -59,6 +61,16 @@ pub enum Error {
     Device(String),
 }
 
+impl From<tensorport_vision::request::Misfit> for Error {
+    fn from(m: tensorport_vision::request::Misfit) -> Error {
+        Error::BadInput {
+            request_id: m.request_id,
+            producer: m.producer,
+            problem: m.problem,
+        }
+    }
+}
+
 /// Results of this crate.
 pub type Result<T> = std::result::Result<T, Error>;
 
@@ -76,82 +88,6 @@ pub use gpu_input::GpuInput;
 #[cfg(feature = "cuda")]
 pub use tensorport_cudnn::{Layout, Precision};
 
-/// Checks that `req` describes a contiguous tensor of exactly `shape` (wherever it is): `f32`,
-/// normalised, or `u8`, the 8-bit planes before normalising (the server normalises them with
-/// the ImageNet table, to the same floats). Returns the dtype.
-pub fn check_shape(req: &Request, shape: [usize; 3]) -> Result<DType> {
-    let d = req.desc();
-    let bad = |problem: String| Error::BadInput {
-        request_id: req.request_id(),
-        producer: req.producer().to_string(),
-        problem,
-    };
-    if d.dtype() != DType::F32 && d.dtype() != DType::U8 {
-        return Err(bad(format!(
-            "dtype {} (the model takes f32, or u8 pixels it normalises)",
-            d.dtype().name()
-        )));
-    }
-    let want: Vec<u64> = shape.iter().map(|&x| x as u64).collect();
-    if d.shape() != want.as_slice() {
-        return Err(bad(format!(
-            "shape {:?} (the model takes {:?}; match the server's image size)",
-            d.shape(),
-            shape
-        )));
-    }
-    if !d.is_contiguous() {
-        return Err(bad(
-            "not contiguous (the model takes row-major images)".into()
-        ));
-    }
-    Ok(d.dtype())
-}
-
-/// An image's elements in a host slot.
-#[derive(Debug, Clone, Copy)]
-pub enum Pixels<'a> {
-    /// Normalised floats.
-    F32(&'a [f32]),
-    /// 8-bit planes, to normalise.
-    U8(&'a [u8]),
-}
-
-impl Pixels<'_> {
-    /// Appends the image's normalised floats to `out`.
-    pub fn extend_normalised(&self, out: &mut Vec<f32>) {
-        match *self {
-            Pixels::F32(px) => out.extend_from_slice(px),
-            Pixels::U8(px) => {
-                let start = out.len();
-                out.resize(start + px.len(), 0.0);
-                normaliser().normalise_planes(px, px.len() / 3, &mut out[start..]);
-            }
-        }
-    }
-}
-
-/// The ImageNet table the producers normalise with, made once.
-pub fn normaliser() -> &'static tensorport_vision::Normaliser {
-    static N: std::sync::OnceLock<tensorport_vision::Normaliser> = std::sync::OnceLock::new();
-    N.get_or_init(tensorport_vision::Normaliser::imagenet)
-}
-
-/// Checks that `req` is a contiguous image of exactly `shape` in a host slot (see
-/// [`check_shape`]), and returns its elements.
-pub fn check_image(req: &Request, shape: [usize; 3]) -> Result<Pixels<'_>> {
-    let dtype = check_shape(req, shape)?;
-    let not_host = || Error::BadInput {
-        request_id: req.request_id(),
-        producer: req.producer().to_string(),
-        problem: "not in a host slot (a device tensor needs the CUDA server)".into(),
-    };
-    Ok(match dtype {
-        DType::U8 => Pixels::U8(req.as_slice::<u8>().ok_or_else(not_host)?),
-        _ => Pixels::F32(req.as_slice::<f32>().ok_or_else(not_host)?),
-    })
-}
-
 /// A batch stacked from requests.
 pub struct Stacked<D: Device<f32>> {
     /// `[B, C, H, W]`, the images of `used` in order; `None` if no request fit.
@@ -162,7 +98,8 @@ pub struct Stacked<D: Device<f32>> {
     pub rejected: Vec<(usize, Error)>,
 }
 
-/// Stacks images (each checked by [`check_image`]) into one `[B, C, H, W]` tensor on `dev`.
+/// Stacks images (each checked by `tensorport_vision::request::check_image`) into one
+/// `[B, C, H, W]` tensor on `dev`.
 /// Requests that do not fit are listed separately with the reason, so the caller can fail
 /// just those.
 pub fn stack_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3]) -> Stacked<D> {
@@ -176,7 +113,7 @@ pub fn stack_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3]
                 px.extend_normalised(&mut data);
                 used.push(i);
             }
-            Err(e) => bad.push((i, e)),
+            Err(e) => bad.push((i, e.into())),
         }
     }
     let input = (!used.is_empty())
@@ -192,7 +129,8 @@ pub fn stack_images<D: Device<f32>>(dev: &D, reqs: &[Request], shape: [usize; 3]
 mod tests {
     use super::*;
     use std::time::Duration;
-    use tensorport::{Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
+    use tensorport::{DType, Producer, ProducerConfig, Server, ServerConfig, TensorSpec};
+    use tensorport_vision::request::normaliser;
 
     #[test]
     fn stacking_takes_f32_and_u8_images_and_rejects_misfits() {

@@ -6,7 +6,8 @@
 //! [`Preprocessor`] does it with buffers it keeps between images; [`prepare`] is the one-shot
 //! form. The steps live in their own modules: [`transform`] (geometry), `decode` (files to RGB),
 //! `libjpeg` (libjpeg-turbo's decoder, where it was found at build time: the crate's only
-//! `unsafe`), `normalise` (RGB to planes).
+//! `unsafe`), `normalise` (RGB to planes). [`request`] checks an image request as a server
+//! takes it.
 #![deny(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -15,6 +16,7 @@ mod decode;
 mod libjpeg;
 mod normalise;
 mod preprocess;
+pub mod request;
 mod scans;
 pub mod sniff;
 pub mod transform;

@@ -9,7 +9,7 @@ use std::time::Duration;
 
 use tensorport::{DType, Request};
 use tensorport_cuda::{BatchError, Gatherer, Gpu, RowBatcher, RowKind};
-use tensorport_dfdx::check_shape;
+use tensorport_vision::request::check_shape;
 
 use super::batch::sort_requests;
 use super::engine::{DeviceInput, DeviceRows, Engine, Input};
@@ -27,7 +27,7 @@ impl CudaBatcher {
         gatherer: Arc<Gatherer>,
         fence_timeout: Duration,
     ) -> tensorport_cuda::Result<CudaBatcher> {
-        let table = tensorport_dfdx::normaliser().table();
+        let table = tensorport_vision::request::normaliser().table();
         RowBatcher::new(gpu, gatherer, fence_timeout, Some(table)).map(CudaBatcher)
     }
 }

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use tensorport_dfdx::Pixels;
+use tensorport_vision::request::Pixels;
 
 pub use super::pace::RunTimes;
 
@@ -349,7 +349,7 @@ mod tests {
         let e = h.push(Pixels::F32(&[1.0; 12])).unwrap_err();
         assert!(e.to_string().contains("2 of 2 written"), "{e}");
         let mut want = vec![0f32; 12];
-        tensorport_dfdx::normaliser().normalise_planes(&planes, 4, &mut want);
+        tensorport_vision::request::normaliser().normalise_planes(&planes, 4, &mut want);
         assert_eq!(&h.pixels()[12..], &want[..]);
         let mut short = HostInput::new(Vec::new(), 1, shape);
         assert!(short.push(Pixels::F32(&[0.0; 11])).is_err());

@@ -102,7 +102,7 @@ impl Engine for Own {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use tensorport_dfdx::Pixels;
+    use tensorport_vision::request::Pixels;
 
     /// Scores each image with its first value; panics on a batch of three, errs on four.
     struct Picky;

@@ -9,7 +9,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use tensorport::{Request, Responder, Server};
-use tensorport_dfdx::check_image;
+use tensorport_vision::request::{check_image, Misfit};
 
 use super::engine::{Engine, EngineError, Input, Scores, Submitted};
 use super::metrics::Metrics;
@@ -38,7 +38,7 @@ pub(super) type Sorted<T> = (Vec<usize>, Vec<Option<T>>, Vec<(usize, Rejection)>
 /// value (`None` for one that failed), and why each that failed did.
 pub(super) fn sort_requests<'r, T>(
     reqs: &'r [Request],
-    check: impl Fn(&'r Request) -> Result<T, tensorport_dfdx::Error>,
+    check: impl Fn(&'r Request) -> Result<T, Misfit>,
 ) -> Sorted<T> {
     let mut used = Vec::with_capacity(reqs.len());
     let mut checked = Vec::with_capacity(reqs.len());
@@ -94,7 +94,7 @@ impl Stacked {
 #[derive(Debug)]
 pub enum Rejection {
     /// It does not fit the model's input: the request is failed.
-    Misfit(tensorport_dfdx::Error),
+    Misfit(Misfit),
     /// Its batch could not be built (the engine lent no memory, a copy failed): failed.
     Batch(String),
     /// What the GPU gather found (a misfit, a late fence), answered as
