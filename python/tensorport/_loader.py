@@ -58,7 +58,8 @@ _ENDING: "set" = set()
 
 def _end_later(ending: list, folder: str):
     """Drops the last reference to a finished epoch's server (in `ending`) and removes its
-    folder on a thread of their own, which it returns. The server ends without the GIL."""
+    folder on a thread of their own, which it returns (`None` where no thread could start:
+    done here, then). The server ends without the GIL."""
     import shutil
     import threading
 
@@ -71,7 +72,11 @@ def _end_later(ending: list, folder: str):
 
     thread = threading.Thread(target=end, name="tensorport-loader-end", daemon=True)
     _ENDING.add(thread)
-    thread.start()
+    try:
+        thread.start()
+    except RuntimeError:  # no new thread now (the interpreter is exiting, say): here, then
+        end()
+        return None
     return thread
 
 
