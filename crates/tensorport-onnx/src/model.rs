@@ -90,16 +90,22 @@ pub struct OnnxOptions {
     /// On a GPU, an f32 model's convolutions and matrix products on TF32 tensor cores (ONNX
     /// Runtime's and PyTorch's default for convolutions); off for results as exact as the CPU's.
     pub tf32: bool,
+    /// ONNX Runtime's graph optimisations, every level; off for a session opened only to check
+    /// the model and read its interface, which then opens in a fraction of the time (the graph
+    /// is still loaded and its operators' kernels found).
+    pub optimize: bool,
 }
 
 impl Default for OnnxOptions {
-    /// The CPU, ONNX Runtime's threads, the graph's image size, TF32 on a GPU.
+    /// The CPU, ONNX Runtime's threads, the graph's image size, TF32 on a GPU, the graph
+    /// optimised.
     fn default() -> OnnxOptions {
         OnnxOptions {
             provider: Provider::Cpu,
             threads: None,
             image_size: None,
             tf32: true,
+            optimize: true,
         }
     }
 }
@@ -161,7 +167,10 @@ impl OnnxModel {
         };
         let mut builder = Session::builder(&env)
             .map_err(|e| invalid(e.to_string()))?
-            .with_optimization_level(GraphOptimizationLevel::All)
+            .with_optimization_level(match opts.optimize {
+                true => GraphOptimizationLevel::All,
+                false => GraphOptimizationLevel::Disable,
+            })
             .map_err(|e| invalid(e.to_string()))?
             // What goes wrong in a run comes back as its error; ONNX Runtime's own log lines
             // (cuDNN's refused plans, tried and passed over, each an "error") are left out.

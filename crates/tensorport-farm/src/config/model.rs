@@ -201,10 +201,12 @@ impl ModelOptions {
         let ModelKind::Onnx(path) = &self.kind else {
             return Ok(());
         };
+        // Opened only to check the model and read its interface: no graph optimisations.
         let opts = tensorport_onnx::OnnxOptions {
             threads: Some(1),
             image_size: Some(self.config.image_size),
             tf32: self.tf32,
+            optimize: false,
             ..Default::default()
         };
         let model = tensorport_onnx::OnnxModel::open(path, &opts)?;

@@ -186,6 +186,7 @@ pub(in crate::serve) fn load_on_cuda(
         threads: None,
         image_size: Some(options.config.image_size),
         tf32: options.tf32,
+        ..OnnxOptions::default()
     };
     let rows = session_rows(options.max_batch);
     let t0 = std::time::Instant::now();
