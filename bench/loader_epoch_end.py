@@ -41,17 +41,19 @@ def main():
     if a.producers is not None:
         kw["producers"] = a.producers
     loader = tensorport.Loader(files, **kw)
-    wait = (lambda x: x) if not a.device else None
     if a.device:
         import torch
 
-        def wait(x):
+        def wait():
             torch.cuda.current_stream().synchronize()
+    else:
+        def wait():
+            pass
     for epoch in range(a.epochs):
         t0 = time.perf_counter()
         n, first, last = 0, None, None
         for x, _ in loader:
-            wait(x)
+            wait()
             n += len(x)
             now = time.perf_counter()
             first = first or now

@@ -36,15 +36,8 @@ use thiserror::Error;
 #[non_exhaustive]
 pub enum Error {
     /// A request does not fit the model's input.
-    #[error("request {request_id} from {producer}: {problem}")]
-    BadInput {
-        /// The request.
-        request_id: u64,
-        /// Its producer's name.
-        producer: String,
-        /// What is wrong.
-        problem: String,
-    },
+    #[error(transparent)]
+    BadInput(#[from] tensorport_vision::request::Misfit),
     /// The weights file is missing, unreadable or does not match the model.
     #[error("weights {path}: {problem}")]
     Weights {
@@ -59,16 +52,6 @@ pub enum Error {
     /// The device failed.
     #[error("device error: {0}")]
     Device(String),
-}
-
-impl From<tensorport_vision::request::Misfit> for Error {
-    fn from(m: tensorport_vision::request::Misfit) -> Error {
-        Error::BadInput {
-            request_id: m.request_id,
-            producer: m.producer,
-            problem: m.problem,
-        }
-    }
 }
 
 /// Results of this crate.

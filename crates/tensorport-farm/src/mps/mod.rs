@@ -19,8 +19,8 @@
 //!
 //! The run's GPU processes get [`Mps::env`] in their environment. What MPS changes: a fatal
 //! GPU fault in one client (an illegal address, say) can end the MPS server's work for every
-//! client with work on the GPU at that moment, so the run must restart its GPU processes; [`Mps::revive`] starts a private daemon
-//! again if it died.
+//! client with work on the GPU at that moment, so the run must restart its GPU processes;
+//! [`Mps::revive`] starts a private daemon again if it died.
 
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
