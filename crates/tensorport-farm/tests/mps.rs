@@ -9,10 +9,13 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use tensorport_farm::mps::{daemon_at, Mps, MpsMode, Plan, Tools, LOG_ENV, PIPE_ENV};
+use tensorport_farm::mps::{
+    daemon_at, Mps, MpsMode, Plan, ProducerPriority, Tools, LOG_ENV, PIPE_ENV, PRIORITY_ENV,
+};
 
 /// The control program's stand-in: `-d` makes the control FIFO and detaches a process that
-/// lives while it is there (the daemon, which keeps the standard error it inherited open);
+/// lives while it is there (the daemon, which keeps the standard error it inherited open) and
+/// writes its pid where NVIDIA's does;
 /// otherwise it reads a command: `quit` removes the FIFO (the daemon ends), `get_server_list`
 /// answers. With `fail`, `-d` fails.
 fn control_script(dir: &Path, fail: bool) -> PathBuf {
@@ -26,6 +29,7 @@ fn control_script(dir: &Path, fail: bool) -> PathBuf {
     } else {
         r#"mkfifo "$pipe/control" || exit 1
     setsid bash -c 'while [ -p "$0/control" ]; do sleep 0.05; done' "$pipe" </dev/null >/dev/null &
+    echo $! > "$pipe/nvidia-cuda-mps-control.pid"
     echo "started" >> "$CUDA_MPS_LOG_DIRECTORY/control.log"
     exit 0"#
     };
@@ -113,6 +117,13 @@ fn auto_without_a_daemon_starts_a_private_one_and_quits_it_at_the_end() {
         .permissions()
         .mode();
     assert_eq!(mode & 0o077, 0, "{mode:o}");
+    // The GPU producers run below the network in priority unless told otherwise.
+    assert_eq!(
+        mps.producer_env(ProducerPriority::default()),
+        [(PRIORITY_ENV, "1".into())]
+    );
+    assert!(mps.producer_env(ProducerPriority::Normal).is_empty());
+    assert!(!mps.env().iter().any(|(k, _)| *k == PRIORITY_ENV));
     drop(mps);
     assert!(!daemon_at(&pipe), "the daemon was not quit");
     assert!(!pipe.exists(), "its folder was left behind");
@@ -136,11 +147,24 @@ fn auto_with_a_daemon_running_joins_it() {
         let mps = Mps::start(MpsMode::Auto, &m.tools(true, false, "Default"), &[0]).unwrap();
         assert_eq!(mps.plan(), &Plan::Join, "socket: {socket}");
         assert_eq!(env_of(&mps, PIPE_ENV), Some(m.system.clone()));
+        assert_eq!(
+            mps.producer_env(ProducerPriority::Low),
+            [(PRIORITY_ENV, "1".into())]
+        );
         assert!(mps.describe().contains(&m.system.display().to_string()));
         drop(mps);
         assert!(
             daemon_at(&m.system),
             "a daemon that was not the run's own was quit"
+        );
+        // A run that starts no MPS of its own (a Loader's farm, whose process joined the
+        // daemon): its GPU processes join the daemon they find, and the producers still go
+        // below the rest in priority.
+        let found = Mps::as_found(&m.tools(true, false, "Default"));
+        assert!(found.env().is_empty());
+        assert_eq!(
+            found.producer_env(ProducerPriority::Low),
+            [(PRIORITY_ENV, "1".into())]
         );
     }
 }
@@ -169,6 +193,11 @@ fn where_mps_cannot_be_had_auto_goes_without_and_on_refuses() {
             mps.plan()
         );
         assert!(mps.env().is_empty());
+        // Without MPS the variable would mean nothing: none.
+        assert!(mps.producer_env(ProducerPriority::Low).is_empty());
+        assert!(Mps::as_found(tools)
+            .producer_env(ProducerPriority::Low)
+            .is_empty());
         assert!(mps.describe().contains("without MPS"), "{}", mps.describe());
         let e = Mps::start(MpsMode::On, tools, &[0])
             .unwrap_err()
@@ -230,4 +259,50 @@ fn quitting_at_exit_leaves_nothing_behind() {
         );
         std::thread::sleep(Duration::from_millis(20));
     }
+}
+
+/// A daemon that leaves its control endpoint behind as it ends is seen to end by its process
+/// (the pid file it keeps in its pipe folder): the run waits for that, and its folder goes.
+#[test]
+fn a_daemon_that_leaves_its_endpoint_behind_is_seen_to_end_by_its_process() {
+    let m = Machine::new();
+    let control = m.dir.path().join("control-leaves-its-endpoint");
+    let script = r#"#!/bin/bash
+pipe="${CUDA_MPS_PIPE_DIRECTORY:-/tmp/nvidia-mps}"
+if [ "$1" = "-d" ]; then
+    mkfifo "$pipe/control" || exit 1
+    setsid bash -c 'while [ ! -e "$0/quitting" ]; do sleep 0.05; done' "$pipe" </dev/null >/dev/null &
+    echo $! > "$pipe/nvidia-cuda-mps-control.pid"
+    exit 0
+fi
+read -r cmd
+case "$cmd" in
+    quit) touch "$pipe/quitting"; exit 0 ;;
+    get_server_list) exit 0 ;;
+    *) exit 1 ;;
+esac
+"#;
+    std::fs::write(&control, script).unwrap();
+    std::fs::set_permissions(&control, std::fs::Permissions::from_mode(0o755)).unwrap();
+    let tools = Tools {
+        control: Some(control),
+        ..m.tools(true, false, "Default")
+    };
+    let mps = Mps::start(MpsMode::Auto, &tools, &[0]).unwrap();
+    let pipe = env_of(&mps, PIPE_ENV).unwrap();
+    let pid: i32 = std::fs::read_to_string(pipe.join("nvidia-cuda-mps-control.pid"))
+        .unwrap()
+        .trim()
+        .parse()
+        .unwrap();
+    // Running: there and not a zombie (the machine's first process reaps what it inherits
+    // when it gets to it).
+    let running = || {
+        std::fs::read_to_string(format!("/proc/{pid}/stat"))
+            .is_ok_and(|s| !s.rsplit_once(')').unwrap().1.trim_start().starts_with('Z'))
+    };
+    assert!(running(), "the daemon runs");
+    drop(mps);
+    assert!(!running(), "the daemon was not waited for");
+    assert!(!pipe.exists(), "its folder was left behind");
 }

@@ -8,6 +8,9 @@ use std::time::{Duration, Instant};
 
 use super::control::{daemon_at, LOG_ENV, PIPE_ENV};
 
+/// The file in its pipe folder where the control daemon writes its process id.
+const PID_FILE: &str = "nvidia-cuda-mps-control.pid";
+
 /// A private control daemon: its folder (pipes and log) and how to reach it.
 #[derive(Debug)]
 pub(super) struct Private {
@@ -89,6 +92,23 @@ impl Private {
         Ok(())
     }
 
+    /// The daemon's process, from the file it keeps in its pipe folder.
+    fn pid(&self) -> Option<nix::unistd::Pid> {
+        let text = std::fs::read_to_string(self.pipe().join(PID_FILE)).ok()?;
+        let pid: i32 = text.trim().parse().ok()?;
+        (pid > 0).then(|| nix::unistd::Pid::from_raw(pid))
+    }
+
+    /// Whether the daemon has ended: its process is gone or a zombie (where its pid file names
+    /// one; a daemon may leave its control socket behind, and a container's first process may
+    /// be slow to reap what it inherits), else its control endpoint.
+    fn ended(&self, pid: Option<nix::unistd::Pid>) -> bool {
+        match pid {
+            Some(p) => !running(p),
+            None => !daemon_at(&self.pipe()),
+        }
+    }
+
     /// Whether the daemon still answers: its control pipe is there and a `quit`-less query
     /// (`get_server_list`) succeeds within 5 s.
     pub(super) fn alive(&self) -> bool {
@@ -96,6 +116,17 @@ impl Private {
             return false;
         }
         ask(self.control(), "get_server_list\n", Duration::from_secs(5))
+    }
+}
+
+/// Whether process `pid` exists and is not a zombie.
+fn running(pid: nix::unistd::Pid) -> bool {
+    match std::fs::read_to_string(format!("/proc/{pid}/stat")) {
+        // The state follows the command name, which ends with the line's last ')'.
+        Ok(stat) => stat
+            .rsplit_once(')')
+            .is_some_and(|(_, rest)| !rest.trim_start().starts_with('Z')),
+        Err(_) => nix::sys::signal::kill(pid, None).is_ok(),
     }
 }
 
@@ -128,17 +159,29 @@ impl Private {
     /// clients and ending: the daemon ends after its last client, and a detached helper removes
     /// its folder once it has (or after a minute).
     pub(super) fn quit_in_background(self) {
+        let pid = self.pid().map_or(String::new(), |p| p.to_string());
         ask(self.control(), "quit\n", Duration::from_secs(10));
         let dir = self.dir.path().to_owned();
         let pipe = self.pipe();
         // The folder outlives this process: the helper removes it.
         let _ = std::mem::ManuallyDrop::new(self);
-        let script = "for _ in $(seq 600); do [ -p \"$1/control\" ] || [ -S \"$1/control\" ] || break; sleep 0.1; done; \
-                      rm -rf \"$2\"";
+        // Gone: its process (or a zombie, where its pid file named one), else its control
+        // endpoint.
+        let script = r#"for _ in $(seq 600); do
+                if [ -n "$3" ]; then
+                    s=$(cat "/proc/$3/stat" 2>/dev/null) || break
+                    s=${s##*) }; [ "${s%% *}" = Z ] && break
+                else
+                    [ -p "$1/control" ] || [ -S "$1/control" ] || break
+                fi
+                sleep 0.1
+            done
+            rm -rf "$2""#;
         let _ = Command::new("sh")
             .args(["-c", script, "sh"])
             .arg(&pipe)
             .arg(&dir)
+            .arg(pid)
             .stdin(Stdio::null())
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -148,11 +191,13 @@ impl Private {
 }
 
 impl Drop for Private {
-    /// Quits the daemon (its MPS server ends with its last client).
+    /// Quits the daemon (its MPS server ends with its last client) and waits, up to 5 s, for
+    /// it to end.
     fn drop(&mut self) {
+        let pid = self.pid();
         ask(self.control(), "quit\n", Duration::from_secs(10));
         let t = Instant::now();
-        while daemon_at(&self.pipe()) && t.elapsed() < Duration::from_secs(5) {
+        while !self.ended(pid) && t.elapsed() < Duration::from_secs(5) {
             std::thread::sleep(Duration::from_millis(10));
         }
     }
