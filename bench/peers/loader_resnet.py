@@ -8,8 +8,6 @@ bf16, channels_last, batch 128, eager) alone on a resident batch, then fed by
   loader-gpu2       an explicit mix: 2 GPU producers, no CPU producer
   loader-gpu3       3 GPU producers, no CPU producer
   loader-prefetch4  the defaults with prefetch=4
-  loader-normal     the defaults with the farm's GPU producers at the network's own MPS priority
-                    (`farm --gpu-producer-priority normal`; the default is low)
   dali              NVIDIA DALI's mixed pipeline (bench/peers/onnx_pipelines.py's)
   dataloader        torch's DataLoader, 15 workers, pinned (the same script's)
 
@@ -105,17 +103,6 @@ def make_loader(files, batch, binary, **kw):
     return loader
 
 
-def with_farm_flags(binary, flags):
-    """A command that runs `binary` (the Loader's `tensorport`) with `flags` after `farm`."""
-    import tensorport
-
-    exe = tensorport.command(binary)
-    script = ('b=$0; args=(); for a in "$@"; do args+=("$a"); '
-              f'if [ "$a" = farm ]; then args+=({" ".join(flags)}); fi; done; '
-              'exec "$b" "${args[@]}"')
-    return ["bash", "-c", script, *exe]
-
-
 def loader_batches(loader):
     for x, _ in loader:
         yield x
@@ -145,9 +132,7 @@ def main():
     kw = {"loader": {}, "loader-prefetch0": {"prefetch": 0},
           "loader-gpu2": {"producers": 0, "gpu_producers": 2},
           "loader-gpu3": {"producers": 0, "gpu_producers": 3}, "loader-prefetch4": {"prefetch": 4}}
-    kw["loader-normal"] = {"binary": with_farm_flags(a.binary,
-                                                     ["--gpu-producer-priority", "normal"])}
-    loaders = {p: make_loader(files, a.batch, kw[p].pop("binary", a.binary), mps=a.mps, **kw[p])
+    loaders = {p: make_loader(files, a.batch, a.binary, mps=a.mps, **kw[p])
                for p in pipelines if p in kw}
     model = None if a.no_model else network()
     print(f"{len(files)} files, batch {a.batch}, "

@@ -9,9 +9,7 @@ use std::os::unix::fs::PermissionsExt;
 use std::path::{Path, PathBuf};
 use std::time::{Duration, Instant};
 
-use tensorport_farm::mps::{
-    daemon_at, Mps, MpsMode, Plan, ProducerPriority, Tools, LOG_ENV, PIPE_ENV, PRIORITY_ENV,
-};
+use tensorport_farm::mps::{daemon_at, Mps, MpsMode, Plan, Tools, LOG_ENV, PIPE_ENV};
 
 /// The control program's stand-in: `-d` makes the control FIFO and detaches a process that
 /// lives while it is there (the daemon, which keeps the standard error it inherited open) and
@@ -117,13 +115,6 @@ fn auto_without_a_daemon_starts_a_private_one_and_quits_it_at_the_end() {
         .permissions()
         .mode();
     assert_eq!(mode & 0o077, 0, "{mode:o}");
-    // The GPU producers run below the network in priority unless told otherwise.
-    assert_eq!(
-        mps.producer_env(ProducerPriority::default()),
-        [(PRIORITY_ENV, "1".into())]
-    );
-    assert!(mps.producer_env(ProducerPriority::Normal).is_empty());
-    assert!(!mps.env().iter().any(|(k, _)| *k == PRIORITY_ENV));
     drop(mps);
     assert!(!daemon_at(&pipe), "the daemon was not quit");
     assert!(!pipe.exists(), "its folder was left behind");
@@ -147,24 +138,11 @@ fn auto_with_a_daemon_running_joins_it() {
         let mps = Mps::start(MpsMode::Auto, &m.tools(true, false, "Default"), &[0]).unwrap();
         assert_eq!(mps.plan(), &Plan::Join, "socket: {socket}");
         assert_eq!(env_of(&mps, PIPE_ENV), Some(m.system.clone()));
-        assert_eq!(
-            mps.producer_env(ProducerPriority::Low),
-            [(PRIORITY_ENV, "1".into())]
-        );
         assert!(mps.describe().contains(&m.system.display().to_string()));
         drop(mps);
         assert!(
             daemon_at(&m.system),
             "a daemon that was not the run's own was quit"
-        );
-        // A run that starts no MPS of its own (a Loader's farm, whose process joined the
-        // daemon): its GPU processes join the daemon they find, and the producers still go
-        // below the rest in priority.
-        let found = Mps::as_found(&m.tools(true, false, "Default"));
-        assert!(found.env().is_empty());
-        assert_eq!(
-            found.producer_env(ProducerPriority::Low),
-            [(PRIORITY_ENV, "1".into())]
         );
     }
 }
@@ -193,11 +171,6 @@ fn where_mps_cannot_be_had_auto_goes_without_and_on_refuses() {
             mps.plan()
         );
         assert!(mps.env().is_empty());
-        // Without MPS the variable would mean nothing: none.
-        assert!(mps.producer_env(ProducerPriority::Low).is_empty());
-        assert!(Mps::as_found(tools)
-            .producer_env(ProducerPriority::Low)
-            .is_empty());
         assert!(mps.describe().contains("without MPS"), "{}", mps.describe());
         let e = Mps::start(MpsMode::On, tools, &[0])
             .unwrap_err()

@@ -3,7 +3,7 @@
 //! also the flags of `tensorport farm` (`#[command(flatten)]`): a field's comment is its
 //! `--help`, and its default the one [`RunOptions::default`] gives.
 
-use crate::mps::{MpsMode, ProducerPriority};
+use crate::mps::MpsMode;
 
 /// How a farm runs its processes ([`crate::FarmConfig::run`]).
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -37,14 +37,6 @@ pub struct RunOptions {
         arg(long, value_enum, default_value_t = RunOptions::default().mps)
     )]
     pub mps: MpsMode,
-    /// Under MPS, the GPU producers' priority on the GPU beside the network: low has the GPU
-    /// start the network's waiting kernels before the producers' (the producers decode in what
-    /// the network leaves free); normal lets them share it as their work comes.
-    #[cfg_attr(
-        feature = "clap",
-        arg(long, value_enum, default_value_t = RunOptions::default().gpu_producer_priority)
-    )]
-    pub gpu_producer_priority: ProducerPriority,
     /// Run the producers this much lower in CPU priority than the servers (a nice increment,
     /// 0 to 19), so that a server launching its model's GPU work keeps its core when the
     /// producers want every core.
@@ -63,7 +55,6 @@ impl Default for RunOptions {
             max_restarts: 8,
             routing: Routing::Shared,
             mps: MpsMode::Auto,
-            gpu_producer_priority: ProducerPriority::Low,
             producer_nice: 0,
         }
     }

@@ -201,8 +201,6 @@ pub(super) struct Farm {
     pub(super) server_said: Vec<Arc<Mutex<String>>>,
     /// Variables every child gets (the run's MPS daemon, [`crate::mps::Mps::env`]).
     pub(super) child_env: Vec<(&'static str, std::ffi::OsString)>,
-    /// Variables a GPU producer gets on top ([`crate::mps::Mps::producer_env`]).
-    pub(super) gpu_producer_env: Vec<(&'static str, std::ffi::OsString)>,
 }
 
 impl Farm {
@@ -224,7 +222,6 @@ impl Farm {
             report,
             tx,
             child_env: Vec::new(),
-            gpu_producer_env: Vec::new(),
         }
     }
 
@@ -337,9 +334,6 @@ impl Farm {
         c.arg("--config-data")
             .arg(self.produce_config(&w.name, w.gpu, server).to_data())
             .stdin(Stdio::piped());
-        if w.gpu {
-            c.envs(self.gpu_producer_env.iter().map(|(k, v)| (k, v)));
-        }
         let mut child = c.spawn().map_err(|source| Error::Spawn {
             name: w.name.clone(),
             source,

@@ -189,29 +189,17 @@ pub fn run_with(
     // Where two or more of the run's processes share a GPU and MPS pays, they share it through
     // MPS (quit with this function's return, where the daemon is the run's own).
     let shared = cfg.mps_gpus();
-    let tools = crate::mps::Tools::find();
     let mut mps = match shared.is_empty() {
-        true => crate::mps::Mps::as_found(&tools),
-        false => crate::mps::Mps::start(cfg.run.mps, &tools, &shared)?,
+        true => crate::mps::Mps::off(),
+        false => {
+            let m = crate::mps::Mps::start(cfg.run.mps, &crate::mps::Tools::find(), &shared)?;
+            report.log(&m.describe());
+            m
+        }
     };
-    let low = !mps.producer_env(cfg.run.gpu_producer_priority).is_empty();
-    match (shared.is_empty(), low && cfg.gpu_producers > 0) {
-        (false, true) => report.log(&format!(
-            "{}; the GPU producers below the network in priority",
-            mps.describe()
-        )),
-        (false, false) => report.log(&mps.describe()),
-        (true, true) => report.log(&format!(
-            "GPU producers join the MPS daemon this process found ({}), below the other \
-             clients in priority",
-            tools.system_pipe.display()
-        )),
-        (true, false) => {}
-    }
     let (tx, rx) = mpsc::channel();
     let mut farm = Farm::new(cfg, sockets, devices, report.clone(), tx);
     farm.child_env = mps.env();
-    farm.gpu_producer_env = mps.producer_env(farm.cfg.run.gpu_producer_priority);
     let stopped = || stop.draining();
     let quit_now = || stop.at_once();
     let started = Instant::now();

@@ -7,9 +7,6 @@ use std::path::Path;
 pub const PIPE_ENV: &str = "CUDA_MPS_PIPE_DIRECTORY";
 /// The variable naming the daemon's log directory.
 pub const LOG_ENV: &str = "CUDA_MPS_LOG_DIRECTORY";
-/// The variable giving a client's scheduling priority under MPS: `0` normal (the default),
-/// `1` below normal.
-pub const PRIORITY_ENV: &str = "CUDA_MPS_CLIENT_PRIORITY";
 /// Where a daemon started without [`PIPE_ENV`] keeps its pipes.
 pub const DEFAULT_PIPE_DIR: &str = "/tmp/nvidia-mps";
 

@@ -33,7 +33,7 @@ use crate::error::ConfigError;
 
 mod control;
 mod private;
-pub use control::{daemon_at, DEFAULT_PIPE_DIR, LOG_ENV, PIPE_ENV, PRIORITY_ENV};
+pub use control::{daemon_at, DEFAULT_PIPE_DIR, LOG_ENV, PIPE_ENV};
 use private::Private;
 
 /// Whether a run's GPU processes share the GPU through MPS.
@@ -55,29 +55,6 @@ impl MpsMode {
             MpsMode::Auto => "auto",
             MpsMode::On => "on",
             MpsMode::Off => "off",
-        }
-    }
-}
-
-/// How a run's GPU producers are scheduled beside the network under MPS (the MPS client
-/// priority, [`PRIORITY_ENV`]): the GPU's scheduler starts a normal client's waiting work before
-/// a below-normal one's, so the producers' decoding fills what the network leaves free instead
-/// of slowing it.
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
-#[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
-pub enum ProducerPriority {
-    /// Below the network's: the network's kernels go first.
-    #[default]
-    Low,
-    /// The network's own: their kernels share the GPU as they come.
-    Normal,
-}
-
-impl ProducerPriority {
-    pub fn name(self) -> &'static str {
-        match self {
-            ProducerPriority::Low => "low",
-            ProducerPriority::Normal => "normal",
         }
     }
 }
@@ -223,9 +200,6 @@ pub struct Mps {
     /// Where the run's GPU processes' MPS pipes are, if they use MPS.
     pipe: Option<PathBuf>,
     log: Option<PathBuf>,
-    /// Without MPS of the run's own, a daemon answers where CUDA looks by itself: the run's
-    /// GPU processes join it as they start ([`Mps::as_found`]).
-    ambient: bool,
 }
 
 impl Mps {
@@ -236,18 +210,6 @@ impl Mps {
             private: None,
             pipe: None,
             log: None,
-            ambient: false,
-        }
-    }
-
-    /// No MPS of the run's own: the processes run as they would, which is as clients of a
-    /// daemon that answers at the pipe folder they inherit ([`Tools::system_pipe`]) where one
-    /// does (a Python process's `Loader`, or a machine's own daemon); [`Mps::producer_env`]
-    /// then still sets the producers' priority.
-    pub fn as_found(tools: &Tools) -> Mps {
-        Mps {
-            ambient: daemon_at(&tools.system_pipe),
-            ..Mps::off()
         }
     }
 
@@ -263,8 +225,9 @@ impl Mps {
             }),
             Plan::Join => Ok(Mps {
                 plan: Plan::Join,
+                private: None,
                 pipe: Some(tools.system_pipe.clone()),
-                ..Mps::off()
+                log: None,
             }),
             Plan::Start => {
                 let control = tools
@@ -277,7 +240,6 @@ impl Mps {
                         pipe: Some(p.pipe()),
                         log: Some(p.log()),
                         private: Some(p),
-                        ambient: false,
                     }),
                     Err(why) if mode == MpsMode::On => Err(refuse(why)),
                     Err(why) => Ok(Mps {
@@ -331,16 +293,6 @@ impl Mps {
             v.push((LOG_ENV, l.clone().into_os_string()));
         }
         v
-    }
-
-    /// The variables a GPU producer gets on top of [`Mps::env`]: its MPS client priority
-    /// (none without MPS, or at the normal priority).
-    pub fn producer_env(&self, priority: ProducerPriority) -> Vec<(&'static str, OsString)> {
-        let clients = self.pipe.is_some() || self.ambient;
-        match (clients, priority) {
-            (true, ProducerPriority::Low) => vec![(PRIORITY_ENV, "1".into())],
-            _ => Vec::new(),
-        }
     }
 
     /// Ends MPS for a process that is itself a client of the daemon (a Python process whose
