@@ -7,6 +7,7 @@ bf16, channels_last, batch 128, eager) alone on a resident batch, then fed by
   loader-prefetch0  the same with prefetch=0 (each batch gathered when asked for)
   loader-gpu2       an explicit mix: 2 GPU producers, no CPU producer
   loader-gpu3       3 GPU producers, no CPU producer
+  loader-gpu1       14 CPU producers and 1 GPU producer (less of the images prepared on the GPU)
   loader-prefetch4  the defaults with prefetch=4
   dali              NVIDIA DALI's mixed pipeline (bench/peers/onnx_pipelines.py's)
   dataloader        torch's DataLoader, 15 workers, pinned (the same script's)
@@ -131,7 +132,8 @@ def main():
     # The Loaders first, as docs/python.md says: CUDA joins MPS only as it starts in a process.
     kw = {"loader": {}, "loader-prefetch0": {"prefetch": 0},
           "loader-gpu2": {"producers": 0, "gpu_producers": 2},
-          "loader-gpu3": {"producers": 0, "gpu_producers": 3}, "loader-prefetch4": {"prefetch": 4}}
+          "loader-gpu3": {"producers": 0, "gpu_producers": 3}, "loader-prefetch4": {"prefetch": 4},
+          "loader-gpu1": {"producers": 14, "gpu_producers": 1}}
     loaders = {p: make_loader(files, a.batch, a.binary, mps=a.mps, **kw[p])
                for p in pipelines if p in kw}
     model = None if a.no_model else network()
