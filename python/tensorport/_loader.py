@@ -46,8 +46,6 @@ def _share_gpu(mode: str, gpu: int) -> None:
         os.environ[k] = v
     (log.warning if m.why_off else log.info)("Loader: %s", m.describe())
     if m.env:
-        import atexit
-
         atexit.register(m.quit_at_exit)
 
 

@@ -787,6 +787,14 @@ def _python(script, *args, env=None):
     return p.returncode, p.stdout + p.stderr
 
 
+# A child script's files and Loader arguments: `sys.argv[1]` a folder of images (each listed 4
+# times), `sys.argv[2:]` the command line that runs tensorport.
+_LOADER_ARGS = (
+    "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 4\n"
+    "kw = dict(batch_size=4, producers=2, image_size=16, binary=sys.argv[2:], timeout=60)\n"
+)
+
+
 def test_an_epoch_ends_before_its_server_and_the_process_exit_finishes_it(tmp_path):
     """The last batch ends the epoch: its server ends (and its folder goes) on a thread of its
     own, which the next epoch waits for, and which a process exiting right after the epoch
@@ -794,9 +802,7 @@ def test_an_epoch_ends_before_its_server_and_the_process_exit_finishes_it(tmp_pa
     images = tmp_path / "images"
     run("images", "--out", str(images), "--count", "8")
     script = (
-        "import os, sys, tempfile, tensorport\n"
-        "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 4\n"
-        "kw = dict(batch_size=4, producers=2, image_size=16, binary=sys.argv[2:], timeout=60)\n"
+        "import os, sys, tempfile, tensorport\n" + _LOADER_ARGS +
         "mine = lambda: [n for n in os.listdir(tempfile.gettempdir())\n"
         "                if n.startswith(f'tensorport-loader-{os.getpid()}-')]\n"
         "loader = tensorport.Loader(files, **kw)\n"
@@ -823,9 +829,7 @@ def test_an_epoch_started_in_a_thread_that_ends_goes_on_uninterrupted(tmp_path):
     images = tmp_path / "images"
     run("images", "--out", str(images), "--count", "8")
     script = (
-        "import sys, threading, time, tensorport\n"
-        "files = sorted(__import__('pathlib').Path(sys.argv[1]).iterdir()) * 4\n"
-        "kw = dict(batch_size=4, producers=2, image_size=16, binary=sys.argv[2:], timeout=60)\n"
+        "import sys, threading, time, tensorport\n" + _LOADER_ARGS +
         "it = iter(tensorport.Loader(files, **kw))\n"
         "first = []\n"
         "t = threading.Thread(target=lambda: first.append(next(it)))\n"
