@@ -236,6 +236,20 @@ pub struct PrepArgs {
     #[arg(long, value_parser = parse_upsampling, value_name = "interpolate|replicate",
           default_value = PrepOptions::default().gpu_upsampling.name())]
     pub gpu_upsampling: tensorport_nvjpeg::Upsampling,
+    /// How GPU producers share their JPEGs between decoders: by-chroma sends 4:4:4 files
+    /// (the JPEG engines' slow case) to nvJPEG's hybrid decoder, Huffman decoding on the
+    /// producer's host threads (as many as its CPU threads) and the rest on CUDA cores, as many
+    /// of them as finish no later than the engines decode the others (measured batch by
+    /// batch); engines decodes every file on the JPEG engines. On a GPU without JPEG engines
+    /// both are nvJPEG's CUDA backend.
+    #[arg(long, value_parser = parse_gpu_decode, value_name = "by-chroma|engines",
+          default_value = PrepOptions::default().gpu_decode.name())]
+    pub gpu_decode: tensorport_nvjpeg::GpuDecode,
+}
+
+fn parse_gpu_decode(s: &str) -> Result<tensorport_nvjpeg::GpuDecode, String> {
+    tensorport_nvjpeg::GpuDecode::parse(s)
+        .ok_or_else(|| format!("{s:?}: expected by-chroma or engines"))
 }
 
 fn parse_upsampling(s: &str) -> Result<tensorport_nvjpeg::Upsampling, String> {
@@ -254,6 +268,7 @@ impl PrepArgs {
             coarse_progressive: self.coarse_progressive.on(),
             pixels,
             gpu_upsampling: self.gpu_upsampling,
+            gpu_decode: self.gpu_decode,
         }
     }
 }

@@ -50,6 +50,10 @@ pub struct Args {
     /// Images per nvJPEG batch.
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
+    /// Host threads of the GPU pipeline for --nvjpeg: the hybrid decoder's, which takes 4:4:4
+    /// files with --gpu-decode by-chroma (as many as a GPU producer beside CPU producers has).
+    #[arg(long, default_value_t = 4, value_name = "N")]
+    pub cpu_threads: usize,
 }
 
 pub fn run(a: Args) -> CliResult<u8> {
@@ -106,6 +110,16 @@ pub fn run(a: Args) -> CliResult<u8> {
                 per(t.decode_ms),
                 per(t.kernel_ms)
             );
+            if t.hybrid_images > 0 {
+                println!(
+                    "hybrid decoder: {} of {} images ({:.0}%), its threads' time {:.0} us per image \
+                     it decoded (summed over the threads)",
+                    t.hybrid_images,
+                    t.images,
+                    100.0 * t.hybrid_images as f64 / t.images as f64,
+                    t.hybrid_host_ms * 1e3 / t.hybrid_images as f64
+                );
+            }
         }
         return dump(&a, dumped);
     }
@@ -232,11 +246,19 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
         tensorport_vision::IMAGENET_STD,
     )?;
     jpeg.set_upsampling(a.prep.gpu_upsampling);
+    jpeg.set_decode(a.prep.gpu_decode, a.cpu_threads)?;
+    let hybrid = jpeg.decoders().hybrid_threads;
     println!(
-        "{} (from {}), chroma upsampling: {}",
+        "{} (from {}), chroma upsampling: {}, decoding: {}{}",
         jpeg.backend(),
         jpeg.library(),
-        a.prep.gpu_upsampling.name()
+        a.prep.gpu_upsampling.name(),
+        a.prep.gpu_decode.name(),
+        if hybrid > 0 {
+            format!(" (4:4:4 shared with nvJPEG's hybrid decoder on {hybrid} host threads)")
+        } else {
+            String::new()
+        }
     );
     let transform = a.prep.transform.for_size(a.image_size);
     let sized: Vec<_> = encoded

@@ -115,6 +115,15 @@ impl Stream {
         }
     }
 
+    /// Makes this stream wait (on the GPU) for the work recorded before `e` on another stream of
+    /// the same context.
+    pub fn wait_event(&self, e: &Event) -> Result<()> {
+        self.gpu.bind()?;
+        // SAFETY: both handles are live (the event until after this call; a pending wait on an
+        // event destroyed later is the driver's to keep).
+        unsafe { self.gpu.driver().stream_wait_event(self.raw, e.raw) }
+    }
+
     /// Records an event now and returns it; [`Event::wait`] blocks until the work before it ran.
     pub fn record(&self) -> Result<Event> {
         self.gpu.bind()?;

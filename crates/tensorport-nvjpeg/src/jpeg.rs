@@ -10,7 +10,11 @@
 use std::sync::Arc;
 use tensorport_vision::transform::Window;
 
+use crate::balance::Costs;
+use crate::batched::Batched;
+use crate::hybrid::{Hybrid, HybridJob};
 use crate::nvjpeg::{self, Nvjpeg};
+use crate::route::{chroma_of, Decoders, GpuDecode, Route};
 use crate::{Error, Result};
 use tensorport_cuda::{DeviceBuffer, Gpu, GpuProducer, Kernel, PinnedBuffer, Stream};
 
@@ -137,7 +141,7 @@ impl Upsampling {
 /// The decoder and the kernel, with scratch memory kept between batches.
 pub struct GpuJpeg {
     gpu: Arc<Gpu>,
-    lib: Nvjpeg,
+    lib: Arc<Nvjpeg>,
     handle: nvjpeg::Handle,
     state: nvjpeg::State,
     /// A second hardware decoder without interpolated upsampling, for the images with no
@@ -145,6 +149,12 @@ pub struct GpuJpeg {
     /// decode those several times faster without the flag, to the same pixels.
     plain: Option<(nvjpeg::Handle, nvjpeg::State)>,
     upsampling: Upsampling,
+    /// How files are shared between the decoders ([`GpuJpeg::set_decode`]).
+    mode: GpuDecode,
+    /// The hybrid decoder on host threads, once [`GpuJpeg::set_decode`] made it.
+    hybrid: Option<Hybrid>,
+    /// What each side has cost per megapixel (`balance.rs`).
+    costs: Costs,
     parsed: nvjpeg::JpegStream,
     backend: JpegBackend,
     kernel: Option<Kernel>,
@@ -176,6 +186,11 @@ pub struct JpegTimes {
     pub pixels: u64,
     /// Host time inside nvJPEG's batched calls (parsing, and whatever it waits for).
     pub host_ms: f64,
+    /// Of the images, those the hybrid decoder took (on host threads and CUDA cores).
+    pub hybrid_images: u64,
+    /// The hybrid decoder's threads' time, summed over the threads (their nvJPEG calls and
+    /// their waits for a pinned buffer).
+    pub hybrid_host_ms: f64,
     /// GPU time from a batch's start on the stream to its decode's end.
     pub decode_ms: f64,
     /// GPU time of the resize / crop / normalise kernel (with its job table's copy).
@@ -225,7 +240,7 @@ impl GpuJpeg {
     /// compiles the kernel for `gpu`; outputs are normalised with `mean` and `std`.
     pub fn new(gpu: &Arc<Gpu>, mean: [f32; 3], std: [f32; 3]) -> Result<GpuJpeg> {
         gpu.bind()?;
-        let lib = Nvjpeg::load()?;
+        let lib = Arc::new(Nvjpeg::load()?);
         let flags = nvjpeg::FLAGS_UPSAMPLING_WITH_INTERPOLATION;
         let (handle, backend) = match lib.create(nvjpeg::BACKEND_HARDWARE, flags) {
             Ok(h) => {
@@ -246,6 +261,9 @@ impl GpuJpeg {
             state: std::ptr::null_mut(),
             plain: None,
             upsampling: Upsampling::default(),
+            mode: GpuDecode::Engines,
+            hybrid: None,
+            costs: Costs::default(),
             parsed: std::ptr::null_mut(),
             backend,
             kernel: None,
@@ -292,6 +310,37 @@ impl GpuJpeg {
         self.upsampling = upsampling;
     }
 
+    /// How files are shared between the decoders: with [`GpuDecode::ByChroma`] and `threads`
+    /// above 0 on a GPU with JPEG engines, 4:4:4 files go to nvJPEG's hybrid decoder on
+    /// `threads` host threads of this decoder's own (made here). [`GpuDecode::Engines`] unless
+    /// set.
+    pub fn set_decode(&mut self, mode: GpuDecode, threads: usize) -> Result<()> {
+        self.mode = mode;
+        let wanted = mode == GpuDecode::ByChroma
+            && threads > 0
+            && matches!(self.backend, JpegBackend::Hardware { .. });
+        if !wanted {
+            self.hybrid = None;
+        } else if self.hybrid.as_ref().is_none_or(|h| h.threads() != threads) {
+            // The old decoder's threads are idle between batches; its streams are waited
+            // on when it drops.
+            self.hybrid = None;
+            self.hybrid = Some(Hybrid::new(&self.lib, &self.gpu, threads)?);
+        }
+        Ok(())
+    }
+
+    /// Which decoder takes each kind of file, as set.
+    pub fn decoders(&self) -> Decoders {
+        Decoders {
+            engines: matches!(self.backend, JpegBackend::Hardware { .. }),
+            plain: self.plain.is_some(),
+            hybrid_threads: self.hybrid.as_ref().map_or(0, Hybrid::threads),
+            mode: self.mode,
+            upsampling: self.upsampling,
+        }
+    }
+
     /// Write each image as `[3, out, out]` bytes (planar RGB, not normalised: the server
     /// normalises them) instead of normalised `f32`.
     pub fn set_u8_output(&mut self, as_u8: bool) {
@@ -306,7 +355,11 @@ impl GpuJpeg {
 
     /// The sums of the timed batches that have run (after [`GpuJpeg::wait_idle`], all of them).
     pub fn times(&self) -> Option<JpegTimes> {
-        self.timing.as_ref().map(|t| t.totals)
+        let mut t = self.timing.as_ref()?.totals;
+        if let Some(h) = &self.hybrid {
+            (t.hybrid_host_ms, t.hybrid_images) = h.host_time();
+        }
+        Some(t)
     }
 
     /// Waits until the last batch's decode and kernel have run (after which its JPEG bytes
@@ -456,7 +509,9 @@ impl GpuJpeg {
         }
         // Planar RGB for every image, each image 256-byte aligned.
         let mut offsets = Vec::with_capacity(jobs.len());
-        let mut plain = Vec::with_capacity(jobs.len());
+        let mut routes = Vec::with_capacity(jobs.len());
+        let mut mpx = Vec::with_capacity(jobs.len());
+        let decoders = self.decoders();
         let mut total = 0usize;
         for j in jobs {
             let info = self.header_info(j.data);
@@ -465,12 +520,13 @@ impl GpuJpeg {
                     "a job's size is not its JPEG's (or the JPEG is not one this decodes)",
                 ));
             }
-            plain.push(
-                self.plain.is_some()
-                    && (self.upsampling == Upsampling::Replicate
-                        || info.is_some_and(|i| i.subsampling == nvjpeg::CSS_444)),
-            );
+            routes.push(decoders.route(
+                info.map_or(tensorport_vision::sniff::Chroma::Other, |i| {
+                    chroma_of(i.subsampling)
+                }),
+            ));
             let (w, h) = (j.size.0 as usize, j.size.1 as usize);
+            mpx.push((w * h) as f64 / 1e6);
             let need = (j.window.out as usize).pow(2) * 3 * if self.as_u8 { 1 } else { 4 };
             if j.dst
                 .1
@@ -481,6 +537,14 @@ impl GpuJpeg {
             }
             offsets.push(total);
             total += (3 * w * h).next_multiple_of(256);
+        }
+        if let Some(h) = &self.hybrid {
+            let fallback = Decoders {
+                hybrid_threads: 0,
+                ..decoders
+            }
+            .route(tensorport_vision::sniff::Chroma::Full);
+            self.costs.share(&mut routes, &mpx, h.threads(), fallback);
         }
         // An outsized batch's scratch is given back rather than kept for small ones.
         if self
@@ -504,7 +568,7 @@ impl GpuJpeg {
         }
         self.mark(stream)?;
         // From here work is enqueued: whatever happens, the next batch waits for it.
-        let r = self.enqueue(jobs, &offsets, &plain, stream);
+        let r = self.enqueue(jobs, &offsets, &routes, &mpx, stream);
         let last = stream.record()?;
         if let Some(t) = self.timing.as_mut() {
             if r.is_ok() {
@@ -518,12 +582,13 @@ impl GpuJpeg {
     }
 
     /// The part of [`GpuJpeg::run`] that enqueues work (the buffers are sized).
-    /// `plain[i]`: job `i` goes to the decoder without interpolated upsampling.
+    /// `routes[i]`: the decoder of job `i`.
     fn enqueue(
         &mut self,
         jobs: &[JpegJob<'_>],
         offsets: &[usize],
-        plain: &[bool],
+        routes: &[Route],
+        mpx: &[f64],
         stream: &Stream,
     ) -> Result<()> {
         let base = self.scratch.as_ref().expect("sized by run").ptr();
@@ -540,41 +605,56 @@ impl GpuJpeg {
                 im
             })
             .collect();
-        let data: Vec<*const u8> = jobs.iter().map(|j| j.data.as_ptr()).collect();
-        let lengths: Vec<usize> = jobs.iter().map(|j| j.data.len()).collect();
-        let host = std::time::Instant::now();
-        for which in [false, true] {
-            let (handle, state) = match (which, self.plain) {
-                (false, _) => (self.handle, self.state),
-                (true, Some(p)) => p,
-                (true, None) => continue,
+        let hybrid_jobs: Vec<HybridJob<'_>> = jobs
+            .iter()
+            .zip(&images)
+            .zip(routes)
+            .filter(|(_, r)| **r == Route::Hybrid)
+            .map(|((j, im), _)| HybridJob {
+                data: j.data,
+                planes: *im,
+            })
+            .collect();
+        let batched = Batched {
+            lib: &self.lib,
+            main: (self.handle, self.state),
+            plain: self.plain,
+        };
+        let run_batched = || -> (Result<()>, f64) {
+            let host = std::time::Instant::now();
+            // SAFETY: the planes lie inside the scratch buffer (sized from the widths and heights
+            // nvJPEG reported), which lives until after `self.last` is waited on.
+            let r = unsafe { batched.decode(jobs, &images, routes, stream) };
+            (r, host.elapsed().as_secs_f64() * 1e3)
+        };
+        let before = self.hybrid.as_ref().map_or(0.0, |h| h.host_time().0);
+        let (hybrid_r, batched_r) = match self.hybrid.as_mut() {
+            // SAFETY: the jobs' bytes outlive this call (the caller's contract for `run`); their
+            // planes are in the scratch buffer, read after `stream` waits for the threads' work.
+            Some(h) => unsafe { h.decode(&hybrid_jobs, stream, run_batched) },
+            None if hybrid_jobs.is_empty() => (Ok(()), run_batched()),
+            None => {
+                return Err(Error::Refused(
+                    "a job for a hybrid decoder that was not made",
+                ))
+            }
+        };
+        let (batched_r, batched_ms) = batched_r;
+        batched_r?;
+        hybrid_r?;
+        if let Some(h) = &self.hybrid {
+            let on = |hybrid: bool| -> f64 {
+                let side = routes.iter().zip(mpx);
+                side.filter(|(r, _)| (**r == Route::Hybrid) == hybrid)
+                    .map(|(_, p)| p)
+                    .sum()
             };
-            let (data, lengths, mut images) = (
-                pick(&data, plain, which),
-                pick(&lengths, plain, which),
-                pick(&images, plain, which),
-            );
-            if data.is_empty() {
-                continue;
-            }
-            // SAFETY: handle and state are live and ours alone; each image's planes lie inside
-            // the scratch buffer (sized above from the same widths and heights nvJPEG
-            // reported), which lives until after `self.last` is waited on.
-            unsafe {
-                self.lib
-                    .batched_initialize(handle, state, data.len(), nvjpeg::OUTPUT_RGB)?;
-                self.lib.decode_batched(
-                    handle,
-                    state,
-                    &data,
-                    &lengths,
-                    &mut images,
-                    stream.raw(),
-                )?;
-            }
+            let hybrid_ms = h.host_time().0 - before;
+            self.costs
+                .learn((hybrid_ms, on(true)), (batched_ms, on(false)));
         }
         if let Some(t) = self.timing.as_mut() {
-            t.totals.host_ms += host.elapsed().as_secs_f64() * 1e3;
+            t.totals.host_ms += batched_ms;
         }
         self.mark(stream)?;
         let raw: Vec<RawJob> = jobs
@@ -656,15 +736,6 @@ fn grow<'a>(
     Ok(slot.as_ref().expect("just set"))
 }
 
-/// The items of `v` whose `plain` flag is `which`, in order.
-fn pick<T: Copy>(v: &[T], plain: &[bool], which: bool) -> Vec<T> {
-    v.iter()
-        .zip(plain)
-        .filter(|(_, &p)| p == which)
-        .map(|(x, _)| *x)
-        .collect()
-}
-
 fn job_bytes(r: &RawJob) -> &[u8] {
     // SAFETY: RawJob is plain old data (integers and floats, `repr(C)`, no padding: 56 bytes
     // of 8-, 4- and 8-byte fields in that order), so its bytes may be read.
@@ -681,6 +752,8 @@ impl Drop for GpuJpeg {
         }
         // Read by no batch any more.
         self.held.clear();
+        // Its threads' streams are waited on.
+        self.hybrid = None;
         self.kernel = None;
         // SAFETY: each handle was made in `new` (or is null) and no work using it is pending.
         unsafe {
@@ -710,15 +783,6 @@ mod tests {
         }
         assert_eq!(Upsampling::default(), Upsampling::Interpolate);
         assert_eq!(Upsampling::parse("bilinear"), None);
-    }
-
-    #[test]
-    fn a_batch_splits_between_the_decoders_in_order() {
-        let v = [10, 11, 12, 13, 14];
-        let plain = [false, true, true, false, true];
-        assert_eq!(pick(&v, &plain, false), vec![10, 13]);
-        assert_eq!(pick(&v, &plain, true), vec![11, 12, 14]);
-        assert!(pick(&v, &[false; 5], true).is_empty());
     }
 
     #[test]

@@ -11,10 +11,15 @@
 #![deny(unsafe_op_in_unsafe_fn)]
 #![warn(clippy::undocumented_unsafe_blocks)]
 
+mod balance;
+mod batched;
+mod hybrid;
 mod jpeg;
 pub mod nvjpeg;
+mod route;
 
 pub use jpeg::{GpuJpeg, JpegBackend, JpegJob, JpegRefused, JpegTimes, ProducerJpeg, Upsampling};
+pub use route::{chroma_of, Decoders, GpuDecode, Route};
 
 use thiserror::Error;
 

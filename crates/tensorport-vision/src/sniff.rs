@@ -29,6 +29,53 @@ pub struct JpegFrame {
     pub width: u16,
     /// Height in pixels (0: given later, in a DNL marker).
     pub height: u16,
+    /// How its chroma is subsampled, from the components' sampling factors.
+    pub chroma: Chroma,
+}
+
+/// How a colour JPEG's chroma is subsampled against its luma (the components' sampling
+/// factors in the frame header).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Chroma {
+    /// One component: nothing but luma.
+    Gray,
+    /// Chroma at full resolution (nothing to upsample).
+    Full,
+    /// Chroma at half the width (4:2:2).
+    HalfWidth,
+    /// Chroma at half the width and height (4:2:0).
+    Quarter,
+    /// Any other layout (4:4:0, 4:1:1, components sampled unlike each other, four components).
+    Other,
+}
+
+impl Chroma {
+    /// The layout of components sampled `(horizontal, vertical)` as `factors` says (luma first).
+    pub fn from_factors(factors: &[(u8, u8)]) -> Chroma {
+        match factors {
+            [_] => Chroma::Gray,
+            [y, cb, cr] if cb == cr && cb.0 > 0 && cb.1 > 0 => {
+                match (y.0 % cb.0, y.1 % cb.1, y.0 / cb.0, y.1 / cb.1) {
+                    (0, 0, 1, 1) => Chroma::Full,
+                    (0, 0, 2, 1) => Chroma::HalfWidth,
+                    (0, 0, 2, 2) => Chroma::Quarter,
+                    _ => Chroma::Other,
+                }
+            }
+            _ => Chroma::Other,
+        }
+    }
+
+    /// The name reports use (`4:4:4`, `4:2:2`, `4:2:0`, `gray`, `other`).
+    pub fn name(self) -> &'static str {
+        match self {
+            Chroma::Gray => "gray",
+            Chroma::Full => "4:4:4",
+            Chroma::HalfWidth => "4:2:2",
+            Chroma::Quarter => "4:2:0",
+            Chroma::Other => "other",
+        }
+    }
 }
 
 impl JpegFrame {
@@ -90,12 +137,30 @@ pub fn jpeg_frame(mut r: impl Read + Seek) -> Option<JpegFrame> {
             return None;
         }
         r.read_exact(&mut h).ok()?;
+        let components = h[5];
+        // Each component's id, sampling factors and table: read for up to four components
+        // (what a JPEG may have in one scan), bounded by the segment's own length.
+        let listed = usize::from(components).min(4);
+        let mut factors = Vec::with_capacity(listed);
+        if usize::from(len) >= 8 + 3 * listed {
+            let mut c = [0u8; 3];
+            for _ in 0..listed {
+                r.read_exact(&mut c).ok()?;
+                factors.push((c[1] >> 4, c[1] & 0x0F));
+            }
+        }
+        let chroma = if factors.len() == usize::from(components) {
+            Chroma::from_factors(&factors)
+        } else {
+            Chroma::Other
+        };
         return Some(JpegFrame {
             coding,
             precision: h[0],
             height: u16::from_be_bytes([h[1], h[2]]),
             width: u16::from_be_bytes([h[3], h[4]]),
-            components: h[5],
+            components,
+            chroma,
         });
     }
     None
@@ -133,7 +198,10 @@ mod tests {
         v
     }
 
-    const SOF: [u8; 6] = [8, 0x01, 0x20, 0x02, 0x80, 3]; // 8-bit, 288 high, 640 wide, 3 comps
+    // 8-bit, 288 high, 640 wide, 3 components: luma 2×2, chroma 1×1 (4:2:0).
+    const SOF: [u8; 15] = [
+        8, 0x01, 0x20, 0x02, 0x80, 3, 1, 0x22, 0, 2, 0x11, 1, 3, 0x11, 1,
+    ];
 
     #[test]
     fn reads_the_frame_past_other_segments() {
@@ -153,7 +221,8 @@ mod tests {
                 precision: 8,
                 components: 3,
                 width: 640,
-                height: 288
+                height: 288,
+                chroma: Chroma::Quarter,
             }
         );
         assert!(f.is_plain());
@@ -174,10 +243,11 @@ mod tests {
         assert!(!jpeg_frame(Cursor::new(jpeg(&[(0xC0, &cmyk)])))
             .unwrap()
             .is_plain());
-        let mut gray = SOF;
+        let mut gray = SOF[..9].to_vec();
         gray[5] = 1;
         let g = jpeg_frame(Cursor::new(jpeg(&[(0xC0, &gray)]))).unwrap();
         assert_eq!(g.components, 1);
+        assert_eq!(g.chroma, Chroma::Gray);
         assert!(!g.is_plain());
         assert_eq!(
             jpeg_frame(Cursor::new(jpeg(&[(0xC3, &SOF)])))
@@ -185,6 +255,28 @@ mod tests {
                 .coding,
             Coding::Other
         );
+    }
+
+    #[test]
+    fn chroma_is_read_from_the_sampling_factors() {
+        let with = |y: u8, cb: u8, cr: u8| {
+            let mut sof = SOF;
+            (sof[7], sof[10], sof[13]) = (y, cb, cr);
+            jpeg_frame(Cursor::new(jpeg(&[(0xC0, &sof)])))
+                .unwrap()
+                .chroma
+        };
+        assert_eq!(with(0x11, 0x11, 0x11), Chroma::Full);
+        assert_eq!(with(0x22, 0x22, 0x22), Chroma::Full);
+        assert_eq!(with(0x21, 0x11, 0x11), Chroma::HalfWidth);
+        assert_eq!(with(0x22, 0x11, 0x11), Chroma::Quarter);
+        assert_eq!(with(0x12, 0x11, 0x11), Chroma::Other);
+        assert_eq!(with(0x41, 0x11, 0x11), Chroma::Other);
+        assert_eq!(with(0x22, 0x11, 0x21), Chroma::Other);
+        assert_eq!(with(0x22, 0x00, 0x00), Chroma::Other);
+        // A frame header cut short of its component list: the frame is read, its chroma unknown.
+        let short = jpeg_frame(Cursor::new(jpeg(&[(0xC0, &SOF[..6])]))).unwrap();
+        assert_eq!((short.components, short.chroma), (3, Chroma::Other));
     }
 
     #[test]

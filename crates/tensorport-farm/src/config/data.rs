@@ -178,6 +178,20 @@ pub(super) mod jpeg_decoder {
     }
 }
 
+/// `tensorport_nvjpeg::GpuDecode` by name.
+pub(super) mod gpu_decode {
+    use super::*;
+    use tensorport_nvjpeg::GpuDecode;
+
+    pub fn serialize<S: Serializer>(g: &GpuDecode, s: S) -> Result<S::Ok, S::Error> {
+        g.name().serialize(s)
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(d: D) -> Result<GpuDecode, D::Error> {
+        by_name(d, GpuDecode::parse, "GPU decoding")
+    }
+}
+
 /// `tensorport_nvjpeg::Upsampling` by name.
 pub(super) mod upsampling {
     use super::*;
@@ -219,6 +233,7 @@ mod tests {
                 pixels: Pixels::U8,
                 gpu_upsampling: tensorport_nvjpeg::Upsampling::parse("replicate")
                     .expect("an upsampling"),
+                gpu_decode: tensorport_nvjpeg::GpuDecode::Engines,
             },
             profile: true,
             keep: Keep::Top(5),
@@ -277,6 +292,7 @@ mod tests {
             tensorport_nvjpeg::Upsampling::default(),
             p.prep.gpu_upsampling
         );
+        assert_ne!(tensorport_nvjpeg::GpuDecode::default(), p.prep.gpu_decode);
         let back = decode::<ProduceConfig>(&p.to_data()).unwrap();
         assert_eq!(back, p);
         // The other inputs and outputs too.

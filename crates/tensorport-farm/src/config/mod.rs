@@ -59,7 +59,8 @@ pub struct GpuPrep {
     /// Images per nvJPEG batch (at most the requests in flight).
     pub batch: usize,
     /// Threads preparing on the CPU what nvJPEG does not take (progressive JPEGs on the
-    /// hardware decoder, PNGs), while the GPU decodes the rest of the batch.
+    /// hardware decoder, PNGs), while the GPU decodes the rest of the batch; as many again for
+    /// nvJPEG's hybrid decoder where `PrepOptions::gpu_decode` shares 4:4:4 files with it.
     pub cpu_threads: usize,
 }
 

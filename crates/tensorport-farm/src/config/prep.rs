@@ -102,6 +102,10 @@ pub struct PrepOptions {
     /// How GPU producers' JPEG engines upsample subsampled chroma.
     #[serde(with = "data::upsampling")]
     pub gpu_upsampling: tensorport_nvjpeg::Upsampling,
+    /// How GPU producers share their JPEGs between the JPEG engines and nvJPEG's hybrid
+    /// decoder on their host threads.
+    #[serde(with = "data::gpu_decode")]
+    pub gpu_decode: tensorport_nvjpeg::GpuDecode,
 }
 
 impl Default for PrepOptions {
@@ -114,6 +118,7 @@ impl Default for PrepOptions {
             coarse_progressive: true,
             pixels: Pixels::F32,
             gpu_upsampling: tensorport_nvjpeg::Upsampling::default(),
+            gpu_decode: tensorport_nvjpeg::GpuDecode::default(),
         }
     }
 }

@@ -93,6 +93,7 @@ pub(super) fn run(
     let mut jpeg = GpuJpeg::new(&gpu, IMAGENET_MEAN, IMAGENET_STD)?;
     jpeg.set_u8_output(cfg.prep.pixels == Pixels::U8);
     jpeg.set_upsampling(cfg.prep.gpu_upsampling);
+    jpeg.set_decode(cfg.prep.gpu_decode, g.cpu_threads)?;
     tracing::info!(backend = %jpeg.backend(), library = jpeg.library(), gpu = g.ordinal, "decoding on the GPU");
     // One device buffer per request in flight, up to what a session may register.
     let depth = (cfg.in_flight.max(1) as usize).min(tensorport_wire::MAX_DEVICE_BUFFERS as usize);

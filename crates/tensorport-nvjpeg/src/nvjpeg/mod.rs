@@ -12,6 +12,9 @@ use std::path::PathBuf;
 
 use crate::{Error, Result};
 
+mod decoupled;
+pub use decoupled::{Decoder, DeviceBuf, Params, PinnedBuf, BACKEND_HYBRID};
+
 /// `nvjpegStatus_t`.
 pub type Status = c_int;
 /// `nvjpegHandle_t`.
@@ -33,6 +36,12 @@ pub const BACKEND_HARDWARE: c_int = 3;
 pub const FLAGS_DEFAULT: c_uint = 0;
 /// `NVJPEG_CSS_444`: chroma at full resolution (nothing to upsample).
 pub const CSS_444: c_int = 0;
+/// `NVJPEG_CSS_422`: chroma at half the width.
+pub const CSS_422: c_int = 1;
+/// `NVJPEG_CSS_420`: chroma at half the width and height.
+pub const CSS_420: c_int = 2;
+/// `NVJPEG_CSS_GRAY`: one component.
+pub const CSS_GRAY: c_int = 6;
 
 /// What `nvjpegGetImageInfo` tells of a JPEG.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -113,6 +122,7 @@ pub struct Nvjpeg {
     stream_parse_header: StreamParseHeader,
     batched_supported: BatchedSupported,
     hw_info: HwInfo,
+    decoupled: decoupled::Decoupled,
     // Keeps the code behind the pointers above mapped.
     _lib: libloading::Library,
 }
@@ -198,6 +208,7 @@ impl Nvjpeg {
                     stream_parse_header: sym(&lib, "nvjpegJpegStreamParseHeader")?,
                     batched_supported: sym(&lib, "nvjpegDecodeBatchedSupported")?,
                     hw_info: sym(&lib, "nvjpegGetHardwareDecoderInfo")?,
+                    decoupled: decoupled::Decoupled::load(&lib)?,
                     _lib: lib,
                 })
             };
