@@ -387,7 +387,7 @@ fn durations_and_counts_out_of_range_are_refused_not_panics() {
         );
     }
     // A document with a field the configuration lacks, or a timeout past the end of time.
-    let doc = r#"{"socket":"/nonexistent/tp.sock","inputs":{"Synthetic":1},"output":"Stdout","image_size":32,"in_flight":2,"ready":false,"prep":{"transform":"Standard","jpeg_decoder":"zune-jpeg","max_pixels":64000000,"dct_scaling":false,"coarse_progressive":true,"pixels":"F32","gpu_upsampling":"replicate"},"profile":false,"keep":"All","name":"p","timeout":{"secs":60,"nanos":0},"spin":{"secs":0,"nanos":20000},"read_timeout":{"secs":10,"nanos":0},"gpu":null}"#;
+    let doc = r#"{"socket":"/nonexistent/tp.sock","inputs":{"Synthetic":1},"output":"Stdout","image_size":32,"in_flight":2,"ready":false,"prep":{"transform":"Standard","jpeg_decoder":"zune-jpeg","max_pixels":64000000,"dct_scaling":false,"coarse_progressive":true,"pixels":"F32","gpu_upsampling":"replicate","gpu_decode":"engines"},"profile":false,"keep":"All","name":"p","timeout":{"secs":60,"nanos":0},"spin":{"secs":0,"nanos":20000},"read_timeout":{"secs":10,"nanos":0},"gpu":null}"#;
     let huge = doc.replace(
         r#""timeout":{"secs":60,"nanos":0}"#,
         r#""timeout":{"secs":18446744073709551615,"nanos":0}"#,
