@@ -12,7 +12,8 @@
 # (baseline colour photos) are linked into OUT_DIR/by/{444,422,420,large,small} by chroma and
 # size, the varied set's colour baseline files into OUT_DIR/by/colour. THREADS="4 15" runs the
 # by-chroma rows with each count of host threads (default 4, a GPU producer's beside CPU
-# producers). Needs the CUDA build, torch, torchvision and safetensors.
+# producers); ACCURACY_ONLY=1 runs only the comparison with torchvision. Needs the CUDA build,
+# torch, torchvision and safetensors.
 set -euo pipefail
 bin=$(realpath "$1"); out=$(realpath -m "$2")
 here=$(cd "$(dirname "$0")" && pwd)
@@ -32,8 +33,8 @@ prep() { # label dir flags...
   { "$bin" --log warn prep --input "$d" --nvjpeg --repeat 2 --batch 32 "$@" 2>&1 || true; } \
     | grep -E "images/s|per image|hybrid decoder|error" | tr '\n' ' ' | sed "s/^/   $label: /"; echo
 }
-echo "== one process, batches of 32, best of 2 passes; torchvision's nvJPEG pipeline on the same files"
-for d in "$out/uniform" "$out/mixed" "$by"/{444,422,420,large,small,colour}; do
+[[ -n ${ACCURACY_ONLY:-} ]] || echo "== one process, batches of 32, best of 2 passes; torchvision's nvJPEG pipeline on the same files"
+[[ -n ${ACCURACY_ONLY:-} ]] || for d in "$out/mixed" "$by"/{444,422,420,large,small,colour} "$out/uniform"; do
   echo "-- $(basename "$d"): $(find -L "$d" -name '*.jpg' | wc -l) files"
   prep "engines" "$d" --gpu-decode engines
   for t in ${THREADS:-4}; do prep "by-chroma, $t threads" "$d" --gpu-decode by-chroma --cpu-threads "$t"; done
