@@ -155,6 +155,81 @@ pub(crate) fn nvjpeg_tensors() {
     assert!(worst <= 0.5, "largest difference {worst}");
 }
 
+/// `prep --nvjpeg --gpu-decode by-chroma` on 4:4:4 JPEGs: the hybrid decoder (host threads and
+/// CUDA cores) takes some of them, and every tensor lies as close to the CPU path's as the
+/// engines' do.
+pub(crate) fn nvjpeg_hybrid_444() {
+    let dir = tempfile::tempdir().unwrap();
+    let jpegs = dir.path().join("444");
+    std::fs::create_dir(&jpegs).unwrap();
+    for i in 0..32u32 {
+        let (w, h) = (200 + 37 * (i % 7) as u16, 150 + 29 * (i % 5) as u16);
+        let rgb: Vec<u8> = (0..u32::from(w) * u32::from(h))
+            .flat_map(|p| {
+                let (x, y) = (p % u32::from(w), p / u32::from(w));
+                [(x * 3 + i) as u8, (y * 2) as u8, ((x ^ y) + 7 * i) as u8]
+            })
+            .collect();
+        let mut enc =
+            jpeg_encoder::Encoder::new_file(jpegs.join(format!("f{i:02}.jpg")), 90).unwrap();
+        enc.set_sampling_factor(jpeg_encoder::SamplingFactor::R_4_4_4);
+        enc.encode(&rgb, w, h, jpeg_encoder::ColorType::Rgb)
+            .unwrap();
+    }
+    let jpegs = jpegs.to_str().unwrap();
+    let dump = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let mut args = vec!["prep", "--input", jpegs, "--repeat", "1", "--batch", "16"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--dump", out.to_str().unwrap()]);
+        let said = tp(&args);
+        (std::fs::read(&out).unwrap(), said)
+    };
+    let (cpu, _) = dump("c.st", &[]);
+    let (engines, _) = dump("e.st", &["--nvjpeg", "--gpu-decode", "engines"]);
+    let (hybrid, said) = dump(
+        "h.st",
+        &[
+            "--nvjpeg",
+            "--gpu-decode",
+            "by-chroma",
+            "--cpu-threads",
+            "4",
+        ],
+    );
+    println!("  {}", said.trim().replace('\n', "\n  "));
+    let share = said
+        .lines()
+        .find_map(|l| l.strip_prefix("hybrid decoder: "))
+        .and_then(|l| l.split(' ').next())
+        .and_then(|n| n.parse::<u32>().ok());
+    assert!(
+        share.is_some_and(|n| n > 0),
+        "the hybrid decoder took none:\n{said}"
+    );
+    let c = safetensors::SafeTensors::deserialize(&cpu).unwrap();
+    for (label, bytes) in [("engines", &engines), ("by-chroma", &hybrid)] {
+        let g = safetensors::SafeTensors::deserialize(bytes).unwrap();
+        let (mut sum, mut n, mut worst) = (0f64, 0usize, 0f32);
+        assert_eq!(g.names().len(), 32, "{label}");
+        for name in c.names() {
+            let a: &[f32] = bytemuck::cast_slice(g.tensor(name).unwrap().data());
+            let b: &[f32] = bytemuck::cast_slice(c.tensor(name).unwrap().data());
+            assert_eq!(a.len(), b.len());
+            for (x, y) in a.iter().zip(b) {
+                let d = (x - y).abs();
+                sum += f64::from(d);
+                n += 1;
+                worst = worst.max(d);
+            }
+        }
+        let mean = sum / n as f64;
+        println!("  {label}: 32 files at 4:4:4, mean |GPU - CPU| {mean:.4}, largest {worst:.3}");
+        assert!(mean <= 0.02, "{label}: mean difference {mean}");
+        assert!(worst <= 0.5, "{label}: largest difference {worst}");
+    }
+}
+
 /// Grayscale JPEGs among `farm_gpu_producers`' inputs.
 const GRAY: u64 = 8;
 

@@ -62,6 +62,10 @@ fn main() {
         ),
         ("nvjpeg_tensors_match_the_cpu_preprocessing", nvjpeg_tensors),
         (
+            "nvjpeg_hybrid_decoder_on_444_matches_the_cpu_preprocessing",
+            nvjpeg_hybrid_444,
+        ),
+        (
             "farm_with_gpu_decoding_producers_every_input_once",
             farm_gpu_producers,
         ),

@@ -14,9 +14,9 @@ use crate::nvjpeg;
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
 pub enum GpuDecode {
     /// Every file on the batched decoder (the JPEG engines where the GPU has them).
+    #[default]
     Engines,
     /// 4:4:4 files on the hybrid decoder (host threads and CUDA cores), the rest on the engines.
-    #[default]
     ByChroma,
 }
 

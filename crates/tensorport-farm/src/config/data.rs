@@ -233,7 +233,7 @@ mod tests {
                 pixels: Pixels::U8,
                 gpu_upsampling: tensorport_nvjpeg::Upsampling::parse("replicate")
                     .expect("an upsampling"),
-                gpu_decode: tensorport_nvjpeg::GpuDecode::Engines,
+                gpu_decode: tensorport_nvjpeg::GpuDecode::ByChroma,
             },
             profile: true,
             keep: Keep::Top(5),
