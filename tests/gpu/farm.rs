@@ -131,25 +131,7 @@ pub(crate) fn nvjpeg_tensors() {
         c.to_str().unwrap(),
     ]);
     let (gb, cb) = (std::fs::read(&g).unwrap(), std::fs::read(&c).unwrap());
-    let (gt, ct) = (
-        safetensors::SafeTensors::deserialize(&gb).unwrap(),
-        safetensors::SafeTensors::deserialize(&cb).unwrap(),
-    );
-    let (mut sum, mut n, mut worst) = (0f64, 0usize, 0f32);
-    let names = ct.names();
-    assert_eq!(names.len(), 24);
-    for name in names {
-        let a: &[f32] = bytemuck::cast_slice(gt.tensor(name).unwrap().data());
-        let b: &[f32] = bytemuck::cast_slice(ct.tensor(name).unwrap().data());
-        assert_eq!(a.len(), b.len());
-        for (x, y) in a.iter().zip(b) {
-            let d = (x - y).abs();
-            sum += f64::from(d);
-            n += 1;
-            worst = worst.max(d);
-        }
-    }
-    let mean = sum / n as f64;
+    let (mean, worst) = distance(&gb, &cb, 24);
     println!("  24 files: mean |GPU - CPU| {mean:.4}, largest {worst:.3} (one 8-bit level is about 0.017)");
     assert!(mean <= 0.02, "mean difference {mean}");
     assert!(worst <= 0.5, "largest difference {worst}");
@@ -207,27 +189,34 @@ pub(crate) fn nvjpeg_hybrid_444() {
         share.is_some_and(|n| n > 0),
         "the hybrid decoder took none:\n{said}"
     );
-    let c = safetensors::SafeTensors::deserialize(&cpu).unwrap();
     for (label, bytes) in [("engines", &engines), ("by-chroma", &hybrid)] {
-        let g = safetensors::SafeTensors::deserialize(bytes).unwrap();
-        let (mut sum, mut n, mut worst) = (0f64, 0usize, 0f32);
-        assert_eq!(g.names().len(), 32, "{label}");
-        for name in c.names() {
-            let a: &[f32] = bytemuck::cast_slice(g.tensor(name).unwrap().data());
-            let b: &[f32] = bytemuck::cast_slice(c.tensor(name).unwrap().data());
-            assert_eq!(a.len(), b.len());
-            for (x, y) in a.iter().zip(b) {
-                let d = (x - y).abs();
-                sum += f64::from(d);
-                n += 1;
-                worst = worst.max(d);
-            }
-        }
-        let mean = sum / n as f64;
+        let (mean, worst) = distance(bytes, &cpu, 32);
         println!("  {label}: 32 files at 4:4:4, mean |GPU - CPU| {mean:.4}, largest {worst:.3}");
         assert!(mean <= 0.02, "{label}: mean difference {mean}");
         assert!(worst <= 0.5, "{label}: largest difference {worst}");
     }
+}
+
+/// The mean and largest |difference| between two safetensors dumps of the same `files` tensors.
+fn distance(gpu: &[u8], cpu: &[u8], files: usize) -> (f64, f32) {
+    let (g, c) = (
+        safetensors::SafeTensors::deserialize(gpu).unwrap(),
+        safetensors::SafeTensors::deserialize(cpu).unwrap(),
+    );
+    assert_eq!((g.names().len(), c.names().len()), (files, files));
+    let (mut sum, mut n, mut worst) = (0f64, 0usize, 0f32);
+    for name in c.names() {
+        let a: &[f32] = bytemuck::cast_slice(g.tensor(name).unwrap().data());
+        let b: &[f32] = bytemuck::cast_slice(c.tensor(name).unwrap().data());
+        assert_eq!(a.len(), b.len(), "{name}");
+        for (x, y) in a.iter().zip(b) {
+            let d = (x - y).abs();
+            sum += f64::from(d);
+            n += 1;
+            worst = worst.max(d);
+        }
+    }
+    (sum / n.max(1) as f64, worst)
 }
 
 /// Grayscale JPEGs among `farm_gpu_producers`' inputs.
