@@ -3,15 +3,16 @@
 # pipeline on the same files, in one run: one process decoding batches of 32 (`tensorport prep
 # --nvjpeg`, which prints the GPU's time per image in nvJPEG's decode and in the
 # resize/crop/normalise kernel, the host time of the engines' calls, and how many images the
-# hybrid decoder took with its threads' time per image) with `--gpu-decode engines` and
-# `by-chroma`, and the tensors' distance from torchvision's CPU decode for each setting.
+# hybrid decoder took with its threads' time per image) with `--gpu-decode engines`, `by-chroma`
+# and `split` (with replicated chroma, as it needs to share subsampled files; the engines'
+# replicating row beside it), and the tensors' distance from torchvision's CPU decode.
 #
 #   bench/gpu_decode.sh TENSORPORT_BINARY OUT_DIR [UNIFORM_PER_SEED] [VARIED_PER_SEED] [MIXED_PER_SEED]
 #
 # The sets come from bench/make_sets.sh (defaults 250, 150 and 150). The mixed set's files
 # (baseline colour photos) are linked into OUT_DIR/by/{444,422,420,large,small} by chroma and
 # size, the varied set's colour baseline files into OUT_DIR/by/colour. THREADS="4 15" runs the
-# by-chroma rows with each count of host threads (default 4, a GPU producer's beside CPU
+# by-chroma and split rows with each count of host threads (default 4, a GPU producer's beside CPU
 # producers); ACCURACY_ONLY=1 runs only the comparison with torchvision. Needs the CUDA build,
 # torch, torchvision and safetensors.
 set -euo pipefail
@@ -37,16 +38,21 @@ prep() { # label dir flags...
 [[ -n ${ACCURACY_ONLY:-} ]] || for d in "$out/mixed" "$by"/{444,422,420,large,small,colour} "$out/uniform"; do
   echo "-- $(basename "$d"): $(find -L "$d" -name '*.jpg' | wc -l) files"
   prep "engines" "$d" --gpu-decode engines
-  for t in ${THREADS:-4}; do prep "by-chroma, $t threads" "$d" --gpu-decode by-chroma --cpu-threads "$t"; done
+  prep "engines, replicated chroma" "$d" --gpu-decode engines --gpu-upsampling replicate
+  for t in ${THREADS:-4}; do
+    prep "by-chroma, $t threads" "$d" --gpu-decode by-chroma --cpu-threads "$t"
+    prep "split, replicated chroma, $t threads" "$d" --gpu-decode split --gpu-upsampling replicate --cpu-threads "$t"
+  done
   python3 "$here/peers/torch_jpeg.py" "$d" --pipelines gpu-nvjpeg 2>&1 | grep -E "gpu-nvjpeg|error" | sed 's/^/   torchvision /' || true
 done
 echo "== against torchvision's CPU decode, the first 200 files of each"
-for d in "$by/444" "$out/mixed"; do
+for d in "$by/444" "$by/420" "$out/mixed"; do
   python3 "$here/peers/torch_jpeg.py" "$d" --pipelines none --dump 200 "$out/ref.pt" > /dev/null
-  for g in engines by-chroma; do
+  for g in engines by-chroma "split --gpu-upsampling replicate"; do
+    # shellcheck disable=SC2086
     "$bin" --log warn prep --input "$d" --limit 200 --nvjpeg --repeat 1 --gpu-decode $g \
-      --dump "$out/gpu-$g.safetensors" > /dev/null
+      --dump "$out/gpu.safetensors" > /dev/null
     echo "-- $(basename "$d"), --gpu-decode $g"
-    python3 "$here/peers/compare_tensors.py" "$out/gpu-$g.safetensors" "$out/ref.pt" || true
+    python3 "$here/peers/compare_tensors.py" "$out/gpu.safetensors" "$out/ref.pt" || true
   done
 done

@@ -62,8 +62,12 @@ fn main() {
         ),
         ("nvjpeg_tensors_match_the_cpu_preprocessing", nvjpeg_tensors),
         (
-            "nvjpeg_hybrid_decoder_on_444_matches_the_cpu_preprocessing",
+            "nvjpeg_hybrid_decoders_on_444_match_the_engines",
             nvjpeg_hybrid_444,
+        ),
+        (
+            "nvjpeg_split_replicating_420_matches_the_engines",
+            nvjpeg_split_420,
         ),
         (
             "farm_with_gpu_decoding_producers_every_input_once",

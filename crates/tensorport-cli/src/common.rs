@@ -236,20 +236,22 @@ pub struct PrepArgs {
     #[arg(long, value_parser = parse_upsampling, value_name = "interpolate|replicate",
           default_value = PrepOptions::default().gpu_upsampling.name())]
     pub gpu_upsampling: tensorport_nvjpeg::Upsampling,
-    /// How GPU producers share their JPEGs between decoders: by-chroma sends 4:4:4 files
-    /// (the JPEG engines' slow case) to nvJPEG's hybrid decoder, Huffman decoding on the
-    /// producer's host threads (as many as its CPU threads) and the rest on CUDA cores, as many
-    /// of them as finish no later than the engines decode the others (measured batch by
-    /// batch); engines decodes every file on the JPEG engines. On a GPU without JPEG engines
-    /// both are nvJPEG's CUDA backend.
-    #[arg(long, value_parser = parse_gpu_decode, value_name = "by-chroma|engines",
+    /// How GPU producers share their JPEGs between decoders: engines decodes every file on the
+    /// JPEG engines; by-chroma sends 4:4:4 files (the engines' slow case) to nvJPEG's hybrid
+    /// decoder, Huffman decoding on the producer's host threads (as many as its CPU threads) and
+    /// the rest on CUDA cores; split offers it every colour file, 4:4:4 first (subsampled files
+    /// decoded there have their chroma upsampled by nvJPEG's kernels, not interpolated). Either
+    /// way the hybrid decoder takes as many as finish no later than the engines decode the
+    /// others, measured batch by batch. On a GPU without JPEG engines all three are nvJPEG's
+    /// CUDA backend.
+    #[arg(long, value_parser = parse_gpu_decode, value_name = "engines|by-chroma|split",
           default_value = PrepOptions::default().gpu_decode.name())]
     pub gpu_decode: tensorport_nvjpeg::GpuDecode,
 }
 
 fn parse_gpu_decode(s: &str) -> Result<tensorport_nvjpeg::GpuDecode, String> {
     tensorport_nvjpeg::GpuDecode::parse(s)
-        .ok_or_else(|| format!("{s:?}: expected by-chroma or engines"))
+        .ok_or_else(|| format!("{s:?}: expected engines, by-chroma or split"))
 }
 
 fn parse_upsampling(s: &str) -> Result<tensorport_nvjpeg::Upsampling, String> {

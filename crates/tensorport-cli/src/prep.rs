@@ -51,7 +51,8 @@ pub struct Args {
     #[arg(long, default_value_t = 32)]
     pub batch: usize,
     /// Host threads of the GPU pipeline for --nvjpeg: the hybrid decoder's, which takes 4:4:4
-    /// files with --gpu-decode by-chroma (as many as a GPU producer beside CPU producers has).
+    /// files with --gpu-decode by-chroma and colour files with split (as many as a GPU producer
+    /// beside CPU producers has).
     #[arg(long, default_value_t = 4, value_name = "N")]
     pub cpu_threads: usize,
 }
@@ -255,7 +256,12 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
         a.prep.gpu_upsampling.name(),
         a.prep.gpu_decode.name(),
         if hybrid > 0 {
-            format!(" (4:4:4 shared with nvJPEG's hybrid decoder on {hybrid} host threads)")
+            let which = if a.prep.gpu_decode == tensorport_nvjpeg::GpuDecode::Split {
+                "colour files"
+            } else {
+                "4:4:4"
+            };
+            format!(" ({which} shared with nvJPEG's hybrid decoder on {hybrid} host threads)")
         } else {
             String::new()
         }

@@ -1,11 +1,15 @@
-//! nvJPEG's hybrid decoder on a GPU producer's host threads: each thread parses a JPEG and
+//! nvJPEG's hybrid decoders on a GPU producer's host threads: each thread parses a JPEG and
 //! Huffman-decodes it on the CPU (nvJPEG's host phase), copies the coefficients to the GPU and
-//! runs the rest (IDCT, colour conversion) on CUDA cores, on a stream of its own. The threads
-//! take a batch's images one at a time from a shared counter, so a large file does not hold
-//! the others back, while the calling thread drives the JPEG engines with the rest of the batch.
+//! runs the rest (IDCT, colour conversion) on CUDA cores, on a stream of its own — or, for a
+//! large image ([`Huffman::Gpu`]), copies its bitstream and Huffman-decodes it on CUDA cores
+//! too, since a core takes tens of milliseconds over a photo of several megapixels. The
+//! threads take a batch's images one at a time from a shared counter, so a large file does not
+//! hold the others back, while the calling thread drives the JPEG engines with the rest of the
+//! batch.
 //!
 //! Each thread alternates two pinned buffers: the host phase of one image fills one while the
-//! copy of the image before reads the other.
+//! image before is copied and decoded on the GPU; a buffer is refilled once the GPU is done
+//! with the image that used it, so a thread's time follows its GPU work as well as its own.
 
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
@@ -16,11 +20,41 @@ use tensorport_cuda::{Event, Gpu, Stream};
 use crate::nvjpeg::{self, Nvjpeg};
 use crate::{Error, Result};
 
-/// One image for the hybrid decoder: its bytes and its RGB planes in the batch's scratch.
+/// Where a hybrid job's Huffman decoding runs.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Huffman {
+    /// On the thread's core (`NVJPEG_BACKEND_HYBRID`).
+    Cpu = 0,
+    /// On CUDA cores (`NVJPEG_BACKEND_GPU_HYBRID`).
+    Gpu = 1,
+}
+
+impl Huffman {
+    /// Images of at least this many pixels are Huffman-decoded on the GPU (DALI's default
+    /// threshold between the two backends).
+    pub(crate) const GPU_FROM_PIXELS: u64 = 1_000_000;
+
+    /// Where an image of `width` × `height` is Huffman-decoded.
+    pub(crate) fn for_size(width: u32, height: u32) -> Huffman {
+        if u64::from(width) * u64::from(height) >= Self::GPU_FROM_PIXELS {
+            Huffman::Gpu
+        } else {
+            Huffman::Cpu
+        }
+    }
+}
+
+/// One image for the hybrid decoders: its bytes, its RGB planes in the batch's scratch, its
+/// size in megasamples and where it is Huffman-decoded.
 pub(crate) struct HybridJob<'a> {
     pub data: &'a [u8],
     pub planes: nvjpeg::Image,
+    pub size: f64,
+    pub huffman: Huffman,
 }
+
+/// Milliseconds of thread time and megasamples decoded, by [`Huffman`] kind.
+pub(crate) type Spent = [(f64, f64); 2];
 
 // SAFETY: the plane pointers are device addresses, written only by the GPU work one thread
 // enqueues for this job; the job itself is read by that thread alone.
@@ -28,11 +62,11 @@ unsafe impl Send for HybridJob<'_> {}
 // SAFETY: as above; threads only read a job to take it.
 unsafe impl Sync for HybridJob<'_> {}
 
-/// The handle and decoder every thread decodes with.
+/// The handle and decoders (by [`Huffman`] kind) every thread decodes with.
 #[derive(Clone, Copy)]
 struct Shared {
     handle: nvjpeg::Handle,
-    decoder: nvjpeg::Decoder,
+    decoders: [nvjpeg::Decoder; 2],
 }
 
 // SAFETY: nvJPEG's handle and decoder may be used by several threads at once (each with its
@@ -41,16 +75,18 @@ unsafe impl Send for Shared {}
 // SAFETY: as above.
 unsafe impl Sync for Shared {}
 
-/// A thread's decoder state, buffers and stream.
+/// A thread's decoder states (one per [`Huffman`] kind, each with its device buffer), pinned
+/// buffers and stream.
 struct Worker {
-    state: nvjpeg::State,
+    states: [nvjpeg::State; 2],
     parsed: nvjpeg::JpegStream,
     params: nvjpeg::Params,
     pinned: [nvjpeg::PinnedBuf; 2],
-    device: nvjpeg::DeviceBuf,
+    devices: [nvjpeg::DeviceBuf; 2],
     stream: Stream,
-    /// Recorded after the copy out of each pinned buffer: waited on before it is refilled.
-    copied: [Option<Event>; 2],
+    /// Recorded after the GPU phase of the image that used each pinned buffer: waited on
+    /// before the buffer is refilled.
+    done: [Option<Event>; 2],
     next: usize,
 }
 
@@ -63,10 +99,10 @@ pub(crate) struct Hybrid {
     lib: Arc<Nvjpeg>,
     gpu: Arc<Gpu>,
     handle: nvjpeg::Handle,
-    decoder: nvjpeg::Decoder,
+    decoders: [nvjpeg::Decoder; 2],
     workers: Vec<Worker>,
-    /// Host time spent in the threads' nvJPEG calls, and images decoded, since made.
-    host_ms: f64,
+    /// The threads' time and megasamples by kind, and images decoded, since made.
+    spent: Spent,
     images: u64,
 }
 
@@ -82,13 +118,18 @@ impl Hybrid {
             lib: lib.clone(),
             gpu: gpu.clone(),
             handle,
-            decoder: std::ptr::null_mut(),
+            decoders: [std::ptr::null_mut(); 2],
             workers: Vec::new(),
-            host_ms: 0.0,
+            spent: [(0.0, 0.0); 2],
             images: 0,
         };
-        // SAFETY: `handle` is live; what is made is kept in `me`, whose drop frees it.
-        me.decoder = unsafe { me.lib.decoder_create(handle, nvjpeg::BACKEND_HYBRID)? };
+        for (k, backend) in [nvjpeg::BACKEND_HYBRID, nvjpeg::BACKEND_GPU_HYBRID]
+            .into_iter()
+            .enumerate()
+        {
+            // SAFETY: `handle` is live; what is made is kept in `me`, whose drop frees it.
+            me.decoders[k] = unsafe { me.lib.decoder_create(handle, backend)? };
+        }
         for _ in 0..threads {
             let w = me.worker()?;
             me.workers.push(w);
@@ -101,27 +142,30 @@ impl Hybrid {
         let lib = &self.lib;
         let stream = Stream::new(&self.gpu)?;
         let mut w = Worker {
-            state: std::ptr::null_mut(),
+            states: [std::ptr::null_mut(); 2],
             parsed: std::ptr::null_mut(),
             params: std::ptr::null_mut(),
             pinned: [std::ptr::null_mut(); 2],
-            device: std::ptr::null_mut(),
+            devices: [std::ptr::null_mut(); 2],
             stream,
-            copied: [None, None],
+            done: [None, None],
             next: 0,
         };
-        // SAFETY: `handle` and `decoder` are live; each object is attached to a state made
+        // SAFETY: `handle` and the decoders are live; each object is attached to a state made
         // from them; on an error `free` destroys what was made.
         let made = unsafe {
             (|| -> Result<()> {
-                w.state = lib.decoder_state_create(self.handle, self.decoder)?;
+                for k in 0..2 {
+                    w.states[k] = lib.decoder_state_create(self.handle, self.decoders[k])?;
+                    w.devices[k] = lib.device_buffer_create(self.handle)?;
+                    lib.attach_device(w.states[k], w.devices[k])?;
+                }
                 w.parsed = lib.stream_create(self.handle)?;
                 w.params = lib.params_create(self.handle, nvjpeg::OUTPUT_RGB)?;
                 for p in &mut w.pinned {
                     *p = lib.pinned_create(self.handle)?;
                 }
-                w.device = lib.device_buffer_create(self.handle)?;
-                lib.attach_device(w.state, w.device)
+                Ok(())
             })()
         };
         match made {
@@ -139,9 +183,10 @@ impl Hybrid {
         self.workers.len()
     }
 
-    /// Host milliseconds in the threads' nvJPEG calls and images decoded, since made.
-    pub(crate) fn host_time(&self) -> (f64, u64) {
-        (self.host_ms, self.images)
+    /// The threads' milliseconds and megasamples by [`Huffman`] kind, and images decoded,
+    /// since made.
+    pub(crate) fn spent(&self) -> (Spent, u64) {
+        (self.spent, self.images)
     }
 
     /// Decodes `jobs` on the threads while `alongside` runs on the calling thread, then makes
@@ -166,26 +211,30 @@ impl Hybrid {
         let (lib, gpu) = (&*self.lib, &self.gpu);
         let shared = Shared {
             handle: self.handle,
-            decoder: self.decoder,
+            decoders: self.decoders,
         };
-        let (results, theirs): (Vec<(Result<()>, f64, u64)>, R) = std::thread::scope(|s| {
+        let (results, theirs): (Vec<(Result<()>, Spent, u64)>, R) = std::thread::scope(|s| {
             let running: Vec<_> = self.workers[..used]
                 .iter_mut()
                 .map(|w| {
                     let taken = &taken;
                     s.spawn(move || {
-                        let start = Instant::now();
+                        let mut spent: Spent = [(0.0, 0.0); 2];
                         let mut n = 0;
                         let r = gpu.bind().map_err(Error::from).and_then(|()| loop {
                             let i = taken.fetch_add(1, Ordering::Relaxed);
                             let Some(job) = jobs.get(i) else {
                                 break Ok(());
                             };
+                            let start = Instant::now();
                             // SAFETY: the caller's contract for the job; the worker is ours.
                             unsafe { w.decode(lib, shared, job)? };
+                            let k = job.huffman as usize;
+                            spent[k].0 += start.elapsed().as_secs_f64() * 1e3;
+                            spent[k].1 += job.size;
                             n += 1;
                         });
-                        (r, start.elapsed().as_secs_f64() * 1e3, n)
+                        (r, spent, n)
                     })
                 })
                 .collect();
@@ -195,7 +244,7 @@ impl Hybrid {
                 .map(|t| {
                     t.join().unwrap_or((
                         Err(Error::Refused("a hybrid decoder thread panicked")),
-                        0.0,
+                        [(0.0, 0.0); 2],
                         0,
                     ))
                 })
@@ -203,8 +252,11 @@ impl Hybrid {
             (results, theirs)
         });
         let mut first = Ok(());
-        for (r, ms, n) in results {
-            self.host_ms += ms;
+        for (r, spent, n) in results {
+            for (total, (ms, mega)) in self.spent.iter_mut().zip(spent) {
+                total.0 += ms;
+                total.1 += mega;
+            }
             self.images += n;
             if first.is_ok() {
                 first = r;
@@ -231,25 +283,29 @@ impl Worker {
     /// As [`Hybrid::decode`] for `job`; `shared` is what this worker's objects were made
     /// from; the context is bound.
     unsafe fn decode(&mut self, lib: &Nvjpeg, shared: Shared, job: &HybridJob<'_>) -> Result<()> {
-        let Shared { handle, decoder } = shared;
+        let k = job.huffman as usize;
+        let (handle, decoder, state) = (shared.handle, shared.decoders[k], self.states[k]);
         let b = self.next;
-        if let Some(e) = self.copied[b].take() {
+        if let Some(e) = self.done[b].take() {
             e.wait()?;
         }
         let mut planes = job.planes;
         // SAFETY: the objects are this worker's and live; the pinned buffer attached has no
-        // copy in flight (waited on above); the caller's contract for the bytes and planes.
+        // copy in flight (its image's GPU phase is done, waited on above); the caller's
+        // contract for the bytes and planes.
         unsafe {
-            lib.attach_pinned(self.state, self.pinned[b])?;
+            lib.attach_pinned(state, self.pinned[b])?;
             if !lib.parse_for(handle, decoder, self.params, self.parsed, job.data)? {
                 return Err(Error::Refused(
                     "a JPEG nvJPEG's hybrid decoder does not take",
                 ));
             }
-            lib.decode_host(handle, decoder, self.state, self.params, self.parsed)?;
-            lib.transfer_to_device(handle, decoder, self.state, self.parsed, self.stream.raw())?;
-            self.copied[b] = Some(self.stream.record()?);
-            lib.decode_device(handle, decoder, self.state, &mut planes, self.stream.raw())?;
+            lib.decode_host(handle, decoder, state, self.params, self.parsed)?;
+            lib.transfer_to_device(handle, decoder, state, self.parsed, self.stream.raw())?;
+            let decoded = lib.decode_device(handle, decoder, state, &mut planes, self.stream.raw());
+            // Recorded whatever happened: the copy out of the pinned buffer was enqueued.
+            self.done[b] = Some(self.stream.record()?);
+            decoded?;
         }
         self.next = 1 - b;
         Ok(())
@@ -263,8 +319,10 @@ impl Worker {
 unsafe fn free(lib: &Nvjpeg, w: &mut Worker) {
     // SAFETY: the caller's contract; each object is destroyed once (null ones are skipped).
     unsafe {
-        if !w.state.is_null() {
-            let _ = lib.state_destroy(w.state);
+        for st in w.states {
+            if !st.is_null() {
+                let _ = lib.state_destroy(st);
+            }
         }
         if !w.parsed.is_null() {
             let _ = lib.stream_destroy(w.parsed);
@@ -277,8 +335,10 @@ unsafe fn free(lib: &Nvjpeg, w: &mut Worker) {
                 let _ = lib.pinned_destroy(p);
             }
         }
-        if !w.device.is_null() {
-            let _ = lib.device_buffer_destroy(w.device);
+        for d in w.devices {
+            if !d.is_null() {
+                let _ = lib.device_buffer_destroy(d);
+            }
         }
     }
 }
@@ -293,8 +353,10 @@ impl Drop for Hybrid {
         }
         // SAFETY: the states made from them are destroyed above.
         unsafe {
-            if !self.decoder.is_null() {
-                let _ = self.lib.decoder_destroy(self.decoder);
+            for d in self.decoders {
+                if !d.is_null() {
+                    let _ = self.lib.decoder_destroy(d);
+                }
             }
             let _ = self.lib.destroy(self.handle);
         }

@@ -8,11 +8,12 @@
 //! `tensorport_vision::Transform::window` gives the same windows as the CPU path.
 
 use std::sync::Arc;
+use tensorport_vision::sniff::Chroma;
 use tensorport_vision::transform::Window;
 
-use crate::balance::Costs;
+use crate::balance::{megasamples, Costs, Weighed};
 use crate::batched::Batched;
-use crate::hybrid::{Hybrid, HybridJob};
+use crate::hybrid::{Huffman, Hybrid, HybridJob, Spent};
 use crate::nvjpeg::{self, Nvjpeg};
 use crate::route::{chroma_of, Decoders, GpuDecode, Route};
 use crate::{Error, Result};
@@ -310,13 +311,13 @@ impl GpuJpeg {
         self.upsampling = upsampling;
     }
 
-    /// How files are shared between the decoders: with [`GpuDecode::ByChroma`] and `threads`
-    /// above 0 on a GPU with JPEG engines, 4:4:4 files go to nvJPEG's hybrid decoder on
-    /// `threads` host threads of this decoder's own (made here). [`GpuDecode::Engines`] unless
-    /// set.
+    /// How files are shared between the decoders: with [`GpuDecode::ByChroma`] (or
+    /// [`GpuDecode::Split`]) and `threads` above 0 on a GPU with JPEG engines, 4:4:4 files (or
+    /// any colour file) may go to nvJPEG's hybrid decoder on `threads` host threads of this
+    /// decoder's own (made here). [`GpuDecode::Engines`] unless set.
     pub fn set_decode(&mut self, mode: GpuDecode, threads: usize) -> Result<()> {
         self.mode = mode;
-        let wanted = mode == GpuDecode::ByChroma
+        let wanted = mode != GpuDecode::Engines
             && threads > 0
             && matches!(self.backend, JpegBackend::Hardware { .. });
         if !wanted {
@@ -357,7 +358,8 @@ impl GpuJpeg {
     pub fn times(&self) -> Option<JpegTimes> {
         let mut t = self.timing.as_ref()?.totals;
         if let Some(h) = &self.hybrid {
-            (t.hybrid_host_ms, t.hybrid_images) = h.host_time();
+            let (spent, images) = h.spent();
+            (t.hybrid_host_ms, t.hybrid_images) = (spent[0].0 + spent[1].0, images);
         }
         Some(t)
     }
@@ -510,7 +512,7 @@ impl GpuJpeg {
         // Planar RGB for every image, each image 256-byte aligned.
         let mut offsets = Vec::with_capacity(jobs.len());
         let mut routes = Vec::with_capacity(jobs.len());
-        let mut mpx = Vec::with_capacity(jobs.len());
+        let mut weighed = Vec::with_capacity(jobs.len());
         let decoders = self.decoders();
         let mut total = 0usize;
         for j in jobs {
@@ -520,13 +522,19 @@ impl GpuJpeg {
                     "a job's size is not its JPEG's (or the JPEG is not one this decodes)",
                 ));
             }
-            routes.push(decoders.route(
-                info.map_or(tensorport_vision::sniff::Chroma::Other, |i| {
-                    chroma_of(i.subsampling)
-                }),
-            ));
+            let chroma = info.map_or(Chroma::Other, |i| chroma_of(i.subsampling));
+            routes.push(decoders.route(chroma));
+            weighed.push(Weighed {
+                size: megasamples(j.size.0, j.size.1, chroma),
+                first: chroma == Chroma::Full,
+                huffman: Huffman::for_size(j.size.0, j.size.1),
+                fallback: Decoders {
+                    hybrid_threads: 0,
+                    ..decoders
+                }
+                .route(chroma),
+            });
             let (w, h) = (j.size.0 as usize, j.size.1 as usize);
-            mpx.push((w * h) as f64 / 1e6);
             let need = (j.window.out as usize).pow(2) * 3 * if self.as_u8 { 1 } else { 4 };
             if j.dst
                 .1
@@ -539,12 +547,7 @@ impl GpuJpeg {
             total += (3 * w * h).next_multiple_of(256);
         }
         if let Some(h) = &self.hybrid {
-            let fallback = Decoders {
-                hybrid_threads: 0,
-                ..decoders
-            }
-            .route(tensorport_vision::sniff::Chroma::Full);
-            self.costs.share(&mut routes, &mpx, h.threads(), fallback);
+            self.costs.share(&mut routes, &weighed, h.threads());
         }
         // An outsized batch's scratch is given back rather than kept for small ones.
         if self
@@ -568,7 +571,7 @@ impl GpuJpeg {
         }
         self.mark(stream)?;
         // From here work is enqueued: whatever happens, the next batch waits for it.
-        let r = self.enqueue(jobs, &offsets, &routes, &mpx, stream);
+        let r = self.enqueue(jobs, &offsets, &routes, &weighed, stream);
         let last = stream.record()?;
         if let Some(t) = self.timing.as_mut() {
             if r.is_ok() {
@@ -582,13 +585,13 @@ impl GpuJpeg {
     }
 
     /// The part of [`GpuJpeg::run`] that enqueues work (the buffers are sized).
-    /// `routes[i]`: the decoder of job `i`.
+    /// `routes[i]`: the decoder of job `i`; `weighed[i]`: its size, for learning the costs.
     fn enqueue(
         &mut self,
         jobs: &[JpegJob<'_>],
         offsets: &[usize],
         routes: &[Route],
-        mpx: &[f64],
+        weighed: &[Weighed],
         stream: &Stream,
     ) -> Result<()> {
         let base = self.scratch.as_ref().expect("sized by run").ptr();
@@ -608,11 +611,13 @@ impl GpuJpeg {
         let hybrid_jobs: Vec<HybridJob<'_>> = jobs
             .iter()
             .zip(&images)
-            .zip(routes)
-            .filter(|(_, r)| **r == Route::Hybrid)
-            .map(|((j, im), _)| HybridJob {
+            .zip(routes.iter().zip(weighed))
+            .filter(|(_, (r, _))| **r == Route::Hybrid)
+            .map(|((j, im), (_, w))| HybridJob {
                 data: j.data,
                 planes: *im,
+                size: w.size,
+                huffman: w.huffman,
             })
             .collect();
         let batched = Batched {
@@ -627,7 +632,7 @@ impl GpuJpeg {
             let r = unsafe { batched.decode(jobs, &images, routes, stream) };
             (r, host.elapsed().as_secs_f64() * 1e3)
         };
-        let before = self.hybrid.as_ref().map_or(0.0, |h| h.host_time().0);
+        let before = self.hybrid.as_ref().map(|h| h.spent().0);
         let (hybrid_r, batched_r) = match self.hybrid.as_mut() {
             // SAFETY: the jobs' bytes outlive this call (the caller's contract for `run`); their
             // planes are in the scratch buffer, read after `stream` waits for the threads' work.
@@ -642,16 +647,17 @@ impl GpuJpeg {
         let (batched_r, batched_ms) = batched_r;
         batched_r?;
         hybrid_r?;
-        if let Some(h) = &self.hybrid {
-            let on = |hybrid: bool| -> f64 {
-                let side = routes.iter().zip(mpx);
-                side.filter(|(r, _)| (**r == Route::Hybrid) == hybrid)
-                    .map(|(_, p)| p)
-                    .sum()
-            };
-            let hybrid_ms = h.host_time().0 - before;
-            self.costs
-                .learn((hybrid_ms, on(true)), (batched_ms, on(false)));
+        if let (Some(h), Some(before)) = (&self.hybrid, before) {
+            let on_engines: f64 = routes
+                .iter()
+                .zip(weighed)
+                .filter(|(r, _)| **r != Route::Hybrid)
+                .map(|(_, w)| w.size)
+                .sum();
+            let now = h.spent().0;
+            let this_batch: Spent =
+                std::array::from_fn(|k| (now[k].0 - before[k].0, now[k].1 - before[k].1));
+            self.costs.learn(this_batch, (batched_ms, on_engines));
         }
         if let Some(t) = self.timing.as_mut() {
             t.totals.host_ms += batched_ms;

@@ -5,6 +5,11 @@
 //! [`GpuDecode::ByChroma`] those files go to nvJPEG's hybrid decoder instead, Huffman decoding
 //! on the producer's host threads and the rest on CUDA cores, while the engines decode the
 //! others. 4:4:4 has no chroma to upsample, so both decoders give the same pixels.
+//! [`GpuDecode::Split`] goes further, as DALI's `hw_decoder_load` does: any colour file may go
+//! to the hybrid decoder (4:4:4 first), as many as its threads finish no later than the engines
+//! (`balance.rs`). The hybrid decoder does not interpolate chroma as libjpeg-turbo does, so
+//! subsampled files go there only where the run replicates chroma anyway
+//! ([`crate::Upsampling::Replicate`]); with interpolation `split` shares 4:4:4 files alone.
 
 use tensorport_vision::sniff::Chroma;
 
@@ -18,6 +23,9 @@ pub enum GpuDecode {
     Engines,
     /// 4:4:4 files on the hybrid decoder (host threads and CUDA cores), the rest on the engines.
     ByChroma,
+    /// Every colour file may go to the hybrid decoder, 4:4:4 first, shared with the engines by
+    /// what each side has cost.
+    Split,
 }
 
 impl GpuDecode {
@@ -26,6 +34,7 @@ impl GpuDecode {
         match self {
             GpuDecode::Engines => "engines",
             GpuDecode::ByChroma => "by-chroma",
+            GpuDecode::Split => "split",
         }
     }
 
@@ -34,6 +43,7 @@ impl GpuDecode {
         match s {
             "engines" => Some(GpuDecode::Engines),
             "by-chroma" => Some(GpuDecode::ByChroma),
+            "split" => Some(GpuDecode::Split),
             _ => None,
         }
     }
@@ -68,10 +78,17 @@ pub struct Decoders {
 }
 
 impl Decoders {
-    /// The decoder for an image whose chroma is `chroma`.
+    /// The decoder for an image whose chroma is `chroma`: with a hybrid decoder, where it may
+    /// go (the share each side gets is decided per batch, `balance.rs`).
     pub fn route(&self, chroma: Chroma) -> Route {
         let full = chroma == Chroma::Full;
-        if self.engines && full && self.mode == GpuDecode::ByChroma && self.hybrid_threads > 0 {
+        let colour = matches!(chroma, Chroma::Full | Chroma::HalfWidth | Chroma::Quarter);
+        let hybrid = match self.mode {
+            GpuDecode::Engines => false,
+            GpuDecode::ByChroma => full,
+            GpuDecode::Split => full || (colour && self.upsampling == crate::Upsampling::Replicate),
+        };
+        if self.engines && hybrid && self.hybrid_threads > 0 {
             return Route::Hybrid;
         }
         if self.engines && self.plain && (full || self.upsampling == crate::Upsampling::Replicate) {
@@ -114,6 +131,35 @@ mod tests {
         assert_eq!(d.route(Chroma::Quarter), Route::Batched);
         assert_eq!(d.route(Chroma::HalfWidth), Route::Batched);
         assert_eq!(d.route(Chroma::Other), Route::Batched);
+    }
+
+    #[test]
+    fn split_offers_every_colour_file_to_the_hybrid_decoder_where_chroma_is_replicated() {
+        let d = Decoders {
+            upsampling: Upsampling::Replicate,
+            ..on_engines(GpuDecode::Split, 4)
+        };
+        for c in [Chroma::Full, Chroma::HalfWidth, Chroma::Quarter] {
+            assert_eq!(d.route(c), Route::Hybrid);
+        }
+        // Interpolated chroma stays on the engines, which interpolate it.
+        let interpolate = on_engines(GpuDecode::Split, 4);
+        assert_eq!(interpolate.route(Chroma::Full), Route::Hybrid);
+        assert_eq!(interpolate.route(Chroma::Quarter), Route::Batched);
+        // Gray and unusual layouts stay on the engines (their replicating decoder, as asked).
+        assert_eq!(d.route(Chroma::Gray), Route::BatchedPlain);
+        assert_eq!(d.route(Chroma::Other), Route::BatchedPlain);
+        let no_threads = on_engines(GpuDecode::Split, 0);
+        assert_eq!(no_threads.route(Chroma::Quarter), Route::Batched);
+        assert_eq!(no_threads.route(Chroma::Full), Route::BatchedPlain);
+    }
+
+    #[test]
+    fn names_round_trip() {
+        for g in [GpuDecode::Engines, GpuDecode::ByChroma, GpuDecode::Split] {
+            assert_eq!(GpuDecode::parse(g.name()), Some(g));
+        }
+        assert_eq!(GpuDecode::parse("fast"), None);
     }
 
     #[test]

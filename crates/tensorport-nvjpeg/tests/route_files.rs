@@ -57,15 +57,24 @@ fn files_go_to_the_decoder_their_chroma_calls_for() {
         mode: GpuDecode::Engines,
         ..by_chroma
     };
+    let split = Decoders {
+        mode: GpuDecode::Split,
+        upsampling: Upsampling::Replicate,
+        ..by_chroma
+    };
     for (name, sampling, chroma) in cases {
         let frame = jpeg_file_frame(&write(dir.path(), name, sampling)).expect("a JPEG frame");
         assert_eq!(frame.chroma, chroma, "{name}");
         assert_eq!((frame.width, frame.height), (96, 64), "{name}");
-        let (want_split, want_engines) = match chroma {
-            Chroma::Full => (Route::Hybrid, Route::BatchedPlain),
-            _ => (Route::Batched, Route::Batched),
+        // `split` as set here replicates chroma: gray and 4:4:0 files stay on the engines'
+        // replicating decoder.
+        let (want_by_chroma, want_split, want_engines) = match chroma {
+            Chroma::Full => (Route::Hybrid, Route::Hybrid, Route::BatchedPlain),
+            Chroma::HalfWidth | Chroma::Quarter => (Route::Batched, Route::Hybrid, Route::Batched),
+            _ => (Route::Batched, Route::BatchedPlain, Route::Batched),
         };
-        assert_eq!(by_chroma.route(frame.chroma), want_split, "{name}");
+        assert_eq!(by_chroma.route(frame.chroma), want_by_chroma, "{name}");
+        assert_eq!(split.route(frame.chroma), want_split, "{name}");
         assert_eq!(engines_only.route(frame.chroma), want_engines, "{name}");
     }
 }

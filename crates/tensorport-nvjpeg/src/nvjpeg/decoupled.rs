@@ -20,6 +20,8 @@ pub type Params = *mut c_void;
 
 /// `NVJPEG_BACKEND_HYBRID`: Huffman decoding on the CPU, the rest on CUDA cores.
 pub const BACKEND_HYBRID: c_int = 1;
+/// `NVJPEG_BACKEND_GPU_HYBRID`: parsing on the CPU, Huffman decoding and the rest on CUDA cores.
+pub const BACKEND_GPU_HYBRID: c_int = 2;
 
 type DecoderCreate = unsafe extern "C" fn(Handle, c_int, *mut Decoder) -> Status;
 type DecoderDestroy = unsafe extern "C" fn(Decoder) -> Status;

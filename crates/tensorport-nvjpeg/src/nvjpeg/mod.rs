@@ -13,7 +13,7 @@ use std::path::PathBuf;
 use crate::{Error, Result};
 
 mod decoupled;
-pub use decoupled::{Decoder, DeviceBuf, Params, PinnedBuf, BACKEND_HYBRID};
+pub use decoupled::{Decoder, DeviceBuf, Params, PinnedBuf, BACKEND_GPU_HYBRID, BACKEND_HYBRID};
 
 /// `nvjpegStatus_t`.
 pub type Status = c_int;
