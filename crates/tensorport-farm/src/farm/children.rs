@@ -339,10 +339,11 @@ impl Farm {
             source,
         })?;
         if self.cfg.run.producer_nice > 0 {
-            // Lowered as it starts (its own later threads inherit it); a refusal costs only
-            // the priority.
+            // Lowered as it starts (its own later threads inherit it), by `producer_nice`
+            // below the farm's own priority; a refusal costs only the priority.
             let pid = rustix::process::Pid::from_child(&child);
-            let nice = i32::from(self.cfg.run.producer_nice.min(19));
+            let ours = rustix::process::getpriority_process(None).unwrap_or(0);
+            let nice = (ours + i32::from(self.cfg.run.producer_nice)).min(19);
             if let Err(e) = rustix::process::setpriority_process(Some(pid), nice) {
                 tracing::warn!("cannot lower {}'s CPU priority: {e}", w.name);
             }
