@@ -514,6 +514,11 @@ impl GpuJpeg {
         let mut routes = Vec::with_capacity(jobs.len());
         let mut weighed = Vec::with_capacity(jobs.len());
         let decoders = self.decoders();
+        // Where a file goes when the hybrid threads do not take it.
+        let without_threads = Decoders {
+            hybrid_threads: 0,
+            ..decoders
+        };
         let mut total = 0usize;
         for j in jobs {
             let info = self.header_info(j.data);
@@ -528,11 +533,7 @@ impl GpuJpeg {
                 size: megasamples(j.size.0, j.size.1, chroma),
                 first: chroma == Chroma::Full,
                 huffman: Huffman::for_size(j.size.0, j.size.1),
-                fallback: Decoders {
-                    hybrid_threads: 0,
-                    ..decoders
-                }
-                .route(chroma),
+                fallback: without_threads.route(chroma),
             });
             let (w, h) = (j.size.0 as usize, j.size.1 as usize);
             let need = (j.window.out as usize).pow(2) * 3 * if self.as_u8 { 1 } else { 4 };
