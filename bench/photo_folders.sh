@@ -1,0 +1,99 @@
+#!/usr/bin/env bash
+# The farm on the three JPEG sets of bench/make_sets.sh beside DALI, `--model none`, in one run:
+# the default mix, fixed mixes and the GPU decoder's settings, each set's rows alternated over
+# ROUNDS rounds (and with a second build, BEFORE, alternated with the first), then DALI's mixed
+# pipeline on the same files listed as many times (batches of 32 and 128, `hw_decoder_load` 0.65
+# and 0.9), and the whole command's wall time of the farm's default against DALI's whole script
+# on the uniform set. Prints markdown rows: images/s after start-up | the whole run's |
+# results by CPU / GPU producers.
+#
+#   bench/photo_folders.sh TENSORPORT_BINARY OUT_DIR [UNIFORM_PER_SEED] [VARIED_PER_SEED] [MIXED_PER_SEED]
+#
+# Defaults 30, 5 and 60 (240 uniform, 40 varied and 480 mixed files, made in well under a
+# minute on 16 cores); the lists repeat them: uniform to 45,000 inputs or more, the others to
+# 15,000 (mixed) and 4,800 (varied). Environment: BEFORE=BINARY (a second build, alternated),
+# ROUNDS (2), SETS ("mixed varied uniform"), MIXES (one per line; default below), NO_DALI=1,
+# DEVICE=cpu (the farm's rows on the CPU) and INPUTS=N (each set listed to about N inputs), to
+# try the script on a machine without a GPU.
+# Needs a CUDA build of tensorport and a GPU; DALI (`nvidia.dali`) for its rows.
+set -euo pipefail
+bin=$(realpath "$1"); out=$(realpath -m "$2")
+here=$(cd "$(dirname "$0")" && pwd)
+before=${BEFORE:+$(realpath "$BEFORE")}
+rounds=${ROUNDS:-2}
+device=${DEVICE:-cuda}
+"$here/make_sets.sh" "$out" "${3:-30}" "${4:-5}" "${5:-60}"
+default_mixes=$'\n-p 0 --gpu-producers 3\n-p 15\n--gpu-upsampling replicate'
+mapfile -t mixes <<<"${MIXES-$default_mixes}"
+
+# The set's bench list (the make_sets list repeated, or cut) and how many times over DALI lists
+# the folder to match it.
+bench_list() {
+  local set=$1 want n per
+  case $set in uniform) want=45000 ;; varied) want=4800 ;; *) want=15000 ;; esac
+  want=${INPUTS:-$want}
+  n=$(find "$out/$set" -name '*.jpg' | wc -l)
+  per=$(( (want + n - 1) / n ))
+  : > "$out/$set.bench.list"
+  for _ in $(seq "$per"); do find "$out/$set" -name '*.jpg' | sort >> "$out/$set.bench.list"; done
+  echo "$per"
+}
+
+# One farm run: BINARY FLAGS... -> a table row's cells.
+farm() {
+  local b=$1; shift
+  local s after whole kind
+  s=$("$b" --log warn farm --device "$device" --model none --progress never \
+        --output "$out/out.jsonl" "$@" 2>&1) || true
+  after=$(sed -n 's/.*; \([0-9.]*\) after start-up.*/\1/p' <<<"$s")
+  whole=$(sed -n 's/^throughput *\([0-9.]*\) images.*/\1/p' <<<"$s")
+  kind=$(sed -n 's/^by kind *CPU producers \([0-9]*\) results, GPU producers \([0-9]*\).*/\1 \/ \2/p' <<<"$s")
+  grep -q INCOMPLETE <<<"$s" && kind="$kind INCOMPLETE"
+  if [[ -z $after ]]; then
+    echo "failed: $(tail -2 <<<"$s" | tr '\n' ' ') | | "
+  else
+    echo "$after | $whole | ${kind:-all CPU} ($(wc -l < "$out/out.jsonl") lines)"
+  fi
+}
+
+nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
+for set in ${SETS:-mixed varied uniform}; do
+  per=$(bench_list "$set")
+  echo
+  echo "== $set: $(find "$out/$set" -name '*.jpg' | wc -l) files, $(wc -l < "$out/$set.bench.list") inputs"
+  echo "| round | build | producers / settings | images/s after start-up | whole run | by CPU / GPU producers |"
+  echo "| --- | --- | --- | ---: | ---: | --- |"
+  for r in $(seq "$rounds"); do
+    for mix in "${mixes[@]}"; do
+      for name in ${before:+before} after; do
+        b=$bin; [[ $name == before ]] && b=$before
+        [[ -z $before ]] && name=-
+        # shellcheck disable=SC2086
+        echo "| $r | $name | \`${mix:-default}\` | $(farm "$b" --input-list "$out/$set.bench.list" $mix) |"
+      done
+    done
+  done
+  if [[ -z ${NO_DALI:-} ]] && python3 -c "import nvidia.dali" 2>/dev/null; then
+    python3 "$here/peers/dali_jpeg.py" "$out/$set" --pipelines mixed --hw-load 0.65,0.9 \
+      --batch 32,128 --threads 15 --repeat "$per" | grep -E "^dali" | sed 's/^/  /' || true
+  else
+    echo "  (DALI not run: NO_DALI set or nvidia.dali not importable)"
+  fi
+done
+
+if [[ " ${SETS:-uniform} " == *" uniform "* ]]; then
+  per=$(bench_list uniform)
+  TIMEFORMAT=%R
+  echo
+  echo "== the whole command, uniform set ($(wc -l < "$out/uniform.bench.list") inputs), seconds"
+  t=$( { time "$bin" --log warn farm --device "$device" --model none --progress never -o /dev/null \
+          --input-list "$out/uniform.bench.list" >/dev/null 2>&1; } 2>&1 )
+  echo "  tensorport farm (defaults): $t"
+  if [[ -z ${NO_DALI:-} ]] && python3 -c "import nvidia.dali" 2>/dev/null; then
+    for load in 0.65 0.9; do
+      t=$( { time python3 "$here/peers/dali_jpeg.py" "$out/uniform" --pipelines mixed \
+              --hw-load $load --batch 128 --threads 15 --repeat "$per" >/dev/null 2>&1; } 2>&1 )
+      echo "  dali_jpeg.py, hw_decoder_load $load, batch 128: $t"
+    done
+  fi
+fi
