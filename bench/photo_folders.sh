@@ -26,16 +26,16 @@ device=${DEVICE:-cuda}
 default_mixes=$'\n-p 0 --gpu-producers 3\n-p 15\n--gpu-upsampling replicate'
 mapfile -t mixes <<<"${MIXES-$default_mixes}"
 
-# The set's bench list (the make_sets list repeated, or cut) and how many times over DALI lists
-# the folder to match it.
+# Writes the set's bench list (its files, sorted, listed enough times over) and says how many
+# times over, for DALI to list the folder as often.
 bench_list() {
-  local set=$1 want n per
+  local set=$1 want files n per
   case $set in uniform) want=45000 ;; varied) want=4800 ;; *) want=15000 ;; esac
   want=${INPUTS:-$want}
-  n=$(find "$out/$set" -name '*.jpg' | wc -l)
+  files=$(find "$out/$set" -name '*.jpg' | sort)
+  n=$(wc -l <<<"$files")
   per=$(( (want + n - 1) / n ))
-  : > "$out/$set.bench.list"
-  for _ in $(seq "$per"); do find "$out/$set" -name '*.jpg' | sort >> "$out/$set.bench.list"; done
+  for _ in $(seq "$per"); do echo "$files"; done > "$out/$set.bench.list"
   echo "$per"
 }
 
@@ -57,8 +57,9 @@ farm() {
 }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
+declare -A times_over
 for set in ${SETS:-mixed varied uniform}; do
-  per=$(bench_list "$set")
+  per=$(bench_list "$set"); times_over[$set]=$per
   echo
   echo "== $set: $(find "$out/$set" -name '*.jpg' | wc -l) files, $(wc -l < "$out/$set.bench.list") inputs"
   echo "| round | build | producers / settings | images/s after start-up | whole run | by CPU / GPU producers |"
@@ -82,7 +83,7 @@ for set in ${SETS:-mixed varied uniform}; do
 done
 
 if [[ " ${SETS:-uniform} " == *" uniform "* ]]; then
-  per=$(bench_list uniform)
+  per=${times_over[uniform]}
   TIMEFORMAT=%R
   echo
   echo "== the whole command, uniform set ($(wc -l < "$out/uniform.bench.list") inputs), seconds"

@@ -1,8 +1,9 @@
 //! How many of a batch's candidate files go to the hybrid decoders: as many as keep their host
 //! threads finishing no later than the JPEG engines, from each side's measured cost per
 //! megasample (the hybrid threads' time — apart for files Huffman-decoded on the CPU and on the
-//! GPU —, the engines' batched calls' time), learnt batch by batch. A GPU producer whose host threads are slow (busy cores, large files) gives the engines
-//! more; one whose engines are the bottleneck gives the threads more.
+//! GPU —, the engines' batched calls' time), learnt batch by batch. A GPU producer whose host
+//! threads are slow (busy cores, large files) gives the engines more; one whose engines are the
+//! bottleneck gives the threads more.
 //!
 //! Sizes are in megasamples — pixels times the samples each carries (3 for 4:4:4, 2 for 4:2:2,
 //! 1.5 for 4:2:0, 1 for gray) — since both decoders' work follows the coefficients to decode.

@@ -190,8 +190,9 @@ impl Hybrid {
     }
 
     /// Decodes `jobs` on the threads while `alongside` runs on the calling thread, then makes
-    /// `after` wait (on the GPU) for all of the threads' work. The first error fails the batch;
-    /// the wait is set up whatever happens, so nothing reads the planes' memory early.
+    /// `after` wait (on the GPU) for all of the threads' work; gives the threads' time and
+    /// megasamples for this batch. The first error fails the batch; the wait is set up whatever
+    /// happens, so nothing reads the planes' memory early.
     ///
     /// # Safety
     /// Each job's bytes stay unchanged until its host phase has run (this returns after it) and
@@ -202,9 +203,9 @@ impl Hybrid {
         jobs: &[HybridJob<'_>],
         after: &Stream,
         alongside: impl FnOnce() -> R,
-    ) -> (Result<()>, R) {
+    ) -> (Result<Spent>, R) {
         if jobs.is_empty() {
-            return (Ok(()), alongside());
+            return (Ok([(0.0, 0.0); 2]), alongside());
         }
         let taken = AtomicUsize::new(0);
         let used = self.workers.len().min(jobs.len());
@@ -252,10 +253,13 @@ impl Hybrid {
             (results, theirs)
         });
         let mut first = Ok(());
+        let mut batch: Spent = [(0.0, 0.0); 2];
         for (r, spent, n) in results {
-            for (total, (ms, mega)) in self.spent.iter_mut().zip(spent) {
-                total.0 += ms;
-                total.1 += mega;
+            for (k, (ms, mega)) in spent.into_iter().enumerate() {
+                for total in [&mut self.spent[k], &mut batch[k]] {
+                    total.0 += ms;
+                    total.1 += mega;
+                }
             }
             self.images += n;
             if first.is_ok() {
@@ -272,7 +276,7 @@ impl Hybrid {
                 }
             }
         }
-        (first, theirs)
+        (first.map(|()| batch), theirs)
     }
 }
 

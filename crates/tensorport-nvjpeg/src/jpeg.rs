@@ -13,7 +13,7 @@ use tensorport_vision::transform::Window;
 
 use crate::balance::{megasamples, Costs, Weighed};
 use crate::batched::Batched;
-use crate::hybrid::{Huffman, Hybrid, HybridJob, Spent};
+use crate::hybrid::{Huffman, Hybrid, HybridJob};
 use crate::nvjpeg::{self, Nvjpeg};
 use crate::route::{chroma_of, Decoders, GpuDecode, Route};
 use crate::{Error, Result};
@@ -633,12 +633,11 @@ impl GpuJpeg {
             let r = unsafe { batched.decode(jobs, &images, routes, stream) };
             (r, host.elapsed().as_secs_f64() * 1e3)
         };
-        let before = self.hybrid.as_ref().map(|h| h.spent().0);
         let (hybrid_r, batched_r) = match self.hybrid.as_mut() {
             // SAFETY: the jobs' bytes outlive this call (the caller's contract for `run`); their
             // planes are in the scratch buffer, read after `stream` waits for the threads' work.
             Some(h) => unsafe { h.decode(&hybrid_jobs, stream, run_batched) },
-            None if hybrid_jobs.is_empty() => (Ok(()), run_batched()),
+            None if hybrid_jobs.is_empty() => (Ok([(0.0, 0.0); 2]), run_batched()),
             None => {
                 return Err(Error::Refused(
                     "a job for a hybrid decoder that was not made",
@@ -647,17 +646,14 @@ impl GpuJpeg {
         };
         let (batched_r, batched_ms) = batched_r;
         batched_r?;
-        hybrid_r?;
-        if let (Some(h), Some(before)) = (&self.hybrid, before) {
+        let this_batch = hybrid_r?;
+        if self.hybrid.is_some() {
             let on_engines: f64 = routes
                 .iter()
                 .zip(weighed)
                 .filter(|(r, _)| **r != Route::Hybrid)
                 .map(|(_, w)| w.size)
                 .sum();
-            let now = h.spent().0;
-            let this_batch: Spent =
-                std::array::from_fn(|k| (now[k].0 - before[k].0, now[k].1 - before[k].1));
             self.costs.learn(this_batch, (batched_ms, on_engines));
         }
         if let Some(t) = self.timing.as_mut() {
