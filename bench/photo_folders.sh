@@ -5,7 +5,8 @@
 # pipeline on the same files listed as many times (batches of 32 and 128, `hw_decoder_load` 0.65
 # and 0.9), and the whole command's wall time of the farm's default against DALI's whole script
 # on the uniform set. Prints markdown rows: images/s after start-up | the whole run's |
-# results by CPU / GPU producers.
+# results by CPU / GPU producers; then, for each set, the default's ratio to the best fixed mix
+# (the mixes that set producer counts) and to DALI's best, after start-up, over the rounds.
 #
 #   bench/photo_folders.sh TENSORPORT_BINARY OUT_DIR [UNIFORM_PER_SEED] [VARIED_PER_SEED] [MIXED_PER_SEED]
 #
@@ -56,30 +57,61 @@ farm() {
   fi
 }
 
+# The ratios of a set's rows: RATES (mix, or "default" -> its rates after start-up, the first
+# build's) and
+# DALI's lines on stdin -> two lines.
+ratios() {
+  local dali best_mix="" best=0 m r vals lo hi
+  dali=$(sed -n 's/.*: \([0-9]*\) images\/s.*/\1/p' | sort -n | tail -1)
+  for m in "${!rates[@]}"; do
+    [[ $m == -p* || $m == *--gpu-producers* ]] || continue
+    for r in ${rates[$m]}; do
+      if awk -v a="$r" -v b="$best" 'BEGIN { exit !(a > b) }'; then best=$r; best_mix=$m; fi
+    done
+  done
+  vals=$(tr ' ' '\n' <<<"${rates[default]:-}" | grep . | sort -n || true)
+  [[ -n $vals ]] || return 0
+  lo=$(head -1 <<<"$vals"); hi=$(tail -1 <<<"$vals")
+  if [[ -n $best_mix ]]; then
+    awk -v lo="$lo" -v hi="$hi" -v b="$best" -v m="$best_mix" \
+      'BEGIN { printf "  default / best fixed mix (`%s`, %s): %.2f–%.2f×\n", m, b, lo / b, hi / b }'
+  fi
+  if [[ -n $dali ]]; then
+    awk -v lo="$lo" -v hi="$hi" -v d="$dali" \
+      'BEGIN { printf "  default / DALI'"'"'s best (%s): %.2f–%.2f×\n", d, lo / d, hi / d }'
+  fi
+}
+
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
-declare -A times_over
+declare -A times_over rates
 for set in ${SETS:-mixed varied uniform}; do
   per=$(bench_list "$set"); times_over[$set]=$per
   echo
   echo "== $set: $(find "$out/$set" -name '*.jpg' | wc -l) files, $(wc -l < "$out/$set.bench.list") inputs"
   echo "| round | build | producers / settings | images/s after start-up | whole run | by CPU / GPU producers |"
   echo "| --- | --- | --- | ---: | ---: | --- |"
+  rates=()
   for r in $(seq "$rounds"); do
     for mix in "${mixes[@]}"; do
       for name in ${before:+before} after; do
         b=$bin; [[ $name == before ]] && b=$before
         [[ -z $before ]] && name=-
         # shellcheck disable=SC2086
-        echo "| $r | $name | \`${mix:-default}\` | $(farm "$b" --input-list "$out/$set.bench.list" $mix) |"
+        row=$(farm "$b" --input-list "$out/$set.bench.list" $mix)
+        echo "| $r | $name | \`${mix:-default}\` | $row |"
+        [[ $name == before || $row == failed* ]] || rates[${mix:-default}]+=" ${row%% |*}"
       done
     done
   done
+  dali=""
   if [[ -z ${NO_DALI:-} ]] && python3 -c "import nvidia.dali" 2>/dev/null; then
-    python3 "$here/peers/dali_jpeg.py" "$out/$set" --pipelines mixed --hw-load 0.65,0.9 \
-      --batch 32,128 --threads 15 --repeat "$per" | grep -E "^dali" | sed 's/^/  /' || true
+    dali=$(python3 "$here/peers/dali_jpeg.py" "$out/$set" --pipelines mixed --hw-load 0.65,0.9 \
+      --batch 32,128 --threads 15 --repeat "$per" | grep -E "^dali" | sed 's/^/  /' || true)
+    echo "$dali"
   else
     echo "  (DALI not run: NO_DALI set or nvidia.dali not importable)"
   fi
+  ratios <<<"$dali"
 done
 
 if [[ " ${SETS:-uniform} " == *" uniform "* ]]; then
