@@ -160,6 +160,52 @@ pub(crate) fn nvjpeg_split_420() {
     );
 }
 
+/// `prep --nvjpeg` on batches that mix 4:4:4, 4:2:2 and 4:2:0 JPEGs of odd and even sizes,
+/// small and over a megapixel, against `prep` on the CPU: every chroma of a batch lies as
+/// near the CPU's tensors, with interpolated chroma, as one chroma alone does.
+pub(crate) fn nvjpeg_mixed_chroma() {
+    use jpeg_encoder::SamplingFactor::{R_4_2_0, R_4_2_2, R_4_4_4};
+    let dir = tempfile::tempdir().unwrap();
+    let jpegs = dir.path().join("files");
+    std::fs::create_dir(&jpegs).unwrap();
+    let n = 36u32;
+    for i in 0..n {
+        let (w, h) = match i % 4 {
+            0 => (333 + 2 * (i % 5) as u16, 251 + (i % 3) as u16),
+            1 => (224, 224),
+            2 => (1201 + 37 * (i % 7) as u16, 899 + 29 * (i % 5) as u16),
+            _ => (640 + (i % 2) as u16, 481),
+        };
+        let rgb: Vec<u8> = (0..u32::from(w) * u32::from(h))
+            .flat_map(|p| {
+                let (x, y) = (p % u32::from(w), p / u32::from(w));
+                [(x * 3 + i) as u8, (y * 2) as u8, ((x ^ y) + 7 * i) as u8]
+            })
+            .collect();
+        let mut enc =
+            jpeg_encoder::Encoder::new_file(jpegs.join(format!("f{i:02}.jpg")), 90).unwrap();
+        enc.set_sampling_factor([R_4_4_4, R_4_2_2, R_4_2_0][(i % 3) as usize]);
+        enc.encode(&rgb, w, h, jpeg_encoder::ColorType::Rgb)
+            .unwrap();
+    }
+    let jpegs = jpegs.to_str().unwrap();
+    let dump = |name: &str, extra: &[&str]| {
+        let out = dir.path().join(name);
+        let mut args = vec!["prep", "--input", jpegs, "--repeat", "1", "--batch", "12"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--dump", out.to_str().unwrap()]);
+        let said = tp(&args);
+        (std::fs::read(&out).unwrap(), said)
+    };
+    let (cpu, _) = dump("c.st", &[]);
+    let (gpu, said) = dump("g.st", &["--nvjpeg"]);
+    println!("  {}", said.trim().replace('\n', "\n  "));
+    let (mean, worst) = distance(&gpu, &cpu, n as usize);
+    println!("  {n} files, 4:4:4, 4:2:2 and 4:2:0 in each batch: mean |GPU - CPU| {mean:.4}, largest {worst:.3}");
+    assert!(mean <= 0.02, "mean difference {mean}");
+    assert!(worst <= 0.5, "largest difference {worst}");
+}
+
 /// 32 JPEGs of `sampling` (half of them over a megapixel) through `prep` on the CPU, on the
 /// engines and with `--gpu-decode mode`, both GPU runs with `flags`: the hybrid decoders must
 /// take some, and their tensors lie near the engines' (the same chroma upsampling) and, where

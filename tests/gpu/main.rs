@@ -70,6 +70,10 @@ fn main() {
             nvjpeg_split_420,
         ),
         (
+            "nvjpeg_batches_of_mixed_chroma_match_the_cpu_preprocessing",
+            nvjpeg_mixed_chroma,
+        ),
+        (
             "farm_with_gpu_decoding_producers_every_input_once",
             farm_gpu_producers,
         ),
