@@ -166,16 +166,36 @@ pub(crate) fn nvjpeg_split_420() {
 pub(crate) fn nvjpeg_mixed_chroma() {
     use jpeg_encoder::SamplingFactor::{R_4_2_0, R_4_2_2, R_4_4_4};
     let dir = tempfile::tempdir().unwrap();
-    let jpegs = dir.path().join("files");
-    std::fs::create_dir(&jpegs).unwrap();
     let n = 36u32;
-    for i in 0..n {
-        let (w, h) = match i % 4 {
+    let jpegs = write_jpegs(dir.path(), n, |i| {
+        let size = match i % 4 {
             0 => (333 + 2 * (i % 5) as u16, 251 + (i % 3) as u16),
             1 => (224, 224),
             2 => (1201 + 37 * (i % 7) as u16, 899 + 29 * (i % 5) as u16),
             _ => (640 + (i % 2) as u16, 481),
         };
+        (size, [R_4_4_4, R_4_2_2, R_4_2_0][(i % 3) as usize])
+    });
+    let (cpu, _) = prep_dump(dir.path(), &jpegs, "c.st", &["--batch", "12"]);
+    let (gpu, said) = prep_dump(dir.path(), &jpegs, "g.st", &["--batch", "12", "--nvjpeg"]);
+    println!("  {}", said.trim().replace('\n', "\n  "));
+    let (mean, worst) = distance(&gpu, &cpu, n as usize);
+    println!("  {n} files, 4:4:4, 4:2:2 and 4:2:0 in each batch: mean |GPU - CPU| {mean:.4}, largest {worst:.3}");
+    assert!(mean <= 0.02, "mean difference {mean}");
+    assert!(worst <= 0.5, "largest difference {worst}");
+}
+
+/// `n` photo-like JPEGs written into `dir`/files, file `i` at the size and chroma `of(i)`
+/// gives; the folder's path.
+fn write_jpegs(
+    dir: &std::path::Path,
+    n: u32,
+    of: impl Fn(u32) -> ((u16, u16), jpeg_encoder::SamplingFactor),
+) -> String {
+    let jpegs = dir.join("files");
+    std::fs::create_dir(&jpegs).unwrap();
+    for i in 0..n {
+        let ((w, h), sampling) = of(i);
         let rgb: Vec<u8> = (0..u32::from(w) * u32::from(h))
             .flat_map(|p| {
                 let (x, y) = (p % u32::from(w), p / u32::from(w));
@@ -184,26 +204,22 @@ pub(crate) fn nvjpeg_mixed_chroma() {
             .collect();
         let mut enc =
             jpeg_encoder::Encoder::new_file(jpegs.join(format!("f{i:02}.jpg")), 90).unwrap();
-        enc.set_sampling_factor([R_4_4_4, R_4_2_2, R_4_2_0][(i % 3) as usize]);
+        enc.set_sampling_factor(sampling);
         enc.encode(&rgb, w, h, jpeg_encoder::ColorType::Rgb)
             .unwrap();
     }
-    let jpegs = jpegs.to_str().unwrap();
-    let dump = |name: &str, extra: &[&str]| {
-        let out = dir.path().join(name);
-        let mut args = vec!["prep", "--input", jpegs, "--repeat", "1", "--batch", "12"];
-        args.extend_from_slice(extra);
-        args.extend_from_slice(&["--dump", out.to_str().unwrap()]);
-        let said = tp(&args);
-        (std::fs::read(&out).unwrap(), said)
-    };
-    let (cpu, _) = dump("c.st", &[]);
-    let (gpu, said) = dump("g.st", &["--nvjpeg"]);
-    println!("  {}", said.trim().replace('\n', "\n  "));
-    let (mean, worst) = distance(&gpu, &cpu, n as usize);
-    println!("  {n} files, 4:4:4, 4:2:2 and 4:2:0 in each batch: mean |GPU - CPU| {mean:.4}, largest {worst:.3}");
-    assert!(mean <= 0.02, "mean difference {mean}");
-    assert!(worst <= 0.5, "largest difference {worst}");
+    jpegs.to_str().unwrap().to_string()
+}
+
+/// `prep` over the folder `jpegs`, once, with `flags`, its tensors dumped to `dir`/`name`: the
+/// dump's bytes and what `prep` said.
+fn prep_dump(dir: &std::path::Path, jpegs: &str, name: &str, flags: &[&str]) -> (Vec<u8>, String) {
+    let out = dir.join(name);
+    let mut args = vec!["prep", "--input", jpegs, "--repeat", "1"];
+    args.extend_from_slice(flags);
+    args.extend_from_slice(&["--dump", out.to_str().unwrap()]);
+    let said = tp(&args);
+    (std::fs::read(&out).unwrap(), said)
 }
 
 /// 32 JPEGs of `sampling` (half of them over a megapixel) through `prep` on the CPU, on the
@@ -217,34 +233,18 @@ fn hybrid_against_engines(
     flags: &[&str],
 ) {
     let dir = tempfile::tempdir().unwrap();
-    let jpegs = dir.path().join("files");
-    std::fs::create_dir(&jpegs).unwrap();
-    for i in 0..32u32 {
-        let (w, h) = if i % 2 == 0 {
+    let jpegs = write_jpegs(dir.path(), 32, |i| {
+        let size = if i % 2 == 0 {
             (200 + 37 * (i % 7) as u16, 150 + 29 * (i % 5) as u16)
         } else {
             (1200 + 37 * (i % 7) as u16, 900 + 29 * (i % 5) as u16)
         };
-        let rgb: Vec<u8> = (0..u32::from(w) * u32::from(h))
-            .flat_map(|p| {
-                let (x, y) = (p % u32::from(w), p / u32::from(w));
-                [(x * 3 + i) as u8, (y * 2) as u8, ((x ^ y) + 7 * i) as u8]
-            })
-            .collect();
-        let mut enc =
-            jpeg_encoder::Encoder::new_file(jpegs.join(format!("f{i:02}.jpg")), 90).unwrap();
-        enc.set_sampling_factor(sampling);
-        enc.encode(&rgb, w, h, jpeg_encoder::ColorType::Rgb)
-            .unwrap();
-    }
-    let jpegs = jpegs.to_str().unwrap();
+        (size, sampling)
+    });
     let dump = |name: &str, extra: &[&str]| {
-        let out = dir.path().join(name);
-        let mut args = vec!["prep", "--input", jpegs, "--repeat", "1", "--batch", "16"];
+        let mut args = vec!["--batch", "16"];
         args.extend_from_slice(extra);
-        args.extend_from_slice(&["--dump", out.to_str().unwrap()]);
-        let said = tp(&args);
-        (std::fs::read(&out).unwrap(), said)
+        prep_dump(dir.path(), &jpegs, name, &args)
     };
     let (cpu, _) = dump("c.st", &[]);
     let mut on_engines = vec!["--nvjpeg", "--gpu-decode", "engines"];
