@@ -375,6 +375,9 @@ fn producers_run_at_the_lower_priority_asked_and_the_server_at_its_own() {
         .args([
             "--producer-nice",
             "7",
+            // CPU producers go lower again only beside GPU producers: not here.
+            "--cpu-producer-nice",
+            "5",
             "--progress",
             "never",
             "-o",

@@ -46,6 +46,16 @@ pub struct RunOptions {
             value_parser = clap::value_parser!(u8).range(0..=19))
     )]
     pub producer_nice: u8,
+    /// In a farm with GPU producers, run the CPU producers this much lower again (a nice
+    /// increment on top of `--producer-nice`, 0 to 19), so that the GPU producers' host work —
+    /// parsing and nvJPEG's calls, which keep the JPEG engines fed — does not wait behind CPU
+    /// decoding, which takes the cores left over.
+    #[cfg_attr(
+        feature = "clap",
+        arg(long, default_value_t = RunOptions::default().cpu_producer_nice,
+            value_parser = clap::value_parser!(u8).range(0..=19))
+    )]
+    pub cpu_producer_nice: u8,
 }
 
 impl Default for RunOptions {
@@ -56,7 +66,21 @@ impl Default for RunOptions {
             routing: Routing::Shared,
             mps: MpsMode::Auto,
             producer_nice: 0,
+            cpu_producer_nice: 0,
         }
+    }
+}
+
+impl RunOptions {
+    /// How many steps below the farm's own CPU priority a producer runs: `producer_nice`, and
+    /// for a CPU producer in a farm that has GPU producers `cpu_producer_nice` more; at most 19.
+    pub fn producer_nice_of(&self, gpu_producer: bool, farm_has_gpu_producers: bool) -> u8 {
+        let extra = if !gpu_producer && farm_has_gpu_producers {
+            self.cpu_producer_nice
+        } else {
+            0
+        };
+        self.producer_nice.saturating_add(extra).min(19)
     }
 }
 
@@ -73,4 +97,28 @@ pub enum Routing {
     /// for, once each GPU producer has returned a result.
     #[default]
     Shared,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cpu_producers_go_lower_only_beside_gpu_producers() {
+        let run = RunOptions {
+            producer_nice: 3,
+            cpu_producer_nice: 5,
+            ..RunOptions::default()
+        };
+        assert_eq!(run.producer_nice_of(false, true), 8);
+        assert_eq!(run.producer_nice_of(true, true), 3);
+        assert_eq!(run.producer_nice_of(false, false), 3);
+        let deep = RunOptions {
+            producer_nice: 15,
+            cpu_producer_nice: 19,
+            ..RunOptions::default()
+        };
+        assert_eq!(deep.producer_nice_of(false, true), 19);
+        assert_eq!(RunOptions::default().producer_nice_of(false, true), 0);
+    }
 }

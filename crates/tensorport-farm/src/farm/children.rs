@@ -338,12 +338,16 @@ impl Farm {
             name: w.name.clone(),
             source,
         })?;
-        if self.cfg.run.producer_nice > 0 {
-            // Lowered as it starts (its own later threads inherit it), by `producer_nice`
-            // below the farm's own priority; a refusal costs only the priority.
+        let lower = self
+            .cfg
+            .run
+            .producer_nice_of(w.gpu, self.cfg.gpu_producers > 0);
+        if lower > 0 {
+            // Lowered as it starts (its own later threads inherit it), below the farm's own
+            // priority; a refusal costs only the priority.
             let pid = rustix::process::Pid::from_child(&child);
             let ours = rustix::process::getpriority_process(None).unwrap_or(0);
-            let nice = (ours + i32::from(self.cfg.run.producer_nice)).min(19);
+            let nice = (ours + i32::from(lower)).min(19);
             if let Err(e) = rustix::process::setpriority_process(Some(pid), nice) {
                 tracing::warn!("cannot lower {}'s CPU priority: {e}", w.name);
             }
