@@ -120,7 +120,7 @@ impl Hybrid {
             handle,
             decoders: [std::ptr::null_mut(); 2],
             workers: Vec::new(),
-            spent: [(0.0, 0.0); 2],
+            spent: Spent::default(),
             images: 0,
         };
         for (k, backend) in [nvjpeg::BACKEND_HYBRID, nvjpeg::BACKEND_GPU_HYBRID]
@@ -205,7 +205,7 @@ impl Hybrid {
         alongside: impl FnOnce() -> R,
     ) -> (Result<Spent>, R) {
         if jobs.is_empty() {
-            return (Ok([(0.0, 0.0); 2]), alongside());
+            return (Ok(Spent::default()), alongside());
         }
         let taken = AtomicUsize::new(0);
         let used = self.workers.len().min(jobs.len());
@@ -220,7 +220,7 @@ impl Hybrid {
                 .map(|w| {
                     let taken = &taken;
                     s.spawn(move || {
-                        let mut spent: Spent = [(0.0, 0.0); 2];
+                        let mut spent = Spent::default();
                         let mut n = 0;
                         let r = gpu.bind().map_err(Error::from).and_then(|()| loop {
                             let i = taken.fetch_add(1, Ordering::Relaxed);
@@ -245,7 +245,7 @@ impl Hybrid {
                 .map(|t| {
                     t.join().unwrap_or((
                         Err(Error::Refused("a hybrid decoder thread panicked")),
-                        [(0.0, 0.0); 2],
+                        Spent::default(),
                         0,
                     ))
                 })
@@ -253,7 +253,7 @@ impl Hybrid {
             (results, theirs)
         });
         let mut first = Ok(());
-        let mut batch: Spent = [(0.0, 0.0); 2];
+        let mut batch = Spent::default();
         for (r, spent, n) in results {
             for (k, (ms, mega)) in spent.into_iter().enumerate() {
                 for total in [&mut self.spent[k], &mut batch[k]] {

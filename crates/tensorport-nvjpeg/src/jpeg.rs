@@ -13,7 +13,7 @@ use tensorport_vision::transform::Window;
 
 use crate::balance::{megasamples, Costs, Weighed};
 use crate::batched::Batched;
-use crate::hybrid::{Huffman, Hybrid, HybridJob};
+use crate::hybrid::{Huffman, Hybrid, HybridJob, Spent};
 use crate::nvjpeg::{self, Nvjpeg};
 use crate::route::{chroma_of, Decoders, GpuDecode, Route};
 use crate::{Error, Result};
@@ -637,7 +637,7 @@ impl GpuJpeg {
             // SAFETY: the jobs' bytes outlive this call (the caller's contract for `run`); their
             // planes are in the scratch buffer, read after `stream` waits for the threads' work.
             Some(h) => unsafe { h.decode(&hybrid_jobs, stream, run_batched) },
-            None if hybrid_jobs.is_empty() => (Ok([(0.0, 0.0); 2]), run_batched()),
+            None if hybrid_jobs.is_empty() => (Ok(Spent::default()), run_batched()),
             None => {
                 return Err(Error::Refused(
                     "a job for a hybrid decoder that was not made",
