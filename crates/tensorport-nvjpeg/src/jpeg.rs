@@ -139,6 +139,10 @@ impl Upsampling {
     }
 }
 
+/// The batch the engines' memory pool is first sized for; it grows with larger batches and
+/// images (a 1 × 1 image hint, as the pool is reused rather than sized up front).
+const POOL_BATCH: usize = 32;
+
 /// The decoder and the kernel, with scratch memory kept between batches.
 pub struct GpuJpeg {
     gpu: Arc<Gpu>,
@@ -295,6 +299,13 @@ impl GpuJpeg {
                         let _ = unsafe { me.lib.destroy(h) };
                     }
                 }
+            }
+        }
+        if matches!(me.backend, JpegBackend::Hardware { .. }) {
+            for (h, st) in std::iter::once((me.handle, me.state)).chain(me.plain) {
+                // SAFETY: live hardware-backend handles and their states, no batch yet. A
+                // library that refuses (or lacks) the pool decodes as before, allocating per call.
+                let _ = unsafe { me.lib.batched_pre_allocate(h, st, POOL_BATCH, 1, 1) };
             }
         }
         me.kernel = Some(Kernel::compile(

@@ -93,6 +93,8 @@ type GetImageInfo = unsafe extern "C" fn(
     *mut c_int,
 ) -> Status;
 type BatchedInit = unsafe extern "C" fn(Handle, State, c_int, c_int, c_int) -> Status;
+type BatchedPreAllocate =
+    unsafe extern "C" fn(Handle, State, c_int, c_int, c_int, c_int, c_int) -> Status;
 type Batched = unsafe extern "C" fn(
     Handle,
     State,
@@ -116,6 +118,8 @@ pub struct Nvjpeg {
     state_destroy: StateDestroy,
     get_image_info: GetImageInfo,
     batched_init: BatchedInit,
+    /// Absent from libraries before CUDA 11.4.
+    batched_pre_allocate: Option<BatchedPreAllocate>,
     batched: Batched,
     stream_create: StreamCreate,
     stream_destroy: StreamDestroy,
@@ -202,6 +206,7 @@ impl Nvjpeg {
                     state_destroy: sym(&lib, "nvjpegJpegStateDestroy")?,
                     get_image_info: sym(&lib, "nvjpegGetImageInfo")?,
                     batched_init: sym(&lib, "nvjpegDecodeBatchedInitialize")?,
+                    batched_pre_allocate: sym(&lib, "nvjpegDecodeBatchedPreAllocate").ok(),
                     batched: sym(&lib, "nvjpegDecodeBatched")?,
                     stream_create: sym(&lib, "nvjpegJpegStreamCreate")?,
                     stream_destroy: sym(&lib, "nvjpegJpegStreamDestroy")?,
@@ -344,6 +349,41 @@ impl Nvjpeg {
         self.check("nvjpegDecodeBatchedInitialize", unsafe {
             (self.batched_init)(h, st, batch as c_int, 1, format)
         })
+    }
+
+    /// `nvjpegDecodeBatchedPreAllocate`: gives the hardware decoder of `h`/`st` a memory pool
+    /// sized for `batch` images of `width` × `height` at 4:4:4 in planar RGB, which then grows
+    /// as batches need and is reused across calls, where without it each batched call whose
+    /// size or images differ from the last allocates afresh. `Ok(false)` where the library
+    /// lacks the call.
+    ///
+    /// # Safety
+    /// `h` (a hardware-backend handle) and `st` live, no batch in flight on `st`.
+    pub unsafe fn batched_pre_allocate(
+        &self,
+        h: Handle,
+        st: State,
+        batch: usize,
+        width: u32,
+        height: u32,
+    ) -> Result<bool> {
+        let Some(f) = self.batched_pre_allocate else {
+            return Ok(false);
+        };
+        let int = |v: usize| c_int::try_from(v).unwrap_or(c_int::MAX).max(1);
+        // SAFETY: the caller's contract; plain integers in.
+        self.check("nvjpegDecodeBatchedPreAllocate", unsafe {
+            f(
+                h,
+                st,
+                int(batch),
+                int(width as usize),
+                int(height as usize),
+                CSS_444,
+                OUTPUT_RGB,
+            )
+        })?;
+        Ok(true)
     }
 
     /// `nvjpegDecodeBatched`.
