@@ -35,6 +35,10 @@ __device__ __forceinline__ void taps(double center, float scale, int size,
     *norm = s > 0.0f ? 1.0f / s : 0.0f;
 }
 
+// Horizontal taps whose weights a thread keeps while it filters its rows; a window wider than
+// this (a shrink of more than 16 times) has its weights computed again for each row.
+#define TP_KEPT_TAPS 32
+
 extern "C" __global__ void tp_resize_normalise(const Job* jobs, int out, int as_u8,
         float m0, float m1, float m2, float s0, float s1, float s2) {
     const Job j = jobs[blockIdx.z];
@@ -49,18 +53,31 @@ extern "C" __global__ void tp_resize_normalise(const Job* jobs, int out, int as_
     taps(cy, j.sy, j.h, &y0, &y1, &iy, &ny);
     const float mean[3] = {m0, m1, m2};
     const float sd[3] = {s0, s1, s2};
-    for (int c = 0; c < 3; ++c) {
-        const unsigned char* p = j.src + c * j.plane;
-        float acc = 0.0f;
-        for (int yy = y0; yy < y1; ++yy) {
-            const unsigned char* row = p + (unsigned long long)yy * j.pitch;
+    // The horizontal weights are the same for every row and channel: computed once.
+    float wx[TP_KEPT_TAPS];
+    const bool kept = x1 - x0 <= TP_KEPT_TAPS;
+    if (kept) {
+        for (int xx = x0; xx < x1; ++xx) wx[xx - x0] = tri((float)(xx - cx + 0.5) * ix) * nx;
+    }
+    // PIL's two passes: each row's horizontal sum rounded to 8 bits, then the vertical one.
+    float acc[3] = {0.0f, 0.0f, 0.0f};
+    for (int yy = y0; yy < y1; ++yy) {
+        const float wy = tri((float)(yy - cy + 0.5) * iy) * ny;
+        for (int c = 0; c < 3; ++c) {
+            const unsigned char* row = j.src + c * j.plane + (unsigned long long)yy * j.pitch;
             float h = 0.0f;
-            for (int xx = x0; xx < x1; ++xx) {
-                h += tri((float)(xx - cx + 0.5) * ix) * nx * (float)row[xx];
+            if (kept) {
+                for (int xx = x0; xx < x1; ++xx) h += wx[xx - x0] * (float)row[xx];
+            } else {
+                for (int xx = x0; xx < x1; ++xx) {
+                    h += tri((float)(xx - cx + 0.5) * ix) * nx * (float)row[xx];
+                }
             }
-            acc += tri((float)(yy - cy + 0.5) * iy) * ny * round_u8(h);
+            acc[c] += wy * round_u8(h);
         }
-        const float v = round_u8(acc);
+    }
+    for (int c = 0; c < 3; ++c) {
+        const float v = round_u8(acc[c]);
         const unsigned long long at = ((unsigned long long)c * out + y) * out + x;
         if (as_u8) {
             ((unsigned char*)j.dst)[at] = (unsigned char)v;
