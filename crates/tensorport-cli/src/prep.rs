@@ -250,8 +250,13 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
     jpeg.set_decode(a.prep.gpu_decode, a.cpu_threads)?;
     let hybrid = jpeg.decoders().hybrid_threads;
     println!(
-        "{} (from {}), chroma upsampling: {}, decoding: {}{}",
+        "{}{} (from {}), chroma upsampling: {}, decoding: {}{}",
         jpeg.backend(),
+        if jpeg.memory_pool() {
+            ", memory pool"
+        } else {
+            ""
+        },
         jpeg.library(),
         a.prep.gpu_upsampling.name(),
         a.prep.gpu_decode.name(),

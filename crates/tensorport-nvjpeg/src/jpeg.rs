@@ -153,6 +153,8 @@ pub struct GpuJpeg {
     /// chroma to upsample (4:4:4; all of them with [`Upsampling::Replicate`]): the engines
     /// decode those several times faster without the flag, to the same pixels.
     plain: Option<(nvjpeg::Handle, nvjpeg::State)>,
+    /// Every hardware decoder has nvJPEG's memory pool ([`GpuJpeg::memory_pool`]).
+    pooled: bool,
     upsampling: Upsampling,
     /// How files are shared between the decoders ([`GpuJpeg::set_decode`]).
     mode: GpuDecode,
@@ -265,6 +267,7 @@ impl GpuJpeg {
             handle,
             state: std::ptr::null_mut(),
             plain: None,
+            pooled: false,
             upsampling: Upsampling::default(),
             mode: GpuDecode::Engines,
             hybrid: None,
@@ -302,10 +305,12 @@ impl GpuJpeg {
             }
         }
         if matches!(me.backend, JpegBackend::Hardware { .. }) {
+            me.pooled = true;
             for (h, st) in std::iter::once((me.handle, me.state)).chain(me.plain) {
                 // SAFETY: live hardware-backend handles and their states, no batch yet. A
                 // library that refuses (or lacks) the pool decodes as before, allocating per call.
-                let _ = unsafe { me.lib.batched_pre_allocate(h, st, POOL_BATCH, 1, 1) };
+                let pooled = unsafe { me.lib.batched_pre_allocate(h, st, POOL_BATCH, 1, 1) };
+                me.pooled &= matches!(pooled, Ok(true));
             }
         }
         me.kernel = Some(Kernel::compile(
@@ -457,6 +462,13 @@ impl GpuJpeg {
     /// The backend decoding.
     pub fn backend(&self) -> JpegBackend {
         self.backend
+    }
+
+    /// Whether the JPEG engines' decoders reuse nvJPEG's memory pool across batches
+    /// (`nvjpegDecodeBatchedPreAllocate`), rather than allocating for each batch's images: false
+    /// on CUDA cores, or where the library lacks or refuses the pool.
+    pub fn memory_pool(&self) -> bool {
+        self.pooled
     }
 
     /// Where nvJPEG was loaded from.
