@@ -18,7 +18,8 @@ pub struct RunOptions {
     #[cfg_attr(feature = "clap", arg(long, default_value_t = RunOptions::default().max_restarts))]
     pub max_restarts: u32,
     /// With CPU and GPU producers: who takes plain JPEGs (the JPEG engines' kind). Progressive
-    /// JPEGs and PNGs go to the CPU producers, large plain JPEGs to whoever has room, either way.
+    /// JPEGs and PNGs go to the CPU producers either way, and large plain JPEGs to whoever has
+    /// room (with measured: to CPU producers only while the GPU producers are the slower side).
     #[cfg_attr(
         feature = "clap",
         arg(long, value_enum, default_value_t = RunOptions::default().routing)
@@ -85,8 +86,9 @@ impl RunOptions {
 }
 
 /// Who takes plain JPEGs (8-bit sequential, the JPEG engines' kind) in a farm with CPU and GPU
-/// producers. Either way the rest (progressive, 12-bit, PNG) goes to the CPU producers first and
-/// large plain JPEGs to whoever has room.
+/// producers. The rest (progressive, 12-bit, PNG) goes to the CPU producers first, and large plain
+/// JPEGs to whoever has room (with [`Routing::Measured`], to CPU producers only while the GPU
+/// producers are the slower side).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 #[cfg_attr(feature = "clap", derive(clap::ValueEnum))]
 #[non_exhaustive]
@@ -97,6 +99,11 @@ pub enum Routing {
     /// for, once each GPU producer has returned a result.
     #[default]
     Shared,
+    /// As shared, while the GPU producers are the slower side: the work left for each kind
+    /// (inputs held, queued, and the unread shared as the read ones were) over the rate each
+    /// kind has shown; otherwise the CPU producers keep to their own kind of input, large plain
+    /// JPEGs included.
+    Measured,
 }
 
 #[cfg(test)]

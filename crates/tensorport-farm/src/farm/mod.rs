@@ -7,6 +7,7 @@
 //! a [`Snapshot`] four times a second, and the [`Summary`] at the end.
 
 mod balance;
+mod bound;
 mod children;
 mod ledger;
 mod lifecycle;

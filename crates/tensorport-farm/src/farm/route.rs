@@ -7,7 +7,8 @@
 //! [`Routing::Shared`](crate::config::Routing), those the GPU producers have no room for once
 //! each of them has returned a result (before that, CPU producers ready seconds earlier than the
 //! GPU producers' CUDA contexts would take a whole folder of them at a fraction of the GPU's
-//! rate).
+//! rate). With [`Routing::Measured`](crate::config::Routing) CPU producers take plain JPEGs,
+//! large or small, only while the GPU producers are the slower side ([`super::bound`]).
 
 use std::collections::VecDeque;
 
@@ -25,9 +26,39 @@ pub(super) enum GpuState {
     GaveUp,
 }
 
-/// Whether CPU producers may take plain JPEGs now: when no GPU producer is left, and with
-/// [`Routing::Shared`] when every GPU producer left is warm and full.
-pub(super) fn cpu_takes_plain(routing: Routing, gpus: impl IntoIterator<Item = GpuState>) -> bool {
+/// Which plain JPEGs CPU producers may take now.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(super) struct CpuTakes {
+    /// Large ones ([`Side::Either`]).
+    pub large: bool,
+    /// Small ones too ([`Side::Gpu`]).
+    pub small: bool,
+}
+
+impl CpuTakes {
+    /// Only the CPU producers' own inputs.
+    pub(super) const OWN: CpuTakes = CpuTakes {
+        large: false,
+        small: false,
+    };
+    /// Every input.
+    #[cfg(test)]
+    pub(super) const ALL: CpuTakes = CpuTakes {
+        large: true,
+        small: true,
+    };
+}
+
+/// What CPU producers may take now: everything when no GPU producer is left. Otherwise, by
+/// `routing`: [`Routing::ByKind`], large plain JPEGs; [`Routing::Shared`], small ones too once
+/// every GPU producer left is warm and full; [`Routing::Measured`], as `Shared` but only while
+/// `gpu_bound` (the GPU producers would finish what is left for them after the CPU producers
+/// finish theirs), neither otherwise.
+pub(super) fn cpu_takes(
+    routing: Routing,
+    gpus: impl IntoIterator<Item = GpuState>,
+    gpu_bound: bool,
+) -> CpuTakes {
     let mut any = false;
     let mut all_busy = true;
     for g in gpus {
@@ -43,7 +74,26 @@ pub(super) fn cpu_takes_plain(routing: Routing, gpus: impl IntoIterator<Item = G
             }
         }
     }
-    !any || (routing == Routing::Shared && all_busy)
+    if !any {
+        return CpuTakes {
+            large: true,
+            small: true,
+        };
+    }
+    match routing {
+        Routing::ByKind => CpuTakes {
+            large: true,
+            small: false,
+        },
+        Routing::Shared => CpuTakes {
+            large: true,
+            small: all_busy,
+        },
+        Routing::Measured => CpuTakes {
+            large: gpu_bound,
+            small: gpu_bound && all_busy,
+        },
+    }
 }
 
 /// The kind of producer an input suits (or that asks for one).
@@ -65,12 +115,14 @@ impl Side {
     }
 
     /// The queues a producer of this kind takes from, in order; CPU producers take the GPU's
-    /// only when `cpu_takes_plain`.
-    fn order(self, cpu_takes_plain: bool) -> &'static [Side] {
-        match (self, cpu_takes_plain) {
-            (Side::Gpu, _) => &[Side::Gpu, Side::Either, Side::Cpu],
-            (_, false) => &[Side::Cpu, Side::Either],
-            (_, true) => &[Side::Cpu, Side::Either, Side::Gpu],
+    /// as `cpu` allows.
+    fn order(self, cpu: CpuTakes) -> &'static [Side] {
+        match (self, cpu.large, cpu.small) {
+            (Side::Gpu, _, _) => &[Side::Gpu, Side::Either, Side::Cpu],
+            (_, true, true) => &[Side::Cpu, Side::Either, Side::Gpu],
+            (_, true, false) => &[Side::Cpu, Side::Either],
+            (_, false, true) => &[Side::Cpu, Side::Gpu],
+            (_, false, false) => &[Side::Cpu],
         }
     }
 }
@@ -87,6 +139,8 @@ pub(super) struct Queue {
     sides: [VecDeque<u64>; 3],
     /// Each input's side, once sorted.
     side: Vec<Option<Side>>,
+    /// Inputs sorted to each side so far (for the share of the unsorted each kind will get).
+    sorted: [u64; 3],
     /// Whether to sort at all (only a farm with both kinds of producers does).
     routing: bool,
 }
@@ -103,6 +157,7 @@ impl Queue {
             unsorted: (0..n).collect(),
             sides: [VecDeque::new(), VecDeque::new(), VecDeque::new()],
             side: vec![None; if routing { n as usize } else { 0 }],
+            sorted: [0; 3],
             routing,
         }
     }
@@ -113,13 +168,13 @@ impl Queue {
     pub(super) fn next(
         &mut self,
         taker: Side,
-        cpu_takes_plain: bool,
+        cpu: CpuTakes,
         sort: impl Fn(u64) -> Side,
     ) -> Option<u64> {
         if !self.routing {
             return self.unsorted.pop_front();
         }
-        let order = taker.order(cpu_takes_plain);
+        let order = taker.order(cpu);
         if let Some(i) = self.sides[order[0].at()].pop_front() {
             return Some(i);
         }
@@ -130,6 +185,7 @@ impl Queue {
             };
             let s = sort(i);
             self.side[i as usize] = Some(s);
+            self.sorted[s.at()] += 1;
             if s == order[0] {
                 return Some(i);
             }
@@ -146,6 +202,23 @@ impl Queue {
             return self.unsorted.pop_front();
         }
         None
+    }
+
+    /// The inputs waiting for each kind of producer, `(gpu, cpu)`: those sorted to its side
+    /// (both kinds' plain JPEGs counted as the GPU producers'), and the unsorted shared as the
+    /// sorted have been so far (to the GPU producers while none is sorted).
+    pub(super) fn waiting(&self) -> (f64, f64) {
+        let [g, c, e] = [Side::Gpu, Side::Cpu, Side::Either].map(|s| self.sides[s.at()].len());
+        let total: u64 = self.sorted.iter().sum();
+        let cpu_share = match total {
+            0 => 0.0,
+            t => self.sorted[Side::Cpu.at()] as f64 / t as f64,
+        };
+        let unsorted = self.unsorted.len() as f64;
+        (
+            (g + e) as f64 + unsorted * (1.0 - cpu_share),
+            c as f64 + unsorted * cpu_share,
+        )
     }
 
     /// Adds input `i`, new (one more than the last), at the back.
@@ -169,6 +242,12 @@ impl Queue {
 mod tests {
     use super::*;
 
+    /// CPU producers taking large plain JPEGs, not small ones.
+    const LARGE: CpuTakes = CpuTakes {
+        large: true,
+        small: false,
+    };
+
     /// Inputs 1, 4, 7, … suit the CPU; 2, 5, 8, … either; the rest the GPU.
     fn by_three(i: u64) -> Side {
         match i % 3 {
@@ -181,46 +260,34 @@ mod tests {
     #[test]
     fn each_kind_gets_its_own_then_what_suits_either_then_the_others() {
         let mut q = Queue::new(6, true);
-        assert_eq!(q.next(Side::Cpu, false, by_three), Some(1));
-        assert_eq!(q.next(Side::Gpu, false, by_three), Some(0));
-        assert_eq!(q.next(Side::Cpu, false, by_three), Some(4));
+        assert_eq!(q.next(Side::Cpu, LARGE, by_three), Some(1));
+        assert_eq!(q.next(Side::Gpu, LARGE, by_three), Some(0));
+        assert_eq!(q.next(Side::Cpu, LARGE, by_three), Some(4));
         // The CPU's are gone: it takes what suits either.
-        assert_eq!(q.next(Side::Cpu, false, by_three), Some(2));
+        assert_eq!(q.next(Side::Cpu, LARGE, by_three), Some(2));
         // Not the GPU's while a GPU producer runs.
-        assert_eq!(q.next(Side::Gpu, false, by_three), Some(3));
-        assert_eq!(q.next(Side::Cpu, false, by_three), Some(5));
-        assert_eq!(q.next(Side::Cpu, false, by_three), None);
-        assert_eq!(q.next(Side::Gpu, false, by_three), None);
+        assert_eq!(q.next(Side::Gpu, LARGE, by_three), Some(3));
+        assert_eq!(q.next(Side::Cpu, LARGE, by_three), Some(5));
+        assert_eq!(q.next(Side::Cpu, LARGE, by_three), None);
+        assert_eq!(q.next(Side::Gpu, LARGE, by_three), None);
     }
 
     #[test]
     fn gpu_producers_take_the_cpus_inputs_and_cpus_the_gpus_only_when_allowed() {
         let mut q = Queue::new(3, true);
-        assert_eq!(q.next(Side::Gpu, false, |_| Side::Cpu), Some(0));
+        assert_eq!(q.next(Side::Gpu, LARGE, |_| Side::Cpu), Some(0));
         let mut q = Queue::new(3, true);
-        assert_eq!(q.next(Side::Cpu, false, |_| Side::Gpu), None);
-        assert_eq!(q.next(Side::Cpu, true, |_| Side::Gpu), Some(0));
+        assert_eq!(q.next(Side::Cpu, LARGE, |_| Side::Gpu), None);
+        assert_eq!(q.next(Side::Cpu, CpuTakes::ALL, |_| Side::Gpu), Some(0));
     }
 
     #[test]
-    fn cpu_producers_share_plain_jpegs_only_with_warm_full_gpu_producers() {
+    fn what_cpu_producers_take_by_routing() {
         use GpuState::*;
         let busy = Running {
             warm: true,
             full: true,
         };
-        // No GPU producer left: the CPU producers take everything, whatever the routing.
-        for r in [Routing::ByKind, Routing::Shared] {
-            assert!(cpu_takes_plain(r, []));
-            assert!(cpu_takes_plain(r, [GaveUp, GaveUp]));
-        }
-        // By kind: never while a GPU producer runs or starts.
-        assert!(!cpu_takes_plain(Routing::ByKind, [busy, busy]));
-        assert!(!cpu_takes_plain(Routing::ByKind, [Starting]));
-        // Shared: once every GPU producer left is warm and full.
-        assert!(cpu_takes_plain(Routing::Shared, [busy, busy]));
-        assert!(cpu_takes_plain(Routing::Shared, [busy, GaveUp]));
-        assert!(!cpu_takes_plain(Routing::Shared, [busy, Starting]));
         let cold = Running {
             warm: false,
             full: true,
@@ -229,29 +296,89 @@ mod tests {
             warm: true,
             full: false,
         };
-        assert!(!cpu_takes_plain(Routing::Shared, [busy, cold]));
-        assert!(!cpu_takes_plain(Routing::Shared, [room, busy]));
+        // No GPU producer left: the CPU producers take everything, whatever the routing.
+        for r in [Routing::ByKind, Routing::Shared, Routing::Measured] {
+            for bound in [true, false] {
+                assert_eq!(cpu_takes(r, [], bound), CpuTakes::ALL);
+                assert_eq!(cpu_takes(r, [GaveUp, GaveUp], bound), CpuTakes::ALL);
+            }
+        }
+        for bound in [true, false] {
+            // By kind: large ones, never small ones while a GPU producer runs or starts.
+            assert_eq!(cpu_takes(Routing::ByKind, [busy, busy], bound), LARGE);
+            assert_eq!(cpu_takes(Routing::ByKind, [Starting], bound), LARGE);
+            // Shared: small ones too once every GPU producer left is warm and full.
+            let shared = |g: [GpuState; 2]| cpu_takes(Routing::Shared, g, bound);
+            assert_eq!(shared([busy, busy]), CpuTakes::ALL);
+            assert_eq!(shared([busy, GaveUp]), CpuTakes::ALL);
+            assert_eq!(shared([busy, Starting]), LARGE);
+            assert_eq!(shared([busy, cold]), LARGE);
+            assert_eq!(shared([room, busy]), LARGE);
+        }
+        // Measured: as shared while the GPU producers are the bound, their own otherwise.
+        let measured = |g: [GpuState; 2], bound| cpu_takes(Routing::Measured, g, bound);
+        assert_eq!(measured([busy, busy], true), CpuTakes::ALL);
+        assert_eq!(measured([busy, cold], true), LARGE);
+        assert_eq!(measured([busy, busy], false), CpuTakes::OWN);
+        assert_eq!(measured([room, Starting], false), CpuTakes::OWN);
+    }
+
+    #[test]
+    fn cpu_producers_held_to_their_own_leave_the_plain_jpegs() {
+        let mut q = Queue::new(6, true);
+        assert_eq!(q.next(Side::Cpu, CpuTakes::OWN, by_three), Some(1));
+        assert_eq!(q.next(Side::Cpu, CpuTakes::OWN, by_three), Some(4));
+        assert_eq!(q.next(Side::Cpu, CpuTakes::OWN, by_three), None);
+        // The GPU producers get the rest, their own first.
+        assert_eq!(q.next(Side::Gpu, CpuTakes::OWN, by_three), Some(0));
+        assert_eq!(q.next(Side::Gpu, CpuTakes::OWN, by_three), Some(3));
+        assert_eq!(q.next(Side::Gpu, CpuTakes::OWN, by_three), Some(2));
+        assert_eq!(q.next(Side::Gpu, CpuTakes::OWN, by_three), Some(5));
+        assert!(q.is_empty());
+    }
+
+    #[test]
+    fn what_waits_for_each_kind_counts_the_unsorted_as_the_sorted_went() {
+        // Nothing sorted yet: all of it counted as the GPU producers'.
+        let mut q = Queue::new(30, true);
+        assert_eq!(q.waiting(), (30.0, 0.0));
+        // A CPU producer looks ahead to its first input, the 21st: 20 plain JPEGs sorted, one
+        // of its own; the 9 unsorted are shared as those 21 were.
+        let only_20 = |i: u64| if i == 20 { Side::Cpu } else { Side::Gpu };
+        assert_eq!(q.next(Side::Cpu, CpuTakes::OWN, only_20), Some(20));
+        let (g, c) = q.waiting();
+        assert!((g - (20.0 + 9.0 * 20.0 / 21.0)).abs() < 1e-9, "{g}");
+        assert!((c - 9.0 / 21.0).abs() < 1e-9, "{c}");
+        // Everything sorted: the counts themselves.
+        let mut q = Queue::new(9, true);
+        let every_third = |i: u64| if i % 3 == 1 { Side::Cpu } else { Side::Gpu };
+        assert_eq!(q.next(Side::Cpu, CpuTakes::OWN, every_third), Some(1));
+        assert_eq!(q.next(Side::Gpu, CpuTakes::OWN, every_third), Some(0));
+        // Two sorted, one of each: the 7 unsorted counted half to each kind.
+        assert_eq!(q.waiting(), (3.5, 3.5));
+        while q.next(Side::Cpu, CpuTakes::OWN, every_third).is_some() {}
+        assert_eq!(q.waiting(), (5.0, 0.0));
     }
 
     #[test]
     fn inputs_put_back_come_first_on_their_side() {
         let mut q = Queue::new(4, true);
-        let a = q.next(Side::Gpu, false, by_three).unwrap();
-        let b = q.next(Side::Cpu, false, by_three).unwrap();
+        let a = q.next(Side::Gpu, LARGE, by_three).unwrap();
+        let b = q.next(Side::Cpu, LARGE, by_three).unwrap();
         q.push_front(b);
         q.push_front(a);
-        assert_eq!(q.next(Side::Cpu, false, by_three), Some(b));
-        assert_eq!(q.next(Side::Gpu, false, by_three), Some(a));
+        assert_eq!(q.next(Side::Cpu, LARGE, by_three), Some(b));
+        assert_eq!(q.next(Side::Gpu, LARGE, by_three), Some(a));
     }
 
     #[test]
     fn without_routing_it_is_one_queue_and_sorts_nothing() {
         let mut q = Queue::new(3, false);
         let never = |_: u64| -> Side { panic!("sorted") };
-        assert_eq!(q.next(Side::Cpu, false, never), Some(0));
+        assert_eq!(q.next(Side::Cpu, LARGE, never), Some(0));
         q.push_front(0);
-        assert_eq!(q.next(Side::Gpu, false, never), Some(0));
-        assert_eq!(q.next(Side::Gpu, false, never), Some(1));
+        assert_eq!(q.next(Side::Gpu, LARGE, never), Some(0));
+        assert_eq!(q.next(Side::Gpu, LARGE, never), Some(1));
     }
 
     #[test]
@@ -271,8 +398,8 @@ mod tests {
             };
             // A CPU producer finding nothing leaves the rest to the GPU producers.
             let Some(i) = q
-                .next(taker, false, sort)
-                .or_else(|| q.next(Side::Gpu, false, sort))
+                .next(taker, LARGE, sort)
+                .or_else(|| q.next(Side::Gpu, LARGE, sort))
             else {
                 break;
             };

@@ -82,6 +82,7 @@ impl Supervisor {
         }
         w.done += 1;
         w.warm = true;
+        self.pace[usize::from(!w.gpu)].result(Instant::now());
         w.restarts.served();
         w.last_progress = Instant::now();
         if let Some(s) = self.servers.get_mut(w.server) {

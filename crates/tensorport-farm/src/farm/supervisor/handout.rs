@@ -2,6 +2,8 @@
 //! at the end of the queue, second copies of inputs another producer still holds (hedging).
 
 use super::*;
+use crate::config::Routing;
+use crate::farm::bound::{gpu_bound, Left};
 
 impl Supervisor {
     /// Gives each running producer inputs up to its depth, on its worklist (stdin): the GPU
@@ -12,10 +14,10 @@ impl Supervisor {
             return;
         }
         let gpu_depth = 2 * self.farm.cfg.gpu_in_flight as usize;
-        // GPU producers first (the flag matters only to CPU producers).
+        // GPU producers first (what CPU producers may take matters only to them).
         for slot in 0..self.workers.len() {
             if self.workers[slot].gpu {
-                self.give(slot, gpu_depth, false);
+                self.give(slot, gpu_depth, CpuTakes::OWN);
             }
         }
         let gpus = self
@@ -30,15 +32,39 @@ impl Supervisor {
                 State::GaveUp => GpuState::GaveUp,
                 _ => GpuState::Starting,
             });
-        let cpu_takes_plain = cpu_takes_plain(self.farm.cfg.run.routing, gpus);
+        let routing = self.farm.cfg.run.routing;
+        let gpu_bound = routing == Routing::Measured && self.gpu_bound();
+        let cpu = cpu_takes(routing, gpus, gpu_bound);
         for slot in 0..self.workers.len() {
             if !self.workers[slot].gpu {
-                self.give(slot, self.depth, cpu_takes_plain);
+                self.give(slot, self.depth, cpu);
             }
         }
         if self.queue.is_empty() {
             self.hedge(gpu_depth);
         }
+    }
+
+    /// Whether the GPU producers bound the run now ([`super::super::bound::gpu_bound`]): the
+    /// inputs each kind's producers hold and those waiting for it, over the kind's rate.
+    fn gpu_bound(&self) -> bool {
+        let now = Instant::now();
+        let held = |gpu: bool| -> u64 {
+            self.workers
+                .iter()
+                .filter(|w| w.gpu == gpu)
+                .map(|w| w.assigned.len() as u64)
+                .sum()
+        };
+        let (gpu_waiting, cpu_waiting) = self.queue.waiting();
+        let left = |gpu: bool, queued: f64| Left {
+            held: held(gpu),
+            queued,
+        };
+        gpu_bound(
+            (left(true, gpu_waiting), self.pace[0].rate(now)),
+            (left(false, cpu_waiting), self.pace[1].rate(now)),
+        )
     }
 
     /// Once every input is handed out, a producer with nothing to do also takes inputs that
@@ -95,7 +121,7 @@ impl Supervisor {
     }
 
     /// Gives producer `slot`, if it runs, inputs up to `depth` held.
-    pub(super) fn give(&mut self, slot: usize, depth: usize, cpu_takes_plain: bool) {
+    pub(super) fn give(&mut self, slot: usize, depth: usize, cpu: CpuTakes) {
         let w = &mut self.workers[slot];
         let State::Running {
             stdin: Some(stdin), ..
@@ -109,7 +135,7 @@ impl Supervisor {
         while w.assigned.len() + given.len() < depth {
             let next = self
                 .queue
-                .next(side, cpu_takes_plain, |i| suits(&self.inputs[i as usize]));
+                .next(side, cpu, |i| suits(&self.inputs[i as usize]));
             let Some(i) = next else {
                 break;
             };
@@ -137,8 +163,9 @@ impl Supervisor {
 const EITHER_PIXELS: u64 = 2_000_000;
 
 /// The kind of producer that prepares `source` best: GPU producers decode plain JPEGs on the
-/// GPU's engines and anything else on the CPU; large plain JPEGs cost both about the same per
-/// pixel, so whoever has room takes them.
+/// GPU's engines and anything else on the CPU; large plain JPEGs suit either
+/// ([`Side::Either`]): a CPU producer with room takes them (with [`Routing::Measured`] only
+/// while the GPU producers are the slower side: `route::cpu_takes`).
 pub(super) fn suits(source: &Source) -> Side {
     let Source::File(p) = source else {
         return Side::Cpu;

@@ -14,11 +14,12 @@ use std::time::{Duration, Instant};
 use tensorport_vision::Source;
 
 use super::balance::{pick_move, Load, Window, MIN_RESULTS};
+use super::bound::Pace;
 use super::children::{describe, unfixable_start, Ev, Farm, State, Worker};
 use super::ledger::Ledger;
 use super::lifecycle::{Restarts, Verdict};
 use super::lines::{self, Line};
-use super::route::{cpu_takes_plain, GpuState, Queue, Side};
+use super::route::{cpu_takes, CpuTakes, GpuState, Queue, Side};
 use super::stats::RunStats;
 use super::{ChildRow, ChildState, ResultsFile, Snapshot, Summary};
 use crate::error::{Error, Result};
@@ -68,6 +69,8 @@ pub(super) struct Supervisor {
     window: Window,
     /// Producers moved to another server by demand.
     moves: u32,
+    /// The results of the GPU producers and of the CPU producers, for their rates.
+    pace: [Pace; 2],
 }
 
 impl Supervisor {
@@ -120,6 +123,7 @@ impl Supervisor {
             failure: None,
             window: Window::new(farm_servers),
             moves: 0,
+            pace: [Pace::default(); 2],
         })
     }
 
