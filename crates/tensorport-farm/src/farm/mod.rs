@@ -14,6 +14,8 @@ mod lifecycle;
 mod lines;
 mod results;
 mod route;
+#[cfg(test)]
+mod route_sim;
 mod rundir;
 mod stats;
 mod supervisor;
