@@ -4,9 +4,11 @@
 # ROUNDS rounds (and with a second build, BEFORE, alternated with the first), then DALI's mixed
 # pipeline on the same files listed as many times (batches of 32 and 128, `hw_decoder_load` 0.65
 # and 0.9), and the whole command's wall time of the farm's default against DALI's whole script
-# on the uniform set. Prints markdown rows: images/s after start-up | the whole run's |
-# results by CPU / GPU producers; then, for each set, the default's ratio to the best fixed mix
-# (the mixes that set producer counts) and to DALI's best, after start-up, over the rounds.
+# on the uniform set. Prints markdown rows: images/s after start-up (from the first result) |
+# with every producer running (from the moment each had returned a result; the first figure
+# where that came with the first) | the whole run's | results by CPU / GPU producers; then, for
+# each set, the default's ratio to the best fixed mix (the mixes that set producer counts) on
+# each of the three measures, and to DALI's best, after start-up, over the rounds.
 #
 #   bench/photo_folders.sh TENSORPORT_BINARY OUT_DIR [UNIFORM_PER_SEED] [VARIED_PER_SEED] [MIXED_PER_SEED]
 #
@@ -43,54 +45,62 @@ bench_list() {
 # One farm run: BINARY FLAGS... -> a table row's cells.
 farm() {
   local b=$1; shift
-  local s after whole kind
+  local s after running whole kind
   s=$("$b" --log warn farm --device "$device" --model none --progress never \
         --output "$out/out.jsonl" "$@" 2>&1) || true
   after=$(sed -n 's/.*; \([0-9.]*\) after start-up.*/\1/p' <<<"$s")
+  running=$(sed -n 's/.*; \([0-9.]*\) with every producer running.*/\1/p' <<<"$s")
   whole=$(sed -n 's/^throughput *\([0-9.]*\) images.*/\1/p' <<<"$s")
   kind=$(sed -n 's/^by kind *CPU producers \([0-9]*\) results, GPU producers \([0-9]*\).*/\1 \/ \2/p' <<<"$s")
   grep -q INCOMPLETE <<<"$s" && kind="$kind INCOMPLETE"
   if [[ -z $after ]]; then
-    echo "failed: $(tail -2 <<<"$s" | tr '\n' ' ') | | "
+    echo "failed: $(tail -2 <<<"$s" | tr '\n' ' ') | | | "
   else
-    echo "$after | $whole | ${kind:-all CPU} ($(wc -l < "$out/out.jsonl") lines)"
+    echo "$after | ${running:-$after} | $whole | ${kind:-all CPU} ($(wc -l < "$out/out.jsonl") lines)"
   fi
 }
 
-# The ratios of a set's rows: RATES (mix, or "default" -> its rates after start-up, the first
-# build's) and
-# DALI's lines on stdin -> two lines.
-ratios() {
-  local dali best_mix="" best=0 m r vals lo hi
-  dali=$(sed -n 's/.*: \([0-9]*\) images\/s.*/\1/p' | sort -n | tail -1)
-  for m in "${!rates[@]}"; do
+# The default's ratio to the best fixed mix on one measure: NAME, then RATES' name (an
+# associative array: mix, or "default" -> the first build's figures) -> a line.
+mix_ratio() {
+  local name=$1 best_mix="" best=0 m r vals lo hi
+  local -n by=$2
+  for m in "${!by[@]}"; do
     [[ $m == -p* || $m == *--gpu-producers* ]] || continue
-    for r in ${rates[$m]}; do
+    for r in ${by[$m]}; do
       if awk -v a="$r" -v b="$best" 'BEGIN { exit !(a > b) }'; then best=$r; best_mix=$m; fi
     done
   done
-  vals=$(tr ' ' '\n' <<<"${rates[default]:-}" | grep . | sort -n || true)
-  [[ -n $vals ]] || return 0
+  vals=$(tr ' ' '\n' <<<"${by[default]:-}" | grep . | sort -n || true)
+  [[ -n $vals && -n $best_mix ]] || return 0
   lo=$(head -1 <<<"$vals"); hi=$(tail -1 <<<"$vals")
-  if [[ -n $best_mix ]]; then
-    awk -v lo="$lo" -v hi="$hi" -v b="$best" -v m="$best_mix" \
-      'BEGIN { printf "  default / best fixed mix (`%s`, %s): %.2f–%.2f×\n", m, b, lo / b, hi / b }'
-  fi
-  if [[ -n $dali ]]; then
-    awk -v lo="$lo" -v hi="$hi" -v d="$dali" \
-      'BEGIN { printf "  default / DALI'"'"'s best (%s): %.2f–%.2f×\n", d, lo / d, hi / d }'
-  fi
+  awk -v lo="$lo" -v hi="$hi" -v b="$best" -v m="$best_mix" -v n="$name" \
+    'BEGIN { printf "  default / best fixed mix, %s (`%s`, %s): %.2f–%.2f×\n", n, m, b, lo / b, hi / b }'
+}
+
+# The ratios of a set's rows (RATES, RUNNING, WHOLE) and DALI's lines on stdin -> lines.
+ratios() {
+  local dali vals lo hi
+  dali=$(sed -n 's/.*: \([0-9]*\) images\/s.*/\1/p' | sort -n | tail -1)
+  mix_ratio "after start-up" rates
+  mix_ratio "with every producer running" running
+  mix_ratio "whole run" whole
+  vals=$(tr ' ' '\n' <<<"${rates[default]:-}" | grep . | sort -n || true)
+  [[ -n $vals && -n $dali ]] || return 0
+  lo=$(head -1 <<<"$vals"); hi=$(tail -1 <<<"$vals")
+  awk -v lo="$lo" -v hi="$hi" -v d="$dali" \
+    'BEGIN { printf "  default / DALI'"'"'s best (%s), after start-up: %.2f–%.2f×\n", d, lo / d, hi / d }'
 }
 
 nvidia-smi --query-gpu=name,driver_version --format=csv,noheader 2>/dev/null || true
-declare -A times_over rates
+declare -A times_over rates running whole
 for set in ${SETS:-mixed varied uniform}; do
   per=$(bench_list "$set"); times_over[$set]=$per
   echo
   echo "== $set: $(find "$out/$set" -name '*.jpg' | wc -l) files, $(wc -l < "$out/$set.bench.list") inputs"
-  echo "| round | build | producers / settings | images/s after start-up | whole run | by CPU / GPU producers |"
-  echo "| --- | --- | --- | ---: | ---: | --- |"
-  rates=()
+  echo "| round | build | producers / settings | images/s after start-up | every producer running | whole run | by CPU / GPU producers |"
+  echo "| --- | --- | --- | ---: | ---: | ---: | --- |"
+  rates=(); running=(); whole=()
   for r in $(seq "$rounds"); do
     for mix in "${mixes[@]}"; do
       for name in ${before:+before} after; do
@@ -99,7 +109,12 @@ for set in ${SETS:-mixed varied uniform}; do
         # shellcheck disable=SC2086
         row=$(farm "$b" --input-list "$out/$set.bench.list" $mix)
         echo "| $r | $name | \`${mix:-default}\` | $row |"
-        [[ $name == before || $row == failed* ]] || rates[${mix:-default}]+=" ${row%% |*}"
+        if [[ $name != before && $row != failed* ]]; then
+          IFS='|' read -r a b c _ <<<"$row"
+          rates[${mix:-default}]+=" ${a// /}"
+          running[${mix:-default}]+=" ${b// /}"
+          whole[${mix:-default}]+=" ${c// /}"
+        fi
       done
     done
   done

@@ -143,6 +143,34 @@ fn state(row: &ChildRow) -> String {
     }
 }
 
+/// The rates after start-up: from the first result to the last, and, where some producers
+/// returned their first result later than others (GPU producers starting their CUDA contexts
+/// beside CPU producers), from the moment every producer had returned one.
+fn after_start_up(s: &Summary) -> String {
+    let (Some(first), Some(last)) = (s.first_result, s.last_result) else {
+        return String::new();
+    };
+    if s.done <= 1 || last <= first {
+        return String::new();
+    }
+    let mut text = format!(
+        "; {:.1} after start-up ({:.2} s to the first result",
+        (s.done - 1) as f64 / (last - first).as_secs_f64(),
+        first.as_secs_f64()
+    );
+    match s.all_running {
+        Some((all, after)) if all > first && last > all && after > 1 => {
+            text += &format!(
+                "; {:.1} with every producer running, from {:.2} s)",
+                after as f64 / (last - all).as_secs_f64(),
+                all.as_secs_f64()
+            );
+        }
+        _ => text.push(')'),
+    }
+    text
+}
+
 /// The summary printed at the end of a run (and the per-stage means when profiled).
 pub fn print_summary(s: &Summary) {
     let secs = s.elapsed.as_secs_f64();
@@ -169,14 +197,7 @@ pub fn print_summary(s: &Summary) {
             ""
         },
         s.done as f64 / secs.max(1e-9),
-        match (s.first_result, s.last_result) {
-            (Some(first), Some(last)) if s.done > 1 && last > first => format!(
-                "; {:.1} after start-up ({:.2} s to the first result)",
-                (s.done - 1) as f64 / (last - first).as_secs_f64(),
-                first.as_secs_f64()
-            ),
-            _ => String::new(),
-        },
+        after_start_up(s),
         s.latency_ms.0,
         s.latency_ms.1,
         s.batches.0,
@@ -220,5 +241,52 @@ pub fn print_summary(s: &Summary) {
             st.result_ms / k,
             k * 1e3 / (st.decode_ms + st.resize_ms + st.normalise_ms).max(1e-9),
         );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    fn summary(first: f64, all: Option<(f64, u64)>, last: f64, done: u64) -> Summary {
+        Summary {
+            inputs: done,
+            done,
+            errors: 0,
+            elapsed: Duration::from_secs_f64(last + 0.5),
+            first_result: Some(Duration::from_secs_f64(first)),
+            last_result: Some(Duration::from_secs_f64(last)),
+            all_running: all.map(|(t, n)| (Duration::from_secs_f64(t), n)),
+            latency_ms: (1.0, 2.0),
+            batches: (1, done),
+            max_batch: 32,
+            server_restarts: 0,
+            producers: (12, done / 2),
+            gpu_producers: (2, done / 2),
+            producer_restarts: 0,
+            moves: 0,
+            output: "out.jsonl".into(),
+            stages: None,
+        }
+    }
+
+    #[test]
+    fn the_rate_with_every_producer_running_is_shown_where_it_came_later() {
+        // 1,001 results from 1 s to 3 s; every producer running from 2 s, 800 results after.
+        assert_eq!(
+            after_start_up(&summary(1.0, Some((2.0, 800)), 3.0, 1001)),
+            "; 500.0 after start-up (1.00 s to the first result; 800.0 with every producer \
+             running, from 2.00 s)"
+        );
+        // Every producer's first result came with the run's first, or too few after it.
+        for all in [None, Some((1.0, 1000)), Some((2.0, 1)), Some((3.0, 0))] {
+            assert_eq!(
+                after_start_up(&summary(1.0, all, 3.0, 1001)),
+                "; 500.0 after start-up (1.00 s to the first result)"
+            );
+        }
+        // One result: no rate at all.
+        assert_eq!(after_start_up(&summary(1.0, None, 1.0, 1)), "");
     }
 }

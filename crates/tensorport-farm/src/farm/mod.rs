@@ -107,6 +107,10 @@ pub struct Summary {
     /// the start-up out, as the DataLoader's benchmark leaves its workers' start-up out).
     pub first_result: Option<Duration>,
     pub last_result: Option<Duration>,
+    /// When every producer had returned a result, from the start, and the results after that
+    /// moment (their rate, to the last result, leaves out the time when only the producers
+    /// that start fastest ran).
+    pub all_running: Option<(Duration, u64)>,
     /// Latency (lease to result) at the 50th and 99th percentiles, in milliseconds.
     pub latency_ms: (f64, f64),
     /// The servers' batches and the requests in them (since the last server start).

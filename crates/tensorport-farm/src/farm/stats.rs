@@ -1,7 +1,9 @@
 //! What a run's results add up to: errors, latencies, stage times, and when the first and the
 //! last result came (the rate between them leaves the start-up out: the server and its device,
 //! the producers and their pools, as the DataLoader's benchmark leaves its workers' start-up
-//! out).
+//! out), and when every producer had returned one (the rate after that leaves out the time when
+//! only the producers that start fastest ran: CPU producers before the GPU producers' CUDA
+//! contexts, one server before another).
 
 use std::time::{Duration, Instant};
 
@@ -14,6 +16,10 @@ pub(super) struct RunStats {
     profiled: u64,
     first_result: Option<Instant>,
     last_result: Instant,
+    /// When every producer had returned a result, and the results by then.
+    all_running: Option<(Instant, u64)>,
+    /// Results counted.
+    results: u64,
 }
 
 impl RunStats {
@@ -26,6 +32,8 @@ impl RunStats {
             profiled: 0,
             first_result: None,
             last_result: Instant::now(),
+            all_running: None,
+            results: 0,
         }
     }
 
@@ -33,6 +41,7 @@ impl RunStats {
     pub(super) fn record(&mut self, r: &ResultLine) {
         self.last_result = Instant::now();
         self.first_result.get_or_insert(self.last_result);
+        self.results += 1;
         if r.error.is_some() {
             self.errors += 1;
         }
@@ -41,6 +50,25 @@ impl RunStats {
             self.stage_sum += st;
             self.profiled += 1;
         }
+    }
+
+    /// Whether the moment every producer had returned a result is known.
+    pub(super) fn all_running_known(&self) -> bool {
+        self.all_running.is_some()
+    }
+
+    /// Notes that every producer has now returned a result (the result just recorded being
+    /// the last of their first ones); only the first time counts.
+    pub(super) fn all_running(&mut self) {
+        self.all_running
+            .get_or_insert((self.last_result, self.results));
+    }
+
+    /// When every producer had returned a result, from `started`, and how many results came
+    /// after that moment (up to the last).
+    pub(super) fn since_all_running(&self, started: Instant) -> Option<(Duration, u64)> {
+        self.all_running
+            .map(|(t, n)| (t.saturating_duration_since(started), self.results - n))
     }
 
     /// When the first and the last result came, from `started`.
@@ -109,5 +137,26 @@ mod tests {
         let (first, last) = s.span(started);
         assert!(first.unwrap() <= last.unwrap());
         assert!(s.stages().is_none());
+        assert_eq!(s.since_all_running(started), None);
+    }
+
+    #[test]
+    fn the_moment_every_producer_runs_counts_the_results_after_it_once() {
+        let started = Instant::now();
+        let mut s = RunStats::new(5);
+        s.record(&line(1.0, false));
+        s.record(&line(1.0, false));
+        s.all_running();
+        let (at, after) = s.since_all_running(started).unwrap();
+        assert_eq!(after, 0);
+        s.record(&line(1.0, false));
+        s.record(&line(1.0, false));
+        // A restarted producer's first result again does not move the moment.
+        s.all_running();
+        s.record(&line(1.0, false));
+        let (again, after) = s.since_all_running(started).unwrap();
+        assert_eq!((again, after), (at, 3));
+        let (first, last) = s.span(started);
+        assert!(first.unwrap() <= at && at <= last.unwrap());
     }
 }

@@ -88,6 +88,9 @@ impl Supervisor {
         if let Some(s) = self.servers.get_mut(w.server) {
             s.restarts.served();
         }
+        if !self.stats.all_running_known() && self.workers.iter().all(|w| w.done > 0) {
+            self.stats.all_running();
+        }
     }
 
     /// A producer's output ended: its unfinished inputs go back to the front of the queue, and

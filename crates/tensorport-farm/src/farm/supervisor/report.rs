@@ -78,6 +78,7 @@ impl Supervisor {
             elapsed: started.elapsed(),
             first_result,
             last_result,
+            all_running: self.stats.since_all_running(started),
             latency_ms: self.stats.latency_ms(),
             batches,
             max_batch: self.farm.cfg.model.max_batch,
