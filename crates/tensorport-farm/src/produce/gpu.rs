@@ -89,11 +89,14 @@ pub(super) fn run(
     lines: &mut LineWriter,
 ) -> Result<()> {
     let size = cfg.image_size;
+    let started = Instant::now();
     let gpu: Arc<Gpu> = Gpu::open(g.ordinal as i32)?;
+    let context = started.elapsed();
     let mut jpeg = GpuJpeg::new(&gpu, IMAGENET_MEAN, IMAGENET_STD)?;
     jpeg.set_u8_output(cfg.prep.pixels == Pixels::U8);
     jpeg.set_upsampling(cfg.prep.gpu_upsampling);
     jpeg.set_decode(cfg.prep.gpu_decode, g.cpu_threads)?;
+    let decoders = started.elapsed() - context;
     tracing::info!(backend = %jpeg.backend(), library = jpeg.library(), gpu = g.ordinal, "decoding on the GPU");
     // One device buffer per request in flight, up to what a session may register.
     let depth = (cfg.in_flight.max(1) as usize).min(tensorport_wire::MAX_DEVICE_BUFFERS as usize);
@@ -111,6 +114,7 @@ pub(super) fn run(
             )
         },
     )?;
+    let connected = started.elapsed() - context - decoders;
     let timeout = cfg.timeout.max(Duration::from_secs(1));
     let lane = Lane::start(
         (0..g.cpu_threads.max(1))
@@ -122,6 +126,14 @@ pub(super) fn run(
     let slots = (0..lane.capacity())
         .map(|_| PinnedBuffer::new(&gpu, image_bytes))
         .collect::<tensorport_cuda::Result<Vec<_>>>()?;
+    tracing::info!(
+        context_ms = ms(context),
+        decoders_ms = ms(decoders),
+        connect_ms = ms(connected),
+        buffers_ms = ms(started.elapsed() - context - decoders - connected),
+        "GPU producer ready in {:.0} ms",
+        ms(started.elapsed())
+    );
     let mut l = GpuLoop {
         feed,
         p,
