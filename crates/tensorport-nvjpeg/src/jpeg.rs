@@ -247,6 +247,8 @@ impl GpuJpeg {
     /// compiles the kernel for `gpu`; outputs are normalised with `mean` and `std`.
     pub fn new(gpu: &Arc<Gpu>, mean: [f32; 3], std: [f32; 3]) -> Result<GpuJpeg> {
         gpu.bind()?;
+        let started = std::time::Instant::now();
+        let ms = |since: std::time::Instant| since.elapsed().as_secs_f64() * 1e3;
         let lib = Arc::new(Nvjpeg::load()?);
         let flags = nvjpeg::FLAGS_UPSAMPLING_WITH_INTERPOLATION;
         let (handle, backend) = match lib.create(nvjpeg::BACKEND_HARDWARE, flags) {
@@ -285,10 +287,12 @@ impl GpuJpeg {
             held: Vec::new(),
             timing: None,
         };
+        let handle_ms = ms(started);
         // SAFETY: `handle` is live.
         me.state = unsafe { me.lib.state_create(me.handle)? };
         // SAFETY: as above.
         me.parsed = unsafe { me.lib.stream_create(me.handle)? };
+        let step = std::time::Instant::now();
         if matches!(me.backend, JpegBackend::Hardware { .. }) {
             if let Ok(h) = me
                 .lib
@@ -304,6 +308,8 @@ impl GpuJpeg {
                 }
             }
         }
+        let plain_ms = ms(step);
+        let step = std::time::Instant::now();
         if matches!(me.backend, JpegBackend::Hardware { .. }) {
             me.pooled = true;
             for (h, st) in std::iter::once((me.handle, me.state)).chain(me.plain) {
@@ -313,12 +319,22 @@ impl GpuJpeg {
                 me.pooled &= matches!(pooled, Ok(true));
             }
         }
+        let pool_ms = ms(step);
+        let step = std::time::Instant::now();
         me.kernel = Some(Kernel::compile(
             gpu,
             KERNEL,
             "tensorport_jpeg.cu",
             c"tp_resize_normalise",
         )?);
+        tracing::debug!(
+            handle_ms,
+            plain_ms,
+            pool_ms,
+            kernel_ms = ms(step),
+            "nvJPEG decoders made in {:.0} ms",
+            ms(started)
+        );
         Ok(me)
     }
 
@@ -342,7 +358,13 @@ impl GpuJpeg {
             // The old decoder's threads are idle between batches; its streams are waited
             // on when it drops.
             self.hybrid = None;
+            let started = std::time::Instant::now();
             self.hybrid = Some(Hybrid::new(&self.lib, &self.gpu, threads)?);
+            tracing::debug!(
+                threads,
+                "nvJPEG hybrid decoders made in {:.0} ms",
+                started.elapsed().as_secs_f64() * 1e3
+            );
         }
         Ok(())
     }
