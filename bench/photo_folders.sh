@@ -6,7 +6,7 @@
 # and 0.9), and the whole command's wall time of the farm's default against DALI's whole script
 # on the uniform set. Prints markdown rows: images/s after start-up (from the first result) |
 # with every producer running (from the moment each had returned a result; the first figure
-# where that came with the first) | the whole run's | results by CPU / GPU producers; then, for
+# where that came soon after the first) | the whole run's | results by CPU / GPU producers; then, for
 # each set, the default's ratio to the best fixed mix (the mixes that set producer counts) on
 # each of the three measures, and to DALI's best, after start-up, over the rounds.
 #

@@ -144,8 +144,9 @@ fn state(row: &ChildRow) -> String {
 }
 
 /// The rates after start-up: from the first result to the last, and, where some producers
-/// returned their first result later than others (GPU producers starting their CUDA contexts
-/// beside CPU producers), from the moment every producer had returned one.
+/// returned their first result clearly later than others (GPU producers starting their CUDA
+/// contexts beside CPU producers: more than a twentieth of the span from the first result to
+/// the last), from the moment every producer had returned one.
 fn after_start_up(s: &Summary) -> String {
     let (Some(first), Some(last)) = (s.first_result, s.last_result) else {
         return String::new();
@@ -159,7 +160,9 @@ fn after_start_up(s: &Summary) -> String {
         first.as_secs_f64()
     );
     match s.all_running {
-        Some((all, after)) if all > first && last > all && after > 1 => {
+        Some((all, after))
+            if all.saturating_sub(first) * 20 > last - first && last > all && after > 1 =>
+        {
             text += &format!(
                 "; {:.1} with every producer running, from {:.2} s)",
                 after as f64 / (last - all).as_secs_f64(),
@@ -279,8 +282,15 @@ mod tests {
             "; 500.0 after start-up (1.00 s to the first result; 800.0 with every producer \
              running, from 2.00 s)"
         );
-        // Every producer's first result came with the run's first, or too few after it.
-        for all in [None, Some((1.0, 1000)), Some((2.0, 1)), Some((3.0, 0))] {
+        // Every producer's first result came with the run's first, soon after it (a twentieth
+        // of the span or less), or too few results after it.
+        for all in [
+            None,
+            Some((1.0, 1000)),
+            Some((1.1, 950)),
+            Some((2.0, 1)),
+            Some((3.0, 0)),
+        ] {
             assert_eq!(
                 after_start_up(&summary(1.0, all, 3.0, 1001)),
                 "; 500.0 after start-up (1.00 s to the first result)"
