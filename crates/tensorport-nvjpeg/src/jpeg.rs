@@ -247,8 +247,9 @@ impl GpuJpeg {
     /// compiles the kernel for `gpu`; outputs are normalised with `mean` and `std`.
     pub fn new(gpu: &Arc<Gpu>, mean: [f32; 3], std: [f32; 3]) -> Result<GpuJpeg> {
         gpu.bind()?;
+        // When each step ended, for the debug line at the end.
         let started = std::time::Instant::now();
-        let ms = |since: std::time::Instant| since.elapsed().as_secs_f64() * 1e3;
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
         let lib = Arc::new(Nvjpeg::load()?);
         let flags = nvjpeg::FLAGS_UPSAMPLING_WITH_INTERPOLATION;
         let (handle, backend) = match lib.create(nvjpeg::BACKEND_HARDWARE, flags) {
@@ -287,12 +288,11 @@ impl GpuJpeg {
             held: Vec::new(),
             timing: None,
         };
-        let handle_ms = ms(started);
+        let handled = std::time::Instant::now();
         // SAFETY: `handle` is live.
         me.state = unsafe { me.lib.state_create(me.handle)? };
         // SAFETY: as above.
         me.parsed = unsafe { me.lib.stream_create(me.handle)? };
-        let step = std::time::Instant::now();
         if matches!(me.backend, JpegBackend::Hardware { .. }) {
             if let Ok(h) = me
                 .lib
@@ -308,8 +308,7 @@ impl GpuJpeg {
                 }
             }
         }
-        let plain_ms = ms(step);
-        let step = std::time::Instant::now();
+        let plain = std::time::Instant::now();
         if matches!(me.backend, JpegBackend::Hardware { .. }) {
             me.pooled = true;
             for (h, st) in std::iter::once((me.handle, me.state)).chain(me.plain) {
@@ -319,8 +318,7 @@ impl GpuJpeg {
                 me.pooled &= matches!(pooled, Ok(true));
             }
         }
-        let pool_ms = ms(step);
-        let step = std::time::Instant::now();
+        let pooled = std::time::Instant::now();
         me.kernel = Some(Kernel::compile(
             gpu,
             KERNEL,
@@ -328,12 +326,12 @@ impl GpuJpeg {
             c"tp_resize_normalise",
         )?);
         tracing::debug!(
-            handle_ms,
-            plain_ms,
-            pool_ms,
-            kernel_ms = ms(step),
+            handle_ms = ms(handled - started),
+            plain_ms = ms(plain - handled),
+            pool_ms = ms(pooled - plain),
+            kernel_ms = ms(pooled.elapsed()),
             "nvJPEG decoders made in {:.0} ms",
-            ms(started)
+            ms(started.elapsed())
         );
         Ok(me)
     }

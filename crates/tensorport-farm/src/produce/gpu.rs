@@ -89,14 +89,15 @@ pub(super) fn run(
     lines: &mut LineWriter,
 ) -> Result<()> {
     let size = cfg.image_size;
+    // When each step of the start ended, for the log line once ready.
     let started = Instant::now();
     let gpu: Arc<Gpu> = Gpu::open(g.ordinal as i32)?;
-    let context = started.elapsed();
+    let opened = Instant::now();
     let mut jpeg = GpuJpeg::new(&gpu, IMAGENET_MEAN, IMAGENET_STD)?;
     jpeg.set_u8_output(cfg.prep.pixels == Pixels::U8);
     jpeg.set_upsampling(cfg.prep.gpu_upsampling);
     jpeg.set_decode(cfg.prep.gpu_decode, g.cpu_threads)?;
-    let decoders = started.elapsed() - context;
+    let decoding = Instant::now();
     tracing::info!(backend = %jpeg.backend(), library = jpeg.library(), gpu = g.ordinal, "decoding on the GPU");
     // One device buffer per request in flight, up to what a session may register.
     let depth = (cfg.in_flight.max(1) as usize).min(tensorport_wire::MAX_DEVICE_BUFFERS as usize);
@@ -114,7 +115,7 @@ pub(super) fn run(
             )
         },
     )?;
-    let connected = started.elapsed() - context - decoders;
+    let connected = Instant::now();
     let timeout = cfg.timeout.max(Duration::from_secs(1));
     let lane = Lane::start(
         (0..g.cpu_threads.max(1))
@@ -127,10 +128,10 @@ pub(super) fn run(
         .map(|_| PinnedBuffer::new(&gpu, image_bytes))
         .collect::<tensorport_cuda::Result<Vec<_>>>()?;
     tracing::info!(
-        context_ms = ms(context),
-        decoders_ms = ms(decoders),
-        connect_ms = ms(connected),
-        buffers_ms = ms(started.elapsed() - context - decoders - connected),
+        context_ms = ms(opened - started),
+        decoders_ms = ms(decoding - opened),
+        connect_ms = ms(connected - decoding),
+        buffers_ms = ms(connected.elapsed()),
         "GPU producer ready in {:.0} ms",
         ms(started.elapsed())
     );
