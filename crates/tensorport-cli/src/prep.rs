@@ -241,13 +241,14 @@ fn on_gpu(a: &Args, encoded: &[(PathBuf, Vec<u8>)]) -> CliResult<GpuRun> {
     use tensorport_cuda::{DeviceBuffer, Gpu, Stream};
     use tensorport_nvjpeg::{GpuJpeg, JpegJob};
     let gpu = Gpu::open(a.gpu as i32)?;
-    let mut jpeg = GpuJpeg::new(
+    let mut jpeg = GpuJpeg::open(
         &gpu,
         tensorport_vision::IMAGENET_MEAN,
         tensorport_vision::IMAGENET_STD,
+        a.prep.gpu_decode,
+        a.cpu_threads,
     )?;
     jpeg.set_upsampling(a.prep.gpu_upsampling);
-    jpeg.set_decode(a.prep.gpu_decode, a.cpu_threads)?;
     let hybrid = jpeg.decoders().hybrid_threads;
     println!(
         "{}{} (from {}), chroma upsampling: {}, decoding: {}{}",

@@ -28,8 +28,14 @@ impl Kernel {
     /// Compiles `src` for `gpu`'s architecture and loads its `entry` function.
     pub fn compile(gpu: &Arc<Gpu>, src: &str, file: &str, entry: &CStr) -> Result<Kernel> {
         gpu.bind()?;
-        let ptx = compile(gpu, src, file)?;
-        Kernel::load(gpu, &ptx, entry)
+        let ptx = Ptx::compile(gpu, src, file)?;
+        Kernel::load(gpu, &ptx.0, entry)
+    }
+
+    /// Loads `entry` from `ptx` (compiled for this `gpu`, on any thread) into `gpu`'s context.
+    pub fn from_ptx(gpu: &Arc<Gpu>, ptx: &Ptx, entry: &CStr) -> Result<Kernel> {
+        gpu.bind()?;
+        Kernel::load(gpu, &ptx.0, entry)
     }
 
     /// Compiles `src` once and loads each of `entries` from it (each kernel its own module).
@@ -40,7 +46,7 @@ impl Kernel {
         entries: [&CStr; N],
     ) -> Result<[Kernel; N]> {
         gpu.bind()?;
-        let ptx = compile(gpu, src, file)?;
+        let ptx = Ptx::compile(gpu, src, file)?.0;
         let kernels = entries
             .iter()
             .map(|e| Kernel::load(gpu, &ptx, e))
@@ -101,8 +107,21 @@ impl Drop for Kernel {
     }
 }
 
+/// CUDA C compiled to PTX for one GPU's architecture. NVRTC needs no context, so a caller may
+/// compile on a thread of its own while the context's other set-up goes on, and load the
+/// result with [`Kernel::from_ptx`].
+#[derive(Debug, Clone)]
+pub struct Ptx(CString);
+
+impl Ptx {
+    /// `src` (named `file` in NVRTC's messages) compiled by NVRTC for `gpu`'s architecture.
+    pub fn compile(gpu: &Gpu, src: &str, file: &str) -> Result<Ptx> {
+        compile(gpu, src, file).map(Ptx)
+    }
+}
+
 /// `src` as PTX for `gpu`'s architecture, compiled by NVRTC.
-fn compile(gpu: &Arc<Gpu>, src: &str, file: &str) -> Result<CString> {
+fn compile(gpu: &Gpu, src: &str, file: &str) -> Result<CString> {
     // SAFETY: only tries to dlopen the library.
     if !unsafe { cudarc::nvrtc::sys::is_culib_present() } {
         return Err(Error::NoNvrtc(

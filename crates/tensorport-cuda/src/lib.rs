@@ -58,7 +58,7 @@ pub use gather::Gatherer;
 pub use gpu::Gpu;
 pub use gpu_producer::{GpuProducer, GpuProducerConfig, Sharing};
 pub use ipc::{live_imports, CudaImporter, Fence};
-pub use kernel::Kernel;
+pub use kernel::{Kernel, Ptx};
 pub use lost::context_lost;
 pub use memory::{DeviceMemory, DeviceMemoryMut, DeviceRegion};
 pub(crate) use normalise::GpuNormaliser;

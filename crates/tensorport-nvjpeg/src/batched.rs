@@ -1,11 +1,68 @@
 //! The JPEG engines' batched decoders, one call each for the images of a batch routed to them.
 
-use tensorport_cuda::Stream;
+use std::sync::Arc;
+
+use tensorport_cuda::{Gpu, Stream};
 
 use crate::jpeg::JpegJob;
 use crate::nvjpeg::{self, Nvjpeg};
 use crate::route::Route;
 use crate::Result;
+
+/// The batch the engines' memory pool is first sized for; it grows with larger batches and
+/// images (a 1 × 1 image hint, as the pool is reused rather than sized up front).
+pub(crate) const POOL_BATCH: usize = 32;
+
+/// A hardware-backend decoder of its own — handle and state — destroyed on drop.
+pub(crate) struct Engine {
+    lib: Arc<Nvjpeg>,
+    handle: nvjpeg::Handle,
+    state: nvjpeg::State,
+    /// nvJPEG's memory pool was pre-allocated for it.
+    pub pooled: bool,
+}
+
+// SAFETY: an nvJPEG handle and its state may move between threads; an `Engine` is used by one
+// thread at a time (made on one, then owned by a `GpuJpeg`, which is used through `&mut`).
+unsafe impl Send for Engine {}
+
+impl Engine {
+    /// A decoder on `gpu`'s JPEG engines with `flags`, its memory pool pre-allocated where the
+    /// library can (a library that refuses, or lacks, the pool allocates per call instead).
+    pub(crate) fn make(lib: &Arc<Nvjpeg>, gpu: &Gpu, flags: u32) -> Result<Engine> {
+        gpu.bind()?;
+        let handle = lib.create(nvjpeg::BACKEND_HARDWARE, flags)?;
+        let mut me = Engine {
+            lib: lib.clone(),
+            handle,
+            state: std::ptr::null_mut(),
+            pooled: false,
+        };
+        // SAFETY: `handle` is live; the state is destroyed with it on drop.
+        me.state = unsafe { lib.state_create(handle)? };
+        // SAFETY: a live hardware-backend handle and its state, no batch yet.
+        let pooled = unsafe { lib.batched_pre_allocate(handle, me.state, POOL_BATCH, 1, 1) };
+        me.pooled = matches!(pooled, Ok(true));
+        Ok(me)
+    }
+
+    /// Its handle and state, for a batch.
+    pub(crate) fn raw(&self) -> (nvjpeg::Handle, nvjpeg::State) {
+        (self.handle, self.state)
+    }
+}
+
+impl Drop for Engine {
+    fn drop(&mut self) {
+        // SAFETY: made in `make`; the owner has waited for the batches that used them.
+        unsafe {
+            if !self.state.is_null() {
+                let _ = self.lib.state_destroy(self.state);
+            }
+            let _ = self.lib.destroy(self.handle);
+        }
+    }
+}
 
 /// The engines' batched decoders of a [`GpuJpeg`], borrowed for one batch.
 pub(crate) struct Batched<'a> {

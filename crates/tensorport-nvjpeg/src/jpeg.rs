@@ -8,16 +8,17 @@
 //! `tensorport_vision::Transform::window` gives the same windows as the CPU path.
 
 use std::sync::Arc;
+use std::time::Instant;
 use tensorport_vision::sniff::Chroma;
 use tensorport_vision::transform::Window;
 
 use crate::balance::{megasamples, Costs, Weighed};
-use crate::batched::Batched;
+use crate::batched::{Batched, Engine, POOL_BATCH};
 use crate::hybrid::{Huffman, Hybrid, HybridJob, Spent};
 use crate::nvjpeg::{self, Nvjpeg};
 use crate::route::{chroma_of, Decoders, GpuDecode, Route};
 use crate::{Error, Result};
-use tensorport_cuda::{DeviceBuffer, Gpu, GpuProducer, Kernel, PinnedBuffer, Stream};
+use tensorport_cuda::{DeviceBuffer, Gpu, GpuProducer, Kernel, PinnedBuffer, Ptx, Stream};
 
 /// The resize / crop / normalise kernel. One thread per output pixel (x), one block row per
 /// output row (y), one grid layer per image (z). Two passes as PIL does them: each source row in
@@ -139,10 +140,6 @@ impl Upsampling {
     }
 }
 
-/// The batch the engines' memory pool is first sized for; it grows with larger batches and
-/// images (a 1 × 1 image hint, as the pool is reused rather than sized up front).
-const POOL_BATCH: usize = 32;
-
 /// The decoder and the kernel, with scratch memory kept between batches.
 pub struct GpuJpeg {
     gpu: Arc<Gpu>,
@@ -152,7 +149,7 @@ pub struct GpuJpeg {
     /// A second hardware decoder without interpolated upsampling, for the images with no
     /// chroma to upsample (4:4:4; all of them with [`Upsampling::Replicate`]): the engines
     /// decode those several times faster without the flag, to the same pixels.
-    plain: Option<(nvjpeg::Handle, nvjpeg::State)>,
+    plain: Option<Engine>,
     /// Every hardware decoder has nvJPEG's memory pool ([`GpuJpeg::memory_pool`]).
     pooled: bool,
     upsampling: Upsampling,
@@ -244,13 +241,91 @@ unsafe impl Send for GpuJpeg {}
 
 impl GpuJpeg {
     /// Loads nvJPEG (the hardware backend if the GPU has JPEG engines, else the CUDA one) and
-    /// compiles the kernel for `gpu`; outputs are normalised with `mean` and `std`.
+    /// compiles the kernel for `gpu`; outputs are normalised with `mean` and `std`. Files go to
+    /// the engines alone ([`GpuJpeg::open`] makes the hybrid decoder alongside).
     pub fn new(gpu: &Arc<Gpu>, mean: [f32; 3], std: [f32; 3]) -> Result<GpuJpeg> {
+        GpuJpeg::open(gpu, mean, std, GpuDecode::Engines, 0)
+    }
+
+    /// As [`GpuJpeg::new`], with files shared between the decoders as
+    /// [`GpuJpeg::set_decode`]`(mode, threads)` says. The pieces are made at once, each on a
+    /// thread of its own — the engines' two decoders, the hybrid decoder and the kernel's
+    /// compile (NVRTC needs no context) — so the start costs the slowest of them, not their sum.
+    pub fn open(
+        gpu: &Arc<Gpu>,
+        mean: [f32; 3],
+        std: [f32; 3],
+        mode: GpuDecode,
+        threads: usize,
+    ) -> Result<GpuJpeg> {
         gpu.bind()?;
-        // When each step ended, for the debug line at the end.
-        let started = std::time::Instant::now();
-        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let started = Instant::now();
         let lib = Arc::new(Nvjpeg::load()?);
+        let loaded = Instant::now();
+        let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
+        let since = |t: Instant| ms(t.duration_since(loaded));
+        let hybrid_wanted = mode != GpuDecode::Engines && threads > 0;
+        let (me, plain, hybrid, ptx) = std::thread::scope(|s| {
+            let ptx = s.spawn(|| {
+                let ptx = Ptx::compile(gpu, KERNEL, "tensorport_jpeg.cu");
+                (ptx, Instant::now())
+            });
+            // Made on the chance the GPU has engines; dropped below where it has none.
+            let plain = s.spawn(|| {
+                let plain = Engine::make(&lib, gpu, nvjpeg::FLAGS_DEFAULT);
+                (plain, Instant::now())
+            });
+            let hybrid = hybrid_wanted.then(|| {
+                s.spawn(|| {
+                    let hybrid = Hybrid::new(&lib, gpu, threads);
+                    (hybrid, Instant::now())
+                })
+            });
+            let me = GpuJpeg::main_decoder(gpu, &lib, mean, std).map(|me| (me, Instant::now()));
+            (me, join(plain), hybrid.map(join), join(ptx))
+        });
+        let (mut me, main_at) = me?;
+        let engines = matches!(me.backend, JpegBackend::Hardware { .. });
+        let (plain, plain_at) = plain;
+        // A library that cannot make the second decoder decodes every file with the first.
+        me.plain = plain.ok().filter(|_| engines);
+        me.pooled = engines && me.pooled && me.plain.as_ref().is_none_or(|p| p.pooled);
+        let hybrid_at = match hybrid {
+            Some((h, at)) => {
+                if engines {
+                    me.hybrid = Some(h?);
+                }
+                me.mode = mode;
+                Some(at)
+            }
+            None => {
+                me.set_decode(mode, threads)?;
+                None
+            }
+        };
+        let (ptx, ptx_at) = ptx;
+        me.kernel = Some(Kernel::from_ptx(gpu, &ptx?, c"tp_resize_normalise")?);
+        tracing::debug!(
+            load_ms = ms(loaded - started),
+            engine_ms = since(main_at),
+            plain_ms = since(plain_at),
+            hybrid_ms = hybrid_at.map(since),
+            compile_ms = since(ptx_at),
+            "nvJPEG decoders made in {:.0} ms (each after the library's load, side by side)",
+            ms(started.elapsed())
+        );
+        Ok(me)
+    }
+
+    /// The first decoder (the engines', or the CUDA backend's on a GPU without them), without
+    /// the plain decoder, the hybrid decoder or the kernel.
+    fn main_decoder(
+        gpu: &Arc<Gpu>,
+        lib: &Arc<Nvjpeg>,
+        mean: [f32; 3],
+        std: [f32; 3],
+    ) -> Result<GpuJpeg> {
+        gpu.bind()?;
         let flags = nvjpeg::FLAGS_UPSAMPLING_WITH_INTERPOLATION;
         let (handle, backend) = match lib.create(nvjpeg::BACKEND_HARDWARE, flags) {
             Ok(h) => {
@@ -266,7 +341,7 @@ impl GpuJpeg {
         // From here on `Drop` frees what exists; build the value early.
         let mut me = GpuJpeg {
             gpu: gpu.clone(),
-            lib,
+            lib: lib.clone(),
             handle,
             state: std::ptr::null_mut(),
             plain: None,
@@ -288,51 +363,19 @@ impl GpuJpeg {
             held: Vec::new(),
             timing: None,
         };
-        let handled = std::time::Instant::now();
         // SAFETY: `handle` is live.
         me.state = unsafe { me.lib.state_create(me.handle)? };
         // SAFETY: as above.
         me.parsed = unsafe { me.lib.stream_create(me.handle)? };
         if matches!(me.backend, JpegBackend::Hardware { .. }) {
-            if let Ok(h) = me
-                .lib
-                .create(nvjpeg::BACKEND_HARDWARE, nvjpeg::FLAGS_DEFAULT)
-            {
-                // SAFETY: `h` is live; on failure it is destroyed here, unused.
-                match unsafe { me.lib.state_create(h) } {
-                    Ok(st) => me.plain = Some((h, st)),
-                    Err(_) => {
-                        // SAFETY: as above.
-                        let _ = unsafe { me.lib.destroy(h) };
-                    }
-                }
-            }
+            // SAFETY: a live hardware-backend handle and its state, no batch yet. A library
+            // that refuses (or lacks) the pool decodes as before, allocating per call.
+            let pooled = unsafe {
+                me.lib
+                    .batched_pre_allocate(me.handle, me.state, POOL_BATCH, 1, 1)
+            };
+            me.pooled = matches!(pooled, Ok(true));
         }
-        let plain = std::time::Instant::now();
-        if matches!(me.backend, JpegBackend::Hardware { .. }) {
-            me.pooled = true;
-            for (h, st) in std::iter::once((me.handle, me.state)).chain(me.plain) {
-                // SAFETY: live hardware-backend handles and their states, no batch yet. A
-                // library that refuses (or lacks) the pool decodes as before, allocating per call.
-                let pooled = unsafe { me.lib.batched_pre_allocate(h, st, POOL_BATCH, 1, 1) };
-                me.pooled &= matches!(pooled, Ok(true));
-            }
-        }
-        let pooled = std::time::Instant::now();
-        me.kernel = Some(Kernel::compile(
-            gpu,
-            KERNEL,
-            "tensorport_jpeg.cu",
-            c"tp_resize_normalise",
-        )?);
-        tracing::debug!(
-            handle_ms = ms(handled - started),
-            plain_ms = ms(plain - handled),
-            pool_ms = ms(pooled - plain),
-            kernel_ms = ms(pooled.elapsed()),
-            "nvJPEG decoders made in {:.0} ms",
-            ms(started.elapsed())
-        );
         Ok(me)
     }
 
@@ -667,7 +710,7 @@ impl GpuJpeg {
         let batched = Batched {
             lib: &self.lib,
             main: (self.handle, self.state),
-            plain: self.plain,
+            plain: self.plain.as_ref().map(Engine::raw),
         };
         let run_batched = || -> (Result<()>, f64) {
             let host = std::time::Instant::now();
@@ -801,6 +844,7 @@ impl Drop for GpuJpeg {
         // Its threads' streams are waited on.
         self.hybrid = None;
         self.kernel = None;
+        self.plain = None;
         // SAFETY: each handle was made in `new` (or is null) and no work using it is pending.
         unsafe {
             if !self.parsed.is_null() {
@@ -809,13 +853,14 @@ impl Drop for GpuJpeg {
             if !self.state.is_null() {
                 let _ = self.lib.state_destroy(self.state);
             }
-            if let Some((h, st)) = self.plain.take() {
-                let _ = self.lib.state_destroy(st);
-                let _ = self.lib.destroy(h);
-            }
             let _ = self.lib.destroy(self.handle);
         }
     }
+}
+
+/// A scoped thread's value; its panic goes on in the caller.
+fn join<T>(h: std::thread::ScopedJoinHandle<'_, T>) -> T {
+    h.join().unwrap_or_else(|p| std::panic::resume_unwind(p))
 }
 
 #[cfg(test)]

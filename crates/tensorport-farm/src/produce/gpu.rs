@@ -93,29 +93,47 @@ pub(super) fn run(
     let started = Instant::now();
     let gpu: Arc<Gpu> = Gpu::open(g.ordinal as i32)?;
     let opened = Instant::now();
-    let mut jpeg = GpuJpeg::new(&gpu, IMAGENET_MEAN, IMAGENET_STD)?;
-    jpeg.set_u8_output(cfg.prep.pixels == Pixels::U8);
-    jpeg.set_upsampling(cfg.prep.gpu_upsampling);
-    jpeg.set_decode(cfg.prep.gpu_decode, g.cpu_threads)?;
-    let decoding = Instant::now();
-    tracing::info!(backend = %jpeg.backend(), library = jpeg.library(), gpu = g.ordinal, "decoding on the GPU");
     // One device buffer per request in flight, up to what a session may register.
     let depth = (cfg.in_flight.max(1) as usize).min(tensorport_wire::MAX_DEVICE_BUFFERS as usize);
     let image_bytes = 3 * size * size * cfg.prep.pixels.bytes();
     let gpc = GpuProducerConfig::new(cfg.name.clone(), depth, image_bytes);
-    let p = super::connect_when_listening(
-        cfg.wait_for_server,
-        || GpuProducer::connect(&cfg.socket, &gpu, &gpc),
-        |e| {
-            matches!(
-                e,
-                tensorport_cuda::Error::Transport(tensorport::Error::Connect(
-                    tensorport::ConnectError::NoServer { .. }
-                ))
-            )
-        },
-    )?;
-    let connected = Instant::now();
+    // The decoders are made on a thread of their own while this one connects (allocating and
+    // exporting the buffers the server imports): the start costs the slower of the two.
+    let ((jpeg, decoded), p) = std::thread::scope(|s| {
+        let decoders = s.spawn(|| {
+            let jpeg = GpuJpeg::open(
+                &gpu,
+                IMAGENET_MEAN,
+                IMAGENET_STD,
+                cfg.prep.gpu_decode,
+                g.cpu_threads,
+            );
+            (jpeg, Instant::now())
+        });
+        let p = super::connect_when_listening(
+            cfg.wait_for_server,
+            || GpuProducer::connect(&cfg.socket, &gpu, &gpc),
+            |e| {
+                matches!(
+                    e,
+                    tensorport_cuda::Error::Transport(tensorport::Error::Connect(
+                        tensorport::ConnectError::NoServer { .. }
+                    ))
+                )
+            },
+        )
+        .map(|p| (p, Instant::now()));
+        let decoders = decoders
+            .join()
+            .unwrap_or_else(|panic| std::panic::resume_unwind(panic));
+        (decoders, p)
+    });
+    // The decoders' error first: a producer that cannot decode says so, connected or not.
+    let mut jpeg = jpeg?;
+    let (p, connected) = p?;
+    jpeg.set_u8_output(cfg.prep.pixels == Pixels::U8);
+    jpeg.set_upsampling(cfg.prep.gpu_upsampling);
+    tracing::info!(backend = %jpeg.backend(), library = jpeg.library(), gpu = g.ordinal, "decoding on the GPU");
     let timeout = cfg.timeout.max(Duration::from_secs(1));
     let lane = Lane::start(
         (0..g.cpu_threads.max(1))
@@ -127,11 +145,12 @@ pub(super) fn run(
     let slots = (0..lane.capacity())
         .map(|_| PinnedBuffer::new(&gpu, image_bytes))
         .collect::<tensorport_cuda::Result<Vec<_>>>()?;
+    let both = connected.max(decoded);
     tracing::info!(
         context_ms = ms(opened - started),
-        decoders_ms = ms(decoding - opened),
-        connect_ms = ms(connected - decoding),
-        buffers_ms = ms(connected.elapsed()),
+        decoders_ms = ms(decoded - opened),
+        connect_ms = ms(connected - opened),
+        buffers_ms = ms(both.elapsed()),
         "GPU producer ready in {:.0} ms",
         ms(started.elapsed())
     );
