@@ -213,7 +213,14 @@ impl Supervisor {
             }
         }
         if !self.all_done() {
-            for slot in 0..self.workers.len() {
+            // GPU producers first (the first pass), as their start — CUDA context, decoders —
+            // is the longest; then the CPU producers.
+            let n = self.workers.len();
+            for i in 0..2 * n {
+                let slot = i % n;
+                if self.workers[slot].gpu != (i < n) {
+                    continue;
+                }
                 if matches!(self.workers[slot].state, State::Waiting { until } if now >= until) {
                     let wanted = self.workers[slot]
                         .next_server
