@@ -17,7 +17,10 @@
 # 15,000 (mixed) and 4,800 (varied). Environment: BEFORE=BINARY (a second build, alternated),
 # ROUNDS (2), SETS ("mixed varied uniform"), MIXES (one per line; default below), NO_DALI=1,
 # DEVICE=cpu (the farm's rows on the CPU) and INPUTS=N (each set listed to about N inputs), to
-# try the script on a machine without a GPU.
+# try the script on a machine without a GPU. ENGINES=1: each farm row, and each of DALI's
+# settings (run one at a time then), ends with the GPU's use over the run, the means of `nvidia-smi
+# dmon`'s samples each second: its SMs, and its JPEG engines (`jpg`, the share of time they were
+# busy) — whether the engines are the bound.
 # Needs a CUDA build of tensorport and a GPU; DALI (`nvidia.dali`) for its rows.
 set -euo pipefail
 bin=$(realpath "$1"); out=$(realpath -m "$2")
@@ -42,12 +45,34 @@ bench_list() {
   echo "$per"
 }
 
+# With ENGINES=1, samples GPU 0's use each second until `use_end`.
+use_begin() {
+  [[ -n ${ENGINES:-} ]] && command -v nvidia-smi >/dev/null || return 0
+  nvidia-smi dmon -i 0 -s u -d 1 > "$out/dmon.txt" 2>/dev/null &
+  dmon=$!
+}
+
+# The means of the samples since `use_begin`: "; SMs S%, JPEG engines J% (N s)".
+use_end() {
+  [[ -n ${ENGINES:-} ]] || return 0
+  if [[ -z ${dmon:-} ]]; then printf '; (GPU use not sampled: no nvidia-smi)'; return 0; fi
+  kill "$dmon" 2>/dev/null; wait "$dmon" 2>/dev/null || true; dmon=""
+  # The header names the columns after a leading "#"; a sample's first column is the GPU's.
+  awk '/^# *gpu/ { for (i = 2; i <= NF; i++) col[$i] = i - 1; next }
+       /^#/ { next }
+       col["jpg"] && NF > 1 { sm += $(col["sm"]); jpg += $(col["jpg"]); n++ }
+       END { if (n) printf "; SMs %.0f%%, JPEG engines %.0f%% (%d s)", sm / n, jpg / n, n
+             else printf "; (no samples with a jpg column)" }' "$out/dmon.txt"
+}
+
 # One farm run: BINARY FLAGS... -> a table row's cells.
 farm() {
   local b=$1; shift
-  local s after running whole kind
+  local s after running whole kind use
+  use_begin
   s=$("$b" --log warn farm --device "$device" --model none --progress never \
         --output "$out/out.jsonl" "$@" 2>&1) || true
+  use=$(use_end)
   after=$(sed -n 's/.*; \([0-9.]*\) after start-up.*/\1/p' <<<"$s")
   running=$(sed -n 's/.*; \([0-9.]*\) with every producer running.*/\1/p' <<<"$s")
   whole=$(sed -n 's/^throughput *\([0-9.]*\) images.*/\1/p' <<<"$s")
@@ -56,7 +81,7 @@ farm() {
   if [[ -z $after ]]; then
     echo "failed: $(tail -2 <<<"$s" | tr '\n' ' ') | | | "
   else
-    echo "$after | ${running:-$after} | $whole | ${kind:-all CPU} ($(wc -l < "$out/out.jsonl") lines)"
+    echo "$after | ${running:-$after} | $whole | ${kind:-all CPU} ($(wc -l < "$out/out.jsonl") lines)$use"
   fi
 }
 
@@ -120,8 +145,18 @@ for set in ${SETS:-mixed varied uniform}; do
   done
   dali=""
   if [[ -z ${NO_DALI:-} ]] && python3 -c "import nvidia.dali" 2>/dev/null; then
-    dali=$(python3 "$here/peers/dali_jpeg.py" "$out/$set" --pipelines mixed --hw-load 0.65,0.9 \
-      --batch 32,128 --threads 15 --repeat "$per" | grep -E "^dali" | sed 's/^/  /' || true)
+    if [[ -n ${ENGINES:-} ]]; then
+      dali=$(for load in 0.65 0.9; do for batch in 32 128; do
+        use_begin
+        line=$(python3 "$here/peers/dali_jpeg.py" "$out/$set" --pipelines mixed --hw-load $load \
+          --batch $batch --threads 15 --repeat "$per" | grep -E "^dali" || true)
+        use=$(use_end)
+        [[ -n $line ]] && echo "  $line$use"
+      done; done)
+    else
+      dali=$(python3 "$here/peers/dali_jpeg.py" "$out/$set" --pipelines mixed --hw-load 0.65,0.9 \
+        --batch 32,128 --threads 15 --repeat "$per" | grep -E "^dali" | sed 's/^/  /' || true)
+    fi
     echo "$dali"
   else
     echo "  (DALI not run: NO_DALI set or nvidia.dali not importable)"
