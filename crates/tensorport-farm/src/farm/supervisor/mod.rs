@@ -213,14 +213,10 @@ impl Supervisor {
             }
         }
         if !self.all_done() {
-            // GPU producers first (the first pass), as their start — CUDA context, decoders —
-            // is the longest; then the CPU producers.
-            let n = self.workers.len();
-            for i in 0..2 * n {
-                let slot = i % n;
-                if self.workers[slot].gpu != (i < n) {
-                    continue;
-                }
+            // GPU producers (the slots after the CPU producers') first, as their start — CUDA
+            // context, decoders — is the longest.
+            let cpu = self.farm.cfg.producers.min(self.workers.len());
+            for slot in (cpu..self.workers.len()).chain(0..cpu) {
                 if matches!(self.workers[slot].state, State::Waiting { until } if now >= until) {
                     let wanted = self.workers[slot]
                         .next_server
