@@ -45,10 +45,11 @@ bench_list() {
   echo "$per"
 }
 
-# With ENGINES=1, samples GPU 0's use each second until `use_end`.
+# With ENGINES=1, samples GPU 0's use each second until `use_end` (15 minutes at most, so a
+# run cut short leaves no sampler behind for long).
 use_begin() {
   [[ -n ${ENGINES:-} ]] && command -v nvidia-smi >/dev/null || return 0
-  nvidia-smi dmon -i 0 -s u -d 1 > "$out/dmon.txt" 2>/dev/null &
+  nvidia-smi dmon -i 0 -s u -d 1 -c 900 > "$out/dmon.txt" 2>/dev/null &
   dmon=$!
 }
 

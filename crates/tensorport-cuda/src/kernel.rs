@@ -27,9 +27,7 @@ unsafe impl Sync for Kernel {}
 impl Kernel {
     /// Compiles `src` for `gpu`'s architecture and loads its `entry` function.
     pub fn compile(gpu: &Arc<Gpu>, src: &str, file: &str, entry: &CStr) -> Result<Kernel> {
-        gpu.bind()?;
-        let ptx = Ptx::compile(gpu, src, file)?;
-        Kernel::load(gpu, &ptx.0, entry)
+        Kernel::from_ptx(gpu, &Ptx::compile(gpu, src, file)?, entry)
     }
 
     /// Loads `entry` from `ptx` (compiled for this `gpu`, on any thread) into `gpu`'s context.

@@ -289,20 +289,16 @@ impl GpuJpeg {
         let (plain, plain_at) = plain;
         // A library that cannot make the second decoder decodes every file with the first.
         me.plain = plain.ok().filter(|_| engines);
-        me.pooled = engines && me.pooled && me.plain.as_ref().is_none_or(|p| p.pooled);
-        let hybrid_at = match hybrid {
-            Some((h, at)) => {
-                if engines {
-                    me.hybrid = Some(h?);
-                }
-                me.mode = mode;
-                Some(at)
+        me.pooled &= me.plain.as_ref().is_none_or(|p| p.pooled);
+        // The hybrid decoder serves only beside the engines (as `set_decode` decides).
+        me.mode = mode;
+        let mut hybrid_at = None;
+        if let Some((h, at)) = hybrid {
+            if engines {
+                me.hybrid = Some(h?);
             }
-            None => {
-                me.set_decode(mode, threads)?;
-                None
-            }
-        };
+            hybrid_at = Some(at);
+        }
         let (ptx, ptx_at) = ptx;
         me.kernel = Some(Kernel::from_ptx(gpu, &ptx?, c"tp_resize_normalise")?);
         tracing::debug!(
